@@ -1,0 +1,345 @@
+"""Where the bytes are: the INT2 row format and the mixed-precision paged KV cache layout.
+
+This file is the one definition every consumer reads (reference ops, Triton kernels, the Hugging Face
+cache, the TensorRT-LLM adapters, export metadata, benchmark byte counts).
+
+Row format (DESIGN §3.1)
+------------------------
+A *row* is one token of one KV head: ``D`` values in the rotated basis. Values are quantized in groups
+of ``G`` consecutive elements along ``D`` ("token" granularity). Keys may instead be quantized per
+channel within a page ("channel" granularity: one ``(scale, lo)`` pair per channel over the ``P`` tokens
+of a page, KIVI-style). Either way each quantization group stores an fp16 ``(scale, lo)`` pair and every
+element a 2-bit code ``c``; it reads back as ``lo + scale * levels[c]`` with ``levels = (0, 1, 2, 3)``
+unless a fitted codebook replaces them.
+
+Packing is the same for both granularities: 4 codes per byte along ``D``; inside a packing group of
+``G`` elements, byte ``b`` holds elements ``b, b + G/4, b + G/2, b + 3G/4`` at bits 0, 2, 4, 6.
+
+Cache layout (DESIGN §3.2)
+--------------------------
+Per sequence, logically ``[sink: first S0 tokens, BF16][history: INT2 pages of P tokens][recent, BF16]``.
+New tokens land in *recent*; once *recent* would exceed ``W + P`` tokens, its oldest ``P`` tokens are
+quantized into one page (demotion). A sequence of ``T`` tokens therefore holds::
+
+    sink    = min(T, S0)
+    pages   = max(0, ceil((T - S0 - W - P) / P))
+    recent  = T - sink - pages * P            # in [W + 1, W + P] once pages > 0
+
+Worked example (SmolLM2-135M: H_kv = 3, D = 64, G = 64, P = 64, S0 = 64, W = 256), T = 1000 tokens:
+sink 64, pages ceil((1000 - 64 - 256 - 64) / 64) = 10, recent 1000 - 64 - 640 = 296.
+The page pool of one layer holds, per page ``n`` and KV head ``h``:
+
+    k_codes  uint8   [N_pages, H_kv, P, D // 4]        = [N, 3, 64, 16]
+    k_params float16 [N_pages, H_kv, P, D // G, 2]     = [N, 3, 64, 1, 2]   (token granularity: scale, lo)
+             float16 [N_pages, H_kv, 2, D]             = [N, 3, 2, 64]      (channel granularity: scales row, lo row)
+    v_codes  uint8   [N_pages, H_kv, P, D // 4]
+    v_params float16 [N_pages, H_kv, P, D // G, 2]
+
+and sequence ``b`` addresses its pages through ``block_table[b, :pages_b]`` (int32). Sink and recent
+buffers are BF16 ``[B, H_kv, S0, D]`` and ``[B, H_kv, W + P, D]``. Bytes of one 1000-token sequence in one
+layer (K and V, all heads): BF16 (64 + 296) * 3 * 64 * 2 * 2 = 276,480; INT2 10 pages * 64 tokens * 3
+heads * (K 16 + 4, V 16 + 4 bytes) = 153,600; total 430,080 vs 768,000 for a BF16 cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+Granularity = Literal["token", "channel"]
+
+#: fp32 value of 1/3: the quantizer multiplies by it instead of dividing (bit-exact in torch and Triton).
+ONE_THIRD_F32 = 0.3333333432674408
+#: 2-bit codes per byte.
+CODES_PER_BYTE = 4
+#: uniform 2-bit levels (a fitted codebook replaces them; level 0 is 0 and level 3 is 3 in both).
+UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
+
+
+def default_group_size(head_dim: int) -> int:
+    """DESIGN §3.1: ``G = head_dim`` when ``head_dim <= 128``, else 128."""
+    return head_dim if head_dim <= 128 else 128
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one K or V row (``head_dim`` values of one token of one KV head) is quantized.
+
+    Args:
+        head_dim: D, elements per row; a multiple of 4 (>= 16).
+        group_size: G, elements per packing group (and per quantization group at token granularity);
+            divides ``head_dim`` and is a multiple of 4.
+        granularity: ``"token"`` (one (scale, lo) per G elements of a row) or ``"channel"`` (one
+            (scale, lo) per channel over the P tokens of a page; keys only).
+        bits: bits per code; only 2 is implemented.
+        codebook: False for the uniform levels 0..3; True when the artifact supplies fitted levels.
+    """
+
+    head_dim: int
+    group_size: int
+    granularity: Granularity = "token"
+    bits: int = 2
+    codebook: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits != 2:
+            raise NotImplementedError(f"RowFormat.bits: only 2-bit codes are implemented, got {self.bits}")
+        if self.head_dim < 16 or self.head_dim % 4:
+            raise ValueError(f"RowFormat.head_dim: expected a multiple of 4 >= 16, got {self.head_dim}")
+        if self.group_size <= 0 or self.group_size % 4 or self.head_dim % self.group_size:
+            raise ValueError(
+                f"RowFormat.group_size: expected a multiple of 4 dividing head_dim={self.head_dim}, "
+                f"got {self.group_size}"
+            )
+        if self.granularity not in ("token", "channel"):
+            raise ValueError(f"RowFormat.granularity: expected 'token' or 'channel', got {self.granularity!r}")
+
+    @classmethod
+    def default(cls, head_dim: int, granularity: Granularity = "token") -> "RowFormat":
+        return cls(head_dim=head_dim, group_size=default_group_size(head_dim), granularity=granularity)
+
+    @property
+    def groups(self) -> int:
+        """Packing groups per row (D // G)."""
+        return self.head_dim // self.group_size
+
+    @property
+    def bytes_per_row_codes(self) -> int:
+        return self.head_dim // CODES_PER_BYTE
+
+    def param_bytes_per_page(self, page_size: int) -> int:
+        """fp16 (scale, lo) bytes for one KV head of one page."""
+        if self.granularity == "token":
+            return page_size * self.groups * 2 * 2
+        return self.head_dim * 2 * 2
+
+    def bits_per_element(self, page_size: int) -> float:
+        """Stored bits per quantized element, codes and params."""
+        page_bytes = page_size * self.bytes_per_row_codes + self.param_bytes_per_page(page_size)
+        return 8.0 * page_bytes / (page_size * self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RowFormat":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The mixed-precision paged cache of one attention layer (every layer shares one layout).
+
+    Args:
+        num_kv_heads: H_kv.
+        head_dim: D.
+        key: row format of keys (token or channel granularity).
+        value: row format of values (token granularity).
+        sink: S0, BF16 tokens kept at the start of each sequence (never demoted).
+        window: W, BF16 tokens always kept at the end of each sequence.
+        page_size: P, tokens per INT2 page (and per demotion). With channel-granular keys the page is the
+            key quantization group, so P is part of the row format.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    key: RowFormat
+    value: RowFormat
+    sink: int = 64
+    window: int = 256
+    page_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads <= 0:
+            raise ValueError(f"KVCacheLayout.num_kv_heads: expected > 0, got {self.num_kv_heads}")
+        for name, fmt in (("key", self.key), ("value", self.value)):
+            if fmt.head_dim != self.head_dim:
+                raise ValueError(
+                    f"KVCacheLayout.{name}.head_dim: expected {self.head_dim}, got {fmt.head_dim}"
+                )
+        if self.value.granularity != "token":
+            raise NotImplementedError("KVCacheLayout.value: only token granularity is supported for values")
+        if self.sink < 0 or self.window < 0:
+            raise ValueError(f"KVCacheLayout: sink and window must be >= 0, got {self.sink}, {self.window}")
+        if self.page_size < 16 or self.page_size % 16:
+            raise ValueError(f"KVCacheLayout.page_size: expected a multiple of 16, got {self.page_size}")
+
+    @classmethod
+    def default(
+        cls,
+        num_kv_heads: int,
+        head_dim: int,
+        key_granularity: Granularity = "token",
+        sink: int = 64,
+        window: int = 256,
+        page_size: int | None = None,
+    ) -> "KVCacheLayout":
+        g = default_group_size(head_dim)
+        return cls(
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            key=RowFormat(head_dim, g, key_granularity),
+            value=RowFormat(head_dim, g, "token"),
+            sink=sink,
+            window=window,
+            page_size=page_size if page_size is not None else g,
+        )
+
+    # ---- sequence bookkeeping -------------------------------------------------------------------------
+    @property
+    def recent_capacity(self) -> int:
+        """BF16 recent slots per sequence: W + P (demotion keeps W..W+P tokens)."""
+        return self.window + self.page_size
+
+    def split(self, length: int) -> tuple[int, int, int]:
+        """``(sink_len, num_pages, recent_len)`` of a sequence of ``length`` tokens (see module doc)."""
+        if length < 0:
+            raise ValueError(f"length: expected >= 0, got {length}")
+        sink = min(length, self.sink)
+        rest = length - sink
+        pages = max(0, -(-(rest - self.recent_capacity) // self.page_size))
+        return sink, pages, rest - pages * self.page_size
+
+    def pages_for(self, length: int) -> int:
+        return self.split(length)[1]
+
+    # ---- shapes -----------------------------------------------------------------------------------------
+    def codes_shape(self, num_pages: int) -> tuple[int, ...]:
+        """uint8 codes of K or V: ``[N_pages, H_kv, P, D // 4]``."""
+        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim // CODES_PER_BYTE)
+
+    def params_shape(self, fmt: RowFormat, num_pages: int) -> tuple[int, ...]:
+        """fp16 params: token ``[N, H_kv, P, D // G, 2]``; channel ``[N, H_kv, 2, D]`` (scale row, lo row)."""
+        if fmt.granularity == "token":
+            return (num_pages, self.num_kv_heads, self.page_size, fmt.groups, 2)
+        return (num_pages, self.num_kv_heads, 2, self.head_dim)
+
+    def key_params_shape(self, num_pages: int) -> tuple[int, ...]:
+        return self.params_shape(self.key, num_pages)
+
+    def value_params_shape(self, num_pages: int) -> tuple[int, ...]:
+        return self.params_shape(self.value, num_pages)
+
+    def sink_shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, self.num_kv_heads, self.sink, self.head_dim)
+
+    def recent_shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, self.num_kv_heads, self.recent_capacity, self.head_dim)
+
+    # ---- bytes --------------------------------------------------------------------------------------------
+    def page_bytes(self) -> int:
+        """Bytes of one INT2 page (K and V, all KV heads) in one layer."""
+        per_head = 2 * self.page_size * (self.head_dim // CODES_PER_BYTE)
+        per_head += self.key.param_bytes_per_page(self.page_size)
+        per_head += self.value.param_bytes_per_page(self.page_size)
+        return self.num_kv_heads * per_head
+
+    def bf16_token_bytes(self) -> int:
+        """Bytes of one BF16 token (K and V, all KV heads) in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * 2
+
+    def sequence_bytes(self, length: int) -> int:
+        """Exact bytes a ``length``-token sequence occupies in one layer (windows BF16 + INT2 pages)."""
+        sink, pages, recent = self.split(length)
+        return (sink + recent) * self.bf16_token_bytes() + pages * self.page_bytes()
+
+    def int2_bits_per_element(self) -> float:
+        """Bits per element of the INT2 history alone (K and V averaged)."""
+        return 8.0 * self.page_bytes() / (2 * self.num_kv_heads * self.page_size * self.head_dim)
+
+    def effective_bits_per_element(self, length: int) -> float:
+        """Bits per K/V element of a whole ``length``-token sequence, BF16 windows included."""
+        if length <= 0:
+            raise ValueError(f"length: expected > 0, got {length}")
+        return 8.0 * self.sequence_bytes(length) / (length * 2 * self.num_kv_heads * self.head_dim)
+
+    # ---- serialisation ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["key"] = self.key.to_dict()
+        d["value"] = self.value.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KVCacheLayout":
+        d = dict(d)
+        d["key"] = RowFormat.from_dict(d["key"])
+        d["value"] = RowFormat.from_dict(d["value"])
+        return cls(**d)
+
+
+@dataclass
+class PagedKV:
+    """The tensors of one layer's cache (see the module doc for shapes). Lengths are per sequence.
+
+    Args:
+        sink_k, sink_v: ``[B, H_kv, S0, D]`` BF16 (any float dtype works for the reference).
+        recent_k, recent_v: ``[B, H_kv, W + P, D]``; slot 0 holds the oldest recent token.
+        k_codes, v_codes: ``[N_pages, H_kv, P, D // 4]`` uint8.
+        k_params, v_params: fp16, ``layout.key_params_shape(N)`` / ``layout.value_params_shape(N)``.
+        block_table: ``[B, max_pages]`` int32 page ids (entries past ``num_pages[b]`` are ignored).
+        sink_len, num_pages, recent_len: ``[B]`` int32.
+    """
+
+    sink_k: Any
+    sink_v: Any
+    recent_k: Any
+    recent_v: Any
+    k_codes: Any
+    k_params: Any
+    v_codes: Any
+    v_params: Any
+    block_table: Any
+    sink_len: Any
+    num_pages: Any
+    recent_len: Any
+
+    @classmethod
+    def allocate(
+        cls, layout: "KVCacheLayout", batch: int, pool_pages: int, max_pages: int, device: Any = "cpu",
+        dtype: Any = None,
+    ) -> "PagedKV":
+        """Zeroed buffers for ``batch`` sequences sharing a pool of ``pool_pages`` pages."""
+        import torch
+
+        dtype = torch.bfloat16 if dtype is None else dtype
+        if pool_pages <= 0 or max_pages <= 0:
+            raise ValueError(f"pool_pages and max_pages must be > 0, got {pool_pages}, {max_pages}")
+        z = lambda shape, dt: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+        return cls(
+            sink_k=z(layout.sink_shape(batch), dtype),
+            sink_v=z(layout.sink_shape(batch), dtype),
+            recent_k=z(layout.recent_shape(batch), dtype),
+            recent_v=z(layout.recent_shape(batch), dtype),
+            k_codes=z(layout.codes_shape(pool_pages), torch.uint8),
+            k_params=z(layout.key_params_shape(pool_pages), torch.float16),
+            v_codes=z(layout.codes_shape(pool_pages), torch.uint8),
+            v_params=z(layout.value_params_shape(pool_pages), torch.float16),
+            block_table=z((batch, max_pages), torch.int32),
+            sink_len=z((batch,), torch.int32),
+            num_pages=z((batch,), torch.int32),
+            recent_len=z((batch,), torch.int32),
+        )
+
+
+def check_pages_fit(layout: KVCacheLayout, num_pages: int, batch: int, max_length: int) -> None:
+    """Raise if a pool of ``num_pages`` cannot hold ``batch`` sequences of ``max_length`` tokens."""
+    need = batch * layout.pages_for(max_length)
+    if need > num_pages:
+        raise ValueError(
+            f"page pool too small: {batch} sequences of {max_length} tokens need {need} pages of "
+            f"{layout.page_size} tokens, the pool has {num_pages}"
+        )
+
+
+__all__ = [
+    "CODES_PER_BYTE",
+    "ONE_THIRD_F32",
+    "UNIFORM_LEVELS",
+    "Granularity",
+    "KVCacheLayout",
+    "PagedKV",
+    "RowFormat",
+    "check_pages_fit",
+    "default_group_size",
+]

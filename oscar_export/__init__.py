@@ -1,0 +1,3 @@
+"""OSCAR 2-bit KV cache: calibration, export and serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""``oscar-export``: one small module per subcommand, registered here.
+
+Each command module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and a module docstring whose
+first line is the help text; this file only wires them into argparse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from . import __version__
+
+#: subcommand -> module implementing it (imported lazily: `--help` stays fast).
+COMMANDS: dict[str, str] = {
+    "generate": "oscar_export.generate",
+    "calibrate": "oscar_export.calibrate",
+    "inspect": "oscar_export.inspect_artifact",
+    "eval": "oscar_export.evaluate",
+    "export": "oscar_export.export",
+    "build": "oscar_export.build",
+    "bench": "oscar_export.bench",
+}
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="oscar-export",
+        description="OSCAR 2-bit KV cache: calibrate, export, build, evaluate and benchmark.",
+    )
+    parser.add_argument("--version", action="version", version=f"oscar-export {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # command not built yet
+        doc = (module.__doc__ or name).strip()
+        p = sub.add_parser(
+            name,
+            help=doc.splitlines()[0],
+            description=doc,
+            epilog=getattr(module, "EPILOG", None),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 1
+    try:
+        return int(args._run(args) or 0)
+    except (UserError, ValueError, FileNotFoundError, NotImplementedError, ImportError) as e:
+        if args.debug:
+            raise
+        print(f"oscar-export {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
