@@ -1,0 +1,72 @@
+"""The command line: --help, --version, unknown input, and the package layout (editable and wheel)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from oscar_export import __version__
+from oscar_export.cli import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"oscar-export {__version__}"
+
+
+def test_help_lists_every_built_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    import importlib
+
+    for name, module in COMMANDS.items():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        assert name in out, f"{name} missing from --help:\n{out}"
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 1
+    assert "usage: oscar-export" in capsys.readouterr().out
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["frobnicate"])
+    assert e.value.code == 2
+
+
+def test_import_root_only():
+    """The folders kernels/, calibration/, plugins/ are installed only under oscar_export."""
+    import oscar_export.calibration
+    import oscar_export.kernels
+    import oscar_export.plugins
+
+    for name in ("kernels", "calibration", "plugins"):
+        mod = sys.modules.get(name)
+        assert mod is None or "oscar_export" not in str(getattr(mod, "__file__", "")), name
+
+
+@pytest.mark.slow
+def test_wheel_contains_the_mapped_subpackages(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(tmp_path)],
+        check=True,
+    )
+    (whl,) = tmp_path.glob("oscar_export-*.whl")
+    names = set(zipfile.ZipFile(whl).namelist())
+    for f in ("oscar_export/cli.py", "oscar_export/kernels/layout.py", "oscar_export/kernels/reference.py",
+              "oscar_export/calibration/__init__.py", "oscar_export/plugins/hf/__init__.py"):
+        assert f in names, f"{f} not in the wheel"
+    assert not any(n.startswith(("kernels/", "calibration/", "plugins/")) for n in names)
