@@ -1,0 +1,213 @@
+"""What goes into the kernel bundle: one frozen ``KernelSpec`` per compiled kernel variant.
+
+A spec names a ``@triton.jit`` function by import path (``"oscar_export.kernels.aot.probe:_pack_codes_kernel"``),
+its runtime parameters in kernel order with their Triton types, the constexpr values that pick the
+variant, ``num_warps``/``num_stages`` and the grid rule. Everything is plain data so the manifest can
+record it and a launcher on another machine (or a TensorRT plugin) can rebuild the argument list.
+
+Rules checked here (DESIGN §3.5):
+
+* runtime scalars are ``i32`` only: Triton's C launcher declares fp32 scalars ``double`` and TensorRT's
+  AOT plugins pass int32 extras only, so floats must be constexpr or live in memory;
+* pointer parameters are compiled with 16-byte alignment (``tt.divisibility``); launchers must check it;
+* the grid rule is three integer expressions over the integer parameters and constexprs, using
+  ``+ - * //``, parentheses, integer literals and ``cdiv(a, b)`` only (evaluated without ``eval``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+#: Triton pointer element types a bundle kernel may take.
+POINTER_TYPES = ("*fp32", "*fp16", "*bf16", "*u8", "*i8", "*i32", "*i64")
+#: runtime scalar types a bundle kernel may take (no floats, see the module doc).
+SCALAR_TYPES = ("i32",)
+#: bytes of one parameter as the driver sees it.
+PARAM_BYTES = {**{t: 8 for t in POINTER_TYPES}, "i32": 4}
+#: pointer alignment the bundle is compiled for (torch allocations are 256-byte aligned).
+POINTER_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Param:
+    """One runtime kernel parameter: ``name`` as in the kernel signature, ``type`` a Triton type string."""
+
+    name: str
+    type: str
+
+    def __post_init__(self) -> None:
+        if self.type in ("fp32", "fp16", "bf16", "fp64"):
+            raise ValueError(
+                f"Param {self.name}: float runtime scalars are not allowed in AOT kernels (got {self.type}); "
+                "make it a constexpr or pass it through memory"
+            )
+        if self.type not in POINTER_TYPES + SCALAR_TYPES:
+            raise ValueError(f"Param {self.name}: expected one of {POINTER_TYPES + SCALAR_TYPES}, got {self.type!r}")
+
+    @property
+    def is_pointer(self) -> bool:
+        return self.type.startswith("*")
+
+    @property
+    def nbytes(self) -> int:
+        return PARAM_BYTES[self.type]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "bytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel variant of the bundle.
+
+    Args:
+        name: bundle-unique variant name (file stem in the bundle), e.g. ``"pack_codes_g64"``.
+        kernel: ``"module:attr"`` import path of the ``@triton.jit`` function.
+        params: runtime parameters, in the kernel's argument order.
+        constexprs: ``(name, value)`` pairs fixing every ``tl.constexpr`` argument (int, bool or str).
+        grid: three grid-rule expressions (see the module doc).
+        num_warps, num_stages: Triton compile options.
+        doc: one line for the manifest/README.
+    """
+
+    name: str
+    kernel: str
+    params: tuple[Param, ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    grid: tuple[str, str, str]
+    num_warps: int = 4
+    num_stages: int = 2
+    doc: str = ""
+    _parsed_grid: tuple[ast.Expression, ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or not all(c.isalnum() or c in "_-" for c in self.name):
+            raise ValueError(f"KernelSpec.name: expected letters, digits, '_' or '-', got {self.name!r}")
+        if ":" not in self.kernel:
+            raise ValueError(f"KernelSpec.kernel: expected 'module:attr', got {self.kernel!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"KernelSpec.num_warps: expected a power of two <= 32, got {self.num_warps}")
+        if len(self.grid) != 3:
+            raise ValueError(f"KernelSpec.grid: expected 3 expressions, got {len(self.grid)}")
+        names = [p.name for p in self.params] + [k for k, _ in self.constexprs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"KernelSpec {self.name}: duplicate parameter names in {names}")
+        for k, v in self.constexprs:
+            if not isinstance(v, (int, bool, str)):
+                raise ValueError(f"KernelSpec {self.name}: constexpr {k} must be int, bool or str, got {type(v).__name__}")
+        ints = {p.name for p in self.params if not p.is_pointer} | {k for k, v in self.constexprs if isinstance(v, int)}
+        parsed = tuple(_parse_grid_expr(e, ints, self.name) for e in self.grid)
+        object.__setattr__(self, "_parsed_grid", parsed)
+
+    @property
+    def constexpr_dict(self) -> dict[str, Any]:
+        return dict(self.constexprs)
+
+    def jit_function(self):
+        """Import the ``@triton.jit`` function and check its arguments match this spec, in order."""
+        module_name, attr = self.kernel.split(":", 1)
+        fn = getattr(importlib.import_module(module_name), attr, None)
+        if fn is None or not hasattr(fn, "arg_names"):
+            raise ValueError(f"KernelSpec {self.name}: {self.kernel} is not a @triton.jit function")
+        runtime = [a for a in fn.arg_names if a not in self.constexpr_dict]
+        expected = [p.name for p in self.params]
+        if runtime != expected or set(fn.arg_names) != set(expected) | set(self.constexpr_dict):
+            raise ValueError(
+                f"KernelSpec {self.name}: kernel arguments {list(fn.arg_names)} do not match runtime params "
+                f"{expected} + constexprs {sorted(self.constexpr_dict)}"
+            )
+        return fn
+
+    def signature(self, fn) -> dict[str, str]:
+        """Triton ``ASTSource`` signature: every argument in kernel order, constexprs marked."""
+        types = {p.name: p.type for p in self.params}
+        return {a: types.get(a, "constexpr") for a in fn.arg_names}
+
+    def attrs(self, fn) -> dict[tuple[int, ...], list]:
+        """16-byte alignment of every pointer argument (what the JIT would assume for torch tensors)."""
+        pointers = {p.name for p in self.params if p.is_pointer}
+        return {(i,): [["tt.divisibility", POINTER_ALIGN]] for i, a in enumerate(fn.arg_names) if a in pointers}
+
+    def grid_for(self, values: Mapping[str, int]) -> tuple[int, int, int]:
+        """Evaluate the grid rule for the integer parameter ``values`` (constexprs are filled in)."""
+        env = {k: v for k, v in self.constexprs if isinstance(v, int)}
+        env.update(values)
+        grid = tuple(_eval_int(e.body, env, self.name) for e in self._parsed_grid)
+        if any(g <= 0 for g in grid):
+            raise ValueError(f"{self.name}: grid {grid} from {self.grid} has an empty dimension")
+        return grid  # type: ignore[return-value]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kernel": self.kernel,
+            "params": [p.to_dict() for p in self.params],
+            "constexprs": {k: v for k, v in self.constexprs},
+            "grid": list(self.grid),
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "doc": self.doc,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "KernelSpec":
+        return cls(
+            name=d["name"],
+            kernel=d["kernel"],
+            params=tuple(Param(p["name"], p["type"]) for p in d["params"]),
+            constexprs=tuple(sorted(d["constexprs"].items())),
+            grid=tuple(d["grid"]),  # type: ignore[arg-type]
+            num_warps=int(d["num_warps"]),
+            num_stages=int(d["num_stages"]),
+            doc=d.get("doc", ""),
+        )
+
+
+# ---- the grid-rule mini language ---------------------------------------------------------------------------
+
+_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
+
+
+def _parse_grid_expr(expr: str, names: set[str], owner: str) -> ast.Expression:
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"KernelSpec {owner}: grid expression {expr!r} does not parse: {e.msg}") from None
+    for node in ast.walk(tree):
+        ok = isinstance(node, (ast.Expression, ast.BinOp, ast.Load, *_BINOPS))
+        ok |= isinstance(node, ast.Constant) and type(node.value) is int
+        ok |= isinstance(node, ast.Name) and (node.id in names or node.id == "cdiv")
+        ok |= isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cdiv" and len(node.args) == 2
+        if not ok:
+            raise ValueError(
+                f"KernelSpec {owner}: grid expression {expr!r}: {ast.dump(node)[:60]} is not allowed "
+                f"(integer params/constexprs {sorted(names)}, + - * //, cdiv(a, b))"
+            )
+    return tree
+
+
+def _eval_int(node: ast.AST, env: Mapping[str, int], owner: str) -> int:
+    if isinstance(node, ast.Constant):
+        return int(node.value)
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise ValueError(f"{owner}: grid needs a value for {node.id!r}")
+        return int(env[node.id])
+    if isinstance(node, ast.Call):
+        a, b = (_eval_int(x, env, owner) for x in node.args)
+        return -(-a // b)
+    assert isinstance(node, ast.BinOp), ast.dump(node)
+    a, b = _eval_int(node.left, env, owner), _eval_int(node.right, env, owner)
+    if isinstance(node.op, ast.Add):
+        return a + b
+    if isinstance(node.op, ast.Sub):
+        return a - b
+    if isinstance(node.op, ast.Mult):
+        return a * b
+    return a // b
+
+
+__all__ = ["POINTER_ALIGN", "PARAM_BYTES", "POINTER_TYPES", "SCALAR_TYPES", "KernelSpec", "Param"]
