@@ -1,0 +1,389 @@
+"""Mixed-precision paged decode attention: the Triton twin of ``reference.decode_attention``.
+
+One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent window, in two launches:
+
+1. ``_decode_split_kernel``, grid ``(B * H_kv, S)``: program ``(b, h, s)`` takes the ``GQ = H / H_kv`` query
+   heads of KV head ``h`` together (one tensor-core ``tl.dot`` per code quarter, so every cache byte is read
+   once) over one piece of the context: split ``s < S_pages`` streams ``pages_per_split`` INT2 pages, the
+   remaining splits take one ``BN``-token chunk of the sink or of the recent window each. It writes the
+   normalised partial output and its log2-sum-exp.
+2. ``_merge_kernel``, grid ``(B * H,)``: combines the splits by their log-sum-exp.
+
+The affine dequantization never touches the inner loop (DESIGN §3.1): with ``k̂ = lo + s·lev[c]``,
+``q·k̂ = s·(q·lev[c]) + lo·Σq`` per row (token keys) or ``Σ_i (q_i s_i)·lev[c_i] + Σ_i q_i lo_i`` (keys per
+channel within a page: the query is scaled once per page), and ``Σ_t p_t v̂_t = Σ_t (p_t s_t)·lev[c_t] + Σ_t
+p_t lo_t``. Per element only ``(byte >> 2j) & 3`` and its conversion remain; the four 2-bit fields of one
+byte belong to the four quarters of the row (``layout.py`` packing), so quarter ``j`` of the query meets
+field ``j`` of the bytes and the output comes out as four quarter accumulators.
+
+Dot operands are fp16 (accumulation fp32): codes and levels, the BF16 window values (exact in fp16
+within its range, |x| < 65504) and ``q·sm_scale·log2(e)``, ``p`` and ``p·s`` (11-bit mantissa, finer
+than BF16). fp16 rather than BF16 also because Triton's CPU interpreter (3.9) computes BF16 dots wrongly,
+and the CPU tests must run the same arithmetic as the GPU. The error budget in the tests is stated against
+a BF16 PyTorch computation of the same attention. ``sm_scale`` is a compile-time constant (no fp32
+runtime scalars: DESIGN §3.5), the page table is int32, the wrapper never reads device values (no host
+synchronisation), so a decode step is capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import KVCacheLayout, PagedKV
+from .quant_pack import _check, check_format
+
+LOG2E = 1.4426950408889634
+#: tokens per BF16 chunk (sink and recent window are cut into chunks of this size, one split each).
+BF16_CHUNK = 64
+
+
+@triton.jit
+def _lev(c, l0, l1, l2, l3, CODEBOOK: tl.constexpr):
+    """2-bit code -> level as fp32 (uniform levels: the code itself)."""
+    if CODEBOOK:
+        return tl.where(c == 0, l0, tl.where(c == 1, l1, tl.where(c == 2, l2, l3)))
+    else:
+        return c.to(tl.float32)
+
+
+@triton.jit
+def _softmax_step(sc, m, l):
+    """Online-softmax update for scores ``sc [GQ_PAD, N]`` (log2 units): returns p, alpha, m_new, l_new."""
+    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(sc - m_use[:, None])
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, rot_ptr, dscale_ptr,
+    sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+    k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+    block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+    part_o_ptr, part_lse_ptr,
+    max_pages, pages_per_split, n_page_splits, n_splits,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+):
+    """Partial attention of one (sequence, KV head, split). Grid ``(B * H_kv, n_splits)``.
+
+    Parameters (in order; pointers unless noted):
+        q_ptr         ``[B, H, D]`` queries (fp32/bf16/fp16, contiguous), stored key basis unless ROTATE_Q
+        rot_ptr, dscale_ptr  fp32 ``[H_kv, D, D]`` R_K and ``[H_kv, D]`` d_K (read iff ROTATE_Q: q_s = (q @ R) / d)
+        sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
+        recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` (RC = W + P)
+        k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D // 4]``
+        k_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
+        v_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]``
+        k_levels_ptr, v_levels_ptr   fp32 ``[H_kv, 4]``
+        block_table_ptr int32 ``[B, max_pages]``; sink_len_ptr, num_pages_ptr, recent_len_ptr int32 ``[B]``
+        part_o_ptr    fp32 ``[B, H, n_splits, D]``; part_lse_ptr fp32 ``[B, H, n_splits]`` (log2 units)
+        max_pages, pages_per_split, n_page_splits, n_splits: int32
+        constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 16)), D, P, S0, RC, BN (BF16 chunk),
+        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q.
+    Requires group_size == head_dim (one (scale, lo) per token row).
+    """
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // H_KV
+    h = bh % H_KV
+    H: tl.constexpr = H_KV * GQ
+    Q4: tl.constexpr = D // 4
+    g = tl.arange(0, GQ_PAD)
+    gmask = g < GQ
+    c4 = tl.arange(0, Q4)
+    qrow = (b * H + h * GQ + g).to(tl.int64) * D
+    # ---- prologue: the GQ queries of this KV head, as four quarters, scaled to log2 units ----------------
+    if ROTATE_Q:
+        dd = tl.arange(0, D)
+        qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        rb = rot_ptr + h * D * D + dd[:, None] * D
+        db = dscale_ptr + h * D
+        q0 = tl.dot(qf, tl.load(rb + 0 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 0 * Q4 + c4)[None, :]
+        q1 = tl.dot(qf, tl.load(rb + 1 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 1 * Q4 + c4)[None, :]
+        q2 = tl.dot(qf, tl.load(rb + 2 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 2 * Q4 + c4)[None, :]
+        q3 = tl.dot(qf, tl.load(rb + 3 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 3 * Q4 + c4)[None, :]
+    else:
+        qp = q_ptr + qrow[:, None] + c4[None, :]
+        q0 = tl.load(qp + 0 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q1 = tl.load(qp + 1 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(qp + 2 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(qp + 3 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
+    q0 = (q0 * qscale).to(tl.float16)
+    q1 = (q1 * qscale).to(tl.float16)
+    q2 = (q2 * qscale).to(tl.float16)
+    q3 = (q3 * qscale).to(tl.float16)
+    m = tl.full([GQ_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GQ_PAD], tl.float32)
+    acc0 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acc1 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acc2 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acc3 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acclo = tl.zeros([GQ_PAD], tl.float32)
+    if s < n_page_splits:
+        # ---- INT2 pages [start, end) of this sequence ------------------------------------------------------
+        kl0 = tl.load(k_levels_ptr + h * 4 + 0)
+        kl1 = tl.load(k_levels_ptr + h * 4 + 1)
+        kl2 = tl.load(k_levels_ptr + h * 4 + 2)
+        kl3 = tl.load(k_levels_ptr + h * 4 + 3)
+        vl0 = tl.load(v_levels_ptr + h * 4 + 0)
+        vl1 = tl.load(v_levels_ptr + h * 4 + 1)
+        vl2 = tl.load(v_levels_ptr + h * 4 + 2)
+        vl3 = tl.load(v_levels_ptr + h * 4 + 3)
+        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+        t = tl.arange(0, P)
+        start = s * pages_per_split
+        end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
+        for pi in range(start, end):
+            page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pi).to(tl.int64)
+            ph = page * H_KV + h
+            kc = tl.load(k_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :]).to(tl.int32)  # [P, Q4]
+            vc = tl.load(v_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :]).to(tl.int32)
+            k0 = _lev(kc & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
+            k1 = _lev((kc >> 2) & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
+            k2 = _lev((kc >> 4) & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
+            k3 = _lev((kc >> 6) & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
+            if K_CHANNEL:
+                kp = k_params_ptr + ph * (2 * D)
+                ks0 = tl.load(kp + 0 * Q4 + c4).to(tl.float32)
+                ks1 = tl.load(kp + 1 * Q4 + c4).to(tl.float32)
+                ks2 = tl.load(kp + 2 * Q4 + c4).to(tl.float32)
+                ks3 = tl.load(kp + 3 * Q4 + c4).to(tl.float32)
+                const = tl.sum(q0.to(tl.float32) * tl.load(kp + D + 0 * Q4 + c4).to(tl.float32)[None, :], axis=1)
+                const += tl.sum(q1.to(tl.float32) * tl.load(kp + D + 1 * Q4 + c4).to(tl.float32)[None, :], axis=1)
+                const += tl.sum(q2.to(tl.float32) * tl.load(kp + D + 2 * Q4 + c4).to(tl.float32)[None, :], axis=1)
+                const += tl.sum(q3.to(tl.float32) * tl.load(kp + D + 3 * Q4 + c4).to(tl.float32)[None, :], axis=1)
+                sc = tl.dot((q0.to(tl.float32) * ks0[None, :]).to(tl.float16), tl.trans(k0))
+                sc = tl.dot((q1.to(tl.float32) * ks1[None, :]).to(tl.float16), tl.trans(k1), sc)
+                sc = tl.dot((q2.to(tl.float32) * ks2[None, :]).to(tl.float16), tl.trans(k2), sc)
+                sc = tl.dot((q3.to(tl.float32) * ks3[None, :]).to(tl.float16), tl.trans(k3), sc)
+                sc = sc + const[:, None]
+            else:
+                ks = tl.load(k_params_ptr + ph * (P * 2) + t * 2).to(tl.float32)
+                klo = tl.load(k_params_ptr + ph * (P * 2) + t * 2 + 1).to(tl.float32)
+                sc = tl.dot(q0, tl.trans(k0))
+                sc = tl.dot(q1, tl.trans(k1), sc)
+                sc = tl.dot(q2, tl.trans(k2), sc)
+                sc = tl.dot(q3, tl.trans(k3), sc)
+                sc = sc * ks[None, :] + qsum[:, None] * klo[None, :]
+            p, alpha, m, l = _softmax_step(sc, m, l)
+            vs = tl.load(v_params_ptr + ph * (P * 2) + t * 2).to(tl.float32)
+            vlo = tl.load(v_params_ptr + ph * (P * 2) + t * 2 + 1).to(tl.float32)
+            ps = (p * vs[None, :]).to(tl.float16)
+            acc0 = tl.dot(ps, _lev(vc & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc0 * alpha[:, None])
+            acc1 = tl.dot(ps, _lev((vc >> 2) & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc1 * alpha[:, None])
+            acc2 = tl.dot(ps, _lev((vc >> 4) & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc2 * alpha[:, None])
+            acc3 = tl.dot(ps, _lev((vc >> 6) & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc3 * alpha[:, None])
+            acclo = acclo * alpha + tl.sum(p * vlo[None, :], axis=1)
+    else:
+        # ---- one BN-token chunk of the BF16 sink or recent window --------------------------------------------
+        NSINK: tl.constexpr = (S0 + BN - 1) // BN
+        c = s - n_page_splits
+        if c < NSINK:
+            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
+            kb = sink_k_ptr + kv_off
+            vb = sink_v_ptr + kv_off
+            valid = tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
+        else:
+            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
+            kb = recent_k_ptr + kv_off
+            vb = recent_v_ptr + kv_off
+            valid = tl.minimum(tl.load(recent_len_ptr + b), RC) - (c - NSINK) * BN
+        t = tl.arange(0, BN)
+        tmask = t < valid
+        rows = t[:, None] * D + c4[None, :]
+        kk = kb + rows
+        sc = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
+        sc = tl.dot(q1, tl.trans(tl.load(kk + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), sc)
+        sc = tl.dot(q2, tl.trans(tl.load(kk + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), sc)
+        sc = tl.dot(q3, tl.trans(tl.load(kk + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), sc)
+        sc = tl.where(tmask[None, :], sc, float("-inf"))
+        p, alpha, m, l = _softmax_step(sc, m, l)
+        pb = p.to(tl.float16)
+        vv = vb + rows
+        acc0 = tl.dot(pb, tl.load(vv + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc1 = tl.dot(pb, tl.load(vv + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc2 = tl.dot(pb, tl.load(vv + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc3 = tl.dot(pb, tl.load(vv + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+    # ---- epilogue: normalised partial output and its log2-sum-exp -----------------------------------------
+    nonempty = l > 0.0
+    inv = tl.where(nonempty, 1.0 / l, 0.0)
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
+    tl.store(part_lse_ptr + prow, lse, mask=gmask)
+    po = part_o_ptr + prow[:, None] * D + c4[None, :]
+    tl.store(po + 0 * Q4, (acc0 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + 1 * Q4, (acc1 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + 2 * Q4, (acc2 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + 3 * Q4, (acc3 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+
+
+@triton.jit
+def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, CH: tl.constexpr):
+    """Combine the splits of one query head. Grid ``(B * H,)``.
+
+    Parameters: part_o_ptr fp32 ``[B, H, n_splits, D]``, part_lse_ptr fp32 ``[B, H, n_splits]``, out_ptr
+    ``[B, H, D]`` (fp32/bf16/fp16), n_splits int32; constexpr D, CH (splits per step). A head with nothing
+    to attend writes zeros (as the reference does).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, CH)
+    dd = tl.arange(0, D)
+    mx = tl.full([CH], float("-inf"), tl.float32)
+    for c0 in range(0, n_splits, CH):
+        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=c0 + k < n_splits, other=float("-inf"))
+        mx = tl.maximum(mx, lse)
+    mtot = tl.max(mx, axis=0)
+    muse = tl.where(mtot == float("-inf"), 0.0, mtot)
+    den = tl.zeros([CH], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in range(0, n_splits, CH):
+        kmask = c0 + k < n_splits
+        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=kmask, other=float("-inf"))
+        w = tl.exp2(lse - muse)
+        o = tl.load(part_o_ptr + (row * n_splits + c0 + k)[:, None] * D + dd[None, :], mask=kmask[:, None], other=0.0)
+        den += w
+        acc += tl.sum(w[:, None] * o, axis=0)
+    dtot = tl.sum(den, axis=0)
+    res = tl.where(dtot > 0.0, acc / tl.where(dtot > 0.0, dtot, 1.0), 0.0)
+    tl.store(out_ptr + row * D + dd, res.to(out_ptr.dtype.element_ty))
+
+
+# ---- wrapper ------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_decode_layout(layout: KVCacheLayout) -> None:
+    """Raise ``NotImplementedError`` for layouts the decode kernel does not handle."""
+    d = layout.head_dim
+    if d not in (64, 128, 256):
+        raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")
+    for name, fmt in (("key", layout.key), ("value", layout.value)):
+        check_format(fmt, layout.page_size, f"decode_attention {name}")
+        if fmt.group_size != d:
+            raise NotImplementedError(
+                f"decode_attention: {name} group_size must equal head_dim ({d}), got {fmt.group_size}"
+            )
+
+
+def default_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
+    """Pages per split so that ``B * H_kv * splits`` fills ``num_sms`` about four times over."""
+    wanted = max(1, -(-4 * num_sms // max(1, batch * num_kv_heads)))
+    return max(1, -(-max_pages // wanted))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    state: PagedKV,
+    layout: KVCacheLayout,
+    k_levels: torch.Tensor,
+    v_levels: torch.Tensor,
+    scale: float,
+    *,
+    codebook: bool | None = None,
+    q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    pages_per_split: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """``reference.decode_attention`` in two Triton launches (split, merge).
+
+    Args:
+        q: ``[B, H, D]`` fp32/bf16/fp16 queries in the stored key basis (or the model basis with ``q_rotation``).
+        state: the layer's cache (new token appended); BF16 windows, contiguous.
+        k_levels, v_levels: ``[H_kv, 4]`` fp32 code levels.
+        scale: softmax scale (a compile-time constant of the kernel).
+        codebook: treat levels as a fitted codebook (default: ``layout.key/value.codebook``).
+        q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue.
+        pages_per_split: INT2 pages per split program (default: fill the GPU, :func:`default_pages_per_split`).
+    Returns:
+        ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
+    """
+    check_decode_layout(layout)
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [B, H, D], got {list(q.shape)}")
+    bsz, hq, d = q.shape
+    hkv, p = layout.num_kv_heads, layout.page_size
+    if d != layout.head_dim:
+        raise ValueError(f"q: expected head_dim {layout.head_dim}, got {d}")
+    if hq % hkv:
+        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q: expected float32, bfloat16 or float16, got {q.dtype}")
+    if not q.is_contiguous():
+        raise ValueError("q: expected a contiguous tensor")
+    dev = q.device
+    pool = state.k_codes.shape[0]
+    max_pages = state.block_table.shape[1] if state.block_table.dim() == 2 else -1
+    checks = [
+        ("state.sink_k", state.sink_k, layout.sink_shape(bsz), torch.bfloat16),
+        ("state.sink_v", state.sink_v, layout.sink_shape(bsz), torch.bfloat16),
+        ("state.recent_k", state.recent_k, layout.recent_shape(bsz), torch.bfloat16),
+        ("state.recent_v", state.recent_v, layout.recent_shape(bsz), torch.bfloat16),
+        ("state.k_codes", state.k_codes, layout.codes_shape(pool), torch.uint8),
+        ("state.v_codes", state.v_codes, layout.codes_shape(pool), torch.uint8),
+        ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
+        ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
+        ("state.block_table", state.block_table, (bsz, max_pages), torch.int32),
+        ("state.sink_len", state.sink_len, (bsz,), torch.int32),
+        ("state.num_pages", state.num_pages, (bsz,), torch.int32),
+        ("state.recent_len", state.recent_len, (bsz,), torch.int32),
+        ("k_levels", k_levels, (hkv, 4), torch.float32),
+        ("v_levels", v_levels, (hkv, 4), torch.float32),
+    ]
+    for name, t, shape, dt in checks:
+        _check(name, t, shape, dt, dev)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+    if q_rotation is not None:
+        rot, dsc = q_rotation
+        _check("q_rotation R", rot, (hkv, d, d), torch.float32, dev)
+        _check("q_rotation d", dsc, (hkv, d), torch.float32, dev)
+        rot, dsc = rot.contiguous(), dsc.contiguous()
+    else:
+        rot = dsc = k_levels  # never read
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a positive finite Python float, got {scale!r}")
+    if pages_per_split is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        pages_per_split = default_pages_per_split(bsz, hkv, max_pages, sms)
+    if pages_per_split <= 0:
+        raise ValueError(f"pages_per_split: expected > 0, got {pages_per_split}")
+    gq = hq // hkv
+    n_page_splits = -(-max_pages // pages_per_split)
+    n_bf16 = -(-layout.sink // BF16_CHUNK) + -(-layout.recent_capacity // BF16_CHUNK)
+    n_splits = n_page_splits + n_bf16
+    part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=dev)
+    part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=dev)
+    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=dev)
+    if codebook is None:
+        codebook = layout.key.codebook or layout.value.codebook
+    _decode_split_kernel[(bsz * hkv, n_splits)](
+        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
+        state.k_codes, state.k_params, state.v_codes, state.v_params, k_levels, v_levels,
+        state.block_table, state.sink_len, state.num_pages, state.recent_len, part_o, part_lse,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV=hkv, GQ=gq, GQ_PAD=max(16, _next_pow2(gq)), D=d, P=p, S0=layout.sink, RC=layout.recent_capacity,
+        BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=layout.key.granularity == "channel",
+        K_CODEBOOK=bool(codebook), V_CODEBOOK=bool(codebook), ROTATE_Q=q_rotation is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _merge_kernel[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
+    return out
+
+
+__all__ = ["BF16_CHUNK", "check_decode_layout", "decode_attention", "default_pages_per_split"]

@@ -1,0 +1,249 @@
+"""Fused (rotate,) clip, quantize and pack of whole pages: the Triton twin of ``reference.quantize_pages``.
+
+One program quantizes one ``[P, D]`` tile (one page of one KV head) and writes its packed codes and fp16
+``(scale, lo)`` params straight into the page pool. It serves the prefill write (whole pages known up front)
+and the demotion of the oldest recent tokens inside a decode step (:func:`decode_step_update`).
+
+The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is the
+``rank``-th smallest ``|x|`` of the group (found by removing the largest ``group - 1 - rank`` values one at
+a time, ties one occurrence at a time, so it equals ``sorted(|x|)[rank]``), the scale is
+``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,
+so the codes and params are bit-identical to the reference on the same stored-basis input.
+
+Optionally the basis change is fused in front (``rotation``): ``x_s = (x @ R[h]) * d[h] - mu[h]``,
+rounded to ``round_dtype`` (the BF16 the recent buffer would have held). The product is summed in a
+different order than ``torch.matmul``, so a value sitting exactly on a code boundary may flip; this path
+is tested with a tolerance, the plain path bit-exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import ONE_THIRD_F32, KVCacheLayout, RowFormat
+from .transform import clip_rank
+
+# ---- kernel -------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
+    """Quantize the groups laid along axis 1 of ``x [R, N]`` (``a = |x|``).
+
+    Returns codes ``[R, N]`` int32, scale16 ``[R]`` fp16, lo16 ``[R]`` fp16.
+    """
+    col = tl.arange(0, N)[None, :]
+    for _ in range(rank_removals):  # drop the current max, one occurrence (the lowest index) at a time
+        m = tl.max(a, axis=1)
+        idx = tl.min(tl.where(a == m[:, None], col, N), axis=1)
+        a = tl.where(col == idx[:, None], -1.0, a)
+    thr = tl.max(a, axis=1)[:, None]
+    xc = tl.minimum(tl.maximum(x, -thr), thr)
+    lo = tl.min(xc, axis=1)
+    hi = tl.max(xc, axis=1)
+    scale16 = ((hi - lo) * ONE_THIRD_F32).to(tl.float16)
+    lo16 = lo.to(tl.float16)
+    s = scale16.to(tl.float32)[:, None]
+    d = xc - lo16.to(tl.float32)[:, None]
+    t0 = (lv0 + lv1) * 0.5
+    t1 = (lv1 + lv2) * 0.5
+    t2 = (lv2 + lv3) * 0.5
+    codes = (d >= t0 * s).to(tl.int32) + (d >= t1 * s).to(tl.int32) + (d >= t2 * s).to(tl.int32)
+    return codes, scale16, lo16
+
+
+@triton.jit
+def _quant_pack_kernel(
+    x_ptr, page_ids_ptr, rank_ptr, levels_ptr, rot_ptr, dscale_ptr, mean_ptr,
+    codes_ptr, params_ptr,
+    stride_xn, stride_xh, stride_xp,
+    H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_FP16: tl.constexpr,
+):
+    """Quantize page ``n`` of KV head ``h`` into pool page ``page_ids[n]``. Grid ``(N, H_kv)``.
+
+    Parameters (pointers unless noted; the export bundle relies on this order):
+        x_ptr        float rows ``[N, H_kv, P, D]`` (last dim contiguous; fp32/bf16/fp16)
+        page_ids_ptr int32 ``[N]`` destination page of each input page
+        rank_ptr     int32 ``[H_kv]`` removals per group, ``group - 1 - clip_rank``
+        levels_ptr   fp32 ``[H_kv, 4]`` code levels
+        rot_ptr, dscale_ptr, mean_ptr  fp32 ``[H_kv, D, D]``, ``[H_kv, D]``, ``[H_kv, D]`` (read iff ROTATE)
+        codes_ptr    uint8 pool ``[N_pool, H_kv, P, D // 4]``
+        params_ptr   fp16 pool, token ``[N_pool, H_kv, P, D // G, 2]``, channel ``[N_pool, H_kv, 2, D]``
+        stride_xn, stride_xh, stride_xp  int32 element strides of x
+        constexpr: H_KV, P, D, G, CHANNEL (per-channel-within-page groups), ROTATE, ROUND_BF16/ROUND_FP16
+        (round the rotated rows through that dtype before quantizing).
+    """
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(page_ids_ptr + n).to(tl.int64)
+    removals = tl.load(rank_ptr + h)
+    lv0 = tl.load(levels_ptr + h * 4 + 0)
+    lv1 = tl.load(levels_ptr + h * 4 + 1)
+    lv2 = tl.load(levels_ptr + h * 4 + 2)
+    lv3 = tl.load(levels_ptr + h * 4 + 3)
+    t = tl.arange(0, P)
+    i = tl.arange(0, D)
+    x_base = x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh
+    x = tl.load(x_base + t[:, None] * stride_xp + i[None, :]).to(tl.float32)  # [P, D]
+    if ROTATE:
+        r = tl.load(rot_ptr + h * D * D + i[:, None] * D + i[None, :])  # [D, D]
+        x = tl.dot(x, r, input_precision="ieee")
+        x = x * tl.load(dscale_ptr + h * D + i)[None, :] - tl.load(mean_ptr + h * D + i)[None, :]
+        if ROUND_BF16:
+            x = x.to(tl.bfloat16).to(tl.float32)
+        if ROUND_FP16:
+            x = x.to(tl.float16).to(tl.float32)
+    Q: tl.constexpr = G // 4
+    NG: tl.constexpr = D // G
+    shifts = (1 << (2 * tl.arange(0, 4)))  # [4]: bit position of quarter j as a multiplier
+    page_head = page * H_KV + h
+    if CHANNEL:
+        xt = tl.trans(x)  # [D, P]: one group per channel, over the P tokens of the page
+        codes, scale16, lo16 = _clip_quantize(tl.abs(xt), xt, removals, lv0, lv1, lv2, lv3, P)
+        c4 = tl.reshape(codes, (NG, 4, Q, P))
+        packed = tl.sum(c4 * shifts[None, :, None, None], axis=1)  # [NG, Q, P]
+        packed = tl.reshape(packed, (D // 4, P))
+        b = tl.arange(0, D // 4)
+        tl.store(codes_ptr + page_head * (P * D // 4) + t[None, :] * (D // 4) + b[:, None], packed.to(tl.uint8))
+        prm = params_ptr + page_head * (2 * D)
+        tl.store(prm + i, scale16)
+        tl.store(prm + D + i, lo16)
+    else:
+        xg = tl.reshape(x, (P * NG, G))  # one group per row segment
+        codes, scale16, lo16 = _clip_quantize(tl.abs(xg), xg, removals, lv0, lv1, lv2, lv3, G)
+        c4 = tl.reshape(codes, (P * NG, 4, Q))
+        packed = tl.sum(c4 * shifts[None, :, None], axis=1)  # [P*NG, Q]
+        packed = tl.reshape(packed, (P, D // 4))
+        b = tl.arange(0, D // 4)
+        tl.store(codes_ptr + page_head * (P * D // 4) + t[:, None] * (D // 4) + b[None, :], packed.to(tl.uint8))
+        rg = tl.arange(0, P * NG)
+        prm = params_ptr + page_head * (P * NG * 2)
+        tl.store(prm + rg * 2, scale16)
+        tl.store(prm + rg * 2 + 1, lo16)
+
+
+# ---- wrapper ------------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def check_format(fmt: RowFormat, page_size: int, what: str) -> None:
+    """Raise ``NotImplementedError`` for row formats the Triton quantizer does not handle."""
+    if not (_pow2(fmt.head_dim) and _pow2(fmt.group_size) and _pow2(page_size)):
+        raise NotImplementedError(
+            f"{what}: the Triton kernels need power-of-two head_dim, group_size and page_size, got "
+            f"{fmt.head_dim}, {fmt.group_size}, {page_size}"
+        )
+    if fmt.head_dim > 256 or page_size > 256:
+        raise NotImplementedError(f"{what}: head_dim and page_size <= 256 supported, got {fmt.head_dim}, {page_size}")
+
+
+def removal_counts(clip: torch.Tensor, group: int) -> torch.Tensor:
+    """int32 ``[H_kv]``: ``group - 1 - clip_rank(clip, group)`` (values the kernel drops before the max)."""
+    return (group - 1 - clip_rank(clip, group)).to(torch.int32)
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | tuple, device) -> None:
+    dts = dtype if isinstance(dtype, tuple) else (dtype,)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dts:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dts))}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+
+
+def write_pages(
+    x: torch.Tensor,
+    page_ids: torch.Tensor,
+    codes: torch.Tensor,
+    params: torch.Tensor,
+    layout: KVCacheLayout,
+    fmt: RowFormat,
+    clip: torch.Tensor,
+    levels: torch.Tensor,
+    rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    round_dtype: torch.dtype | None = torch.bfloat16,
+) -> None:
+    """Quantize ``x`` page by page into the pool (in place), like ``reference.write_pages`` for one of K/V.
+
+    Args:
+        x: ``[N, H_kv, P, D]`` float32/bf16/fp16, last dim contiguous; stored basis, or model basis when
+            ``rotation`` is given.
+        page_ids: ``[N]`` int32 destination pool pages.
+        codes: ``[N_pool, H_kv, P, D // 4]`` uint8 pool; params: fp16 pool (``layout.params_shape``).
+        fmt: ``layout.key`` or ``layout.value``.
+        clip: ``[H_kv]`` fp32 clip ratios; levels: ``[H_kv, 4]`` fp32.
+        rotation: optional ``(R [H_kv, D, D], d [H_kv, D], mu [H_kv, D])`` fp32: quantize
+            ``(x @ R) * d - mu`` rounded through ``round_dtype`` (None: not rounded).
+    """
+    h, p, d = layout.num_kv_heads, layout.page_size, layout.head_dim
+    check_format(fmt, p, "write_pages")
+    if fmt.head_dim != d:
+        raise ValueError(f"fmt.head_dim: expected {d}, got {fmt.head_dim}")
+    dev = x.device
+    if x.dim() != 4 or tuple(x.shape[1:]) != (h, p, d):
+        raise ValueError(f"x: expected [N, {h}, {p}, {d}], got {list(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x: expected float32, bfloat16 or float16, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"x: the last dim must be contiguous, got strides {x.stride()}")
+    n = x.shape[0]
+    _check("page_ids", page_ids, (n,), torch.int32, dev)
+    pool = codes.shape[0] if codes.dim() == 4 else -1
+    _check("codes", codes, layout.codes_shape(pool), torch.uint8, dev)
+    _check("params", params, layout.params_shape(fmt, pool), torch.float16, dev)
+    if not (codes.is_contiguous() and params.is_contiguous()):
+        raise ValueError("codes/params: the page pool must be contiguous")
+    _check("clip", clip, (h,), torch.float32, dev)
+    _check("levels", levels, (h, 4), torch.float32, dev)
+    if rotation is not None:
+        rot, ds, mu = rotation
+        _check("rotation", rot, (h, d, d), torch.float32, dev)
+        _check("rotation scale", ds, (h, d), torch.float32, dev)
+        _check("rotation mean", mu, (h, d), torch.float32, dev)
+        rot, ds, mu = rot.contiguous(), ds.contiguous(), mu.contiguous()
+    else:
+        rot = ds = mu = levels  # never read
+    if round_dtype not in (None, torch.bfloat16, torch.float16):
+        raise ValueError(f"round_dtype: expected None, bfloat16 or float16, got {round_dtype}")
+    if n == 0:
+        return
+    group = p if fmt.granularity == "channel" else fmt.group_size
+    removals = removal_counts(clip, group)
+    _quant_pack_kernel[(n, h)](
+        x, page_ids, removals, levels.contiguous(), rot, ds, mu, codes, params,
+        x.stride(0), x.stride(1), x.stride(2),
+        H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
+        ROTATE=rotation is not None, ROUND_BF16=rotation is not None and round_dtype == torch.bfloat16,
+        ROUND_FP16=rotation is not None and round_dtype == torch.float16,
+        num_warps=4,
+    )
+
+
+def quantize_pages(
+    x: torch.Tensor,
+    layout: KVCacheLayout,
+    fmt: RowFormat,
+    clip: torch.Tensor,
+    levels: torch.Tensor,
+    rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    round_dtype: torch.dtype | None = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.quantize_pages`` on the GPU: ``x [N, H_kv, P, D]`` -> (codes uint8, params fp16)."""
+    n = x.shape[0] if x.dim() == 4 else 0
+    codes = torch.empty(layout.codes_shape(n), dtype=torch.uint8, device=x.device)
+    params = torch.empty(layout.params_shape(fmt, n), dtype=torch.float16, device=x.device)
+    ids = torch.arange(n, dtype=torch.int32, device=x.device)
+    write_pages(x, ids, codes, params, layout, fmt, clip, levels, rotation, round_dtype)
+    return codes, params
+
+
+__all__ = ["check_format", "quantize_pages", "removal_counts", "write_pages"]
