@@ -178,15 +178,21 @@ class AotKernel:
                 f"({len(self.entry.spec.params)} params + {HIDDEN_PARAMS} hidden)"
             )
 
-    def grid(self, args: Sequence[Any] | Mapping[str, Any]) -> tuple[int, int, int]:
-        return self.entry.spec.grid_for(scalar_values(self.entry, args))
+    def grid(self, args: Sequence[Any] | Mapping[str, Any], grid_inputs: Mapping[str, int] | None = None) -> tuple[int, int, int]:
+        return self.entry.spec.grid_for({**scalar_values(self.entry, args), **(grid_inputs or {})})
 
-    def launch(self, *args: Any, grid: tuple[int, int, int] | None = None, stream: int | None = None) -> None:
-        """Launch on ``stream`` (default: torch's current stream) with the manifest's grid rule."""
+    def launch(
+        self, *args: Any, grid: tuple[int, int, int] | None = None, grid_inputs: Mapping[str, int] | None = None,
+        stream: int | None = None,
+    ) -> None:
+        """Launch on ``stream`` (default: torch's current stream) with the manifest's grid rule.
+
+        ``grid_inputs`` supplies the spec's launch sizes that are not kernel arguments (e.g. ``{"B": 4}``).
+        """
         import torch
 
         packed = pack_arguments(self.entry, args)
-        gx, gy, gz = grid if grid is not None else self.grid(args)
+        gx, gy, gz = grid if grid is not None else self.grid(args, grid_inputs)
         if stream is None:
             stream = torch.cuda.current_stream().cuda_stream
         driver = _driver()

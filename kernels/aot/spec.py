@@ -10,8 +10,11 @@ Rules checked here (DESIGN §3.5):
 * runtime scalars are ``i32`` only: Triton's C launcher declares fp32 scalars ``double`` and TensorRT's
   AOT plugins pass int32 extras only, so floats must be constexpr or live in memory;
 * pointer parameters are compiled with 16-byte alignment (``tt.divisibility``); launchers must check it;
-* the grid rule is three integer expressions over the integer parameters and constexprs, using
-  ``+ - * //``, parentheses, integer literals and ``cdiv(a, b)`` only (evaluated without ``eval``).
+* the grid rule is three integer expressions over the integer parameters, integer constexprs and the
+  spec's ``grid_inputs`` (launch sizes that are not kernel arguments, e.g. the batch ``B``), using
+  ``+ - * //``, parentheses, integer literals and ``cdiv(a, b)`` only (evaluated without ``eval``);
+* constexprs are int, bool, float or str (a float constexpr such as ``SM_SCALE`` is baked into the binary;
+  JSON keeps Python floats exactly).
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ class KernelSpec:
         name: bundle-unique variant name (file stem in the bundle), e.g. ``"pack_codes_g64"``.
         kernel: ``"module:attr"`` import path of the ``@triton.jit`` function.
         params: runtime parameters, in the kernel's argument order.
-        constexprs: ``(name, value)`` pairs fixing every ``tl.constexpr`` argument (int, bool or str).
+        constexprs: ``(name, value)`` pairs fixing every ``tl.constexpr`` argument (int, bool, float or str).
         grid: three grid-rule expressions (see the module doc).
+        grid_inputs: names of launch sizes the grid rule reads besides the kernel's integer arguments.
         num_warps, num_stages: Triton compile options.
         doc: one line for the manifest/README.
     """
@@ -81,6 +85,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 2
     doc: str = ""
+    grid_inputs: tuple[str, ...] = ()
     _parsed_grid: tuple[ast.Expression, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,9 +101,14 @@ class KernelSpec:
         if len(set(names)) != len(names):
             raise ValueError(f"KernelSpec {self.name}: duplicate parameter names in {names}")
         for k, v in self.constexprs:
-            if not isinstance(v, (int, bool, str)):
-                raise ValueError(f"KernelSpec {self.name}: constexpr {k} must be int, bool or str, got {type(v).__name__}")
-        ints = {p.name for p in self.params if not p.is_pointer} | {k for k, v in self.constexprs if isinstance(v, int)}
+            if not isinstance(v, (int, bool, float, str)):
+                raise ValueError(
+                    f"KernelSpec {self.name}: constexpr {k} must be int, bool, float or str, got {type(v).__name__}"
+                )
+        if set(self.grid_inputs) & set(names):
+            raise ValueError(f"KernelSpec {self.name}: grid_inputs {self.grid_inputs} clash with parameter names")
+        ints = {p.name for p in self.params if not p.is_pointer} | set(self.grid_inputs)
+        ints |= {k for k, v in self.constexprs if isinstance(v, int) and not isinstance(v, bool)}
         parsed = tuple(_parse_grid_expr(e, ints, self.name) for e in self.grid)
         object.__setattr__(self, "_parsed_grid", parsed)
 
@@ -132,8 +142,8 @@ class KernelSpec:
         return {(i,): [["tt.divisibility", POINTER_ALIGN]] for i, a in enumerate(fn.arg_names) if a in pointers}
 
     def grid_for(self, values: Mapping[str, int]) -> tuple[int, int, int]:
-        """Evaluate the grid rule for the integer parameter ``values`` (constexprs are filled in)."""
-        env = {k: v for k, v in self.constexprs if isinstance(v, int)}
+        """Evaluate the grid rule for the integer parameter and grid-input ``values`` (constexprs are filled in)."""
+        env = {k: v for k, v in self.constexprs if isinstance(v, int) and not isinstance(v, bool)}
         env.update(values)
         grid = tuple(_eval_int(e.body, env, self.name) for e in self._parsed_grid)
         if any(g <= 0 for g in grid):
@@ -150,6 +160,7 @@ class KernelSpec:
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
             "doc": self.doc,
+            "grid_inputs": list(self.grid_inputs),
         }
 
     @classmethod
@@ -163,6 +174,7 @@ class KernelSpec:
             num_warps=int(d["num_warps"]),
             num_stages=int(d["num_stages"]),
             doc=d.get("doc", ""),
+            grid_inputs=tuple(d.get("grid_inputs", ())),
         )
 
 

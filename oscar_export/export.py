@@ -1,0 +1,256 @@
+"""Fold the OSCAR value transform into v_proj/o_proj and write a Hugging Face checkpoint with the artifact.
+
+Per KV head ``h`` with ``M_h = R_V[h] @ diag(d_V[h])`` (``LayerTransform``; DESIGN §3.4, §4):
+
+    v_proj rows of head h:      W_h <- M_h^T W_h          b_h <- b_h M_h            (model emits v @ M_h)
+    o_proj columns of query j:  Wo_j <- Wo_j R_V[h] diag(1 / d_V[h])  for every query head j reading h
+
+so attention over the exported values, followed by the exported ``o_proj``, equals the original model
+(attention is linear in the values). Computed in float64, stored in the checkpoint dtype. The key
+rotation cannot be folded (RoPE sits between ``k_proj`` and the cache), and means, clips and codebooks
+act on stored rows: they stay in the artifact, saved inside the checkpoint with ``values_prerotated=True``.
+
+Output (written to a temp dir next to ``--out`` and renamed at the end, so a failure leaves nothing
+that looks complete)::
+
+    out/config.json          the model config plus an "oscar" section (see ``oscar_section``)
+    out/model.safetensors    folded weights
+    out/tokenizer*           the tokenizer
+    out/oscar_artifact/      the artifact (oscar.json, rotations.safetensors), values_prerotated=True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+EPILOG = """example:
+  oscar-export calibrate --model default --out art/
+  oscar-export export --model default --artifact art/ --out ckpt/
+  python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('ckpt/')"
+"""
+
+#: HF model types whose decoder layers hold ``self_attn.{v_proj,o_proj}`` with the Llama head layout.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+OSCAR_SECTION_VERSION = 1
+ARTIFACT_DIR = "oscar_artifact"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- folding ---------------------------------------------------------------------------------------------------
+
+
+def attention_modules(model) -> list[Any]:
+    """The ``self_attn`` module of every decoder layer; raises for architectures we cannot fold."""
+    config = model.config
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"export: unknown architecture {mt!r} ({getattr(config, 'architectures', None)}); "
+            f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"export: {type(model).__name__} has no .model.layers")
+    attns = [layer.self_attn for layer in layers]
+    for i, a in enumerate(attns):
+        if not (hasattr(a, "v_proj") and hasattr(a, "o_proj")):
+            raise NotImplementedError(f"export: layer {i} attention has no v_proj/o_proj")
+    return attns
+
+
+def head_counts(config) -> tuple[int, int, int]:
+    """``(H, H_kv, D)`` from a HF config."""
+    h = int(config.num_attention_heads)
+    hkv = int(getattr(config, "num_key_value_heads", None) or h)
+    d = int(getattr(config, "head_dim", None) or config.hidden_size // h)
+    return h, hkv, d
+
+
+@torch.no_grad()
+def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
+    """Fold every layer's ``R_V``/``d_V`` into ``v_proj``/``o_proj`` in place (see the module doc).
+
+    Args:
+        model: a HF causal LM of a supported architecture.
+        transforms: one ``LayerTransform`` per layer (``v_rotation [H_kv, D, D]``, ``v_scale [H_kv, D]``),
+            not yet ``values_prerotated``.
+    """
+    attns = attention_modules(model)
+    h, hkv, d = head_counts(model.config)
+    if len(transforms) != len(attns):
+        raise ValueError(f"export: artifact has {len(transforms)} layers, model has {len(attns)}")
+    group = h // hkv
+    for i, (attn, t) in enumerate(zip(attns, transforms)):
+        if t.values_prerotated:
+            raise ValueError(f"export: layer {i} transform is already values_prerotated (exporting twice?)")
+        if (t.num_kv_heads, t.head_dim) != (hkv, d):
+            raise ValueError(
+                f"export: layer {i}: artifact has {t.num_kv_heads} KV heads x head_dim {t.head_dim}, "
+                f"model has {hkv} x {d}"
+            )
+        r = t.v_rotation.double().to(attn.v_proj.weight.device)  # [H_kv, D, D]
+        s = t.v_scale.double().to(r.device)  # [H_kv, D]
+        m = r * s[:, None, :]  # R diag(d): [H_kv, D, D]
+        m_inv_t = r / s[:, None, :]  # (diag(1/d) R^T)^T = R diag(1/d)
+
+        wv = attn.v_proj.weight  # [H_kv * D, hidden]
+        wv64 = wv.double().view(hkv, d, -1)
+        wv.copy_(torch.matmul(m.transpose(-1, -2), wv64).reshape(wv.shape).to(wv.dtype))
+        if attn.v_proj.bias is not None:
+            bv = attn.v_proj.bias  # [H_kv * D]
+            bv.copy_(torch.matmul(bv.double().view(hkv, 1, d), m).reshape(bv.shape).to(bv.dtype))
+
+        wo = attn.o_proj.weight  # [hidden, H * D]
+        wo64 = wo.double().view(-1, hkv, group, d).permute(1, 2, 0, 3)  # [H_kv, g, hidden, D]
+        folded = torch.matmul(wo64, m_inv_t[:, None])  # [H_kv, g, hidden, D]
+        wo.copy_(folded.permute(2, 0, 1, 3).reshape(wo.shape).to(wo.dtype))
+
+
+# ---- the checkpoint -------------------------------------------------------------------------------------------
+
+
+def oscar_section(artifact, source: str) -> dict[str, Any]:
+    """The ``config.json`` ``"oscar"`` section: where the artifact is and what the checkpoint already does."""
+    return {
+        "format_version": OSCAR_SECTION_VERSION,
+        "artifact": ARTIFACT_DIR,
+        "values_prerotated": True,
+        "layout": artifact.layout.to_dict(),
+        "fingerprint": artifact.fingerprint,
+        "source_model": source,
+    }
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | Path) -> Iterator[Path]:
+    """Yield a temp dir beside ``out``; rename it to ``out`` on success, delete it on any failure."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new output directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _gguf_dequantized(model) -> bool:
+    """True when the model came from a GGUF file (transformers dequantizes it to float on load)."""
+    q = getattr(model, "hf_quantizer", None)
+    if q is None:
+        return False
+    method = getattr(getattr(q, "quantization_config", None), "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method != "gguf":
+        raise NotImplementedError(f"export: models quantized with {method!r} cannot be folded; load them in float")
+    return True
+
+
+@contextlib.contextmanager
+def _plain_float_model(model) -> Iterator[None]:
+    """Save a GGUF-loaded model as the plain float model it is (no quantizer, no quantization_config)."""
+    if not _gguf_dequantized(model):
+        yield
+        return
+    quantizer = model.hf_quantizer
+    qc = model.config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+        if qc is not None:
+            model.config.quantization_config = qc
+
+
+def export_checkpoint(model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None) -> Path:
+    """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically."""
+    if getattr(model.config, "oscar", None):
+        raise ValueError("export: this model is already an OSCAR export (its config has an 'oscar' section)")
+    artifact.check_model(model.config)
+    fold_value_transforms(model, artifact.transforms)
+    if dtype is not None:
+        model.to(dtype)
+    with atomic_output_dir(out) as tmp:
+        model.config.oscar = oscar_section(artifact, source)
+        try:
+            with _plain_float_model(model):
+                model.save_pretrained(tmp)
+        finally:
+            del model.config.oscar
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        artifact.with_values_prerotated(True).save(tmp / ARTIFACT_DIR)
+    return Path(out)
+
+
+def read_export(ckpt: str | Path) -> dict[str, Any]:
+    """The ``oscar`` section of an exported checkpoint's config (raises if ``ckpt`` is not one)."""
+    import json
+
+    ckpt = Path(ckpt)
+    cfg = ckpt / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{ckpt}: not a Hugging Face checkpoint (no config.json)")
+    section = json.loads(cfg.read_text()).get("oscar")
+    if not isinstance(section, dict) or section.get("format_version") != OSCAR_SECTION_VERSION:
+        raise ValueError(f"{cfg}: no 'oscar' section of format {OSCAR_SECTION_VERSION}; run `oscar-export export` first")
+    if not (ckpt / section["artifact"] / "oscar.json").is_file():
+        raise FileNotFoundError(f"{ckpt}: the OSCAR artifact {section['artifact']}/ is missing")
+    return section
+
+
+def load_exported(ckpt: str | Path, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer, artifact)`` of an exported checkpoint; the artifact has ``values_prerotated=True``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oscar_export.calibration.artifact import load_artifact
+
+    section = read_export(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
+    artifact = load_artifact(Path(ckpt) / section["artifact"], model.config)
+    if not all(t.values_prerotated for t in artifact.transforms):
+        raise ValueError(f"{ckpt}: the bundled artifact is not marked values_prerotated")
+    return model, AutoTokenizer.from_pretrained(str(ckpt)), artifact
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2) or a local HF model directory")
+    p.add_argument("--artifact", required=True, help="OSCAR artifact directory from `oscar-export calibrate`")
+    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
+
+
+def run(args) -> int:
+    from oscar_export.calibration.artifact import load_artifact
+    from oscar_export.cli import UserError
+    from oscar_export.models import load_model
+
+    if not Path(args.artifact).is_dir():
+        raise FileNotFoundError(f"--artifact {args.artifact}: no such directory")
+    if Path(args.out).exists():
+        raise UserError(f"--out {args.out} already exists; choose a new output directory")
+    model, tok = load_model(args.model, dtype=torch.float32)
+    artifact = load_artifact(args.artifact, model.config)
+    out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype])
+    print(f"wrote {out} ({len(artifact.transforms)} layers folded, artifact in {out / ARTIFACT_DIR})")
+    return 0
+
+
+__all__ = [
+    "ARTIFACT_DIR", "SUPPORTED_MODEL_TYPES", "atomic_output_dir", "attention_modules", "export_checkpoint",
+    "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_export",
+]

@@ -1,0 +1,201 @@
+"""Export: value-transform folding, the checkpoint directory, and its error cases, on tiny random models.
+
+The same checks on the real SmolLM2 are in test_export_smollm2.py (marked ``model``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint  # noqa: E402
+from oscar_export.cli import main  # noqa: E402
+from oscar_export.export import (  # noqa: E402
+    ARTIFACT_DIR, atomic_output_dir, export_checkpoint, fold_value_transforms, read_export,
+)
+from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
+from oscar_export.kernels.transform import LayerTransform  # noqa: E402
+
+
+def tiny_model(kind: str = "llama", heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2):
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=128,
+    )
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":  # v_proj has a bias
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    return model.float().eval()
+
+
+def random_transform(hkv: int, d: int, seed: int) -> LayerTransform:
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))
+    base = LayerTransform.identity(hkv, d, 0.95, 0.9)
+    return replace(
+        base,
+        v_rotation=q.float(),
+        v_scale=torch.rand(hkv, d, generator=g) * 1.5 + 0.5,
+        k_rotation=torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].float(),
+        v_mean=torch.randn(hkv, d, generator=g) * 0.1,
+    )
+
+
+def random_artifact(model) -> OscarArtifact:
+    c = model.config
+    layout = KVCacheLayout.default(c.num_key_value_heads, c.head_dim, sink=4, window=16, page_size=16)
+    ts = tuple(random_transform(c.num_key_value_heads, c.head_dim, seed=i) for i in range(c.num_hidden_layers))
+    return OscarArtifact(layout, ts, model_fingerprint(c), {"method": "random-test"}, {})
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_folding_preserves_logits(kind):
+    model = tiny_model(kind)
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.v_proj.bias is not None
+        with torch.no_grad():  # a zero bias would not test the bias fold
+            for layer in model.model.layers:
+                layer.self_attn.v_proj.bias.normal_()
+    ids = torch.randint(0, 97, (2, 11))
+    ref = logits(model, ids)
+    art = random_artifact(model)
+    v_before = model.model.layers[0].self_attn.v_proj.weight.clone()
+    fold_value_transforms(model, art.transforms)
+    assert not torch.equal(v_before, model.model.layers[0].self_attn.v_proj.weight)  # really changed
+    diff = (logits(model, ids) - ref).abs().max().item()
+    print(f"{kind}: max |logit diff| after folding = {diff:.3g} (logit scale {ref.abs().max().item():.3g})")
+    assert diff < 1e-4
+
+
+def test_folded_values_are_the_rotated_values():
+    """v_proj of the exported model emits v @ R_V diag(d_V), head by head (what the OSCAR cache stores)."""
+    model = tiny_model()
+    art = random_artifact(model)
+    x = torch.randn(5, 48)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        v = attn.v_proj(x).double().view(5, 2, 16)  # [T, H_kv, D]
+        fold_value_transforms(model, art.transforms)
+        v2 = attn.v_proj(x).double().view(5, 2, 16)
+    t = art.transforms[1]
+    want = torch.einsum("thd,hde->the", v, t.v_rotation.double()) * t.v_scale.double()
+    assert (v2 - want).abs().max().item() < 1e-5
+
+
+def test_fold_rejects_wrong_heads_and_prerotated():
+    model = tiny_model()
+    art = random_artifact(model)
+    with pytest.raises(ValueError, match="artifact has 3 KV heads x head_dim 16, model has 2 x 16"):
+        fold_value_transforms(model, [random_transform(3, 16, 0)] * 2)
+    with pytest.raises(ValueError, match="artifact has 1 layers, model has 2"):
+        fold_value_transforms(model, art.transforms[:1])
+    with pytest.raises(ValueError, match="already values_prerotated"):
+        fold_value_transforms(model, art.with_values_prerotated(True).transforms)
+
+
+def test_unknown_architecture():
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(NotImplementedError, match="unknown architecture 'gpt2'"):
+        fold_value_transforms(model, [])
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    model = tiny_model()
+    ids = torch.randint(0, 97, (1, 9))
+    ref = logits(model, ids)
+    art = random_artifact(model)
+    out = export_checkpoint(model, None, art, tmp_path / "ckpt", source="tiny")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp dir left over
+    section = read_export(out)
+    assert section["values_prerotated"] is True and section["artifact"] == ARTIFACT_DIR
+    assert KVCacheLayout.from_dict(section["layout"]) == art.layout
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert (logits(loaded, ids) - ref).abs().max().item() < 1e-4
+    a2 = load_artifact(out / ARTIFACT_DIR, loaded.config)
+    assert all(t.values_prerotated for t in a2.transforms)
+    for t1, t2 in zip(art.transforms, a2.transforms):  # key rotation, means, clips stay in the artifact
+        assert torch.equal(t1.k_rotation, t2.k_rotation) and torch.equal(t1.v_mean, t2.v_mean)
+        assert torch.equal(t1.v_clip, t2.v_clip)
+    assert not hasattr(model.config, "oscar")  # the in-memory config is left as it was
+
+
+def test_exporting_an_export_is_refused(tmp_path):
+    model = tiny_model()
+    out = export_checkpoint(model, None, random_artifact(model), tmp_path / "a")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with pytest.raises(ValueError, match="already an OSCAR export"):
+        export_checkpoint(loaded, None, random_artifact(loaded), tmp_path / "b")
+
+
+def test_artifact_for_another_model_is_refused(tmp_path):
+    model = tiny_model()
+    other = tiny_model(heads=8, kv_heads=4)
+    with pytest.raises(ValueError, match="num_key_value_heads: artifact 4, model 2"):
+        export_checkpoint(model, None, random_artifact(other), tmp_path / "x")
+    assert not any(tmp_path.iterdir())
+
+
+def test_failure_leaves_no_output(tmp_path):
+    class BrokenTokenizer:
+        def save_pretrained(self, path):
+            (Path(path) / "half-written").write_text("x")
+            raise RuntimeError("disk full")
+
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_checkpoint(model, BrokenTokenizer(), random_artifact(model), tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_output_dir_refuses_existing(tmp_path):
+    with pytest.raises(FileExistsError, match="already exists"):
+        with atomic_output_dir(tmp_path):
+            pass
+
+
+def test_read_export_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_export(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="no 'oscar' section"):
+        read_export(tmp_path)
+    model = tiny_model()
+    out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
+    for f in (out / ARTIFACT_DIR).iterdir():
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="artifact oscar_artifact/ is missing"):
+        read_export(out)
+
+
+# ---- command line (bad input only: the real model run is in test_export_smollm2.py) ----------------------------
+
+
+def test_cli_missing_artifact(tmp_path, capsys):
+    rc = main(["export", "--artifact", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "--artifact" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_cli_existing_output(tmp_path, capsys):
+    (tmp_path / "art").mkdir()
+    rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
+    assert rc == 2
+    assert "already exists" in capsys.readouterr().err
