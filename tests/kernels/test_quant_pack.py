@@ -1,0 +1,194 @@
+"""Triton quantize/pack and the decode-step cache update against ``kernels/reference.py``.
+
+Codes and fp16 params must be ``torch.equal`` to the reference on the same stored-basis rows; the fused
+rotation path is allowed a stated, small fraction of boundary flips. On the CPU this runs through Triton's
+interpreter (tests/kernels/conftest.py), on the H200 compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_export.kernels import reference as ref
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.transform import LayerTransform
+
+
+def _layout(d: int, gran: str, g: int | None = None, p: int | None = None, h: int = 3) -> KVCacheLayout:
+    g = g or d
+    p = p or g
+    return KVCacheLayout(h, d, RowFormat(d, g, gran), RowFormat(d, g), sink=64, window=256, page_size=p)
+
+
+def _assert_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()[:5].tolist()
+        pairs = [(idx, got[tuple(idx)].item(), want[tuple(idx)].item()) for idx in bad]
+        raise AssertionError(f"{name}: {(got != want).sum().item()} mismatches, first (index, got, want): {pairs}")
+
+
+def _rows(n: int, h: int, p: int, d: int) -> torch.Tensor:
+    """Gaussian rows with outliers, ties (coarse grid) and one constant group: the quantizer's hard cases."""
+    x = torch.randn(n, h, p, d) * torch.linspace(0.1, 3.0, d)
+    x[..., ::7] = torch.round(x[..., ::7] * 4) / 4  # ties in |x| (the clip rank) and on code boundaries
+    x[0, 0, 0] = 0.5  # a constant row: scale 0
+    x[:, :, 1, 3] = 40.0  # an outlier the clip must cut
+    return x
+
+
+CLIPS = torch.tensor([1.0, 0.96, 0.5])
+LEVELS = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.8, 2.2, 3.0], [0.0, 1.3, 1.7, 3.0]])
+
+
+@pytest.mark.parametrize("d,g,gran", [(64, 64, "token"), (128, 128, "token"), (128, 64, "token"),
+                                      (64, 64, "channel"), (128, 128, "channel")])
+def test_quantize_pages_bit_exact(qp, device, d, g, gran):
+    lay = _layout(d, gran, g)
+    fmt = lay.key
+    x = _rows(3, 3, lay.page_size, d)
+    want_c, want_p = ref.quantize_pages(x, fmt, CLIPS, LEVELS)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, fmt, CLIPS.to(device), LEVELS.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+
+
+def test_quantize_bf16_input_bit_exact(qp, device):
+    lay = _layout(64, "token")
+    x = _rows(2, 3, 64, 64).bfloat16()
+    want_c, want_p = ref.quantize_pages(x.float(), lay.value, CLIPS, LEVELS)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.value, CLIPS.to(device), LEVELS.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+
+
+def test_write_pages_into_pool_at_page_ids(qp, device):
+    lay = _layout(64, "channel")
+    x = _rows(2, 3, 64, 64)
+    codes = torch.full(lay.codes_shape(5), 0xAB, dtype=torch.uint8, device=device)
+    params = torch.full(lay.key_params_shape(5), -7.0, dtype=torch.float16, device=device)
+    ids = torch.tensor([4, 1], dtype=torch.int32, device=device)
+    qp.write_pages(x.to(device), ids, codes, params, lay, lay.key, CLIPS.to(device), LEVELS.to(device))
+    want_c, want_p = ref.quantize_pages(x, lay.key, CLIPS, LEVELS)
+    _assert_equal("codes page 4", codes[4].cpu(), want_c[0])
+    _assert_equal("codes page 1", codes[1].cpu(), want_c[1])
+    _assert_equal("params page 1", params[1].cpu(), want_p[1])
+    for untouched in (0, 2, 3):  # pages not named are left alone
+        assert bool((codes[untouched] == 0xAB).all()) and bool((params[untouched] == -7.0).all())
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_fused_rotation_within_tolerance(qp, device, gran):
+    """(x @ R) * d - mu, rounded to BF16, then quantized: only exact-boundary flips may differ."""
+    lay = _layout(64, gran)
+    h, p, d = 3, lay.page_size, 64
+    rot = torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
+    tr = LayerTransform(
+        k_rotation=rot, v_rotation=rot.clone(), k_scale=torch.rand(h, d) + 0.5, v_scale=torch.ones(h, d),
+        k_mean=torch.randn(h, d) * 0.1, v_mean=torch.zeros(h, d), k_clip=CLIPS, v_clip=CLIPS,
+        k_levels=LEVELS, v_levels=LEVELS,
+    )
+    x = torch.randn(4, h, p, d) * 2  # model basis (post-RoPE keys), one page per leading index
+    stored = tr.transform_keys(x).bfloat16().float()  # what append_tokens would quantize
+    want_c, want_p = ref.quantize_pages(stored, lay.key, CLIPS, LEVELS)
+    got_c, got_p = qp.quantize_pages(
+        x.to(device), lay, lay.key, CLIPS.to(device), LEVELS.to(device),
+        rotation=(tr.k_rotation.to(device), tr.k_scale.to(device), tr.k_mean.to(device)),
+    )
+    got_c, got_p = got_c.cpu(), got_p.cpu()
+    deq_want = ref.dequantize_pages(want_c, want_p, lay.key, LEVELS)
+    deq_got = ref.dequantize_pages(got_c, got_p, lay.key, LEVELS)
+    code_flips = (ref.unpack_codes(got_c, d) != ref.unpack_codes(want_c, d)).float().mean().item()
+    rel = ((deq_got - deq_want).norm() / deq_want.norm()).item()
+    # a flip needs an fp32 summation-order difference to cross a BF16 rounding or code boundary: rare
+    assert code_flips <= 2e-3, f"fused rotation flipped {code_flips:.2%} of codes"
+    assert rel <= 5e-3, f"fused rotation: relative dequantized difference {rel:.3e}"
+
+
+def test_decode_step_update_matches_reference_appends(qp, device):
+    """Ragged batch, both key granularities: every buffer equal to T single-token reference appends."""
+    for gran in ("token", "channel"):
+        lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
+        tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+        bsz, maxp, start = 3, 6, [0, 30, 47]  # 47 = S0 + W + P - 1: the first step demotes
+        a = PagedKV.allocate(lay, bsz, bsz * maxp, maxp)
+        for b, t in enumerate(start):
+            if t:
+                ids = iter(range(b * maxp, (b + 1) * maxp))
+                ref.append_tokens(a, b, torch.randn(2, t, 64), torch.randn(2, t, 64), lay, tr, lambda: next(ids))
+        g = PagedKV(**{f: getattr(a, f).clone().to(device) for f in a.__dataclass_fields__})
+        g.block_table.copy_(torch.arange(bsz * maxp, dtype=torch.int32).view(bsz, maxp))  # reserved ahead
+        for _ in range(20):
+            k, v = torch.randn(bsz, 2, 64), torch.randn(bsz, 2, 64)
+            for b in range(bsz):
+                ids = iter(range(b * maxp + int(a.num_pages[b]), (b + 1) * maxp))
+                ref.append_tokens(a, b, k[b, :, None], v[b, :, None], lay, tr, lambda: next(ids))
+            qp.decode_step_update(g, k.to(device), v.to(device), lay, tr.to(device))
+        assert a.num_pages.tolist() == [0, 1, 2], a.num_pages  # demotions happened on the way
+        for f in a.__dataclass_fields__:
+            got, want = getattr(g, f).cpu(), getattr(a, f)
+            if f == "block_table":
+                for b in range(bsz):
+                    n = int(a.num_pages[b])
+                    _assert_equal(f"{gran} block_table[{b}]", got[b, :n], want[b, :n])
+            else:
+                _assert_equal(f"{gran} {f}", got, want)
+
+
+# ---- bad input: raised before any launch ---------------------------------------------------------------------
+
+
+def _good(device):
+    lay = _layout(64, "token")
+    x = torch.randn(2, 3, 64, 64, device=device)
+    return lay, x, CLIPS.to(device), LEVELS.to(device)
+
+
+def test_bad_inputs_raise(qp, device):
+    lay, x, clip, lev = _good(device)
+    with pytest.raises(ValueError, match="x: expected float32"):
+        qp.quantize_pages(x.to(torch.int32), lay, lay.key, clip, lev)
+    with pytest.raises(ValueError, match=r"x: expected \[N, 3, 64, 64\]"):
+        qp.quantize_pages(x[:, :2], lay, lay.key, clip, lev)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        qp.quantize_pages(x.transpose(-1, -2), lay, lay.key, clip, lev)
+    with pytest.raises(ValueError, match="clip: expected shape"):
+        qp.quantize_pages(x, lay, lay.key, clip[:2], lev)
+    with pytest.raises(ValueError, match="levels: expected dtype"):
+        qp.quantize_pages(x, lay, lay.key, clip, lev.double())
+    with pytest.raises(ValueError, match="device"):
+        qp.quantize_pages(x, lay, lay.key, clip.to("meta"), lev)
+    with pytest.raises(ValueError, match="round_dtype"):
+        qp.quantize_pages(x, lay, lay.key, clip, lev, rotation=(torch.eye(64, device=device).repeat(3, 1, 1),
+                          torch.ones(3, 64, device=device), torch.zeros(3, 64, device=device)),
+                          round_dtype=torch.float64)
+    with pytest.raises(ValueError, match="rotation: expected shape"):
+        qp.quantize_pages(x, lay, lay.key, clip, lev, rotation=(torch.eye(64, device=device),
+                          torch.ones(3, 64, device=device), torch.zeros(3, 64, device=device)))
+    codes = torch.zeros(lay.codes_shape(4), dtype=torch.uint8, device=device)
+    params = torch.zeros(lay.key_params_shape(4), dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="page_ids: expected dtype torch.int32"):
+        qp.write_pages(x, torch.tensor([0, 1], device=device), codes, params, lay, lay.key, clip, lev)
+    with pytest.raises(ValueError, match="params: expected dtype torch.float16"):
+        qp.write_pages(x, torch.tensor([0, 1], dtype=torch.int32, device=device), codes, params.float(), lay,
+                       lay.key, clip, lev)
+    odd = KVCacheLayout(3, 96, RowFormat(96, 96), RowFormat(96, 96), page_size=32)
+    with pytest.raises(NotImplementedError, match="power-of-two"):
+        qp.quantize_pages(torch.randn(1, 3, 32, 96, device=device), odd, odd.key, clip, lev)
+
+
+def test_decode_step_update_bad_inputs(qp, device):
+    lay = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=16, page_size=16)
+    st = PagedKV.allocate(lay, 2, 4, 2, device=device)
+    tr = LayerTransform.identity(2, 64).to(device)
+    k = torch.randn(2, 2, 64, device=device)
+    with pytest.raises(ValueError, match=r"k: expected shape \[2, 2, 64\]"):
+        qp.decode_step_update(st, k[:, :1], k, lay, tr)
+    with pytest.raises(ValueError, match="v: expected a contiguous"):
+        qp.decode_step_update(st, k, k.transpose(0, 1).contiguous().transpose(0, 1), lay, tr)
+    st.recent_k = st.recent_k.float()
+    with pytest.raises(ValueError, match="state.recent_k: expected dtype torch.bfloat16"):
+        qp.decode_step_update(st, k, k, lay, tr)
+    bad = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=24, page_size=16)
+    with pytest.raises(NotImplementedError, match="multiple of P"):
+        qp.decode_step_update(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, bad, tr)
