@@ -1,0 +1,287 @@
+"""The AOT bundle on a real GPU: binaries built on the CPU machine, loaded through the driver API.
+
+Run on the H200 (the bundle is built on the CPU machine and carried over)::
+
+    python tests/gpu/test_aot_gpu.py build .aot_bundle          # CPU machine: compile the test bundle
+    OSCAR_AOT_BUNDLE=.aot_bundle python -m pytest tests/gpu/test_aot_gpu.py -m gpu -s   # GPU machine
+
+Checks, for the cubin and for the PTX (driver JIT) of every kernel: the parameter list matches the
+manifest (``cuFuncGetParamInfo``); results are bitwise equal to the Triton JIT launch of the same kernel
+and constexprs; integer kernels equal the reference exactly, attention is within the error budget of the
+reference (at most 2x the error of a BF16 PyTorch computation, plus 1e-3); a decode step captured in a
+CUDA graph replays correctly with new inputs. A bundle compiled on the GPU machine with its own Triton
+(``local``) separates "the AOT path is wrong" from "two Triton versions compile differently".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 0.125  # 1 / sqrt(64)
+HEADS = 9
+
+
+def layouts():
+    from oscar_export.kernels.layout import KVCacheLayout
+
+    return {
+        "ktok": KVCacheLayout.default(3, 64),
+        "kch": KVCacheLayout.default(3, 64, key_granularity="channel"),
+    }
+
+
+def all_specs():
+    from oscar_export.kernels.aot.bundle import serving_specs
+
+    specs = {}
+    for i, lay in enumerate(layouts().values()):
+        for s in serving_specs(lay, HEADS, SCALE, probes=(i == 0)):
+            specs[s.name] = s
+    return list(specs.values())
+
+
+def build(out: str, archs=("sm_80", "sm_89", "sm_90")) -> None:
+    from oscar_export.kernels.aot.compile import build_bundle
+
+    build_bundle(all_specs(), out, archs=archs, progress=lambda i, n, name: print(f"[{i}/{n}] {name}", flush=True))
+
+
+# ---- fixtures -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cuda.bindings")
+    import triton
+
+    print(f"\nGPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton (JIT) {triton.__version__}")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def bundles(cuda, tmp_path_factory):
+    from oscar_export.kernels.aot.manifest import read_manifest
+
+    out = {}
+    path = os.environ.get("OSCAR_AOT_BUNDLE")
+    if path:
+        m = read_manifest(path)
+        print(f"CPU-built bundle: triton {m.data['triton_version']}, ptxas {m.data['ptxas']}, {len(m.entries)} binaries")
+        out["cpu"] = m
+    local = tmp_path_factory.mktemp("local") / "bundle"
+    build(str(local), archs=("sm_90",))
+    out["local"] = read_manifest(local)
+    return out
+
+
+SOURCES = [("cpu", "cubin"), ("cpu", "ptx"), ("local", "cubin")]
+
+
+def _kernel(bundles, where, source, name):
+    from oscar_export.kernels.aot.launcher import AotKernel
+
+    if where not in bundles:
+        pytest.skip(f"no {where} bundle (set OSCAR_AOT_BUNDLE)")
+    k = AotKernel(bundles[where], name, source=source)  # checks cuFuncGetParamInfo against the manifest
+    got = [s for _, s in k.param_info()]
+    assert len(got) == len(k.entry.spec.params) + 2 and got == k.entry.param_bytes()
+    return k
+
+
+def _report(what, a, b):
+    eq = torch.equal(a, b)
+    if not eq:
+        d = (a.float() - b.float()).abs()
+        print(f"  {what}: NOT bitwise equal: {int((d > 0).sum())} of {d.numel()} differ, max {d.max().item():.3g}")
+    return eq
+
+
+# ---- probe kernels --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where,source", SOURCES)
+def test_probe_kernels(bundles, where, source, cuda):
+    from oscar_export.kernels import reference
+    from oscar_export.kernels.aot.probe import _dequant_rows_kernel, _pack_codes_kernel
+
+    rows = 1000
+    codes = torch.randint(0, 4, (rows, 64), dtype=torch.uint8, device=cuda)
+    pk = _kernel(bundles, where, source, "probe_pack_codes_d64_g64")
+    out = torch.empty(rows, 16, dtype=torch.uint8, device=cuda)
+    pk.launch(codes, out, rows)
+    jit = torch.empty_like(out)
+    _pack_codes_kernel[(pk.grid([0, 0, rows])[0],)](codes, jit, rows, D=64, G=64, BLOCK_R=16, num_warps=4, num_stages=1)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), reference.pack_codes(codes.cpu(), 64))
+    assert _report("pack vs JIT", out, jit)
+
+    params = (torch.randn(rows, 1, 2, device=cuda)).half()
+    dk = _kernel(bundles, where, source, "probe_dequant_rows_d64_g64")
+    deq = torch.empty(rows, 64, dtype=torch.float32, device=cuda)
+    dk.launch(out, params, deq, rows)
+    jit_deq = torch.empty_like(deq)
+    _dequant_rows_kernel[(dk.grid([0, 0, 0, rows])[0],)](out, params, jit_deq, rows, D=64, G=64, BLOCK_R=16,
+                                                          num_warps=4, num_stages=1)
+    torch.cuda.synchronize()
+    ref = reference.dequantize_groups(codes.cpu(), params[:, 0, 0].cpu(), params[:, 0, 1].cpu(),
+                                      torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    err = (deq.cpu() - ref).abs().max().item()
+    print(f"  probe [{where} {source}]: pack exact vs reference; dequant max err vs reference {err:.3g}")
+    assert err <= 1e-6 * max(1.0, ref.abs().max().item())  # one FMA rounding at most
+    assert _report("dequant vs JIT", deq, jit_deq)
+
+
+# ---- quantize/pack --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lay", ["ktok", "kch"])
+@pytest.mark.parametrize("where,source", SOURCES)
+def test_quant_pack(bundles, where, source, lay, cuda):
+    from oscar_export.kernels import quant_pack, reference
+    from oscar_export.kernels.aot.bundle import layout_tag
+    from oscar_export.kernels.transform import clip_rank
+
+    layout = layouts()[lay]
+    tag = layout_tag(layout, HEADS)
+    n, h, p, d = 5, layout.num_kv_heads, layout.page_size, layout.head_dim
+    x = torch.randn(n, h, p, d, device=cuda).bfloat16()
+    page_ids = torch.tensor([7, 2, 9, 0, 4], dtype=torch.int32, device=cuda)
+    clip = torch.tensor([1.0, 0.96, 0.9], device=cuda)
+    levels = torch.tensor([0.0, 1.0, 2.0, 3.0], device=cuda).expand(h, 4).contiguous()
+    for which, fmt in (("k", layout.key), ("v", layout.value)):
+        k = _kernel(bundles, where, source, f"quant_pack_{which}_{tag}")
+        group = p if fmt.granularity == "channel" else fmt.group_size
+        removals = (group - 1 - clip_rank(clip, group)).to(torch.int32)
+        pools = []
+        for _ in range(2):
+            pools.append((torch.zeros(layout.codes_shape(10), dtype=torch.uint8, device=cuda),
+                          torch.zeros(layout.params_shape(fmt, 10), dtype=torch.float16, device=cuda)))
+        args = [x, page_ids, removals, levels, levels, levels, levels, pools[0][0], pools[0][1],
+                x.stride(0), x.stride(1), x.stride(2)]
+        k.launch(*args, grid_inputs={"N": n})
+        quant_pack.write_pages(x, page_ids, pools[1][0], pools[1][1], layout, fmt, clip, levels)
+        torch.cuda.synchronize()
+        rc, rp = reference.quantize_pages(x.float().cpu(), fmt, clip.cpu(), levels.cpu())
+        ids = page_ids.long().cpu()
+        assert torch.equal(pools[0][0].cpu()[ids], rc) and torch.equal(pools[0][1].cpu()[ids], rp), which
+        assert _report(f"quant_pack {which} vs JIT", pools[0][0], pools[1][0])
+        assert _report(f"quant_pack {which} params vs JIT", pools[0][1], pools[1][1])
+    print(f"  quant_pack [{where} {source} {lay}]: codes and params exact vs reference and JIT")
+
+
+# ---- decode attention ------------------------------------------------------------------------------------------
+
+
+def _state(layout, lengths, cuda, seed=0):
+    from oscar_export.kernels import reference
+    from oscar_export.kernels.layout import PagedKV
+    from oscar_export.kernels.transform import LayerTransform
+
+    g = torch.Generator().manual_seed(seed)
+    h, d = layout.num_kv_heads, layout.head_dim
+    t = LayerTransform.identity(h, d, 0.96, 0.92)
+    t = replace(t, k_rotation=torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))[0].float(),
+                k_scale=torch.rand(h, d, generator=g) + 0.5)
+    max_pages = max(1, max(layout.pages_for(n) for n in lengths))
+    st = PagedKV.allocate(layout, len(lengths), pool_pages=len(lengths) * max_pages + 3, max_pages=max_pages)
+    free = list(range(st.k_codes.shape[0]))[::-1]
+    for b, n in enumerate(lengths):
+        k = torch.randn(h, n, d, generator=g) * 2
+        v = torch.randn(h, n, d, generator=g)
+        reference.append_tokens(st, b, k, v, layout, t, free.pop)
+    st = PagedKV(*[getattr(st, f).to(cuda) for f in st.__dataclass_fields__])
+    return st, t, max_pages
+
+
+def _aot_decode(split, merge, q, rot, dsc, st, t, plan, cuda):
+    part_o = torch.empty(plan.batch, HEADS, plan.n_splits, q.shape[-1], device=cuda)
+    part_lse = torch.empty(plan.batch, HEADS, plan.n_splits, device=cuda)
+    out = torch.empty(plan.batch, HEADS, q.shape[-1], dtype=torch.bfloat16, device=cuda)
+    a = plan.split_args()
+    split.launch(q, rot, dsc, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
+                 st.v_params, t.k_levels, t.v_levels, st.block_table, st.sink_len, st.num_pages, st.recent_len,
+                 part_o, part_lse, a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"],
+                 grid_inputs={"B": plan.batch})
+    merge.launch(part_o, part_lse, out, plan.n_splits, grid_inputs={"rows": plan.batch * HEADS})
+    return out
+
+
+def _bf16_attention(qs, k, v, valid):
+    """The same attention computed by PyTorch in BF16 (the error-budget yardstick)."""
+    hkv = k.shape[1]
+    b, h, d = qs.shape
+    qg = qs.bfloat16().view(b, hkv, h // hkv, d)
+    s = torch.matmul(qg, k.bfloat16().transpose(-1, -2)) * SCALE
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s.float(), -1).bfloat16()
+    return torch.matmul(p, v.bfloat16()).view(b, h, d).float()
+
+
+@pytest.mark.parametrize("lay", ["ktok", "kch"])
+@pytest.mark.parametrize("where,source", SOURCES)
+def test_decode_attention(bundles, where, source, lay, cuda):
+    from oscar_export.kernels import decode_attention as jit_mod
+    from oscar_export.kernels import reference
+    from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
+
+    layout = layouts()[lay]
+    tag = layout_tag(layout, HEADS)
+    lengths = [1, 321, 777, 1500]  # no pages, first page edge, several pages (ragged)
+    st, t, max_pages = _state(layout, lengths, cuda)
+    tc = t.to(cuda)
+    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    split = _kernel(bundles, where, source, f"decode_split_{tag}")
+    merge = _kernel(bundles, where, source, f"decode_merge_{tag}")
+    pps = 2
+    plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
+    out = _aot_decode(split, merge, q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
+                                   q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16, pages_per_split=pps)
+    torch.cuda.synchronize()
+    qs = t.transform_queries(q.float().cpu()[:, :, None]).squeeze(2)
+    cpu_st = type(st)(*[getattr(st, f).cpu() for f in st.__dataclass_fields__])
+    ref = reference.decode_attention(qs, cpu_st, layout, t.k_levels, t.v_levels, SCALE)
+    k, v, valid = reference.gather_context(cpu_st, layout, t.k_levels, t.v_levels)
+    lp = _bf16_attention(qs.to(cuda), k.to(cuda), v.to(cuda), valid.to(cuda)).cpu()
+    err, lp_err = (out.float().cpu() - ref).abs().max().item(), (lp - ref).abs().max().item()
+    print(f"  decode [{where} {source} {lay}] B={len(lengths)} lengths {lengths}: max err vs reference {err:.3g}, "
+          f"BF16 torch {lp_err:.3g}")
+    assert err <= 2 * lp_err + 1e-3
+    assert _report("decode vs JIT", out, jit)
+
+    # CUDA graph: capture one step, change the query in place, replay, compare with an eager launch.
+    static_q = q.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    q2 = torch.randn_like(q)
+    static_q.copy_(q2)
+    graph.replay()
+    eager = _aot_decode(split, merge, q2, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    torch.cuda.synchronize()
+    assert not torch.equal(g_out, out)  # the replay really used the new query
+    assert torch.equal(g_out, eager), "graph replay differs from an eager launch"
+    print(f"  decode [{where} {source} {lay}]: CUDA graph replay == eager launch")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "build":
+        build(sys.argv[2])
+        print(f"wrote {Path(sys.argv[2]).resolve()}")
+    else:
+        sys.exit(f"usage: {sys.argv[0]} build OUT_DIR")
