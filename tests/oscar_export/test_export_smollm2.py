@@ -86,6 +86,7 @@ def _oscar_logits(model, art, ids, steps):
     return torch.cat(out)
 
 
+@pytest.mark.slow  # minutes on 2 CPUs: two OSCAR-cache runs of a 200-token prompt through the reference ops
 def test_exported_with_oscar_cache_matches_unexported_with_artifact(smollm2, exported):
     pytest.importorskip("oscar_export.plugins.hf.support")
     model, tok = smollm2

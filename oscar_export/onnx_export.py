@@ -1,0 +1,203 @@
+"""ONNX form of one OSCAR decode-attention layer, for TensorRT's ONNX-parser route.
+
+The graph holds one node ``OscarDecodeAttention`` in the custom domain ``oscar`` (TensorRT maps it to the
+plugin of the same name, ``plugins/trt``), with the layout as attributes::
+
+    inputs   q [B, H, D] f32 (model basis)   k_rotation [H_kv, D, D] f32   k_scale [H_kv, D] f32
+             sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, W+P, D] bf16
+             k_codes, v_codes [N, H_kv, P, D/4] u8   k_params, v_params f16 (layout.params_shape)
+             k_levels, v_levels [H_kv, 4] f32   block_table [B, M] i32   sink_len, num_pages, recent_len [B] i32
+    output   out [B, H, D] f32 (stored value basis: the exported o_proj undoes the value rotation)
+
+``reference=True`` also embeds a model-local ONNX *function* with the same domain and name whose body is
+the op written in standard ONNX operators (opset 18) — ``reference.decode_attention`` step by step: rotate
+the query, unpack the 2-bit codes with BitShift/BitwiseAnd, dequantize ``lo + scale * level``, gather the
+pages through the block table, mask, softmax, weighted sum. onnxruntime inlines the function, so the very
+node TensorRT would hand to the plugin runs here through its reference definition. The body is generated
+for the layout in the node's attributes (``B`` and ``M`` stay symbolic).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DOMAIN = "oscar"
+OP = "OscarDecodeAttention"
+OPSET = 18
+INPUTS = (
+    "q", "k_rotation", "k_scale", "sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes",
+    "v_params", "k_levels", "v_levels", "block_table", "sink_len", "num_pages", "recent_len",
+)
+
+
+def _onnx():
+    try:
+        import onnx
+        from onnx import TensorProto, helper
+    except ImportError as e:
+        raise ImportError("the ONNX export needs onnx: pip install 'oscar-export[onnx]'") from e
+    return onnx, TensorProto, helper
+
+
+def node_attributes(layout, num_heads: int, sm_scale: float) -> dict[str, Any]:
+    return {
+        "num_heads": num_heads, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+        "page_size": layout.page_size, "sink": layout.sink, "window": layout.window,
+        "key_group_size": layout.key.group_size, "value_group_size": layout.value.group_size,
+        "key_granularity": layout.key.granularity, "codebook": int(layout.key.codebook or layout.value.codebook),
+        "sm_scale": float(sm_scale), "rotate_q": 1,
+    }
+
+
+def _io(layout, num_heads: int):
+    _, T, helper = _onnx()
+    h, hkv, d, p = num_heads, layout.num_kv_heads, layout.head_dim, layout.page_size
+    kp = ["N", hkv, p, layout.key.groups, 2] if layout.key.granularity == "token" else ["N", hkv, 2, d]
+    spec = {
+        "q": (T.FLOAT, ["B", h, d]), "k_rotation": (T.FLOAT, [hkv, d, d]), "k_scale": (T.FLOAT, [hkv, d]),
+        "sink_k": (T.BFLOAT16, ["B", hkv, layout.sink, d]), "sink_v": (T.BFLOAT16, ["B", hkv, layout.sink, d]),
+        "recent_k": (T.BFLOAT16, ["B", hkv, layout.recent_capacity, d]),
+        "recent_v": (T.BFLOAT16, ["B", hkv, layout.recent_capacity, d]),
+        "k_codes": (T.UINT8, ["N", hkv, p, d // 4]), "k_params": (T.FLOAT16, kp),
+        "v_codes": (T.UINT8, ["N", hkv, p, d // 4]), "v_params": (T.FLOAT16, ["N", hkv, p, layout.value.groups, 2]),
+        "k_levels": (T.FLOAT, [hkv, 4]), "v_levels": (T.FLOAT, [hkv, 4]), "block_table": (T.INT32, ["B", "M"]),
+        "sink_len": (T.INT32, ["B"]), "num_pages": (T.INT32, ["B"]), "recent_len": (T.INT32, ["B"]),
+    }
+    inputs = [helper.make_tensor_value_info(n, *spec[n]) for n in INPUTS]
+    output = helper.make_tensor_value_info("out", T.FLOAT, ["B", h, d])
+    return inputs, output
+
+
+class _Body:
+    """Appends standard-ONNX nodes; ``c(name, values, dtype)`` makes constants."""
+
+    def __init__(self) -> None:
+        self.onnx, self.T, self.h = _onnx()
+        self.nodes: list = []
+        self.n = 0
+
+    def op(self, op_type: str, *inputs: str, **attrs) -> str:
+        self.n += 1
+        out = f"t{self.n}_{op_type.lower()}"
+        self.nodes.append(self.h.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def c(self, values, dtype=None) -> str:
+        import numpy as np
+
+        arr = np.asarray(values, dtype=dtype or np.int64)
+        self.n += 1
+        out = f"c{self.n}"
+        self.nodes.append(self.h.make_node("Constant", [], [out], value=self.onnx.numpy_helper.from_array(arr)))
+        return out
+
+
+def _unpack(b: _Body, packed: str, d: int, g: int) -> str:
+    """``[..., D/4]`` uint8 -> ``[..., D]`` int64 codes (layout.py bit order)."""
+    import numpy as np
+
+    ng, q = d // g, g // 4
+    x = b.op("Unsqueeze", b.op("Reshape", packed, b.c([0, 0, 0, 0, ng, q])), b.c([-2]))  # [B,M,Hkv,P,NG,1,Q]
+    shifted = b.op("BitShift", x, b.c(np.array([0, 2, 4, 6], np.uint8).reshape(4, 1), np.uint8), direction="RIGHT")
+    codes = b.op("BitwiseAnd", shifted, b.c(np.array(3, np.uint8), np.uint8))  # [B,M,Hkv,P,NG,4,Q]
+    return b.op("Reshape", codes, b.c([0, 0, 0, 0, d]))
+
+
+def _levels(b: _Body, codes: str, levels: str) -> str:
+    """Code -> level per KV head: ``levels [H_kv, 4]`` -> f32 shaped like ``codes [B, M, H_kv, P, D]``."""
+    lv = b.op("Reshape", levels, b.c([1, 1, -1, 1, 1, 4]))
+    level = [b.op("Squeeze", b.op("Gather", lv, b.c([j]), axis=5), b.c([5])) for j in range(4)]  # [1,1,Hkv,1,1]
+    out = b.op("Expand", level[3], b.op("Shape", codes))
+    for j in (2, 1, 0):
+        out = b.op("Where", b.op("Equal", codes, b.op("Cast", b.c(j), to=b.T.UINT8)), level[j], out)
+    return out
+
+
+def _history(b: _Body, layout, fmt, codes_in: str, params_in: str, levels: str, table: str) -> str:
+    """Dequantized pages of every sequence: ``[B, H_kv, M*P, D]`` float32."""
+    d, p = layout.head_dim, layout.page_size
+    idx = b.op("Cast", table, to=b.T.INT64)
+    codes = _unpack(b, b.op("Gather", codes_in, idx, axis=0), d, fmt.group_size)  # [B,M,Hkv,P,D] u8
+    lev = _levels(b, codes, levels)  # [B,M,Hkv,P,D] f32
+    prm = b.op("Cast", b.op("Gather", params_in, idx, axis=0), to=b.T.FLOAT)
+    if fmt.granularity == "token":  # prm [B,M,Hkv,P,NG,2]
+        g = fmt.group_size
+        lev = b.op("Reshape", lev, b.c([0, 0, 0, 0, d // g, g]))
+        scale = b.op("Gather", prm, b.c([0]), axis=5)  # [B,M,Hkv,P,NG,1]
+        lo = b.op("Gather", prm, b.c([1]), axis=5)
+        x = b.op("Reshape", b.op("Add", lo, b.op("Mul", scale, lev)), b.c([0, 0, 0, 0, d]))
+    else:  # prm [B,M,Hkv,2,D]
+        scale = b.op("Gather", prm, b.c([0]), axis=3)  # [B,M,Hkv,1,D]
+        lo = b.op("Gather", prm, b.c([1]), axis=3)
+        x = b.op("Add", lo, b.op("Mul", scale, lev))
+    x = b.op("Transpose", x, perm=[0, 2, 1, 3, 4])  # [B,Hkv,M,P,D]
+    return b.op("Reshape", x, b.c([0, 0, -1, d]))
+
+
+def _valid(b: _Body, n: int | str, length: str) -> str:
+    """``[B, n]`` bool: slot index < length (``n`` a constant or a scalar tensor name)."""
+    limit = b.c(n) if isinstance(n, int) else n
+    ar = b.op("Range", b.c(0), limit, b.c(1))
+    return b.op("Less", b.op("Unsqueeze", ar, b.c([0])), b.op("Unsqueeze", b.op("Cast", length, to=b.T.INT64), b.c([1])))
+
+
+def reference_function(layout, num_heads: int, sm_scale: float):
+    """The ONNX FunctionProto ``oscar.OscarDecodeAttention`` in standard operators (see the module doc)."""
+    import numpy as np
+
+    b = _Body()
+    T = b.T
+    hkv, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
+    g = num_heads // hkv
+    # q_s = (q @ R_K[h]) / d_K[h], grouped by KV head: [B, H_kv, g, D]
+    qg = b.op("Reshape", "q", b.c([0, hkv, g, d]))
+    qs = b.op("Div", b.op("MatMul", qg, "k_rotation"), b.op("Unsqueeze", "k_scale", b.c([1])))
+    kh = _history(b, layout, layout.key, "k_codes", "k_params", "k_levels", "block_table")
+    vh = _history(b, layout, layout.value, "v_codes", "v_params", "v_levels", "block_table")
+    k = b.op("Concat", b.op("Cast", "sink_k", to=T.FLOAT), kh, b.op("Cast", "recent_k", to=T.FLOAT), axis=2)
+    v = b.op("Concat", b.op("Cast", "sink_v", to=T.FLOAT), vh, b.op("Cast", "recent_v", to=T.FLOAT), axis=2)
+    m = b.op("Gather", b.op("Shape", "block_table"), b.c(1), axis=0)  # scalar M
+    hist_len = b.op("Mul", b.op("Cast", "num_pages", to=T.INT64), b.c(p))
+    valid = b.op("Concat", _valid(b, layout.sink, "sink_len"), _valid(b, b.op("Mul", m, b.c(p)), hist_len),
+                 _valid(b, layout.recent_capacity, "recent_len"), axis=1)  # [B, T]
+    s = b.op("Mul", b.op("MatMul", qs, b.op("Transpose", k, perm=[0, 1, 3, 2])), b.c(np.float32(sm_scale), np.float32))
+    mask = b.op("Unsqueeze", valid, b.c([1, 2]))  # [B, 1, 1, T]
+    s = b.op("Where", mask, s, b.c(np.float32(-np.inf), np.float32))
+    pr = b.op("Softmax", s, axis=-1)
+    pr = b.op("Where", b.op("IsNaN", pr), b.c(np.float32(0.0), np.float32), pr)  # nothing to attend -> zeros
+    o = b.op("MatMul", pr, v)  # [B, H_kv, g, D]
+    b.nodes.append(b.h.make_node("Reshape", [o, b.c([0, num_heads, d])], ["out"]))
+    attrs = sorted(node_attributes(layout, num_heads, sm_scale))
+    return b.h.make_function(DOMAIN, OP, list(INPUTS), ["out"], b.nodes,
+                             [b.h.make_opsetid("", OPSET)], attributes=attrs)
+
+
+def decode_attention_model(layout, num_heads: int, sm_scale: float, reference: bool = False):
+    """The one-node ONNX model (with the reference function embedded if ``reference``)."""
+    onnx, _, helper = _onnx()
+    if num_heads % layout.num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
+    inputs, output = _io(layout, num_heads)
+    node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, name="oscar_decode_attention",
+                            **node_attributes(layout, num_heads, sm_scale))
+    graph = helper.make_graph([node], "oscar_decode_attention_layer", inputs, [output])
+    functions = [reference_function(layout, num_heads, sm_scale)] if reference else []
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+                              functions=functions, producer_name="oscar-export")
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model
+
+
+def export_decode_attention_onnx(layout, num_heads: int, sm_scale: float, path: str | Path,
+                                 reference: bool = False) -> Path:
+    """Write the model to ``path`` (the TensorRT form by default: the node without a function body)."""
+    onnx, _, _ = _onnx()
+    model = decode_attention_model(layout, num_heads, sm_scale, reference)
+    onnx.save(model, str(path))
+    return Path(path)
+
+
+__all__ = ["DOMAIN", "INPUTS", "OP", "decode_attention_model", "export_decode_attention_onnx", "node_attributes",
+           "reference_function"]
