@@ -104,7 +104,7 @@ class LayerTransform:
         """``[B, H, T, D]`` post-RoPE queries -> stored key basis (fp32); H = H_kv * groups."""
         b, h, t, d = q.shape
         g = h // self.num_kv_heads
-        q = q.float().view(b, self.num_kv_heads, g * t, d)
+        q = q.float().reshape(b, self.num_kv_heads, g * t, d)
         q = torch.matmul(q, self.k_rotation.unsqueeze(0)) / self.k_scale[None, :, None, :]
         return q.view(b, h, t, d)
 
@@ -122,7 +122,7 @@ class LayerTransform:
         """
         b, h, t, d = o.shape
         g = h // self.num_kv_heads
-        o = o.float().view(b, self.num_kv_heads, g * t, d) + self.v_mean[None, :, None, :]
+        o = o.float().reshape(b, self.num_kv_heads, g * t, d) + self.v_mean[None, :, None, :]
         if not self.values_prerotated:
             o = torch.matmul(o / self.v_scale[None, :, None, :], self.v_rotation.transpose(-1, -2).unsqueeze(0))
         return o.view(b, h, t, d)
