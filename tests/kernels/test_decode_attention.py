@@ -1,0 +1,172 @@
+"""Triton mixed-precision paged decode attention against an fp64 evaluation of ``reference.gather_context``.
+
+Error budget (flash-attention's rule, STYLE.md): on the same packed cache, the kernel's max error against
+fp64 must be at most 2x the max error of a BF16 PyTorch computation of the same attention, plus 1e-5.
+Shapes: the boundary lengths of tests/conftest.py in one ragged batch, GQA ratios 1/3/4/8, head_dim 64/128,
+both key granularities, fitted codebooks, the fused query rotation, split counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_export.kernels import reference as ref
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.transform import LayerTransform
+
+from conftest import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
+
+
+def _cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, spare_pages: int = 1) -> PagedKV:
+    """A ragged batch written through the reference (page ids shuffled so the block table matters)."""
+    h, d = lay.num_kv_heads, lay.head_dim
+    max_pages = max(1, max(lay.pages_for(t) for t in lengths)) + spare_pages
+    pool = len(lengths) * max_pages
+    st = PagedKV.allocate(lay, len(lengths), pool, max_pages)
+    free = torch.randperm(pool).tolist()
+    scale = torch.linspace(0.3, 2.0, d)  # uneven channels, like real keys
+    for b, t in enumerate(lengths):
+        if t:
+            k = torch.randn(h, t, d) * scale + 0.3
+            v = torch.randn(h, t, d)
+            ref.append_tokens(st, b, k, v, lay, tr, free.pop)
+    return st
+
+
+def _errors(got: torch.Tensor, q: torch.Tensor, st: PagedKV, lay: KVCacheLayout, tr: LayerTransform, scale: float):
+    """(kernel error, BF16 PyTorch error) against fp64, max abs over all outputs; plus the fp64 output."""
+    k, v, valid = ref.gather_context(st, lay, tr.k_levels, tr.v_levels)  # [B, H_kv, T, D] fp32, [B, T]
+    b, hq, d = q.shape
+    hkv = lay.num_kv_heads
+    mask = valid[:, None, None, :]
+
+    def attend(qq, kk, vv, dt):
+        qg = qq.to(dt).reshape(b, hkv, hq // hkv, d)
+        s = torch.matmul(qg, kk.to(dt).transpose(-1, -2)).double() * scale
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+        o = torch.matmul(p.to(dt), vv.to(dt))
+        return o.reshape(b, hq, d).double()
+
+    want = attend(q, k, v, torch.float64)
+    bf16 = attend(q, k, v, torch.bfloat16)
+    return (got.double().cpu() - want).abs(), (bf16 - want).abs().max().item(), want
+
+
+def _check_budget(got, q, st, lay, tr, scale, what=""):
+    err, err_bf16, want = _errors(got, q, st, lay, tr, scale)
+    budget = 2 * err_bf16 + 1e-5
+    if not err.max().item() <= budget:
+        flat = err.flatten().topk(5)
+        idx = [torch.unravel_index(i, err.shape) for i in flat.indices]
+        rows = [(tuple(int(j) for j in ix), float(got.cpu()[ix]), float(want[ix])) for ix in idx]
+        raise AssertionError(f"{what}: max error {err.max().item():.3e} > budget {budget:.3e} "
+                             f"(BF16 error {err_bf16:.3e}); worst (index, got, fp64): {rows}")
+    return err.max().item(), err_bf16
+
+
+def _layout(h_kv: int, d: int, gran: str, **kw) -> KVCacheLayout:
+    return KVCacheLayout.default(h_kv, d, gran, **kw)
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_boundary_lengths_ragged_batch(da, device, gran):
+    """Half the boundary lengths per granularity (interpreter time), one KV head of 3 query heads."""
+    lay = _layout(1, 64, gran)  # S0 64, W 256, P 64: the grid BOUNDARY_LENGTHS is built around
+    tr = LayerTransform.identity(1, 64, k_clip=0.96, v_clip=0.92)
+    lengths = [0] + BOUNDARY_LENGTHS[gran == "channel"::2]  # an empty sequence too: zeros, like the reference
+    st = _cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), 3, 64)
+    scale = 64**-0.5
+    got = da.decode_attention(q.to(device), PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__}),
+                              lay, tr.k_levels.to(device), tr.v_levels.to(device), scale, pages_per_split=4)
+    assert torch.equal(got[0].cpu(), torch.zeros(3, 64)), "an empty sequence must give zeros"
+    _check_budget(got, q, st, lay, tr, scale, f"boundary {gran}")
+
+
+@pytest.mark.parametrize("hq,hkv", GQA_SHAPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_gqa_and_head_dims(da, device, hq, hkv, d):
+    gran = "channel" if (hq // hkv + d) % 2 else "token"  # both granularities over the grid, half the time
+    if (hq, hkv) == (8, 2):
+        gran = "token" if d == 64 else "channel"
+    lay = _layout(hkv, d, gran, sink=16, window=32)
+    tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
+    p = lay.page_size
+    lengths = [3, 16 + 32 + p + 1, 16 + 32 + 3 * p + 17]
+    st = _cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), hq, d) * 2
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    got = da.decode_attention(q.to(device), dev_st, lay, tr.k_levels.to(device), tr.v_levels.to(device), d**-0.5,
+                              pages_per_split=1, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    _check_budget(got.float(), q, st, lay, tr, d**-0.5, f"gqa {hq}/{hkv} d={d} {gran}")
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_codebook_rotation_and_splits(da, device, gran):
+    """Fitted levels, q·R_K/d fused into the prologue, and the split count not changing the result."""
+    hkv, hq, d = 2, 8, 64
+    lay = KVCacheLayout(hkv, d, RowFormat(d, d, gran, codebook=True), RowFormat(d, d, codebook=True),
+                        sink=16, window=32, page_size=64)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
+    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
+    tr = LayerTransform(
+        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
+        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
+        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),
+        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
+    )
+    st = _cache(lay, [200, 500], tr)
+    q_model = torch.randn(2, hq, d)
+    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
+                                q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
+    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"codebook+rotation {gran}")
+    outs = [da.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=n) for n in (1, 64)]
+    for n, o in zip((1, 64), outs):  # the split count moves the softmax max, so fp16 roundings of p differ
+        _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
+
+
+# ---- bad input: raised before any launch ---------------------------------------------------------------------
+
+
+def test_bad_inputs_raise(da, device):
+    lay = _layout(2, 64, "token", sink=16, window=32)
+    tr = LayerTransform.identity(2, 64)
+    st = PagedKV.allocate(lay, 2, 4, 2, device=device)
+    q = torch.randn(2, 4, 64, device=device)
+    kl, vl = tr.k_levels.to(device), tr.v_levels.to(device)
+    call = lambda **kw: da.decode_attention(**{**dict(q=q, state=st, layout=lay, k_levels=kl, v_levels=vl,  # noqa: E731
+                                                      scale=0.125), **kw})
+    with pytest.raises(ValueError, match=r"q: expected \[B, H, D\]"):
+        call(q=q[:, :, None])
+    with pytest.raises(ValueError, match="q: expected float32"):
+        call(q=q.to(torch.int32))
+    with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+        call(q=q[:, :3].contiguous())
+    with pytest.raises(ValueError, match="q: expected a contiguous"):
+        call(q=q.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(ValueError, match="q: expected head_dim 64"):
+        call(q=q[..., :32].contiguous())
+    with pytest.raises(ValueError, match="k_levels: expected shape"):
+        call(k_levels=kl[:1])
+    with pytest.raises(ValueError, match="scale: expected a positive"):
+        call(scale=float("nan"))
+    with pytest.raises(ValueError, match="pages_per_split"):
+        call(pages_per_split=0)
+    with pytest.raises(ValueError, match="device"):
+        call(k_levels=kl.to("meta"))
+    for field, bad in (("block_table", st.block_table.long()), ("sink_k", st.sink_k.float()),
+                       ("recent_v", st.recent_v[:1]), ("k_params", st.k_params.float())):
+        broken = PagedKV(**{**{f: getattr(st, f) for f in st.__dataclass_fields__}, field: bad})
+        with pytest.raises(ValueError, match=f"state.{field}"):
+            call(state=broken)
+    with pytest.raises(NotImplementedError, match="head_dim 64, 128 or 256"):
+        small = _layout(2, 32, "token")
+        call(layout=small, state=PagedKV.allocate(small, 2, 4, 2, device=device), q=torch.randn(2, 4, 32, device=device))
+    with pytest.raises(NotImplementedError, match="group_size must equal head_dim"):
+        g64 = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 64), page_size=64)
+        call(layout=g64, state=PagedKV.allocate(g64, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
