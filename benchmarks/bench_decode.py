@@ -1,0 +1,186 @@
+"""Per-layer decode attention on the GPU: the INT2 mixed-precision kernel vs PyTorch SDPA BF16 vs the copy roofline.
+
+    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json]
+
+32 query / 8 KV heads, head_dim 128 (DESIGN §6). Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
+queries and outputs); times are medians of CUDA-event timings over input sets rotated to defeat the L2
+(enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
+captured decode step runs), ``eager`` times plain launches. ``--sweep`` also tries pages-per-split /
+num_warps / num_stages variants and reports each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+
+import torch
+import torch.nn.functional as F
+
+from oscar_export.kernels.decode_attention import decode_attention, default_pages_per_split
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV
+
+HQ, HKV, D = 32, 8, 128
+SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 32768), (64, 8192)]
+
+
+def env_line() -> str:
+    import triton
+
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+            f"git {sha or '?'}")
+
+
+def median_ms(fn, sets: int, iters: int) -> float:
+    """Median of per-call CUDA-event times; ``fn(i)`` runs on input set ``i % sets``."""
+    for i in range(min(sets, 10)):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(i)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_ms(fns, reps: int = 20) -> float:
+    """Per-call time of a CUDA graph that calls every ``fns[i]`` once (one per rotated input set)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / len(fns))
+    return statistics.median(times)
+
+
+def random_state(lay: KVCacheLayout, batch: int, seq: int) -> PagedKV:
+    """Random (not zero) codes, params and windows for ``batch`` sequences of ``seq`` tokens; shuffled pages."""
+    sink, pages, recent = lay.split(seq)
+    st = PagedKV.allocate(lay, batch, max(1, batch * pages), max(1, pages), device="cuda")
+    st.k_codes.random_(0, 256)
+    st.v_codes.random_(0, 256)
+    st.k_params.copy_(torch.rand_like(st.k_params, dtype=torch.float32) * 0.1 - 0.05)
+    st.v_params.copy_(torch.rand_like(st.v_params, dtype=torch.float32) * 0.1 - 0.05)
+    for t in (st.sink_k, st.sink_v, st.recent_k, st.recent_v):
+        t.normal_()
+    if pages:
+        st.block_table.copy_(torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages))
+    st.sink_len.fill_(sink)
+    st.num_pages.fill_(pages)
+    st.recent_len.fill_(recent)
+    return st
+
+
+def copies_for(nbytes: int) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(32, math.ceil(4 * l2 / max(1, nbytes))))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = median_ms(lambda i: b.copy_(a), 1, 20)
+    return 2 * n / ms / 1e9
+
+
+def bench_shape(batch: int, seq: int, gran: str, sweep: bool) -> list[dict]:
+    lay = KVCacheLayout.default(HKV, D, gran)
+    scale = D**-0.5
+    kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
+    nbytes = batch * lay.sequence_bytes(seq) + 2 * batch * HQ * D * 2  # cache + q in + out (bf16)
+    sets = copies_for(nbytes)
+    states = [random_state(lay, batch, seq) for _ in range(sets)]
+    qs = [torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    max_pages = states[0].block_table.shape[1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    pps0 = default_pages_per_split(batch, HKV, max_pages, sms)
+    variants = [dict(pages_per_split=pps0, num_warps=4, num_stages=2)]
+    if sweep:
+        for pps in sorted({max(1, pps0 // 2), pps0 * 2, max(1, pps0 // 4)} - {pps0}):
+            variants.append(dict(pages_per_split=pps, num_warps=4, num_stages=2))
+        variants += [dict(pages_per_split=pps0, num_warps=8, num_stages=2),
+                     dict(pages_per_split=pps0, num_warps=4, num_stages=3)]
+    rows = []
+    for var in variants:
+        call = lambda i, v=var: decode_attention(qs[i % sets], states[i % sets], lay, kl, kl, scale,  # noqa: E731
+                                                  out_dtype=torch.bfloat16, **v)
+        eager = median_ms(call, sets, 100)
+        graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
+        rows.append(dict(kernel="oscar-int2", gran=gran, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
+                         graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, **var))
+    del states
+    # SDPA BF16 on the same shape: 32 q heads over 8 KV heads, one query token
+    kv_bytes = 2 * batch * HKV * seq * D * 2
+    ssets = copies_for(kv_bytes)
+    ks = [torch.randn(batch, HKV, seq, D, device="cuda", dtype=torch.bfloat16) for _ in range(ssets)]
+    vs = [torch.randn_like(k) for k in ks]
+    qq = [torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(ssets)]
+    sd = lambda i: F.scaled_dot_product_attention(qq[i % ssets], ks[i % ssets], vs[i % ssets], enable_gqa=True)  # noqa: E731
+    eager = median_ms(sd, ssets, 50)
+    graph = graph_ms([lambda i=i: sd(i) for i in range(ssets)])
+    rows.append(dict(kernel="sdpa-bf16", gran="-", batch=batch, seq=seq, bytes=kv_bytes, eager_us=eager * 1e3,
+                     graph_us=graph * 1e3, tbps=kv_bytes / (graph * 1e-3) / 1e12))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES))
+    ap.add_argument("--gran", default="token,channel")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    print(env_line())
+    bw = copy_bandwidth()
+    print(f"device copy: {bw:.2f} TB/s (read + write)")
+    rows = []
+    for shape in args.shapes.split(","):
+        b, s = (int(x) for x in shape.split("x"))
+        for gran in args.gran.split(","):
+            got = bench_shape(b, s, gran, args.sweep)
+            if gran != args.gran.split(",")[0]:
+                got = [r for r in got if r["kernel"] != "sdpa-bf16"]
+            rows += got
+            for r in got:
+                print(json.dumps(r), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
+    print(f"\n{'shape':>9} {'kernel':>10} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'eager us':>9} {'graph us':>9} "
+          f"{'TB/s':>5} {'x SDPA':>6}")
+    sdpa = {(r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
+    for r in rows:
+        x = sdpa[(r["batch"], r["seq"])] / r["graph_us"]
+        print(f"{r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
+              f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
+              f"{r['tbps']:5.2f} {x:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

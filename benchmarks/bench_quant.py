@@ -1,0 +1,105 @@
+"""Quantize/pack (prefill write) and decode-step demotion on the GPU, as a fraction of the copy bandwidth.
+
+    python benchmarks/bench_quant.py [--json out.json]
+
+8 KV heads, head_dim 128, P = 128. Bytes = bytes read + bytes written, from the layout's shapes:
+prefill write reads the BF16 rows and writes codes + params; ``+rot`` also fuses ``(x @ R) * d - mu``;
+demotion (every sequence due at once) reads P rows of K and V, writes a page and shifts W rows left
+(read + write) and appends the new token; its counters are reset between calls by two tiny fills, which
+the time includes. Medians of CUDA-graph replays over rotated input sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV
+from oscar_export.kernels.quant_pack import decode_step_update, write_pages
+from oscar_export.kernels.transform import LayerTransform
+
+from bench_decode import copy_bandwidth, copies_for, env_line, graph_ms  # noqa: E402  (same folder)
+
+H, D = 8, 128
+
+
+def bench_write(n_pages: int, gran: str, rotate: bool) -> dict:
+    lay = KVCacheLayout.default(H, D, gran)
+    fmt = lay.key
+    clip = torch.full((H,), 0.96, device="cuda")
+    lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(H, 1)
+    rot = None
+    if rotate:
+        r = torch.linalg.qr(torch.randn(H, D, D, device="cuda"))[0].contiguous()
+        rot = (r, torch.ones(H, D, device="cuda"), torch.zeros(H, D, device="cuda"))
+    in_bytes = n_pages * H * lay.page_size * D * 2
+    out_bytes = n_pages * (H * lay.page_size * D // 4 + lay.key.param_bytes_per_page(lay.page_size) * H)
+    sets = copies_for(in_bytes)
+    xs = [torch.randn(n_pages, H, lay.page_size, D, device="cuda").bfloat16() for _ in range(sets)]
+    codes = torch.empty(lay.codes_shape(n_pages * sets), dtype=torch.uint8, device="cuda")
+    params = torch.empty(lay.params_shape(fmt, n_pages * sets), dtype=torch.float16, device="cuda")
+    ids = [torch.arange(i * n_pages, (i + 1) * n_pages, dtype=torch.int32, device="cuda") for i in range(sets)]
+    fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot) for i in range(sets)]
+    us = graph_ms(fns) * 1e3
+    nbytes = in_bytes + out_bytes
+    return dict(op="prefill write" + (" +rot" if rotate else ""), gran=gran, pages=n_pages, bytes=nbytes, us=us,
+                tbps=nbytes / (us * 1e-6) / 1e12)
+
+
+def bench_demote(batch: int, gran: str) -> dict:
+    lay = KVCacheLayout.default(H, D, gran)
+    tr = LayerTransform.identity(H, D, 0.96, 0.92).to("cuda")
+    p, cap = lay.page_size, lay.recent_capacity
+    sets = 2
+    states = []
+    for _ in range(sets):
+        st = PagedKV.allocate(lay, batch, batch * 4, 4, device="cuda")
+        st.recent_k.normal_()
+        st.recent_v.normal_()
+        st.block_table.copy_(torch.arange(batch * 4, dtype=torch.int32, device="cuda").view(batch, 4))
+        st.sink_len.fill_(lay.sink)
+        states.append(st)
+    k = torch.randn(batch, H, D, device="cuda")
+    v = torch.randn(batch, H, D, device="cuda")
+
+    def step(st):
+        st.recent_len.fill_(cap)
+        st.num_pages.fill_(1)
+        decode_step_update(st, k, v, lay, tr)
+
+    us = graph_ms([lambda st=st: step(st) for st in states]) * 1e3
+    row_bytes = H * D * 2
+    nbytes = batch * (2 * p * row_bytes + 2 * (lay.page_bytes() // 2)  # read P K+V rows, write one page
+                      + 2 * 2 * (cap - p) * row_bytes + 2 * row_bytes)  # shift K+V (read+write), append
+    return dict(op="demote+append", gran=gran, pages=batch, bytes=nbytes, us=us, tbps=nbytes / (us * 1e-6) / 1e12)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    print(env_line())
+    bw = copy_bandwidth()
+    print(f"device copy: {bw:.2f} TB/s (read + write)")
+    rows = []
+    for gran in ("token", "channel"):
+        for n in (64, 1024):
+            rows.append(bench_write(n, gran, rotate=False))
+        rows.append(bench_write(1024, gran, rotate=True))
+        rows.append(bench_demote(64, gran))
+    for r in rows:
+        print(json.dumps(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
+    print(f"\n{'op':>18} {'gran':>7} {'pages':>6} {'MB':>8} {'us':>8} {'TB/s':>6} {'% copy':>6}")
+    for r in rows:
+        print(f"{r['op']:>18} {r['gran']:>7} {r['pages']:>6} {r['bytes'] / 1e6:8.1f} {r['us']:8.1f} {r['tbps']:6.2f} "
+              f"{100 * r['tbps'] / bw:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

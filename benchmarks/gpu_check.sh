@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick]
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 - <<'PY' 2>&1 | tee "$OUT/gpu.txt"
+import datetime, torch, triton
+try:
+    import pynvml as n
+    n.nvmlInit(); h = n.nvmlDeviceGetHandleByIndex(0)
+    name = n.nvmlDeviceGetName(h); name = name.decode() if isinstance(name, bytes) else name
+    mem = n.nvmlDeviceGetMemoryInfo(h).total / 2**30
+    clk = lambda t: (n.nvmlDeviceGetClockInfo(h, t), n.nvmlDeviceGetMaxClockInfo(h, t))
+    sm, memc = clk(n.NVML_CLOCK_SM), clk(n.NVML_CLOCK_MEM)
+    print(f"nvml: {name}, memory {mem:.1f} GiB, SM clock {sm[0]}/{sm[1]} MHz (now/max), memory clock {memc[0]}/{memc[1]} MHz, driver {n.nvmlSystemGetDriverVersion()}")
+except Exception as e:
+    print("nvml unavailable:", e)
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}, triton {triton.__version__}, {p.name}, {p.multi_processor_count} SMs, L2 {p.L2_cache_size/2**20:.0f} MiB, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
+PY
+step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc"; tail -n 25 "$OUT/$name.log"; return 0; }
+step gpu_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -x -q -p no:cacheprovider
+[ "${1:-}" = quick ] || step kernel_tests 150 python3 -m pytest tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py -q -x -p no:cacheprovider
+step bench_quant 120 python3 benchmarks/bench_quant.py --json "$OUT/bench_quant.json"
+step bench_decode 300 python3 benchmarks/bench_decode.py --sweep --json "$OUT/bench_decode.json"
+echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/gpu_tests.log "$OUT"/kernel_tests.log 2>/dev/null | tail -n 4
+tail -n 30 "$OUT/bench_decode.log"
