@@ -1,0 +1,203 @@
+"""Which Hugging Face models the OSCAR cache supports, and ``enable_oscar``: the one entry point.
+
+Supported: the Llama family (SmolLM2 included), Qwen2 (q/k/v biases) and Qwen3 (q_norm/k_norm) with full
+attention in every layer. Their attention modules apply RoPE (and Qwen3's norms) before ``cache.update``,
+so the cache and the attention function see exactly the post-RoPE keys and queries DESIGN §4 asks for.
+Anything else raises ``NotImplementedError`` naming the architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from oscar_export.kernels.layout import KVCacheLayout
+from oscar_export.kernels.transform import LayerTransform
+
+from .attention import ATTENTION_NAME, oscar_attention, oscar_mask
+from .cache import OscarCache
+from .ops import CacheOps, get_ops
+
+#: ``config.model_type`` values the cache supports.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the cache needs to know about a model's attention: L layers, H query heads, H_kv, D."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def model_attention_shape(model_or_config: Any) -> AttentionShape:
+    """Validate a model (or its config) and return its attention shape.
+
+    Raises:
+        NotImplementedError: an architecture other than Llama / Qwen2 / Qwen3, or sliding-window layers.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        raise NotImplementedError(
+            f"OSCAR cache: architecture {arch!r} (model_type {model_type!r}) is not supported; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other or getattr(config, "use_sliding_window", False):
+        raise NotImplementedError(
+            f"OSCAR cache: only full-attention layers are supported, {model_type} config has {other or 'sliding window'}"
+        )
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionShape(config.num_hidden_layers, heads, kv_heads, head_dim)
+
+
+def register_attention() -> None:
+    """Register ``"oscar"`` with transformers' AttentionInterface and AttentionMaskInterface (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, oscar_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, oscar_mask)
+
+
+def _load_artifact(artifact: Any) -> Any:
+    if isinstance(artifact, (str, Path)):
+        try:
+            from oscar_export.calibration.artifact import load_artifact
+        except ModuleNotFoundError as e:
+            raise ImportError(f"loading an artifact needs oscar_export.calibration.artifact: {e}") from e
+        return load_artifact(artifact)
+    for name in ("layout", "transforms", "check_model"):
+        if not hasattr(artifact, name):
+            raise ValueError(f"artifact: expected a directory path or an OscarArtifact, got {type(artifact).__name__}")
+    return artifact
+
+
+@dataclass(frozen=True)
+class OscarSetup:
+    """A model switched to the OSCAR cache; makes caches for it and can switch it back.
+
+    Also a context manager: ``with enable_oscar(model) as oscar: ...`` restores the previous attention
+    implementation on exit.
+    """
+
+    model: Any
+    shape: AttentionShape
+    layout: KVCacheLayout
+    transforms: tuple[LayerTransform, ...]
+    ops: CacheOps
+    previous_attn_implementation: str
+
+    def make_cache(
+        self, batch_size: int, max_length: int, pool_pages: int | None = None, overcommit: bool = False
+    ) -> OscarCache:
+        """A fresh cache for ``batch_size`` sequences of up to ``max_length`` tokens (prompt + generated).
+
+        Windows take the model's dtype and device; the pool defaults to B * pages(max_length) pages.
+        """
+        p = next(self.model.parameters())
+        return OscarCache(
+            self.layout, self.transforms, batch_size, max_length, pool_pages=pool_pages, overcommit=overcommit,
+            device=p.device, dtype=p.dtype, backend=self.ops,
+        )
+
+    def restore(self) -> None:
+        """Switch the model back to the attention implementation it had before ``enable_oscar``."""
+        self.model.set_attn_implementation(self.previous_attn_implementation)
+
+    def __enter__(self) -> "OscarSetup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def enable_oscar(
+    model: Any,
+    artifact: Any = None,
+    backend: str | CacheOps = "torch",
+    *,
+    layout: KVCacheLayout | None = None,
+    key_granularity: str = "channel",
+    k_clip: float = 1.0,
+    v_clip: float = 1.0,
+) -> OscarSetup:
+    """Switch ``model`` to the OSCAR cache: validate it, register and select the ``"oscar"`` attention.
+
+    Args:
+        model: a transformers causal LM (Llama family, Qwen2, Qwen3).
+        artifact: None (identity transforms, clip ratios ``k_clip``/``v_clip``, the default layout with
+            ``key_granularity`` keys), an ``OscarArtifact`` or the path of an artifact directory (checked
+            against the model).
+        backend: ``"torch"`` (reference ops), ``"torch.compile"``, or a ``CacheOps`` (``ops.py``).
+        layout: without an artifact, a layout to use instead of ``KVCacheLayout.default`` (e.g. small
+            windows for tests).
+        key_granularity: without an artifact or layout, ``"channel"`` (KIVI-style per-channel keys within a
+            page, the default) or ``"token"``. Measured on SmolLM2 (800-token prompt, first 32 greedy tokens vs
+            BF16): identity rotation with per-token keys agreed on 2/32 tokens, with per-channel keys 28/32.
+    Returns:
+        an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
+        ``past_key_values``.
+    """
+    shape = model_attention_shape(model)
+    ops = get_ops(backend)
+    if artifact is None:
+        layout = layout or KVCacheLayout.default(shape.num_kv_heads, shape.head_dim, key_granularity)
+        transforms: Sequence[LayerTransform] = [
+            LayerTransform.identity(shape.num_kv_heads, shape.head_dim, k_clip, v_clip) for _ in range(shape.num_layers)
+        ]
+    else:
+        if layout is not None:
+            raise ValueError("layout: the artifact defines the layout; pass one or the other")
+        art = _load_artifact(artifact)
+        art.check_model(model.config)
+        layout, transforms = art.layout, list(art.transforms)
+    _check_layout(layout, transforms, shape)
+    register_attention()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous)
+
+
+def cache_kwargs(model: Any, cache: OscarCache) -> dict[str, OscarCache]:
+    """``{"cache": cache}`` or ``{"past_key_values": cache}``: the keyword this transformers version uses."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def _check_layout(layout: KVCacheLayout, transforms: Sequence[LayerTransform], shape: AttentionShape) -> None:
+    if (layout.num_kv_heads, layout.head_dim) != (shape.num_kv_heads, shape.head_dim):
+        raise ValueError(
+            f"layout: expected H_kv={shape.num_kv_heads}, D={shape.head_dim} (the model's), "
+            f"got H_kv={layout.num_kv_heads}, D={layout.head_dim}"
+        )
+    if len(transforms) != shape.num_layers:
+        raise ValueError(f"transforms: expected {shape.num_layers} (one per layer), got {len(transforms)}")
+    for i, t in enumerate(transforms):
+        if (t.num_kv_heads, t.head_dim) != (shape.num_kv_heads, shape.head_dim):
+            raise ValueError(
+                f"transforms[{i}]: expected H_kv={shape.num_kv_heads}, D={shape.head_dim}, "
+                f"got H_kv={t.num_kv_heads}, D={t.head_dim}"
+            )
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionShape",
+    "cache_kwargs",
+    "OscarSetup",
+    "enable_oscar",
+    "model_attention_shape",
+    "register_attention",
+]
