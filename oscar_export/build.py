@@ -78,8 +78,10 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool) -> str:
         "plain cache it reproduces the original model.",
     ]
     if onnx:
-        lines += ["", "`onnx/oscar_decode_attention.onnx`: one decode-attention layer; its `OscarDecodeAttention` node",
-                  "(domain `oscar`) maps to the TensorRT plugin of the same name (`plugins/trt`)."]
+        lines += ["", "`onnx/oscar_decode_attention.onnx`: one decode-attention layer as one `oscar.OscarDecodeAttention`",
+                  "node with its reference definition embedded (onnxruntime runs it). `onnx/oscar_decode_attention_trt.onnx`:",
+                  "the same layer as the two TensorRT AOT plugin nodes `oscar::OscarDecodeSplit` -> `oscar::OscarDecodeMerge`",
+                  "(`oscar_export.plugins.trt.register_plugins`; not executed here)."]
     return "\n".join(lines) + "\n"
 
 
@@ -111,7 +113,7 @@ def build_deployment(export_dir: str | Path, out: str | Path, archs: list[str], 
             from oscar_export.onnx_export import export_decode_attention_onnx
 
             (tmp / "onnx").mkdir()
-            export_decode_attention_onnx(layout, shape["num_heads"], shape["sm_scale"], tmp / "onnx" / "oscar_decode_attention.onnx")
+            export_decode_attention_onnx(layout, shape["num_heads"], shape["sm_scale"], tmp / "onnx")
         manifest = json.loads((tmp / "kernels" / "manifest.json").read_text())
         deploy = {
             "model": shape,

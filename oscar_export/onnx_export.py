@@ -1,7 +1,8 @@
 """ONNX form of one OSCAR decode-attention layer, for TensorRT's ONNX-parser route.
 
-The graph holds one node ``OscarDecodeAttention`` in the custom domain ``oscar`` (TensorRT maps it to the
-plugin of the same name, ``plugins/trt``), with the layout as attributes::
+The graph holds one node ``OscarDecodeAttention`` in the custom domain ``oscar``, with the layout as
+attributes (the TensorRT form, :func:`decode_attention_trt_model`, splits it into the two nodes named after
+the two TensorRT plugins, ``OscarDecodeSplit`` and ``OscarDecodeMerge``: one kernel launch each)::
 
     inputs   q [B, H, D] f32 (model basis)   k_rotation [H_kv, D, D] f32   k_scale [H_kv, D] f32
              sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, W+P, D] bf16
@@ -190,14 +191,46 @@ def decode_attention_model(layout, num_heads: int, sm_scale: float, reference: b
     return model
 
 
-def export_decode_attention_onnx(layout, num_heads: int, sm_scale: float, path: str | Path,
-                                 reference: bool = False) -> Path:
-    """Write the model to ``path`` (the TensorRT form by default: the node without a function body)."""
+def decode_attention_trt_model(layout, num_heads: int, sm_scale: float, pages_per_split: int = 8):
+    """The TensorRT form: the same inputs through ``oscar::OscarDecodeSplit`` -> ``oscar::OscarDecodeMerge``.
+
+    A TensorRT AOT plugin launches one kernel, and decode attention is two (split-K, then the LSE merge),
+    so the layer is two plugin nodes (``plugins/trt``); ``out`` is BF16 ``[B, H, D]``. Not executable by
+    onnxruntime (no reference body): the semantic one-node model above is what runs here.
+    """
+    onnx, T, helper = _onnx()
+    from oscar_export.plugins.trt.shapes import MERGE_PLUGIN, SPLIT_PLUGIN, DecodeShapes
+
+    shapes = DecodeShapes.from_layout(layout, num_heads, pages_per_split)
+    inputs, _ = _io(layout, num_heads)
+    attrs = dict(node_attributes(layout, num_heads, sm_scale), pages_per_split=pages_per_split)
+    split = helper.make_node(SPLIT_PLUGIN, list(INPUTS), ["part_o", "part_lse"], domain=DOMAIN, name="oscar_split", **attrs)
+    merge = helper.make_node(MERGE_PLUGIN, ["part_o", "part_lse"], ["out"], domain=DOMAIN, name="oscar_merge",
+                             num_heads=num_heads, head_dim=layout.head_dim)
+    out = helper.make_tensor_value_info("out", T.BFLOAT16, list(shapes.merge_output("B")))
+    h, d = num_heads, layout.head_dim  # n_splits = shapes.n_splits(M), symbolic here
+    value_info = [helper.make_tensor_value_info("part_o", T.FLOAT, ["B", h, "n_splits", d]),
+                  helper.make_tensor_value_info("part_lse", T.FLOAT, ["B", h, "n_splits"])]
+    graph = helper.make_graph([split, merge], "oscar_decode_attention_layer_trt", inputs, [out], value_info=value_info)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
+                              producer_name="oscar-export")
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    return model
+
+
+def export_decode_attention_onnx(layout, num_heads: int, sm_scale: float, out_dir: str | Path,
+                                 pages_per_split: int = 8) -> list[Path]:
+    """Write ``oscar_decode_attention.onnx`` (one node + its reference function; onnxruntime runs it) and
+    ``oscar_decode_attention_trt.onnx`` (the two TensorRT plugin nodes) into ``out_dir``."""
     onnx, _, _ = _onnx()
-    model = decode_attention_model(layout, num_heads, sm_scale, reference)
-    onnx.save(model, str(path))
-    return Path(path)
+    out_dir = Path(out_dir)
+    ref = out_dir / "oscar_decode_attention.onnx"
+    trt = out_dir / "oscar_decode_attention_trt.onnx"
+    onnx.save(decode_attention_model(layout, num_heads, sm_scale, reference=True), str(ref))
+    onnx.save(decode_attention_trt_model(layout, num_heads, sm_scale, pages_per_split), str(trt))
+    return [ref, trt]
 
 
-__all__ = ["DOMAIN", "INPUTS", "OP", "decode_attention_model", "export_decode_attention_onnx", "node_attributes",
-           "reference_function"]
+__all__ = ["DOMAIN", "INPUTS", "OP", "decode_attention_model", "decode_attention_trt_model",
+           "export_decode_attention_onnx", "node_attributes", "reference_function"]

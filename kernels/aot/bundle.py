@@ -9,6 +9,8 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * ``decode_split`` — ``kernels/decode_attention.py:_decode_split_kernel`` with the query rotation fused
   (``ROTATE_Q``), BF16 queries. Grid ``(B * H_kv, n_splits)``.
 * ``decode_merge`` — ``_merge_kernel``, BF16 output. Grid ``(B * H,)``.
+* ``trt_decode_split`` / ``trt_decode_merge`` — the same two kernels in TensorRT's AOT-plugin parameter
+  order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
 
 num_warps/num_stages are the JIT wrappers' (quant_pack and merge: 4 warps, Triton's default 3 stages;
@@ -27,6 +29,8 @@ from .spec import KernelSpec, Param
 _QP = "oscar_export.kernels.quant_pack:_quant_pack_kernel"
 _SPLIT = "oscar_export.kernels.decode_attention:_decode_split_kernel"
 _MERGE = "oscar_export.kernels.decode_attention:_merge_kernel"
+_TRT_SPLIT = "oscar_export.kernels.aot.trt_order:_decode_split_trt_kernel"
+_TRT_MERGE = "oscar_export.kernels.aot.trt_order:_merge_trt_kernel"
 #: BF16 tokens per sink/recent split (``decode_attention.BF16_CHUNK``; checked in the tests).
 BF16_CHUNK = 64
 #: splits the merge kernel combines per step (the wrapper's CH).
@@ -116,7 +120,25 @@ def decode_merge_spec(layout: KVCacheLayout, tag: str) -> KernelSpec:
     )
 
 
-def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes: bool = True) -> list[KernelSpec]:
+def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> list[KernelSpec]:
+    """The decode kernels in TensorRT's plugin order (same constexprs, warps and stages as the originals)."""
+    split, merge = decode_split_spec(layout, num_heads, sm_scale, tag), decode_merge_spec(layout, tag)
+    sp = {p.name: p for p in split.params}
+    order = [p.name for p in split.params if p.name not in ("part_o_ptr", "part_lse_ptr")] + ["part_o_ptr", "part_lse_ptr"]
+    mp = {p.name: p for p in merge.params}
+    return [
+        KernelSpec(name=f"trt_{split.name}", kernel=_TRT_SPLIT, params=tuple(sp[n] for n in order),
+                   constexprs=split.constexprs, grid=split.grid, grid_inputs=split.grid_inputs,
+                   num_warps=split.num_warps, num_stages=split.num_stages, doc=split.doc + " [TensorRT order]"),
+        KernelSpec(name=f"trt_{merge.name}", kernel=_TRT_MERGE,
+                   params=tuple(mp[n] for n in ("part_o_ptr", "part_lse_ptr", "n_splits", "out_ptr")),
+                   constexprs=merge.constexprs, grid=merge.grid, grid_inputs=merge.grid_inputs,
+                   num_warps=merge.num_warps, num_stages=merge.num_stages, doc=merge.doc + " [TensorRT order]"),
+    ]
+
+
+def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes: bool = True,
+                  trt: bool = True) -> list[KernelSpec]:
     """Every kernel variant serving ``layout`` needs (see the module doc)."""
     tag = layout_tag(layout, num_heads)
     specs = [
@@ -127,6 +149,8 @@ def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes
         decode_split_spec(layout, num_heads, sm_scale, tag),
         decode_merge_spec(layout, tag),
     ]
+    if trt:
+        specs += trt_specs(layout, num_heads, sm_scale, tag)
     if probes:
         specs += probe_specs(layout.head_dim, layout.value.group_size)
     return specs
@@ -163,5 +187,5 @@ def decode_plan(layout: KVCacheLayout, batch: int, num_heads: int, max_pages: in
 
 __all__ = [
     "BF16_CHUNK", "DecodePlan", "decode_merge_spec", "decode_plan", "decode_split_spec", "layout_tag",
-    "quant_pack_spec", "serving_specs",
+    "quant_pack_spec", "serving_specs", "trt_specs",
 ]

@@ -16,7 +16,8 @@ from oscar_export.kernels import reference  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 from oscar_export.onnx_export import (  # noqa: E402
-    DOMAIN, INPUTS, OP, decode_attention_model, export_decode_attention_onnx, node_attributes,
+    DOMAIN, INPUTS, OP, decode_attention_model, decode_attention_trt_model, export_decode_attention_onnx,
+    node_attributes,
 )
 
 SCALE = 0.125
@@ -93,11 +94,11 @@ def test_onnxruntime_matches_reference(gran, heads, kv, codebook):
 
 def test_model_checks_and_shapes(tmp_path):
     layout = KVCacheLayout.default(3, 64)
-    path = export_decode_attention_onnx(layout, 9, SCALE, tmp_path / "layer.onnx")
-    m = onnx.load(str(path))
+    ref_path, trt_path = export_decode_attention_onnx(layout, 9, SCALE, tmp_path)
+    m = onnx.load(str(ref_path))
     onnx.checker.check_model(m, full_check=True)
     assert [n.op_type for n in m.graph.node] == [OP] and m.graph.node[0].domain == DOMAIN
-    assert not m.functions  # the TensorRT form: the plugin implements the node
+    assert [f.name for f in m.functions] == [OP]  # the reference body travels with the node
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in m.graph.node[0].attribute}
     want = node_attributes(layout, 9, SCALE)
     assert attrs["num_heads"] == 9 and attrs["page_size"] == 64 and attrs["key_granularity"] == b"token"
@@ -106,6 +107,24 @@ def test_model_checks_and_shapes(tmp_path):
     inferred = onnx.shape_inference.infer_shapes(ref, strict_mode=True)
     out = inferred.graph.output[0].type.tensor_type
     assert [d.dim_param or d.dim_value for d in out.shape.dim] == ["B", 9, 64]
+
+
+def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
+    from oscar_export.plugins.trt.shapes import MERGE_PLUGIN, SPLIT_PLUGIN, DecodeShapes
+
+    layout = KVCacheLayout.default(3, 64)
+    m = decode_attention_trt_model(layout, 9, SCALE, pages_per_split=4)
+    onnx.checker.check_model(m, full_check=True)
+    assert [(n.domain, n.op_type) for n in m.graph.node] == [(DOMAIN, SPLIT_PLUGIN), (DOMAIN, MERGE_PLUGIN)]
+    assert list(m.graph.node[0].input) == list(INPUTS)
+    assert not m.functions  # TensorRT must map the nodes to its plugins, not inline a body
+    shapes = DecodeShapes.from_layout(layout, 9, 4)
+    vi = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
+    assert vi["part_o"] == ["B", 9, "n_splits", 64] and vi["part_lse"] == ["B", 9, "n_splits"]
+    po, pl = shapes.split_outputs(2, 10)  # concrete: B = 2, M = 10 pages
+    assert po == (2, 9, 3 + 1 + 5, 64) and pl == po[:3]  # cdiv(10, 4) page splits + sink 1 + recent 5 chunks
+    out = [d.dim_param or d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim]
+    assert out == list(shapes.merge_output("B"))
 
 
 def test_bad_heads():

@@ -1,0 +1,42 @@
+"""The decode kernels with TensorRT's AOT-plugin calling convention: tensor inputs, int32 extras, outputs.
+
+TensorRT's ``@trtp.aot_impl`` launches one kernel whose parameters are the plugin's input tensors, then the
+int32 "extra args", then its output tensors. The decode kernels (``kernels/decode_attention.py``) put their
+outputs before their integer arguments, so these two thin kernels take the TensorRT order and call the
+originals (Triton inlines them): no math of their own, same binary arithmetic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..decode_attention import _decode_split_kernel, _merge_kernel
+
+
+@triton.jit
+def _decode_split_trt_kernel(
+    q_ptr, rot_ptr, dscale_ptr,
+    sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+    k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+    block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+    max_pages, pages_per_split, n_page_splits, n_splits,
+    part_o_ptr, part_lse_ptr,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+):
+    """``_decode_split_kernel`` with the outputs (part_o, part_lse) last. Grid ``(B * H_kv, n_splits)``."""
+    _decode_split_kernel(
+        q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+        block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr, part_o_ptr, part_lse_ptr,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
+    )
+
+
+@triton.jit
+def _merge_trt_kernel(part_o_ptr, part_lse_ptr, n_splits, out_ptr, D: tl.constexpr, CH: tl.constexpr):
+    """``_merge_kernel`` with the output last. Grid ``(B * H,)``."""
+    _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D, CH)

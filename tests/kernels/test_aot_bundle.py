@@ -1,0 +1,80 @@
+"""The serving kernels' bundle on the CPU: specs match the Triton kernels, every variant compiles for every
+target and passes the gates, and the host launch plan equals the JIT wrapper's arithmetic."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("triton")
+
+from oscar_export.kernels import decode_attention as decode_mod  # noqa: E402
+from oscar_export.kernels.aot import bundle  # noqa: E402
+from oscar_export.kernels.aot.compile import DEFAULT_ARCHS, compile_kernel  # noqa: E402
+from oscar_export.kernels.aot.manifest import SHARED_LIMIT  # noqa: E402
+from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
+
+LAYOUTS = {
+    "smollm2": (KVCacheLayout.default(3, 64), 9),
+    "channel_keys": (KVCacheLayout.default(3, 64, key_granularity="channel"), 9),
+    "d128_gqa4": (KVCacheLayout.default(2, 128), 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_specs_match_kernels(name):
+    layout, heads = LAYOUTS[name]
+    specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5)
+    assert len({s.name for s in specs}) == len(specs)
+    for s in specs:
+        s.jit_function()  # raises if params/constexprs do not match the kernel's arguments, in order
+
+
+def test_constants_mirror_the_jit_wrapper():
+    assert bundle.BF16_CHUNK == decode_mod.BF16_CHUNK
+    src = inspect.getsource(decode_mod.decode_attention)
+    assert "CH=16" in src and bundle.MERGE_CHUNK == 16
+    assert "num_warps: int = 4" in src and "num_stages: int = 2" in src
+    split = bundle.decode_split_spec(*LAYOUTS["smollm2"], 0.125, "t")
+    assert (split.num_warps, split.num_stages) == (4, 2)
+
+
+@pytest.mark.parametrize("batch, max_pages, pps", [(1, 1, 1), (4, 23, 2), (64, 128, 8)])
+def test_decode_plan(batch, max_pages, pps):
+    layout, heads = LAYOUTS["smollm2"]
+    plan = bundle.decode_plan(layout, batch, heads, max_pages, pps)
+    assert plan.n_page_splits == -(-max_pages // pps)
+    assert plan.n_splits == plan.n_page_splits + 1 + 5  # sink 64 = 1 chunk, recent 320 = 5 chunks of 64
+    with pytest.raises(ValueError, match="must be > 0"):
+        bundle.decode_plan(layout, batch, heads, max_pages, 0)
+
+
+def test_bad_heads():
+    with pytest.raises(ValueError, match="not a multiple"):
+        bundle.decode_split_spec(KVCacheLayout.default(3, 64), 8, 0.125, "t")
+
+
+@pytest.mark.slow  # ~1 min on 2 CPUs: the real bundle, every variant x 3 targets, each through ptxas
+def test_serving_bundle_compiles_for_every_target():
+    layout, heads = LAYOUTS["smollm2"]
+    failures = []
+    for spec in bundle.serving_specs(layout, heads, 0.125, probes=False):
+        for arch in DEFAULT_ARCHS:
+            try:
+                ck = compile_kernel(spec, arch)
+            except Exception as e:  # collect all, report together with the root cause
+                while e.__cause__ is not None:
+                    e = e.__cause__
+                failures.append(f"{spec.name} {arch}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            assert ck.entry.shared <= SHARED_LIMIT[ck.entry.arch]
+    assert not failures, "\n".join(failures)
+
+
+def test_decode_kernels_compile_for_sm90():
+    layout, heads = LAYOUTS["smollm2"]
+    tag = bundle.layout_tag(layout, heads)
+    for spec in (bundle.decode_split_spec(layout, heads, 0.125, tag), bundle.decode_merge_spec(layout, tag)):
+        ck = compile_kernel(spec, "sm_90")  # gates: scratch 0, params + 2, shared memory
+        assert ck.entry.symbol in ck.ptx.decode()

@@ -1,0 +1,94 @@
+"""`oscar-export build`: the deployable directory from an exported checkpoint, and its error cases."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+from oscar_export.build import build_deployment  # noqa: E402
+from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint  # noqa: E402
+from oscar_export.cli import main  # noqa: E402
+from oscar_export.export import export_checkpoint  # noqa: E402
+from oscar_export.kernels.aot.manifest import read_manifest  # noqa: E402
+from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
+from oscar_export.kernels.transform import LayerTransform  # noqa: E402
+
+
+def _export(path, kv_heads=1):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    layout = KVCacheLayout.default(kv_heads, 64)
+    art = OscarArtifact(layout, (LayerTransform.identity(kv_heads, 64),), model_fingerprint(cfg), {}, {})
+    return export_checkpoint(model, None, art, path)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("exp") / "ckpt")
+
+
+@pytest.mark.slow  # ~30 s on 2 CPUs: compiles the whole serving bundle (one target)
+def test_build_writes_the_deployment(exported, tmp_path):
+    out = build_deployment(exported, tmp_path / "deploy", ["sm_90"], onnx=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md", "checkpoint", "deploy.json", "kernels", "onnx", "trtllm_module"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy"]  # no temp dir left
+    m = read_manifest(out / "kernels")
+    assert m.archs() == ["sm_90"]
+    names = {e.name for e in m.entries}
+    assert any(n.startswith("decode_split_") for n in names) and any(n.startswith("quant_pack_v_") for n in names)
+    readme = (out / "README.md").read_text()
+    assert "trtllm-serve serve ./checkpoint --backend pytorch --custom_module_dirs ./trtllm_module" in readme
+    assert "Untested here" in readme
+    deploy = json.loads((out / "deploy.json").read_text())
+    assert deploy["executed_here"]["tensorrt_llm"] is False and deploy["model"]["num_heads"] == 2
+    assert (out / "trtllm_module" / "__init__.py").read_text().count("register(") == 1
+    assert sorted(p.name for p in (out / "onnx").iterdir()) == ["oscar_decode_attention.onnx",
+                                                               "oscar_decode_attention_trt.onnx"]
+    assert transformers.AutoConfig.from_pretrained(out / "checkpoint").oscar["values_prerotated"] is True
+
+
+def test_unknown_arch_leaves_nothing(exported, tmp_path):
+    with pytest.raises(ValueError, match="unknown GPU arch 'sm_75'"):
+        build_deployment(exported, tmp_path / "d", ["sm_75"])
+    assert not any(tmp_path.iterdir())
+
+
+def test_not_an_export(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="no 'oscar' section"):
+        build_deployment(tmp_path / "plain", tmp_path / "d", ["sm_90"])
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        build_deployment(tmp_path / "nothing", tmp_path / "d", ["sm_90"])
+
+
+def test_missing_artifact_and_mismatched_heads(exported, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(exported, broken)
+    shutil.rmtree(broken / "oscar_artifact")
+    with pytest.raises(FileNotFoundError, match="artifact oscar_artifact/ is missing"):
+        build_deployment(broken, tmp_path / "d", ["sm_90"])
+    edited = tmp_path / "edited"
+    shutil.copytree(exported, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    cfg["num_key_value_heads"] = 2
+    (edited / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config has 2 KV heads x head_dim 64, its artifact layout 1 x 64"):
+        build_deployment(edited, tmp_path / "d", ["sm_90"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "edited"]
+
+
+def test_cli_errors(exported, tmp_path, capsys):
+    assert main(["build", "--export", str(exported), "--out", str(tmp_path)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["build", "--export", str(exported), "--out", str(tmp_path / "x"), "--arch", "sm_70"]) == 2
+    assert "unknown GPU arch 'sm_70'" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""TensorRT plugins: the plain-Python shape/argument rules; the tensorrt.plugin definitions were NOT executed
+(TensorRT cannot be installed here) beyond their import guard."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from oscar_export.kernels.aot.bundle import decode_plan, layout_tag, trt_specs
+from oscar_export.kernels.layout import KVCacheLayout
+from oscar_export.plugins.trt import DecodeShapes, check_split_inputs
+from oscar_export.plugins.trt.shapes import SPLIT_EXTRAS, SPLIT_INPUTS, SPLIT_OUTPUTS
+
+LAYOUT = KVCacheLayout.default(3, 64)
+
+
+@pytest.mark.parametrize("batch, max_pages, pps", [(1, 1, 1), (3, 10, 4), (8, 129, 8), (2, 16, 16)])
+def test_shapes_agree_with_the_decode_plan(batch, max_pages, pps):
+    s = DecodeShapes.from_layout(LAYOUT, 9, pps)
+    plan = decode_plan(LAYOUT, batch, 9, max_pages, pps)
+    assert s.split_extras(max_pages) == (plan.max_pages, plan.pages_per_split, plan.n_page_splits, plan.n_splits)
+    assert s.split_outputs(batch, max_pages) == ((batch, 9, plan.n_splits, 64), (batch, 9, plan.n_splits))
+    assert s.split_grid(batch, max_pages) == (batch * 3, plan.n_splits, 1)
+    assert s.merge_grid(batch) == (batch * 9, 1, 1) and s.merge_output(batch) == (batch, 9, 64)
+
+
+def test_trt_kernel_parameter_order_is_inputs_extras_outputs():
+    split, merge = trt_specs(LAYOUT, 9, 0.125, layout_tag(LAYOUT, 9))
+    names = [p.name for p in split.params]
+    rename = {"rot": "k_rotation", "dscale": "k_scale"}  # kernel argument -> plugin input name
+    assert [rename.get(n.removesuffix("_ptr"), n.removesuffix("_ptr")) for n in names[: len(SPLIT_INPUTS)]] == list(
+        SPLIT_INPUTS)
+    assert len(names) == len(SPLIT_INPUTS) + len(SPLIT_EXTRAS) + len(SPLIT_OUTPUTS)
+    assert names[len(SPLIT_INPUTS):len(SPLIT_INPUTS) + 4] == list(SPLIT_EXTRAS)
+    assert names[-2:] == ["part_o_ptr", "part_lse_ptr"]
+    assert all(p.is_pointer for p in split.params[: len(SPLIT_INPUTS)])
+    assert [p.name for p in merge.params] == ["part_o_ptr", "part_lse_ptr", "n_splits", "out_ptr"]
+    split.jit_function()  # the wrapper kernels' arguments match these specs
+    merge.jit_function()
+
+
+def test_check_split_inputs():
+    s = DecodeShapes.from_layout(LAYOUT, 9, 4)
+    b, hkv, d = 2, 3, 64
+    dims = {
+        "q": (b, 9, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, 64, d),
+        "sink_v": (b, hkv, 64, d), "recent_k": (b, hkv, 320, d), "recent_v": (b, hkv, 320, d),
+        "k_codes": (7, hkv, 64, 16), "k_params": (7, hkv, 64, 1, 2), "v_codes": (7, hkv, 64, 16),
+        "v_params": (7, hkv, 64, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4), "block_table": (b, 5),
+        "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
+    }
+    assert check_split_inputs(s, dims) == (2, 5)
+    with pytest.raises(ValueError, match=r"recent_k: expected \[2, 3, 320, 64\], got \[2, 3, 256, 64\]"):
+        check_split_inputs(s, {**dims, "recent_k": (b, hkv, 256, d)})
+    with pytest.raises(ValueError, match=r"q: expected \[B, 9, 64\]"):
+        check_split_inputs(s, {**dims, "q": (b, 8, d)})
+    with pytest.raises(ValueError, match="block_table: expected"):
+        check_split_inputs(s, {**dims, "block_table": (b, 0)})
+    with pytest.raises(ValueError, match="missing inputs"):
+        check_split_inputs(s, {"q": (b, 9, d)})
+
+
+def test_bad_shapes_config():
+    with pytest.raises(ValueError, match="not a multiple"):
+        DecodeShapes(8, 3, 64, 64, 320, 4)
+    with pytest.raises(ValueError, match="pages_per_split"):
+        DecodeShapes(9, 3, 64, 64, 320, 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed")
+def test_import_guard(tmp_path):
+    from oscar_export.plugins.trt import register_plugins
+
+    with pytest.raises(ImportError, match="TensorRT >= 10.9"):
+        register_plugins(tmp_path, LAYOUT, 9)
