@@ -15,6 +15,7 @@ manifest keys are written in a fixed order, and the manifest holds no timestamps
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -50,34 +51,58 @@ def _require_triton():
     return triton, ASTSource, GPUTarget
 
 
+@contextlib.contextmanager
+def _without_line_info():
+    """Compile without line info (no source paths in PTX/cubin) through Triton's knobs, restored afterwards.
+
+    Older Triton without ``knobs.compilation.scope`` compiles with line info (still reproducible on one
+    machine, but the PTX then names the source file path).
+    """
+    try:
+        from triton import knobs
+
+        scope = knobs.compilation.scope
+    except (ImportError, AttributeError):
+        yield
+        return
+    with scope():
+        knobs.compilation.disable_line_info = True
+        yield
+
+
 def ptxas_version(cap: int) -> str:
     """Version string of the ptxas Triton uses for ``cap`` (recorded in the manifest)."""
-    from triton.backends.nvidia import compiler as nv
-
     try:
-        out = nv.get_ptxas_version(cap)
-    except TypeError:  # older Triton: no arch argument
-        out = nv.get_ptxas_version()
+        from triton.backends.nvidia import compiler as nv
+
+        try:
+            out = nv.get_ptxas_version(cap)
+        except TypeError:  # older Triton: no arch argument
+            out = nv.get_ptxas_version()
+    except Exception:  # a private API: never fail a build over a version string
+        return "unknown"
     for line in str(out).splitlines():
         if "release" in line:
             return line.split("release", 1)[1].split(",")[0].strip()
     return str(out).strip().splitlines()[-1] if out else "unknown"
 
 
-def compile_kernel(spec: KernelSpec, arch: str | int, ptx_version: int = DEFAULT_PTX_VERSION) -> CompiledKernel:
-    """Compile one spec for one target and check the gates (see the module doc)."""
-    triton, ASTSource, GPUTarget = _require_triton()
-    from triton import knobs
+def compile_kernel(spec: KernelSpec, arch: str | int, ptx_version: int | None = DEFAULT_PTX_VERSION) -> CompiledKernel:
+    """Compile one spec for one target and check the gates (see the module doc).
 
+    ``ptx_version=None`` lets Triton pick the newest PTX ISA its ptxas accepts.
+    """
+    triton, ASTSource, GPUTarget = _require_triton()
     cap = parse_arch(arch)
     fn = spec.jit_function()
     src = ASTSource(fn=fn, signature=spec.signature(fn), constexprs=spec.constexpr_dict, attrs=spec.attrs(fn))
     options = {
-        "num_warps": spec.num_warps, "num_stages": spec.num_stages, "ptx_version": ptx_version,
+        "num_warps": spec.num_warps, "num_stages": spec.num_stages,
         "enable_fp_fusion": True,  # the JIT default: AOT and JIT launches must agree to the bit
     }
-    with knobs.compilation.scope():  # restores Triton's knobs afterwards
-        knobs.compilation.disable_line_info = True
+    if ptx_version is not None:
+        options["ptx_version"] = ptx_version
+    with _without_line_info():
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
     md = k.metadata
     where = f"{spec.name} ({arch_name(cap)})"
@@ -104,7 +129,7 @@ def build_bundle(
     specs: Sequence[KernelSpec],
     out_dir: str | Path,
     archs: Iterable[str] = DEFAULT_ARCHS,
-    ptx_version: int = DEFAULT_PTX_VERSION,
+    ptx_version: int | None = DEFAULT_PTX_VERSION,
     progress=None,
 ) -> Path:
     """Compile every spec for every arch into ``out_dir`` (written atomically: temp dir, then rename).

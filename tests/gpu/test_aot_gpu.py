@@ -48,20 +48,22 @@ def all_specs():
     return list(specs.values())
 
 
-def build(out: str, archs=("sm_80", "sm_89", "sm_90")) -> None:
+def build(out: str, archs=("sm_80", "sm_89", "sm_90"), ptx_version="default") -> None:
     """Compile the test bundle; a kernel that does not compile is left out (and said so), not hidden."""
-    from oscar_export.kernels.aot.compile import build_bundle, compile_kernel
+    from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle, compile_kernel
 
+    ptx = DEFAULT_PTX_VERSION if ptx_version == "default" else ptx_version
     specs = []
     for s in all_specs():
         try:
-            compile_kernel(s, "sm_90")
+            compile_kernel(s, "sm_90", ptx)
             specs.append(s)
         except Exception as e:
             while e.__cause__ is not None:
                 e = e.__cause__
             print(f"LEFT OUT {s.name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    build_bundle(specs, out, archs=archs, progress=lambda i, n, name: print(f"[{i}/{n}] {name}", flush=True))
+    build_bundle(specs, out, archs=archs, ptx_version=ptx,
+                 progress=lambda i, n, name: print(f"[{i}/{n}] {name}", flush=True))
 
 
 # ---- fixtures -------------------------------------------------------------------------------------------------
@@ -89,7 +91,7 @@ def bundles(cuda, tmp_path_factory):
         print(f"CPU-built bundle: triton {m.data['triton_version']}, ptxas {m.data['ptxas']}, {len(m.entries)} binaries")
         out["cpu"] = m
     local = tmp_path_factory.mktemp("local") / "bundle"
-    build(str(local), archs=("sm_90",))
+    build(str(local), archs=("sm_90",), ptx_version=None)  # this machine's Triton and ptxas, native PTX ISA
     out["local"] = read_manifest(local)
     return out
 
