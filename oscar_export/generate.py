@@ -1,0 +1,129 @@
+"""Generate text with the OSCAR INT2 KV cache, printed beside the BF16-cache (DynamicCache) output.
+
+Runs the model twice on the same prompt with greedy decoding: once with transformers' DynamicCache (the
+full-precision reference, "BF16") and once with the OSCAR cache (sink and recent windows at the model's
+dtype, INT2 pages in between), then prints both texts, how many leading tokens agree, and the KV-cache
+bytes of both, computed from the cache layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+EPILOG = """examples:
+  oscar-export generate --prompt "Explain the Python assert statement." --max-new-tokens 64
+  oscar-export generate --model default --artifact runs/smollm2 --prompt-topic assignment --max-new-tokens 128
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a local HF model dir")
+    p.add_argument("--artifact", default=None, help="OSCAR artifact directory (default: identity transforms)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text")
+    src.add_argument(
+        "--prompt-topic", default=None,
+        help="use a section of Python's own documentation (pydoc_data.topics, e.g. 'assignment') as the prompt",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--backend", default="torch", help="cache ops backend: torch | torch.compile | triton")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--skip-bf16", action="store_true", help="only run the OSCAR cache")
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    from .cli import UserError
+
+    if args.prompt_topic is not None:
+        from pydoc_data.topics import topics
+
+        if args.prompt_topic not in topics:
+            raise UserError(f"--prompt-topic: unknown topic {args.prompt_topic!r}; e.g. {', '.join(sorted(topics)[:8])}")
+        return topics[args.prompt_topic]
+    if args.prompt is None:
+        return "Explain in two sentences what a key-value cache is in a transformer language model."
+    return args.prompt
+
+
+class _Progress:
+    """A ``generate`` streamer that shows a tqdm bar of generated tokens."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+        self._first = True
+
+    def put(self, value) -> None:
+        if self._first:  # the first call carries the prompt
+            self._first = False
+            return
+        self._bar.update(1)
+
+    def end(self) -> None:
+        self._bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from oscar_export.models import load_model
+    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+    from .cli import UserError
+
+    if args.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens: expected > 0, got {args.max_new_tokens}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tok = load_model(args.model, dtype=dtype, device=device)
+    text = _prompt_text(args)
+    if args.chat and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt").input_ids.to(device)
+    n_prompt = ids.shape[1]
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dtype}")
+
+    ref = None
+    if not args.skip_bf16:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ref = model.generate(ids, streamer=_Progress(args.max_new_tokens, "bf16 "), **gen)[0, n_prompt:]
+        print(f"bf16 cache: {len(ref)} tokens in {time.perf_counter() - t0:.1f} s")
+
+    with enable_oscar(model, artifact=args.artifact, backend=args.backend) as oscar:
+        cache = oscar.make_cache(1, n_prompt + args.max_new_tokens)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                ids, streamer=_Progress(args.max_new_tokens, "oscar"), **gen, **cache_kwargs(model, cache)
+            )[0, n_prompt:]
+        print(f"oscar cache: {len(out)} tokens in {time.perf_counter() - t0:.1f} s")
+    layout, n_layers = oscar.layout, oscar.shape.num_layers
+
+    if ref is not None:
+        print("\n=== BF16 cache (DynamicCache) ===")
+        print(tok.decode(ref, skip_special_tokens=True))
+    print("\n=== OSCAR INT2 cache ===")
+    print(tok.decode(out, skip_special_tokens=True))
+    if ref is not None:
+        n = min(len(ref), len(out))
+        same = int((ref[:n] == out[:n]).sum())
+        diff = (ref[:n] != out[:n]).nonzero()
+        first = int(diff[0]) if len(diff) else n
+        print(f"\ntoken agreement: {same}/{n}, identical for the first {first} tokens")
+
+    length = n_prompt + len(out)
+    oscar_bytes = n_layers * layout.sequence_bytes(length)
+    bf16_bytes = n_layers * length * layout.bf16_token_bytes()
+    sink, pages, recent = layout.split(length)
+    print(
+        f"KV cache at {length} tokens, {n_layers} layers: BF16 {bf16_bytes:,} bytes, OSCAR {oscar_bytes:,} bytes "
+        f"({oscar_bytes / bf16_bytes:.1%}; saved {bf16_bytes - oscar_bytes:,} bytes; sink {sink} + INT2 "
+        f"{pages} pages x {layout.page_size} + recent {recent} tokens; "
+        f"{layout.effective_bits_per_element(length):.2f} bits/element)"
+    )
+    return 0
