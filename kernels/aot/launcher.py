@@ -24,7 +24,6 @@ TORCH_DTYPES = {
     "*fp32": "float32", "*fp16": "float16", "*bf16": "bfloat16", "*u8": "uint8", "*i8": "int8",
     "*i32": "int32", "*i64": "int64",
 }
-_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _STATIC_SHARED_LIMIT = 49152
 
 
@@ -151,7 +150,7 @@ class AotKernel:
         if self.entry.shared > _STATIC_SHARED_LIMIT:
             _check(
                 driver.cuFuncSetAttribute(
-                    self.function, driver.CUfunction_attribute(_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES),
+                    self.function, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     self.entry.shared,
                 ),
                 "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",

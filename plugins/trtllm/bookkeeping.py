@@ -9,6 +9,12 @@ rows and lengths the kernels read, and the shape rules. ``module.py`` wraps it i
 State of one sequence follows ``KVCacheLayout.split`` exactly: after ``T`` tokens it holds
 ``min(T, S0)`` sink tokens, ``pages_for(T)`` pages and the rest in *recent* (at most ``W + P``).
 
+Order of events per step: ``prepare_resources`` admits requests; the forward writes the new tokens (a
+prompt straight into sink / pages / recent: ``grow`` returns the pages the prompt fills); ``update_resources``
+records them (``grow``) and, for each request that continues, ``reserve_next`` demotes when *recent* is
+full, so the next forward always has a free recent slot and the stored state is always ``layout.split``
+of the length (or one page further, after a reservation).
+
 Not executed inside TensorRT-LLM (it cannot be installed here); tests/plugins/test_trtllm.py checks every
 rule against the layout and the reference cache writer.
 """
@@ -152,10 +158,32 @@ class OscarCacheBook:
         seq.length = target
         return out
 
+    def reserve_next(self, request_id: int) -> Demotion | None:
+        """Make room for the request's next token now (TensorRT-LLM's update step, after a forward).
+
+        If appending one token would overflow *recent* (``W + P`` tokens), allocate the page the demotion
+        fills and return it: the caller quantizes the oldest ``P`` recent tokens into it before the next
+        forward writes. The following ``grow(request_id, 1)`` then finds the page already there.
+        """
+        seq = self.seqs[request_id]
+        due = self.layout.pages_for(seq.length + 1) - len(seq.pages)
+        if due <= 0:
+            return None
+        assert due == 1, (request_id, seq.length, seq.pages)
+        if seq.length + 1 > self.max_length():
+            raise ValueError(f"request {request_id}: the block table is full ({self.max_length()} tokens)")
+        page = self.pool.allocate()
+        seq.pages.append(page)
+        return Demotion(request_id, seq.slot, page)
+
     # ---- what the kernels read ----------------------------------------------------------------------------
     def split(self, request_id: int) -> tuple[int, int, int]:
-        """``(sink_len, num_pages, recent_len)`` of the request (``layout.split`` of its length)."""
-        return self.layout.split(self.seqs[request_id].length)
+        """``(sink_len, num_pages, recent_len)`` of the request as stored (a page reserved for the next token
+        already holds the oldest ``P`` recent tokens)."""
+        seq = self.seqs[request_id]
+        sink, pages, recent = self.layout.split(seq.length)
+        extra = len(seq.pages) - pages  # 0, or 1 after reserve_next
+        return sink, pages + extra, recent - extra * self.layout.page_size
 
     def tables(self, request_ids: list[int]) -> dict[str, list]:
         """Block table rows and lengths for a batch in ``request_ids`` order (int32 tensors on the host side).

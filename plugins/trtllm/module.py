@@ -77,9 +77,13 @@ def make_resource_manager_class():
 
         def update_resources(self, scheduled_batch) -> None:
             for req in scheduled_batch.all_requests():
+                rid = req.py_request_id
                 n = req.context_chunk_size if req.is_context_init_state else 1
-                for dem in self.book.grow(req.py_request_id, n):
-                    self.deployment.demote(self.layers, dem)
+                self.book.grow(rid, n)  # prompt pages were written by the prefill writer; decode pages reserved
+                before = len(self.book.seqs[rid].pages)
+                dem = self.book.reserve_next(rid)  # demotion in the update step: room for the next token
+                if dem is not None:
+                    self.deployment.demote(self.layers, dem, before)
 
         def free_resources(self, request) -> None:
             self.book.free(request.py_request_id)
@@ -106,21 +110,23 @@ class OscarDeployment:
         self.layout = self.artifact.layout
         self.num_layers = self.artifact.num_layers
         self.manifest = read_manifest(bundle)
-        self._kernels: dict[str, Any] = {}
+        self.num_heads = int(json.loads((checkpoint / "config.json").read_text())["num_attention_heads"])
+        self._ops: Any = None
 
-    def kernel(self, name: str):  # pragma: no cover - needs a GPU
-        from oscar_export.kernels.aot.launcher import AotKernel
+    @property
+    def ops(self):  # pragma: no cover - needs a GPU
+        """The bundle's kernels, loaded on first use (``device.AotCacheOps``; GPU-tested without TensorRT-LLM)."""
+        if self._ops is None:
+            from .device import AotCacheOps
 
-        if name not in self._kernels:
-            self._kernels[name] = AotKernel(self.manifest, name)
-        return self._kernels[name]
+            self._ops = AotCacheOps(self.manifest, self.layout, self.num_heads)
+        return self._ops
 
-    def demote(self, layers, dem) -> None:  # pragma: no cover - needs a GPU and TensorRT-LLM
+    def demote(self, layers, dem, pages_before: int) -> None:  # pragma: no cover - needs a GPU and TensorRT-LLM
         """Quantize the oldest P recent tokens of slot ``dem.slot`` into page ``dem.page`` in every layer."""
-        raise NotImplementedError(
-            "OscarDeployment.demote: the device-side demotion through the bundle's quant_pack kernels is specified "
-            "(bookkeeping.py, kernels/aot/bundle.py) but was not written against a running TensorRT-LLM"
-        )
+        transforms = [t.to(layers[0].k_codes.device) for t in self.artifact.transforms]
+        for state, t in zip(layers, transforms):
+            self.ops.demote(state, dem.slot, dem.page, pages_before, t)
 
 
 def register(checkpoint: str | Path, bundle: str | Path) -> OscarDeployment:

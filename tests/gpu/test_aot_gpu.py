@@ -213,7 +213,7 @@ def _state(layout, lengths, cuda, seed=0):
         v = torch.randn(h, n, d, generator=g)
         reference.append_tokens(st, b, k, v, layout, t, free.pop)
     st = PagedKV(*[getattr(st, f).to(cuda) for f in st.__dataclass_fields__])
-    return st, t, max_pages
+    return st, t, max_pages, free
 
 
 def _aot_decode(split, merge, q, rot, dsc, st, t, plan, cuda):
@@ -250,7 +250,7 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     layout = layouts()[lay]
     tag = layout_tag(layout, HEADS)
     lengths = [1, 321, 777, 1500]  # no pages, first page edge, several pages (ragged)
-    st, t, max_pages = _state(layout, lengths, cuda)
+    st, t, max_pages, _ = _state(layout, lengths, cuda)
     tc = t.to(cuda)
     q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
     split = _kernel(bundles, where, source, f"decode_split_{tag}")
@@ -305,6 +305,41 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     assert not torch.equal(g_out, out)  # the replay really used the new query
     assert torch.equal(g_out, eager), "graph replay differs from an eager launch"
     print(f"  decode [{where} {source} {lay}]: CUDA graph replay == eager launch")
+
+
+# ---- the TensorRT-LLM module's device ops (plugins/trtllm/device.py), without TensorRT-LLM ----------------
+
+
+@pytest.mark.parametrize("lay", ["ktok", "kch"])
+@pytest.mark.parametrize("where,source", [("cpu", "cubin"), ("cpu", "ptx")])
+def test_trtllm_device_ops(bundles, where, source, lay, cuda):
+    from oscar_export.kernels import decode_attention as jit_mod
+    from oscar_export.kernels import reference
+    from oscar_export.kernels.aot.bundle import layout_tag
+    from oscar_export.plugins.trtllm.device import AotCacheOps
+
+    layout = layouts()[lay]
+    tag = layout_tag(layout, HEADS)
+    for name in (f"quant_pack_k_{tag}", f"decode_split_{tag}"):
+        _kernel(bundles, where, source, name)  # skips cleanly if the kernel is not in the bundle
+    ops = AotCacheOps(bundles[where], layout, HEADS, source=source)
+    lengths = [384, 500, 1000]  # recent exactly full (no pages yet), one page, several
+    st, t, _, free = _state(layout, lengths, cuda, seed=3)
+    tc = t.to(cuda)
+    cpu = type(st)(*[getattr(st, f).cpu().clone() for f in st.__dataclass_fields__])
+    page = free[-1]
+    reference.demote(cpu, 0, page, layout, t)
+    ops.demote(st, 0, page, 0, tc)
+    torch.cuda.synchronize()
+    diff = [f for f in st.__dataclass_fields__ if not torch.equal(getattr(st, f).cpu(), getattr(cpu, f))]
+    assert not diff, f"AOT demotion differs from reference.demote in {diff}"
+    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    out = ops.decode(q, st, tc, pages_per_split=1)
+    jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
+                                   q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16, pages_per_split=1)
+    torch.cuda.synchronize()
+    assert _report("device-ops decode vs JIT", out, jit)
+    print(f"  trtllm device ops [{where} {source} {lay}]: demotion == reference.demote, decode == JIT")
 
 
 if __name__ == "__main__":

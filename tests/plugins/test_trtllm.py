@@ -65,6 +65,25 @@ def test_book_matches_reference_cache_writer(length):
     assert st.block_table[0, : tab["num_pages"][0]].tolist() == book.seqs[0].pages
 
 
+@pytest.mark.parametrize("length", [383, 384, 385, 448, 449])
+def test_reserve_next_matches_the_reference_demotion(length):
+    """Update-step demotion (reserve_next before the token arrives) stores what the reference stores once
+    the token is appended; before it, the state is the reference state with one page demoted early."""
+    book = OscarCacheBook(LAYOUT, max_batch=1, max_pages_per_seq=16, pool_pages=16)
+    book.add(0)
+    book.grow(0, length)
+    before = list(book.seqs[0].pages)
+    dem = book.reserve_next(0)
+    due = LAYOUT.pages_for(length + 1) > LAYOUT.pages_for(length)
+    assert (dem is not None) == due
+    if due:
+        s, n, r = book.split(0)
+        assert (n, r) == (len(before) + 1, LAYOUT.split(length)[2] - 64)
+        assert book.seqs[0].pages == before + [dem.page]
+    assert book.grow(0, 1) == []  # the page is already there
+    assert book.split(0) == LAYOUT.split(length + 1)
+
+
 def test_tables_ragged_batch_and_free():
     book = OscarCacheBook(LAYOUT, max_batch=3, max_pages_per_seq=8, pool_pages=12)
     for rid, n in ((10, 1), (11, 500), (12, 777)):

@@ -1,0 +1,99 @@
+"""Device-side cache operations through the bundle's AOT kernels: what the TensorRT-LLM module launches.
+
+Host-runtime agnostic (plain torch tensors + ``AotKernel`` driver-API launches on the current stream), so
+the same code runs in the GPU test without TensorRT-LLM (tests/gpu/test_aot_gpu.py compares it with the
+reference and the Triton JIT). No device value is read on the host: the page count a demotion needs comes
+from the host-side book (``bookkeeping.py``), so a decode step stays capturable in a CUDA graph.
+
+Shapes (one layer, ``PagedKV`` of kernels/layout.py): windows BF16 ``[B, H_kv, S0 | W+P, D]``, pools
+``[N, H_kv, P, D/4]`` uint8 + fp16 params, ``block_table [B, M]`` int32, lengths ``[B]`` int32.
+"""
+
+from __future__ import annotations
+
+from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
+from oscar_export.kernels.aot.launcher import AotKernel
+from oscar_export.kernels.transform import clip_rank
+
+
+class AotCacheOps:
+    """Demotion and decode attention of one layout with AOT kernels.
+
+    Args:
+        manifest: a verified bundle manifest (``read_manifest``).
+        layout: the artifact's layout; num_heads: H.
+        source: ``"cubin"`` or ``"ptx"``.
+    """
+
+    def __init__(self, manifest, layout, num_heads: int, source: str = "cubin") -> None:
+        self.layout, self.num_heads = layout, num_heads
+        tag = layout_tag(layout, num_heads)
+        load = lambda name: AotKernel(manifest, f"{name}_{tag}", source=source)  # noqa: E731
+        self.quant_k, self.quant_v = load("quant_pack_k"), load("quant_pack_v")
+        self.split, self.merge = load("decode_split"), load("decode_merge")
+
+    # ---- demotion ------------------------------------------------------------------------------------------
+    def _quantize(self, kernel, fmt, rows, page_ids, clip, levels, codes, params) -> None:
+        """rows ``[N, H_kv, P, D]`` bf16 (last dim contiguous, any outer strides) -> pool pages ``page_ids``."""
+        import torch
+
+        group = self.layout.page_size if fmt.granularity == "channel" else fmt.group_size
+        removals = (group - 1 - clip_rank(clip, group)).to(device=rows.device, dtype=torch.int32)  # [H_kv]
+        if rows.stride(-1) != 1:
+            raise ValueError(f"rows: the last dim must be contiguous, got strides {rows.stride()}")
+        kernel.launch(
+            rows.data_ptr(), page_ids, removals, levels, levels, levels, levels, codes, params,
+            rows.stride(0), rows.stride(1), rows.stride(2), grid_inputs={"N": rows.shape[0]},
+        )
+
+    def demote(self, state, slot: int, page: int, pages_before: int, transform) -> None:
+        """Quantize the oldest ``P`` recent tokens of ``slot`` into pool page ``page``; shift recent left.
+
+        ``pages_before`` is the number of pages the sequence held (from the host-side book). Mirrors
+        ``reference.demote`` (same bytes, same lengths).
+        """
+        import torch
+
+        p = self.layout.page_size
+        if pages_before >= state.block_table.shape[1]:
+            raise ValueError(f"demote: slot {slot} already uses all {state.block_table.shape[1]} block-table columns")
+        ids = torch.tensor([page], dtype=torch.int32, device=state.k_codes.device)
+        for kernel, fmt, recent, clip, levels, codes, params in (
+            (self.quant_k, self.layout.key, state.recent_k, transform.k_clip, transform.k_levels, state.k_codes,
+             state.k_params),
+            (self.quant_v, self.layout.value, state.recent_v, transform.v_clip, transform.v_levels, state.v_codes,
+             state.v_params),
+        ):
+            self._quantize(kernel, fmt, recent[slot : slot + 1, :, :p], ids, clip, levels, codes, params)
+            recent[slot, :, :-p] = recent[slot, :, p:].clone()
+        state.block_table[slot, pages_before] = page
+        state.num_pages[slot] += 1
+        state.recent_len[slot] -= p
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def decode(self, q, state, transform, pages_per_split: int, out=None):
+        """One decode step: ``q [B, H, D]`` bf16 (model basis; the key rotation is fused) -> ``[B, H, D]`` bf16.
+
+        Output is in the stored value basis (the exported ``o_proj`` undoes the value rotation).
+        """
+        import torch
+
+        b = q.shape[0]
+        plan = decode_plan(self.layout, b, self.num_heads, state.block_table.shape[1], pages_per_split)
+        d = self.layout.head_dim
+        part_o = torch.empty(b, self.num_heads, plan.n_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(b, self.num_heads, plan.n_splits, dtype=torch.float32, device=q.device)
+        if out is None:
+            out = torch.empty(b, self.num_heads, d, dtype=torch.bfloat16, device=q.device)
+        a = plan.split_args()
+        self.split.launch(
+            q, transform.k_rotation, transform.k_scale, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
+            state.k_codes, state.k_params, state.v_codes, state.v_params, transform.k_levels, transform.v_levels,
+            state.block_table, state.sink_len, state.num_pages, state.recent_len, part_o, part_lse,
+            a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"], grid_inputs={"B": b},
+        )
+        self.merge.launch(part_o, part_lse, out, plan.n_splits, grid_inputs={"rows": b * self.num_heads})
+        return out
+
+
+__all__ = ["AotCacheOps"]
