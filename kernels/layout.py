@@ -38,7 +38,7 @@ The page pool of one layer holds, per page ``n`` and KV head ``h``:
 and sequence ``b`` addresses its pages through ``block_table[b, :pages_b]`` (int32). Sink and recent
 buffers are BF16 ``[B, H_kv, S0, D]`` and ``[B, H_kv, W + P, D]``. Bytes of one 1000-token sequence in one
 layer (K and V, all heads): BF16 (64 + 296) * 3 * 64 * 2 * 2 = 276,480; INT2 10 pages * 64 tokens * 3
-heads * (K 16 + 4, V 16 + 4 bytes) = 153,600; total 430,080 vs 768,000 for a BF16 cache.
+heads * (K 16 + 4, V 16 + 4 bytes) = 76,800; total 353,280 vs 768,000 for a BF16 cache.
 """
 
 from __future__ import annotations
