@@ -1,0 +1,238 @@
+"""The PyTorch reference (kernels/reference.py) and the layout (kernels/layout.py): exact where math allows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
+from oscar_export.kernels import reference as ref
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.transform import LayerTransform
+
+
+def filled_state(layout: KVCacheLayout, lengths: list[int], tr: LayerTransform, dtype=torch.float32, one_by_one=False):
+    """A state holding ``lengths[b]`` random stored-basis tokens per sequence; returns (state, k, v)."""
+    b = len(lengths)
+    pages = max(1, max(layout.pages_for(n) for n in lengths))
+    state = PagedKV.allocate(layout, b, b * pages, pages, dtype=dtype)
+    free = iter(range(b * pages))
+    h, d = layout.num_kv_heads, layout.head_dim
+    k = torch.randn(b, h, max(lengths), d)
+    v = torch.randn(b, h, max(lengths), d)
+    for i, n in enumerate(lengths):
+        if one_by_one:
+            for t in range(n):
+                ref.append_tokens(state, i, k[i, :, t : t + 1], v[i, :, t : t + 1], layout, tr, lambda: next(free))
+        elif n:
+            ref.append_tokens(state, i, k[i, :, :n], v[i, :, :n], layout, tr, lambda: next(free))
+    return state, k, v
+
+
+def worst(a: torch.Tensor, b: torch.Tensor, n: int = 5) -> str:
+    diff = (a.double() - b.double()).abs().flatten()
+    top = diff.topk(min(n, diff.numel()))
+    return f"worst |diff| {top.values.tolist()} at flat indices {top.indices.tolist()}"
+
+
+# ---- packing ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d, g", [(16, 16), (64, 64), (128, 128), (256, 128), (64, 32)])
+def test_pack_unpack_round_trip(d, g):
+    codes = torch.randint(0, 4, (3, 5, d), dtype=torch.uint8)
+    packed = ref.pack_codes(codes, g)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, d // 4)
+    assert torch.equal(ref.unpack_codes(packed, g), codes)
+
+
+def test_golden_byte_pins_the_bit_order():
+    """G = 16: byte b holds elements b, b+4, b+8, b+12 at bits 0, 2, 4, 6."""
+    codes = torch.zeros(16, dtype=torch.uint8)
+    codes[0], codes[4], codes[8], codes[12] = 1, 2, 3, 0
+    codes[3], codes[7], codes[11], codes[15] = 3, 3, 0, 1
+    packed = ref.pack_codes(codes, 16)
+    assert packed.tolist() == [0b00_11_10_01, 0, 0, 0b01_00_11_11]  # 57, 0, 0, 79
+    two_groups = ref.pack_codes(torch.cat([codes, codes.flip(0)]), 16)
+    assert two_groups.tolist() == [57, 0, 0, 79, 0b11_11_00_01, 0, 0, 0b01_10_11_00]
+
+
+# ---- quantizer and params -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("granularity", ["token", "channel"])
+def test_quantize_pages_params_are_fp16_with_layout_shapes(granularity):
+    lay = KVCacheLayout.default(3, 64, granularity)
+    x = torch.randn(2, 3, lay.page_size, 64)
+    codes, params = ref.quantize_pages(x, lay.key, torch.ones(3), torch.tensor([0.0, 1, 2, 3]).expand(3, 4))
+    assert codes.dtype == torch.uint8 and codes.shape == lay.codes_shape(2)
+    assert params.dtype == torch.float16 and params.shape == lay.key_params_shape(2)
+
+
+def test_quantize_groups_follows_the_documented_rule():
+    """Min-max without clipping: the min and max of each group come back exactly as fp16-rounded values."""
+    x = torch.randn(50, 64)
+    lv = torch.tensor([0.0, 1, 2, 3])
+    codes, scale, lo = ref.quantize_groups(x, torch.tensor([[63]]), lv)
+    assert torch.equal(lo, x.min(-1).values.half())
+    assert torch.equal(scale, ((x.max(-1).values - x.min(-1).values) * 0.3333333432674408).half())
+    back = ref.dequantize_groups(codes, scale, lo, lv)
+    assert bool(((back - x).abs() <= scale.float()[:, None] * 0.5 + 5e-3).all()), worst(back, x)
+
+
+def test_nan_keys_are_rejected():
+    lay = KVCacheLayout.default(2, 64)
+    state = PagedKV.allocate(lay, 1, 4, 4, dtype=torch.float32)
+    k = torch.randn(2, 500, 64)
+    k[1, 400, 5] = float("nan")
+    with pytest.raises(ValueError, match="keys: 1 non-finite values"):
+        ref.append_tokens(state, 0, k, k.abs(), lay, LayerTransform.identity(2, 64), iter(range(4)).__next__)
+    assert int(state.sink_len[0]) == 0
+
+
+# ---- layout -------------------------------------------------------------------------------------------------------
+
+
+def test_layout_dict_round_trip():
+    for lay in (KVCacheLayout.default(3, 64), KVCacheLayout.default(8, 128, "channel", sink=32, window=128)):
+        d = json.loads(json.dumps(lay.to_dict()))
+        assert KVCacheLayout.from_dict(d) == lay
+        assert RowFormat.from_dict(lay.key.to_dict()) == lay.key
+
+
+def test_split_examples_and_invariants():
+    lay = KVCacheLayout.default(3, 64)
+    assert lay.split(1000) == (64, 10, 296)  # the worked example of the layout docstring
+    expected = {0: (0, 0, 0), 1: (1, 0, 0), 63: (63, 0, 0), 64: (64, 0, 0), 65: (64, 0, 1), 320: (64, 0, 256),
+                321: (64, 0, 257), 384: (64, 0, 320), 385: (64, 1, 257), 448: (64, 1, 320), 449: (64, 2, 257)}
+    for n, want in expected.items():
+        assert lay.split(n) == want, n
+    for n in BOUNDARY_LENGTHS + list(range(0, 700, 7)):
+        s, p, r = lay.split(n)
+        assert s + p * lay.page_size + r == n and r <= lay.recent_capacity
+        assert p == 0 or r >= lay.window + 1
+    with pytest.raises(ValueError, match="length: expected >= 0, got -1"):
+        lay.split(-1)
+
+
+def test_bytes_match_the_worked_example():
+    lay = KVCacheLayout.default(3, 64)
+    assert lay.bf16_token_bytes() == 768
+    assert lay.page_bytes() == 3 * 64 * (16 + 4 + 16 + 4)
+    assert lay.sequence_bytes(1000) == 276_480 + 76_800 == 353_280  # (64 + 296) BF16 tokens + 10 pages
+    assert lay.int2_bits_per_element() == 2.5  # G = 64: 2 bits + fp16 (scale, lo) per 64 elements
+    assert lay.effective_bits_per_element(1000) == 8 * 353_280 / (1000 * 2 * 3 * 64)
+
+
+def test_layout_rejects_bad_values():
+    with pytest.raises(ValueError, match="group_size"):
+        RowFormat(64, 24)
+    with pytest.raises(NotImplementedError, match="only 2-bit"):
+        RowFormat(64, 64, bits=4)
+    with pytest.raises(ValueError, match="page_size"):
+        KVCacheLayout.default(3, 64, page_size=40)
+    with pytest.raises(NotImplementedError, match="values"):
+        KVCacheLayout(3, 64, RowFormat(64, 64), RowFormat(64, 64, "channel"))
+
+
+# ---- writers: prefill == token by token -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("granularity", ["token", "channel"])
+def test_prefill_and_token_by_token_leave_identical_caches(granularity):
+    lay = KVCacheLayout.default(2, 64, granularity)
+    tr = LayerTransform.identity(2, 64, 0.95, 0.9)
+    lengths = [n for n in BOUNDARY_LENGTHS if n <= 511]
+    torch.manual_seed(1)
+    a, k, v = filled_state(lay, lengths, tr)
+    torch.manual_seed(1)
+    b, k2, _ = filled_state(lay, lengths, tr, one_by_one=True)
+    assert torch.equal(k, k2)
+    for name in ("sink_len", "num_pages", "recent_len"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    ka, va, valid = ref.gather_context(a, lay, tr.k_levels, tr.v_levels)
+    kb, vb, valid_b = ref.gather_context(b, lay, tr.k_levels, tr.v_levels)
+    assert torch.equal(valid, valid_b)
+    for i, n in enumerate(lengths):
+        assert int(valid[i].sum()) == n
+        assert torch.equal(ka[i][:, valid[i]], kb[i][:, valid[i]]), worst(ka[i][:, valid[i]], kb[i][:, valid[i]])
+        assert torch.equal(va[i][:, valid[i]], vb[i][:, valid[i]])
+        s0, pages, _ = lay.split(n)
+        # windows hold the tokens exactly; pages hold their quantized form
+        assert torch.equal(ka[i][:, valid[i]][:, :s0], k[i, :, :s0])
+        assert torch.equal(ka[i][:, valid[i]][:, s0 + pages * 64 :], k[i, :, s0 + pages * 64 : n])
+
+
+# ---- attention ------------------------------------------------------------------------------------------------
+
+
+def oracle_decode(q, state, layout, tr, scale):
+    """fp64 attention over each sequence's valid slots, gathered independently of masked_attention."""
+    k, v, valid = ref.gather_context(state, layout, tr.k_levels, tr.v_levels)
+    out = []
+    for i in range(q.shape[0]):
+        kk = k[i][:, valid[i]].double().repeat_interleave(q.shape[1] // k.shape[1], 0)
+        vv = v[i][:, valid[i]].double().repeat_interleave(q.shape[1] // k.shape[1], 0)
+        p = torch.softmax(torch.einsum("hd,htd->ht", q[i].double(), kk) * scale, -1)
+        out.append(torch.einsum("ht,htd->hd", p, vv))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("h, h_kv", GQA_SHAPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_decode_attention_over_boundary_lengths(h, h_kv, d):
+    """A ragged batch of every boundary length: fp32 reference vs fp64 oracle on the same stored cache."""
+    lay = KVCacheLayout.default(h_kv, d)
+    tr = LayerTransform.identity(h_kv, d)
+    state, _, _ = filled_state(lay, BOUNDARY_LENGTHS, tr)
+    q = torch.randn(len(BOUNDARY_LENGTHS), h, d)
+    got = ref.decode_attention(q, state, lay, tr.k_levels, tr.v_levels, d**-0.5)
+    want = oracle_decode(q, state, lay, tr, d**-0.5)
+    assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), worst(got, want)
+
+
+@pytest.mark.parametrize("h, h_kv", GQA_SHAPES[:3])
+def test_decode_within_windows_equals_sdpa(h, h_kv):
+    """No INT2 pages (length <= S0 + W): decode attention is plain attention over the tokens."""
+    lay = KVCacheLayout.default(h_kv, 64)
+    tr = LayerTransform.identity(h_kv, 64)
+    lengths = [1, 63, 64, 65, 320]
+    state, k, v = filled_state(lay, lengths, tr)
+    q = torch.randn(len(lengths), h, 64)
+    got = ref.decode_attention(q, state, lay, tr.k_levels, tr.v_levels, 0.125)
+    for i, n in enumerate(lengths):
+        kk = k[i : i + 1, :, :n].repeat_interleave(h // h_kv, 1)
+        vv = v[i : i + 1, :, :n].repeat_interleave(h // h_kv, 1)
+        want = F.scaled_dot_product_attention(q[i : i + 1, :, None], kk, vv, scale=0.125)[:, :, 0]
+        assert torch.allclose(got[i : i + 1], want, atol=1e-5, rtol=1e-5), f"length {n}: {worst(got[i:i+1], want)}"
+
+
+def test_chunk_attention_is_causal_over_stored_history():
+    lay = KVCacheLayout.default(3, 64)
+    tr = LayerTransform.identity(3, 64)
+    state, _, _ = filled_state(lay, [449, 100], tr)
+    q, kn, vn = torch.randn(2, 9, 7, 64), torch.randn(2, 3, 7, 64), torch.randn(2, 3, 7, 64)
+    got = ref.chunk_attention(q, kn, vn, state, lay, tr.k_levels, tr.v_levels, 0.125)
+    k, v, valid = ref.gather_context(state, lay, tr.k_levels, tr.v_levels)
+    for t in range(7):  # query t == decode over (stored history + new tokens 0..t at full precision)
+        for i in range(2):
+            kk = torch.cat([k[i][:, valid[i]], kn[i, :, : t + 1]], 1).repeat_interleave(3, 0)
+            vv = torch.cat([v[i][:, valid[i]], vn[i, :, : t + 1]], 1).repeat_interleave(3, 0)
+            want = F.scaled_dot_product_attention(q[i, :, t : t + 1], kk, vv, scale=0.125)[:, 0]
+            assert torch.allclose(got[i, :, t], want, atol=1e-5, rtol=1e-5), worst(got[i, :, t], want)
+
+
+@pytest.mark.slow
+def test_compiled_decode_attention_equals_eager():
+    """torch.compile(fullgraph=True) of the reference decode attention: same numbers as eager."""
+    lay = KVCacheLayout.default(3, 64, "channel")
+    tr = LayerTransform.identity(3, 64)
+    state, _, _ = filled_state(lay, [1, 65, 449, 777], tr)
+    q = torch.randn(4, 9, 64)
+    eager = ref.decode_attention(q, state, lay, tr.k_levels, tr.v_levels, 0.125)
+    compiled = torch.compile(ref.decode_attention, fullgraph=True)
+    got = compiled(q, state, lay, tr.k_levels, tr.v_levels, 0.125)
+    assert torch.allclose(got, eager, atol=1e-6, rtol=1e-5), worst(got, eager)
