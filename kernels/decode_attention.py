@@ -197,17 +197,17 @@ def _decode_split_kernel(
             kb = recent_k_ptr + kv_off
             vb = recent_v_ptr + kv_off
             valid = tl.minimum(tl.load(recent_len_ptr + b), RC) - (c - NSINK) * BN
-        t = tl.arange(0, BN)
-        tmask = t < valid
-        rows = t[:, None] * D + c4[None, :]
+        tb = tl.arange(0, BN)
+        tmask = tb < valid
+        rows = tb[:, None] * D + c4[None, :]
         kk = kb + rows
-        sc = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
-        sc = tl.dot(q1, tl.trans(tl.load(kk + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), sc)
-        sc = tl.dot(q2, tl.trans(tl.load(kk + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), sc)
-        sc = tl.dot(q3, tl.trans(tl.load(kk + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), sc)
-        sc = tl.where(tmask[None, :], sc, float("-inf"))
-        p, alpha, m, l = _softmax_step(sc, m, l)
-        pb = p.to(tl.float16)
+        scb = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
+        scb = tl.dot(q1, tl.trans(tl.load(kk + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q2, tl.trans(tl.load(kk + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q3, tl.trans(tl.load(kk + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.where(tmask[None, :], scb, float("-inf"))
+        pw, alpha, m, l = _softmax_step(scb, m, l)
+        pb = pw.to(tl.float16)
         vv = vb + rows
         acc0 = tl.dot(pb, tl.load(vv + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
         acc1 = tl.dot(pb, tl.load(vv + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))

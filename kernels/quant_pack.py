@@ -25,6 +25,9 @@ import triton.language as tl
 from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
 from .transform import LayerTransform, clip_rank
 
+#: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
+_ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
+
 # ---- kernel -------------------------------------------------------------------------------------------------
 
 
@@ -55,7 +58,7 @@ def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
     xc = tl.minimum(tl.maximum(x, -thr), thr)
     lo = tl.min(xc, axis=1)
     hi = tl.max(xc, axis=1)
-    scale16 = ((hi - lo) * ONE_THIRD_F32).to(tl.float16)
+    scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
     lo16 = lo.to(tl.float16)
     s = scale16.to(tl.float32)[:, None]
     d = xc - lo16.to(tl.float32)[:, None]
