@@ -1,0 +1,208 @@
+"""Fake-quantized attention for the evaluation, registered with transformers' ``AttentionInterface``.
+
+One forward pass scores a whole text decode-as-deployed: inside every attention call each query row reads
+what the method's cache would hold at that position (``eval_methods``: quantized rows where the cache holds
+INT2, full-precision rows elsewhere). The per-call state travels in the forward kwargs
+(``model(ids, oscar_eval=ctx)``), never in module globals.
+
+``EvalContext`` modes:
+
+``score``    the keys in the call are the whole sequence (no HF cache); batch row ``b`` uses ``methods[b]``.
+``prefill``  full precision; the call's keys are appended to the shared prefix kept in the context.
+``decode``   batch row ``b`` (method ``methods[b]``) reads the shared prefix + its own generated tokens +
+             the new ones; new tokens are kept per row. ``prefill_len`` is the prompt length the HF
+             ``QuantizedCache`` replay treats as its first update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .eval_methods import Method, Segment, covers, prepare, stored_rows
+
+ATTENTION_NAME = "oscar_eval"
+MODES = ("score", "prefill", "decode")
+#: query rows per attention block (bounds the [H, rows, Tk] score buffer).
+QUERY_BLOCK = 256
+
+
+@dataclass
+class EvalContext:
+    """Per-run state of the fake-quantized attention (see module doc).
+
+    Args:
+        methods: one method per batch row (``prefill`` ignores them: full precision).
+        mode: one of ``MODES``.
+        store_dtype: dtype every cached row is rounded to (``torch.bfloat16``: a BF16 cache).
+        prefill_len: ``decode``: the prompt length (first ``QuantizedCache`` update); ``score``: 1.
+    """
+
+    methods: list[Method]
+    mode: str = "score"
+    store_dtype: torch.dtype = torch.bfloat16
+    prefill_len: int = 1
+    prefix_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [1, H_kv, n, D] model basis
+    prefix_v: dict[int, torch.Tensor] = field(default_factory=dict)
+    gen_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, H_kv, t, D]
+    gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)
+    capture: dict | None = None  # layer -> [(q [H, T, D], k, v)] when set (research-recipe statistics)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"EvalContext.mode: expected one of {MODES}, got {self.mode!r}")
+
+    @property
+    def prefix_len(self) -> int:
+        return next(iter(self.prefix_k.values())).shape[2] if self.prefix_k else 0
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` prefix tokens; drop generated tokens and memoised quantizations."""
+        for d in (self.prefix_k, self.prefix_v):
+            for i in d:
+                d[i] = d[i][:, :, :length]
+        self.gen_k.clear()
+        self.gen_v.clear()
+        self.memo.clear()
+
+
+def eval_mask(*args, **kwargs):
+    """Mask function: none (the attention builds its causal rule per query position)."""
+    return None
+
+
+def register() -> None:
+    """Register ``"oscar_eval"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, eval_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, eval_mask)
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """Switch ``model`` to the ``oscar_eval`` attention for the duration of the block."""
+    register()
+    old = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(old or "sdpa")
+
+
+def eval_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, oscar_eval=None,
+                   **kwargs):
+    """``AttentionInterface`` function. ``query [B, H, Tq, D]``, ``key/value [B, H_kv, Tq, D]`` (new tokens).
+
+    Returns ``([B, Tq, H, D], None)``.
+    """
+    ctx: EvalContext = oscar_eval
+    if ctx is None:
+        raise ValueError("oscar_eval attention: call the model with oscar_eval=EvalContext(...)")
+    layer = module.layer_idx
+    if ctx.capture is not None:
+        ctx.capture.setdefault(layer, []).append((query[0].float(), key[0].float(), value[0].float()))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    b = query.shape[0]
+    outs = []
+    if ctx.mode == "prefill":
+        if b != 1:
+            raise ValueError(f"oscar_eval prefill: expected batch 1, got {b}")
+        k = torch.cat([ctx.prefix_k[layer], key], 2) if layer in ctx.prefix_k else key
+        v = torch.cat([ctx.prefix_v[layer], value], 2) if layer in ctx.prefix_v else value
+        ctx.prefix_k[layer], ctx.prefix_v[layer] = k, v
+        full = Method("bf16", "full")
+        outs.append(_one_row(ctx, full, -1, layer, query[0], k[0], v[0], scale))
+    else:
+        if b != len(ctx.methods):
+            raise ValueError(f"oscar_eval: batch {b} but {len(ctx.methods)} methods")
+        if ctx.mode == "decode":
+            gk = torch.cat([ctx.gen_k[layer], key], 2) if layer in ctx.gen_k else key
+            gv = torch.cat([ctx.gen_v[layer], value], 2) if layer in ctx.gen_v else value
+            ctx.gen_k[layer], ctx.gen_v[layer] = gk, gv
+        for i, m in enumerate(ctx.methods):
+            if ctx.mode == "decode":
+                k = torch.cat([ctx.prefix_k[layer][0], gk[i]], 1)
+                v = torch.cat([ctx.prefix_v[layer][0], gv[i]], 1)
+            else:
+                k, v = key[i], value[i]
+            outs.append(_one_row(ctx, m, i, layer, query[i], k, v, scale))
+    out = torch.stack(outs, 0).to(query.dtype)  # [B, H, Tq, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _one_row(ctx: EvalContext, m: Method, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis) -> ``[H, Tq, D]`` float32."""
+    tk, tq = k.shape[1], q.shape[1]
+    q_start = tk - tq
+    t, ks, vs, segs = _rows_and_segments(ctx, m, mi, layer, k, v, q_start)
+    qs = t.transform_queries(q.unsqueeze(0).contiguous())[0] if t is not None else q.float()
+    h, hkv, d = q.shape[0], k.shape[0], q.shape[2]
+    g = h // hkv
+    qs = qs.view(hkv, g, tq, d)
+    out = torch.empty(hkv, g, tq, d)
+    for seg in segs:
+        for a0 in range(max(seg.start, q_start), seg.end, QUERY_BLOCK):
+            a1 = min(a0 + QUERY_BLOCK, seg.end)
+            r0, r1 = a0 - q_start, a1 - q_start
+            out[:, :, r0:r1] = _attend(qs[:, :, r0:r1], ks[:, :a1], vs[:, :a1], seg, a0, a1, scale)
+    out = out.view(1, h, tq, d)
+    if t is not None:
+        out = t.restore_output(out)
+    return out[0]
+
+
+def _rows_and_segments(ctx: EvalContext, m: Method, mi: int, layer: int, k, v, q_start: int):
+    """Stored rows and segments; in ``decode`` the prefix part is computed once per prompt (memoised)."""
+    tk = k.shape[1]
+    if ctx.mode != "decode" or mi < 0:
+        t, ks, vs = stored_rows(m, layer, k, v, ctx.store_dtype)
+        return t, ks, vs, prepare(m, layer, ks, vs, q_start, tk, ctx.prefill_len, t)
+    n0 = ctx.prefix_len
+    hit = ctx.memo.get((mi, layer))
+    if hit is None:
+        t, ks0, vs0 = stored_rows(m, layer, k[:, :n0], v[:, :n0], ctx.store_dtype)
+        hit = (t, ks0, vs0, prepare(m, layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len, t))
+        ctx.memo[(mi, layer)] = hit
+    t, ks0, vs0, segs = hit
+    _, ks1, vs1 = stored_rows(m, layer, k[:, n0:], v[:, n0:], ctx.store_dtype)
+    ks, vs = torch.cat([ks0, ks1], 1), torch.cat([vs0, vs1], 1)
+    if not covers(m, segs, tk, ctx.prefill_len):
+        return t, ks, vs, prepare(m, layer, ks, vs, q_start, tk, ctx.prefill_len, t)
+    last = segs[-1]
+    return t, ks, vs, [Segment(q_start, tk, last.c0, last.k_alt, last.v_alt, last.ranges)]
+
+
+def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.Tensor:
+    """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]`` -> ``[H_kv, g, n, D]``."""
+    hkv, g, n, d = qs.shape
+    q2 = qs.reshape(hkv, g * n, d)
+    s = torch.matmul(q2, ks.transpose(-1, -2)).view(hkv, g, n, a1)
+    pos = torch.arange(a0, a1)
+    alt = seg.k_alt is not None
+    if alt:
+        lo, k_hi, v_hi = seg.ranges(pos)
+        c0 = seg.c0
+        c1 = min(c0 + seg.k_alt.shape[1], a1)
+        cols = torch.arange(c0, c1)
+        if c1 > c0:
+            mk = (cols[None] >= lo[:, None]) & (cols[None] < k_hi[:, None])  # [n, c]
+            sq = torch.matmul(q2, seg.k_alt[:, : c1 - c0].transpose(-1, -2)).view(hkv, g, n, c1 - c0)
+            s[..., c0:c1] = torch.where(mk, sq, s[..., c0:c1])
+    causal = torch.arange(a1)[None, :] > pos[:, None]  # [n, a1]
+    s = (s * scale).masked_fill(causal, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    o = torch.matmul(p.view(hkv, g * n, a1), vs)
+    if alt and c1 > c0:
+        mv = ((cols[None] >= lo[:, None]) & (cols[None] < v_hi[:, None])).float()  # [n, c]
+        pv = (p[..., c0:c1] * mv).reshape(hkv, g * n, c1 - c0)
+        o = o + torch.matmul(pv, seg.v_alt[:, : c1 - c0] - vs[:, c0:c1])
+    return o.view(hkv, g, n, d)
+
+
+__all__ = ["ATTENTION_NAME", "EvalContext", "MODES", "eval_attention", "evaluating", "register"]

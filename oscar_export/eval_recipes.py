@@ -1,0 +1,122 @@
+"""The methods the evaluation compares, built for one model: baselines, the research recipe, ours.
+
+``baseline_methods`` needs only the model's attention shape. ``research_recipe`` reproduces the OSCAR research
+code's recipe: per layer ONE rotation shared by the KV heads, ``R = U·H`` (eigenvectors of the key target
+``C_Q = E[q qᵀ]`` over all query heads, resp. of the value target weighted by ``w_t = k_tᵀ C_Q k_t``
+normalised to mean 1, then the normalised Hadamard), global clip ratios K 0.96 / V 0.92, fp32 scale and
+minimum. Its statistics come from a small capture on the calibration text (the first 70 % of the pydoc
+topics, never the evaluation text). ``ours_method`` wraps a calibration artifact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from oscar_export.kernels.layout import KVCacheLayout
+from oscar_export.kernels.transform import LayerTransform, hadamard
+
+from .eval_attention import EvalContext, evaluating
+from .eval_methods import Method
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+RESEARCH_CLIPS = (0.96, 0.92)
+
+
+def attention_shape(model) -> tuple[int, int, int, int]:
+    """``(layers, query heads, KV heads, head_dim)``; raises for models the evaluation cannot run."""
+    c = model.config
+    mt = getattr(c, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"eval: model_type {mt!r} is not supported (expected one of {', '.join(SUPPORTED_MODEL_TYPES)}: "
+            "full-attention decoders whose attention goes through transformers' AttentionInterface)"
+        )
+    if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
+        raise NotImplementedError(f"eval: {mt} config has non-full-attention layers; only full attention is supported")
+    h = c.num_attention_heads
+    hkv = getattr(c, "num_key_value_heads", None) or h
+    d = getattr(c, "head_dim", None) or c.hidden_size // h
+    return c.num_hidden_layers, h, hkv, d
+
+
+def _with_rotation(t: LayerTransform, rk: torch.Tensor, rv: torch.Tensor) -> LayerTransform:
+    return replace(t, k_rotation=rk.float().contiguous(), v_rotation=rv.float().contiguous())
+
+
+def baseline_methods(model, layout: KVCacheLayout | None = None) -> list[Method]:
+    """BF16, naive INT2, QuaRot-INT2, KIVI-2 (paper defaults and matched budget), HF QuantizedCache HQQ/quanto."""
+    n_layers, _, hkv, d = attention_shape(model)
+    lay = layout or KVCacheLayout.default(hkv, d)
+    ident = [LayerTransform.identity(hkv, d) for _ in range(n_layers)]
+    h = hadamard(d).float().expand(hkv, d, d)
+    had = [_with_rotation(t, h, h) for t in ident]
+    g = lay.key.group_size
+    matched = -(-(lay.sink + lay.window) // g) * g  # S0 + W rounded up to whole key groups
+    return [
+        Method("bf16", "full", "BF16 cache (every row rounded to bfloat16)"),
+        Method("int2-naive", "pages", "our layout, no rotation, no clipping", lay, ident),
+        Method("quarot-int2", "pages", "our layout, Hadamard rotation, no clipping", lay, had),
+        Method("kivi2", "kivi", "KIVI-2: keys per channel / values per token, group 32, residual 128", group=32,
+               residual=128),
+        Method("kivi2-matched", "kivi",
+               f"KIVI-2 at our budget: group {g} (same bits), residual {matched} (S0 + W full-precision tokens)",
+               group=g, residual=matched),
+        Method("hf-hqq-int2", "hf", "transformers QuantizedCache(backend='hqq', nbits=2), defaults", backend="hqq"),
+        Method("hf-quanto-int2", "hf", "transformers QuantizedCache(backend='quanto', nbits=2), defaults",
+               backend="quanto"),
+    ]
+
+
+@torch.no_grad()
+def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Post-RoPE ``(q [H, T, D], k [H_kv, T, D], v [H_kv, T, D])`` per layer for ``ids [N, T]`` (concatenated)."""
+    ctx = EvalContext([Method("bf16", "full")], "score", torch.float32)
+    ctx.capture = {}
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    with evaluating(model):
+        for row in ids:
+            base(input_ids=row.view(1, -1), use_cache=False, oscar_eval=ctx)
+    return [tuple(torch.cat(parts, 1) for parts in zip(*ctx.capture[i])) for i in sorted(ctx.capture)]
+
+
+def _eig_desc(c: torch.Tensor) -> torch.Tensor:
+    w, u = torch.linalg.eigh(c.double())
+    return u.flip(-1)  # columns by descending eigenvalue
+
+
+def research_recipe(model, calib_ids: torch.Tensor, layout: KVCacheLayout | None = None) -> Method:
+    """The OSCAR research recipe (module doc) from a capture of ``calib_ids [N, T]`` calibration tokens."""
+    n_layers, _, hkv, d = attention_shape(model)
+    lay = layout or KVCacheLayout.default(hkv, d)
+    lay = KVCacheLayout.default(hkv, d, "token", sink=lay.sink, window=lay.window, page_size=lay.page_size)
+    had = hadamard(d)
+    transforms = []
+    for q, k, v in capture_qkv(model, calib_ids):
+        qd = q.double().reshape(-1, d)
+        c_q = qd.T @ qd / qd.shape[0]
+        w = ((k.double() @ c_q) * k.double()).sum(-1)  # [H_kv, T]
+        w = w / w.mean()
+        vd = v.double()
+        c_v = torch.einsum("ht,hti,htj->ij", w, vd, vd) / w.sum()
+        rk = (_eig_desc(c_q) @ had).float().expand(hkv, d, d)
+        rv = (_eig_desc(c_v) @ had).float().expand(hkv, d, d)
+        base = LayerTransform.identity(hkv, d, *RESEARCH_CLIPS)
+        transforms.append(_with_rotation(base, rk, rv))
+    return Method("oscar-research", "pages", "research recipe: shared per-layer U·H, clips 0.96/0.92, fp32 params",
+                  lay, transforms, param_dtype="float32")
+
+
+def ours_method(artifact, name: str = "oscar", description: str = "") -> Method:
+    """Our calibrated cache from an ``OscarArtifact`` (layout, per-layer transforms, row formats)."""
+    cfg = getattr(artifact, "config", {}) or {}
+    desc = description or "ours: " + ", ".join(
+        f"{k}={cfg[k]}" for k in ("per_head", "rotation", "clip", "key_granularity", "key_mean", "value_mean",
+                                  "codebook") if k in cfg
+    )
+    return Method(name, "pages", desc, artifact.layout, tuple(artifact.transforms))
+
+
+__all__ = ["RESEARCH_CLIPS", "SUPPORTED_MODEL_TYPES", "attention_shape", "baseline_methods", "capture_qkv",
+           "ours_method", "research_recipe"]
