@@ -1,0 +1,147 @@
+"""Capture Q, K, V exactly as attention receives them, through transformers' ``AttentionInterface``.
+
+The registered function ``"oscar_capture"`` sees post-RoPE (and post q/k-norm) tensors of every layer,
+hands them to the :class:`Collector` passed down the forward call as the keyword ``oscar_collector``
+(transformers forwards extra keyword arguments to the attention function, so nothing global is mutated
+beyond the one registration), then computes the real output with the stock ``sdpa`` implementation.
+
+The collector either accumulates float64 statistics (:class:`covariance.LayerStats`, bounded memory) or,
+for the held-out sequences, keeps the fp32 tensors on the CPU (bounded by the held-out budget). Every
+captured tensor is checked for NaN/Inf; a bad one raises ``ValueError`` naming the layer.
+Models sharded with ``device_map="auto"`` work: each layer's statistics live on that layer's device.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from .covariance import LayerStats
+
+CAPTURE_NAME = "oscar_capture"
+
+
+def capture_attention(module, query, key, value, attention_mask, *args, oscar_collector=None, **kwargs):
+    """``AttentionInterface`` function: observe, then delegate to the stock sdpa attention."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if oscar_collector is not None:
+        oscar_collector.observe(module, query, key, value, kwargs.get("scaling"))
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def register() -> None:
+    """Register ``"oscar_capture"`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAPTURE_NAME, capture_attention)
+
+
+@dataclass
+class HeldOut:
+    """fp32 CPU tensors of the held-out sequences of one layer: q ``[N, H, T, D]``, k, v ``[N, H_kv, T, D]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scaling: float
+
+
+@dataclass
+class Collector:
+    """Receives every layer's Q, K, V. ``mode`` is ``"stats"`` or ``"heldout"``.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape (checked on every call).
+        skip: positions ``< skip`` are left out of the statistics (the BF16 sink).
+        mode: ``"stats"`` (stream statistics) or ``"heldout"`` (keep the tensors).
+        weightings: value weightings to accumulate (``covariance.VALUE_WEIGHTINGS``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    skip: int
+    mode: str = "stats"
+    weightings: tuple[str, ...] = ("prob", "research")
+    stats: list[LayerStats | None] = field(default_factory=list)
+    heldout: list[list[tuple[torch.Tensor, ...]]] = field(default_factory=list)
+    scaling: list[float | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stats = [None] * self.num_layers
+        self.heldout = [[] for _ in range(self.num_layers)]
+        self.scaling = [None] * self.num_layers
+
+    @torch.no_grad()
+    def observe(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> None:
+        """``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` of layer ``module.layer_idx``."""
+        i = int(module.layer_idx)
+        if not 0 <= i < self.num_layers:
+            raise ValueError(f"capture: layer index {i} outside 0..{self.num_layers - 1}")
+        if k.shape[1] != self.num_kv_heads or k.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"capture layer {i}: expected keys [B, {self.num_kv_heads}, T, {self.head_dim}], got {tuple(k.shape)}"
+            )
+        if k.shape[2] != q.shape[2]:
+            raise ValueError(f"capture layer {i}: calibration runs without a cache (q {q.shape[2]} vs k {k.shape[2]} tokens)")
+        for name, x in (("queries", q), ("keys", k), ("values", v)):
+            if not bool(torch.isfinite(x).all()):
+                n = int((~torch.isfinite(x)).sum())
+                raise ValueError(
+                    f"capture: layer {i} produced {n} non-finite (NaN/Inf) {name}; calibration statistics would be "
+                    f"poisoned (check the model weights / dtype of layer {i})"
+                )
+        s = float(scaling) if scaling is not None else self.head_dim**-0.5
+        self.scaling[i] = s
+        if self.mode == "heldout":
+            self.heldout[i].append((q.float().cpu(), k.float().cpu(), v.float().cpu()))
+            return
+        if self.stats[i] is None:
+            self.stats[i] = LayerStats(self.num_kv_heads, self.head_dim, k.device, self.weightings)
+        self.stats[i].update(q, k, v, s, self.skip)
+
+    def heldout_layer(self, i: int) -> HeldOut:
+        parts = self.heldout[i]
+        if not parts:
+            raise ValueError(f"capture: no held-out sequences were recorded for layer {i}")
+        q, k, v = (torch.cat([p[j] for p in parts]) for j in range(3))
+        return HeldOut(q, k, v, self.scaling[i])
+
+
+def base_model(model) -> torch.nn.Module:
+    """The decoder stack without the LM head (the head's logits are not needed)."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    return base if isinstance(base, torch.nn.Module) else model
+
+
+@contextmanager
+def capturing(model) -> Iterator[None]:
+    """Switch ``model`` to the capture attention, restoring its implementation afterwards."""
+    register()
+    old = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(old or "sdpa")
+
+
+@torch.no_grad()
+def run_batches(
+    model, collector: Collector, batches: Iterable[torch.Tensor], progress: Callable[[int], None] | None = None
+) -> None:
+    """Forward ``[B, T]`` token batches through the decoder with the collector attached."""
+    body = base_model(model)
+    dev = next(model.parameters()).device
+    with capturing(model):
+        for ids in batches:
+            body(input_ids=ids.to(dev), use_cache=False, oscar_collector=collector)
+            if progress is not None:
+                progress(ids.numel())
+
+
+__all__ = ["CAPTURE_NAME", "Collector", "HeldOut", "base_model", "capture_attention", "capturing", "register", "run_batches"]

@@ -1,0 +1,70 @@
+"""Clip ratios fitted on held-out rows over a grid (DESIGN §4 "Clipping").
+
+A clip ratio keeps the ``ceil(ratio * n) - 1``-th smallest ``|x|`` of each quantization group of ``n``
+elements as the clamp threshold (``kernels.transform.clip_rank``: the research code's per-row quantile).
+Groups are ``G`` elements of a row (token granularity) or the ``P`` tokens of a channel within a page
+(channel granularity). Ratios that give the same rank are the same quantizer, so the grid is deduplicated
+by rank. The research code's global ratios (K 0.96, V 0.92) are always in the grid: on the objective it is
+fitted on, the fitted clip can only match or beat them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from oscar_export.kernels.transform import clip_rank
+
+#: research-code global clip ratios (keys, values): the baseline.
+GLOBAL_CLIP = {"k": 0.96, "v": 0.92}
+DEFAULT_GRID = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.94, 0.93, 0.92, 0.9, 0.88, 0.85, 0.82, 0.78)
+
+
+def clip_grid(group: int, ratios=DEFAULT_GRID, include=(0.96, 0.92)) -> list[float]:
+    """Ratios of ``ratios`` + ``include`` with distinct clip ranks for ``group``-element groups, descending."""
+    seen: dict[int, float] = {}
+    for r in [float(x) for x in include] + sorted({float(x) for x in ratios}, reverse=True):
+        if not 0 < r <= 1:
+            raise ValueError(f"clip ratio: expected in (0, 1], got {r}")
+        seen.setdefault(int(clip_rank(torch.tensor(r), group)), r)  # the baseline ratios win ties
+    return sorted(seen.values(), reverse=True)
+
+
+@dataclass(frozen=True)
+class ClipFit:
+    """Result of a grid search: ``clip [H]`` chosen ratios, ``error [H]`` their errors, ``table [R, H]``."""
+
+    clip: torch.Tensor
+    error: torch.Tensor
+    grid: tuple[float, ...]
+    table: torch.Tensor
+
+    def error_at(self, ratio: float) -> torch.Tensor:
+        """``[H]`` error of one grid ratio (raises if it is not on the grid)."""
+        for i, r in enumerate(self.grid):
+            if abs(r - ratio) < 1e-12:
+                return self.table[i]
+        raise KeyError(f"clip ratio {ratio} is not on the grid {self.grid}")
+
+
+def fit_clip(
+    errors_fn: Callable[[list[torch.Tensor]], torch.Tensor], num_heads: int, grid: list[float], per_head: bool = True
+) -> ClipFit:
+    """Evaluate ``errors_fn([clip [H], ...]) -> error [R, H]`` on the grid (all heads at once), pick the best.
+
+    ``per_head``: each head its own ratio; otherwise one ratio per layer minimising the summed error.
+    """
+    if not grid:
+        raise ValueError("fit_clip: empty grid")
+    table = errors_fn([torch.full((num_heads,), r, dtype=torch.float32) for r in grid]).double()  # [R, H]
+    g = torch.tensor(grid, dtype=torch.float32)
+    if per_head:
+        best = table.argmin(0)  # [H]
+        return ClipFit(g[best], table.gather(0, best[None])[0], tuple(grid), table)
+    i = int(table.sum(1).argmin())
+    return ClipFit(g[i].expand(num_heads).clone(), table[i], tuple(grid), table)
+
+
+__all__ = ["DEFAULT_GRID", "GLOBAL_CLIP", "ClipFit", "clip_grid", "fit_clip"]

@@ -1,0 +1,198 @@
+"""The attention-aware error of a candidate transform, measured with the exact reference quantizer.
+
+Held-out rows of one layer (:class:`capture.HeldOut`) are put in the stored basis by the candidate
+(rotation ``R``, scaling ``d``, mean ``mu``), cut into pages of ``P`` tokens starting after the sink,
+quantized and dequantized by ``kernels.reference.quantize_pages`` / ``dequantize_pages`` with the real
+``RowFormat`` (token or channel granularity), clip ratios and levels — so the error fitted here is the
+error serving makes. Per KV head:
+
+    key error    E_t[ (Δk_t^T C_Q Δk_t) ] * scaling^2    = mean over held-out query/key pairs of the squared
+                 score error (q·k_hat - q·k)^2 / D, with C_Q the held-out queries' second moment
+                 (q and Δk taken in the stored basis: q R / d and Δ(k R d - mu)).
+    value error  E_i[ ||Σ_t p_{i,t} Δv_t||^2 ]            over held-out queries i (all g query heads) and the
+                 quantized tokens t < i - W (W the BF16 recent window, optional), p the full-precision causal
+                 attention probabilities (of the whole sequence, sink and window included); Δv in the
+                 model basis (Δv_s / d, rotated back; R orthogonal so the norm needs no R).
+
+Both are exact quadratic forms of the pooled data, so the cost is one quantization plus one small matmul
+per evaluation: ``C_Q`` ``[H_kv, D, D]`` and ``M = Σ_i p_i p_i^T`` ``[N, H_kv, T_q, T_q]`` are built once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oscar_export.kernels.layout import ONE_THIRD_F32, RowFormat
+from oscar_export.kernels.transform import clip_rank
+
+from .capture import HeldOut
+from .covariance import causal_probs
+
+
+@dataclass
+class LayerObjective:
+    """Held-out data of one layer, prepared for fast evaluation.
+
+    Attributes:
+        k: ``[N, H_kv, T_q, D]`` fp64 rows of the quantized region (T_q = pages * P).
+        v: ``[N, H_kv, T_v, D]`` fp64, the first ``T_v <= T_q`` of those rows: the pages some query reads.
+        c_q: ``[H_kv, D, D]`` fp64 held-out query second moment (all g query heads).
+        m: ``[N, H_kv, T_v, T_v]`` fp64 ``Σ_i p_i p_i^T`` over queries and query heads, divided by their count.
+        scaling: softmax scale.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    c_q: torch.Tensor
+    m: torch.Tensor
+    scaling: float
+    page_size: int
+
+    @classmethod
+    def build(cls, held: HeldOut, skip: int, page_size: int, window: int = 0) -> "LayerObjective":
+        """``window``: query ``i`` reads token ``t`` quantized only when ``i - t > window`` (the BF16 recent
+        window of serving); 0 treats every earlier token as quantized."""
+        n, h, t, d = held.q.shape
+        hkv = held.k.shape[1]
+        pages = (t - skip) // page_size
+        if pages <= 0:
+            raise ValueError(
+                f"held-out sequences of {t} tokens hold no {page_size}-token page after the {skip}-token sink: "
+                f"use seq_len >= {skip + page_size}"
+            )
+        lo, hi = skip, skip + pages * page_size
+        qs = held.q[:, :, skip:].double().reshape(n, hkv, -1, d)  # [N, H_kv, g*(T-skip), D]
+        c_q = torch.einsum("nhid,nhie->hde", qs, qs) / (n * qs.shape[2])
+        p = causal_probs(held.q, held.k, held.scaling)[..., lo:, lo:hi].double()  # [N, H_kv, g, T-lo, T_q]
+        if window > 0:
+            qpos = torch.arange(lo, t)[:, None]
+            kpos = torch.arange(lo, hi)[None, :]
+            if not bool((qpos - kpos > window).any()):
+                raise ValueError(f"held-out sequences of {t} tokens have no token beyond the {window}-token window")
+            p = p * (qpos - kpos > window).double()
+        p = p.reshape(n, hkv, -1, hi - lo)
+        m = p.transpose(-1, -2) @ p / p.shape[2]
+        # Values: only the pages some query reads outside its window matter (M is zero elsewhere).
+        vpages = pages if window <= 0 else min(pages, -(-(t - 1 - window - lo) // page_size))
+        vhi = lo + vpages * page_size
+        m = m[..., : vhi - lo, : vhi - lo].contiguous()
+        return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo:vhi].double(), c_q, m, held.scaling, page_size)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    # ---- the two errors ----------------------------------------------------------------------------------
+    def _pages(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, H_kv, T_q, D]`` -> ``[N * pages, H_kv, P, D]`` fp32."""
+        n, h, tq, d = x.shape
+        p = self.page_size
+        return x.float().reshape(n, h, tq // p, p, d).transpose(1, 2).reshape(-1, h, p, d)
+
+    def _unpages(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        _, h, p, d = x.shape
+        return x.reshape(n, -1, h, p, d).transpose(1, 2).reshape(n, h, -1, d)
+
+    def _quant_errors(
+        self, x: torch.Tensor, fmt: RowFormat, clips: list[torch.Tensor], levels: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """``x [N, H_kv, T_q, D]`` stored basis -> ``[x_hat - x]`` (fp64) for each ``clip [H_kv]`` of ``clips``.
+
+        ``x_hat`` is bit-identical to ``dequantize_pages(*quantize_pages(pages, fmt, clip, levels), fmt, levels)``
+        (tested); the ``|x|`` sort is shared by all clip ratios.
+        """
+        n = x.shape[0]
+        pages = self._pages(x)
+        ref = pages.double()
+        return [self._unpages(xh.double() - ref, n) for xh in roundtrip(pages, fmt, clips, levels)]
+
+    def key_errors(
+        self, r: torch.Tensor, d: torch.Tensor, mu: torch.Tensor, clips: list[torch.Tensor], levels: torch.Tensor,
+        fmt: RowFormat,
+    ) -> torch.Tensor:
+        """``[len(clips), H_kv]`` mean squared score error of keys stored as ``k R d - mu``.
+
+        ``r [H, D, D]``, ``d, mu [H, D]`` fp64; ``clips``: ``[H]`` clip ratios to try; ``levels [H, 4]``.
+        """
+        ks = torch.matmul(self.k, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
+        cqs = r.double().transpose(-1, -2) @ self.c_q @ r.double()
+        cqs = cqs / d.double()[:, :, None] / d.double()[:, None, :]
+        out = []
+        for delta in self._quant_errors(ks, fmt, clips, levels):
+            e = (torch.matmul(delta, cqs.unsqueeze(0)) * delta).sum(dim=(0, 2, 3))
+            out.append(e / (delta.shape[0] * delta.shape[2]) * self.scaling**2)
+        return torch.stack(out)
+
+    def value_errors(
+        self, r: torch.Tensor, d: torch.Tensor, mu: torch.Tensor, clips: list[torch.Tensor], levels: torch.Tensor,
+        fmt: RowFormat,
+    ) -> torch.Tensor:
+        """``[len(clips), H_kv]`` mean squared attention-output error of values stored as ``v R d - mu``."""
+        vs = torch.matmul(self.v, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
+        out = []
+        for delta in self._quant_errors(vs, fmt, clips, levels):
+            delta = delta / d.double()[None, :, None]
+            out.append((torch.matmul(self.m, delta) * delta).sum(dim=(-1, -2)).mean(0))  # [H_kv]
+        return torch.stack(out)
+
+    def key_error(self, r, d, mu, clip, levels, fmt) -> torch.Tensor:
+        """``[H_kv]``: :meth:`key_errors` for one clip vector."""
+        return self.key_errors(r, d, mu, [clip], levels, fmt)[0]
+
+    def value_error(self, r, d, mu, clip, levels, fmt) -> torch.Tensor:
+        """``[H_kv]``: :meth:`value_errors` for one clip vector."""
+        return self.value_errors(r, d, mu, [clip], levels, fmt)[0]
+
+    def key_scale(self) -> torch.Tensor:
+        """``[H_kv]`` mean squared score ``E[(q·k)^2] scaling^2`` (to state errors relative to the signal)."""
+        e = torch.einsum("nhtd,hde,nhte->h", self.k, self.c_q, self.k) / (self.k.shape[0] * self.k.shape[2])
+        return e * self.scaling**2
+
+    def value_scale(self) -> torch.Tensor:
+        """``[H_kv]`` mean squared output norm carried by the quantized tokens, ``E||Σ_t p_t v_t||^2``."""
+        return (torch.matmul(self.m, self.v) * self.v).sum(dim=(-1, -2)).mean(0)
+
+
+def roundtrip(
+    pages: torch.Tensor, fmt: RowFormat, clips: list[torch.Tensor], levels: torch.Tensor
+) -> list[torch.Tensor]:
+    """``x_hat`` (fp32) of ``pages [N, H_kv, P, D]`` for every ``clip [H_kv]``, through the reference quantizer.
+
+    The same arithmetic as ``kernels.reference.quantize_groups`` + ``dequantize_groups`` (same ops, same
+    order, fp16 params), with the ``|x|`` sort done once for all clip ratios; ``tests/calibration``
+    checks it against ``quantize_pages``/``dequantize_pages`` with ``torch.equal``.
+    """
+    n, h, p, d = pages.shape
+    if fmt.granularity == "token":
+        g = fmt.group_size
+        x = pages.float().reshape(n, h, p, d // g, g)
+        lv = levels.float().view(1, h, 1, 1, 4)
+        view = (1, h, 1, 1, 1)
+        size = g
+    else:
+        x = pages.float().transpose(-1, -2)  # [N, H, D, P]
+        lv = levels.float().view(1, h, 1, 4)
+        view = (1, h, 1, 1)
+        size = p
+    srt = x.abs().sort(dim=-1).values
+    t = (lv[..., :-1] + lv[..., 1:]) * 0.5
+    out = []
+    for clip in clips:
+        rank = clip_rank(clip, size).view(view)
+        thr = torch.gather(srt, -1, rank.expand(*x.shape[:-1], 1))
+        xc = torch.minimum(torch.maximum(x, -thr), thr)
+        lo = xc.amin(dim=-1, keepdim=True)
+        hi = xc.amax(dim=-1, keepdim=True)
+        s = ((hi - lo) * ONE_THIRD_F32).to(torch.float16).float()
+        lo = lo.to(torch.float16).float()
+        dd = xc - lo
+        codes = (dd >= t[..., 0:1] * s).long() + (dd >= t[..., 1:2] * s).long() + (dd >= t[..., 2:3] * s).long()
+        val = torch.gather(lv.expand(*codes.shape[:-1], 4), -1, codes)
+        xh = lo + s * val
+        out.append(xh.reshape(n, h, p, d) if fmt.granularity == "token" else xh.transpose(-1, -2))
+    return out
+
+
+__all__ = ["LayerObjective", "roundtrip"]

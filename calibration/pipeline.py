@@ -1,0 +1,343 @@
+"""Calibrate a model: capture, targets, rotation candidates, clip fit, codebook -> :class:`OscarArtifact`.
+
+Per layer and (by default) per KV head, for keys and values separately:
+
+1. targets from the streamed statistics (``covariance.LayerStats``): ``C_Q`` for keys, the weighted value
+   second moment for values;
+2. each rotation candidate (``rotation.py`` kinds, optionally with the whitening scaling ``d``) gets its
+   clip ratios fitted on the held-out rows (``clipping.fit_clip`` over ``objective.LayerObjective``,
+   the exact reference quantizer with the real row format);
+3. ``rotation="auto"`` keeps, per head, the candidate with the lowest held-out error; a fixed kind keeps it;
+4. a Lloyd-Max codebook is fitted and kept where it lowers the error (``codebook="auto"``).
+
+The statistics recorded in the artifact give, per layer, the error of the result next to identity
+(no clip / global clip), Hadamard + global clip and the research recipe (shared ``U·H``, global clips), all
+on the same held-out rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from oscar_export.kernels.layout import KVCacheLayout, RowFormat
+from oscar_export.kernels.transform import LayerTransform
+
+from .artifact import OscarArtifact, model_fingerprint
+from .capture import Collector, run_batches
+from .clipping import GLOBAL_CLIP, clip_grid, fit_clip
+from .codebook import lloyd_levels, normalized_positions, uniform_levels
+from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
+from .data import load_sources, token_sequences
+from .objective import LayerObjective
+from .rotation import ROTATION_KINDS, rotation, whitening_scale
+
+#: rotation candidates tried by ``rotation="auto"``: (kind, whitening scale).
+AUTO_CANDIDATES = (("hadamard", False), ("oscar", False), ("eig", True), ("identity", False))
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Everything that decides the artifact (recorded in it).
+
+    Args:
+        tokens: total calibration tokens (statistics + held-out).
+        seq_len: tokens per calibration sequence (>= sink + window + page_size for the window-aware objective).
+        heldout: sequences set aside to fit clips and choose candidates (not in the statistics).
+        batch_size: sequences per forward.
+        per_head: per-KV-head rotations and clips (False: one per layer, shared by the KV heads).
+        rotation: ``"auto"`` (best held-out candidate per head) or one kind of ``rotation.ROTATION_KINDS``.
+        scale: ``"auto"`` (candidates decide), ``"none"`` or ``"whiten"`` (with a fixed rotation).
+        clip: ``"fitted"`` (grid search), ``"global"`` (K 0.96 / V 0.92) or ``"none"``.
+        key_granularity: ``"token"`` or ``"channel"`` (per channel within a page).
+        value_weighting: value target, one of ``covariance.VALUE_WEIGHTINGS``.
+        key_mean, value_mean: remove the mean in the stored basis (exact).
+        codebook: ``"auto"`` (kept where it lowers the error), ``"off"`` or ``"on"``.
+        sink, window, page_size: cache layout (DESIGN §3.2).
+        data: sources (``"pydoc"``, ``"generate"``, file paths).
+        seed: data sampling and random rotations.
+    """
+
+    tokens: int = 20_000
+    seq_len: int = 512
+    heldout: int = 4
+    batch_size: int = 4
+    per_head: bool = True
+    rotation: str = "auto"
+    scale: str = "auto"
+    clip: str = "fitted"
+    key_granularity: str = "channel"
+    value_weighting: str = "prob"
+    key_mean: bool = True
+    value_mean: bool = True
+    codebook: str = "off"
+    sink: int = 64
+    window: int = 256
+    page_size: int = 64
+    data: tuple[str, ...] = ("pydoc",)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", tuple(self.data))
+        choices = {
+            "rotation": ("auto", *ROTATION_KINDS), "scale": ("auto", "none", "whiten"),
+            "clip": ("fitted", "global", "none"), "key_granularity": ("token", "channel"),
+            "value_weighting": VALUE_WEIGHTINGS, "codebook": ("auto", "off", "on"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"CalibrationConfig.{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        if self.rotation == "auto" and self.scale == "whiten":
+            raise ValueError("CalibrationConfig: scale='whiten' needs a fixed rotation (auto chooses the scale)")
+        if self.seq_len < self.sink + self.page_size:
+            raise ValueError(
+                f"CalibrationConfig.seq_len: expected >= sink + page_size = {self.sink + self.page_size}, "
+                f"got {self.seq_len}"
+            )
+        if self.heldout < 1 or self.batch_size < 1:
+            raise ValueError(f"CalibrationConfig: heldout and batch_size must be >= 1, got {self.heldout}, {self.batch_size}")
+        if self.num_sequences <= self.heldout:
+            raise ValueError(
+                f"CalibrationConfig.tokens: {self.tokens} tokens make {self.num_sequences} sequences of "
+                f"{self.seq_len}; need more than the {self.heldout} held-out ones"
+            )
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens // self.seq_len
+
+    @property
+    def objective_window(self) -> int:
+        """BF16 window the objective honours (0 when sequences are too short to reach past it)."""
+        return self.window if self.seq_len >= self.sink + self.window + self.page_size else 0
+
+    def layout(self, num_kv_heads: int, head_dim: int, codebook_k: bool = False, codebook_v: bool = False) -> KVCacheLayout:
+        base = KVCacheLayout.default(
+            num_kv_heads, head_dim, self.key_granularity, sink=self.sink, window=self.window, page_size=self.page_size
+        )
+        return replace(base, key=replace(base.key, codebook=codebook_k), value=replace(base.value, codebook=codebook_v))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CalibrationConfig":
+        return cls(**d)
+
+
+# ---- one side (K or V) of one layer ---------------------------------------------------------------------
+
+
+@dataclass
+class SideFit:
+    """The chosen transform of one side: fp64 ``rotation [H, D, D]``, ``scale, mean [H, D]``, fp32 ``clip [H]``,
+    ``levels [H, 4]``, its held-out ``error [H]`` and the per-head candidate names; ``baselines`` name -> [H]."""
+
+    rotation: torch.Tensor
+    scale: torch.Tensor
+    mean: torch.Tensor
+    clip: torch.Tensor
+    levels: torch.Tensor
+    error: torch.Tensor
+    chosen: list[str]
+    baselines: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _candidates(cfg: CalibrationConfig) -> list[tuple[str, bool]]:
+    if cfg.rotation == "auto":
+        return list(AUTO_CANDIDATES)
+    return [(cfg.rotation, cfg.scale == "whiten")]
+
+
+def fit_side(
+    side: str, target: torch.Tensor, second: torch.Tensor, mean: torch.Tensor, error_fn: Callable, pages: Callable,
+    fmt: RowFormat, group: int, cfg: CalibrationConfig, seed: int,
+) -> SideFit:
+    """Fit one side of one layer.
+
+    Args:
+        side: ``"k"`` or ``"v"``.
+        target: ``[H, D, D]`` rotation target (already shared across heads if ``per_head`` is off).
+        second: ``[H, D, D]`` second moment of the stored rows (for the whitening scale).
+        mean: ``[H, D]`` mean of the rows in the model basis.
+        error_fn: ``(R, d, mu, [clip [H], ...], levels) -> error [len, H]`` on held-out rows.
+        pages: ``(R, d, mu) -> [N, H, P, D]`` held-out pages in the stored basis (codebook fitting).
+        fmt: the side's row format; group: its quantization group length (for the clip grid).
+    """
+    h, d = target.shape[0], target.shape[-1]
+    uni = uniform_levels(h)
+    use_mean = cfg.key_mean if side == "k" else cfg.value_mean
+    grid = clip_grid(group)
+    best: SideFit | None = None
+    for kind, scaled in _candidates(cfg):
+        r = rotation(kind, target, fmt.group_size, seed)
+        s = whitening_scale(second, r) if scaled else torch.ones(h, d, dtype=torch.float64)
+        mu = (torch.einsum("hd,hde->he", mean.double(), r) * s) if use_mean else torch.zeros(h, d, dtype=torch.float64)
+        fn = lambda cs, r=r, s=s, mu=mu: error_fn(r, s, mu, cs, uni)  # noqa: E731
+        if cfg.clip == "fitted":
+            fit = fit_clip(fn, h, grid, per_head=cfg.per_head)
+            clip, err = fit.clip, fit.error
+        else:
+            clip = torch.full((h,), GLOBAL_CLIP[side] if cfg.clip == "global" else 1.0)
+            err = fn([clip])[0].double()
+        name = kind + ("+whiten" if scaled else "")
+        cand = SideFit(r, s, mu, clip, uni.clone(), err, [name] * h)
+        if best is None:
+            best = cand
+            continue
+        take = err < best.error if cfg.per_head else torch.full((h,), bool(err.sum() < best.error.sum()))
+        for f in ("rotation", "scale", "mean", "clip", "error"):
+            setattr(best, f, torch.where(take.view(-1, *[1] * (getattr(best, f).dim() - 1)), getattr(cand, f), getattr(best, f)))
+        best.chosen = [name if t else c for t, c in zip(take.tolist(), best.chosen)]
+    assert best is not None
+    if cfg.codebook != "off":
+        lv = lloyd_levels(normalized_positions(pages(best.rotation, best.scale, best.mean), fmt, best.clip))
+        err = error_fn(best.rotation, best.scale, best.mean, [best.clip], lv)[0].double()
+        keep = torch.ones(h, dtype=torch.bool) if cfg.codebook == "on" else err < 0.99 * best.error
+        best.levels = torch.where(keep[:, None], lv, best.levels)
+        best.error = torch.where(keep, err, best.error)
+    return best
+
+
+def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_fn: Callable, fmt: RowFormat,
+              seed: int) -> dict[str, torch.Tensor]:
+    """Held-out errors ``[H]`` of identity (no clip / global clip), Hadamard, random and the research recipe."""
+    h, d = target_shared.shape[0], target_shared.shape[-1]
+    one, zero, uni = torch.ones(h, d, dtype=torch.float64), torch.zeros(h, d, dtype=torch.float64), uniform_levels(h)
+    g = torch.full((h,), GLOBAL_CLIP[side])
+    out = {}
+    for name, kind, clip in (("identity", "identity", torch.ones(h)), ("identity+clip", "identity", g),
+                             ("hadamard+clip", "hadamard", g), ("random+clip", "random", g),
+                             ("research", "oscar", g)):
+        r = rotation(kind, target_shared, fmt.group_size, seed)
+        out[name] = error_fn(r, one, zero, [clip], uni)[0].double()
+    return out
+
+
+# ---- the whole model ---------------------------------------------------------------------------------------
+
+
+def capture(model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None) -> Collector:
+    """Run the calibration text through ``model``: statistics from all but the held-out sequences."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    fp = model_fingerprint(c)
+    text = load_sources(list(cfg.data), model, tokenizer)
+    seqs = token_sequences(text, tokenizer, cfg.seq_len, cfg.num_sequences, cfg.seed)  # [S, T]
+    col = Collector(fp["num_hidden_layers"], fp["num_key_value_heads"], fp["head_dim"], skip=cfg.sink,
+                    weightings=(cfg.value_weighting,))
+    col.mode = "heldout"
+    run_batches(model, col, seqs[: cfg.heldout].split(cfg.batch_size), progress)
+    col.mode = "stats"
+    run_batches(model, col, seqs[cfg.heldout :].split(cfg.batch_size), progress)
+    return col
+
+
+def fit_layer(i: int, stats: LayerStats, obj: LayerObjective, layout: KVCacheLayout, cfg: CalibrationConfig) -> tuple[SideFit, SideFit]:
+    """Keys and values of layer ``i``."""
+    def share(t):
+        return t if cfg.per_head else shared_target(t)
+
+    def pages_fn(x):
+        def f(r, s, mu):
+            xs = torch.matmul(x, r.unsqueeze(0)) * s[None, :, None] - mu[None, :, None]  # [N, H, Tq, D]
+            n, h, tq, d = xs.shape
+            return xs.float().reshape(n, h, tq // layout.page_size, layout.page_size, d).transpose(1, 2).reshape(-1, h, layout.page_size, d)
+        return f
+
+    kfmt, vfmt = layout.key, layout.value
+    kgroup = layout.page_size if kfmt.granularity == "channel" else kfmt.group_size
+    kerr = lambda r, s, mu, cs, lv: obj.key_errors(r, s, mu, cs, lv, kfmt)  # noqa: E731
+    verr = lambda r, s, mu, cs, lv: obj.value_errors(r, s, mu, cs, lv, vfmt)  # noqa: E731
+    c_q = stats.key_target()
+    k_fit = fit_side("k", share(c_q), stats.key_second(cfg.key_mean), stats.key_mean(), kerr, pages_fn(obj.k),
+                     kfmt, kgroup, cfg, cfg.seed + i)
+    k_fit.baselines = baselines("k", shared_target(c_q), stats.key_mean(), kerr, kfmt, cfg.seed + i)
+    v_t = stats.value_target(cfg.value_weighting)
+    v_fit = fit_side("v", share(v_t), stats.value_target("plain", cfg.value_mean), stats.value_mean(), verr,
+                     pages_fn(obj.v), vfmt, vfmt.group_size, cfg, cfg.seed + i)
+    v_fit.baselines = baselines("v", shared_target(v_t), stats.value_mean(), verr, vfmt, cfg.seed + i)
+    return k_fit, v_fit
+
+
+def layer_summary(k: SideFit, v: SideFit, obj: LayerObjective) -> dict[str, Any]:
+    """JSON statistics of one layer: errors (absolute and relative to the signal) and the choices."""
+    def side(f: SideFit, scale: torch.Tensor) -> dict[str, Any]:
+        e = float(f.error.sum())
+        return {
+            "error": e, "relative_error": e / max(float(scale.sum()), 1e-300),
+            "baselines": {n: float(b.sum()) for n, b in f.baselines.items()},
+            "vs_identity": e / max(float(f.baselines["identity"].sum()), 1e-300),
+            "vs_hadamard": e / max(float(f.baselines["hadamard+clip"].sum()), 1e-300),
+            "vs_research": e / max(float(f.baselines["research"].sum()), 1e-300),
+            "clip": f.clip.tolist(), "rotation": f.chosen,
+            "codebook": [lv != [0.0, 1.0, 2.0, 3.0] for lv in f.levels.tolist()],
+        }
+    return {"k": side(k, obj.key_scale()), "v": side(v, obj.value_scale())}
+
+
+def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_layers: int, on_layer) -> tuple[list, list]:
+    fits, per_layer = [], []
+    for i in range(num_layers):
+        st = col.stats[i]
+        if st is None:
+            raise ValueError(f"capture: layer {i} was never called through the attention interface")
+        obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window)
+        k_fit, v_fit = fit_layer(i, st, obj, layout, cfg)
+        fits.append((k_fit, v_fit))
+        per_layer.append(layer_summary(k_fit, v_fit, obj))
+        if on_layer is not None:
+            on_layer(i, per_layer[-1])
+    return fits, per_layer
+
+
+def calibrate(
+    model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None,
+    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = 1,
+) -> OscarArtifact:
+    """Calibrate ``model`` (any HF causal LM whose attention goes through ``AttentionInterface``).
+
+    ``fit_threads``: torch CPU threads while fitting (many small ops: one thread is fastest, and on a
+    shared machine several threads oversubscribe badly); restored afterwards. None leaves them alone.
+    """
+    t0 = time.perf_counter()
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    fp = model_fingerprint(c)
+    h, d = fp["num_key_value_heads"], fp["head_dim"]
+    col = capture(model, tokenizer, cfg, progress)
+    t_capture = time.perf_counter() - t0
+    layout = cfg.layout(h, d)
+    threads = torch.get_num_threads()
+    if fit_threads is not None:
+        torch.set_num_threads(fit_threads)
+    try:
+        fits, per_layer = _fit_all(col, layout, cfg, fp["num_hidden_layers"], on_layer)
+    finally:
+        torch.set_num_threads(threads)
+    t_fit = time.perf_counter() - t0 - t_capture
+    uniform = uniform_levels(h)
+    layout = cfg.layout(h, d, codebook_k=any(not torch.equal(k.levels, uniform) for k, _ in fits),
+                        codebook_v=any(not torch.equal(v.levels, uniform) for _, v in fits))
+    transforms = [
+        LayerTransform(
+            k_rotation=k.rotation.float(), v_rotation=v.rotation.float(), k_scale=k.scale.float(),
+            v_scale=v.scale.float(), k_mean=k.mean.float(), v_mean=v.mean.float(), k_clip=k.clip.float(),
+            v_clip=v.clip.float(), k_levels=k.levels.float().contiguous(), v_levels=v.levels.float().contiguous(),
+        )
+        for k, v in fits
+    ]
+    stats = {
+        "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(fp["num_hidden_layers"], 1)),
+        "heldout_sequences": cfg.heldout,
+        "objective_window": cfg.objective_window,
+        "seconds_capture": round(t_capture, 2),
+        "seconds_fit": round(t_fit, 2),
+        "seconds_total": round(time.perf_counter() - t0, 2),
+        "layers": per_layer,
+    }
+    return OscarArtifact(layout, transforms, fp, {"method": "oscar-calibrate", **cfg.to_dict()}, stats)
+
+
+__all__ = ["AUTO_CANDIDATES", "CalibrationConfig", "SideFit", "calibrate", "capture", "fit_layer", "fit_side"]

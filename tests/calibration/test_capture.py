@@ -1,0 +1,91 @@
+"""Capture through AttentionInterface: post-RoPE tensors, untouched outputs, GQA-aware fp64 sums, NaN errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_export.calibration.capture import Collector, run_batches
+from oscar_export.calibration.covariance import causal_probs
+
+L, H, HKV, D = 2, 6, 2, 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=HKV, num_hidden_layers=L,
+                      intermediate_size=64, vocab_size=50, head_dim=D, rope_theta=100.0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_outputs_unchanged_and_implementation_restored(tiny):
+    ids = torch.randint(0, 50, (2, 24))
+    with torch.no_grad():
+        ref = tiny(ids).logits
+    col = Collector(L, HKV, D, skip=0, mode="heldout")
+    run_batches(tiny, col, [ids])
+    assert tiny.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(tiny(ids).logits, ref)
+    q, k, v = col.heldout[0][0]
+    assert q.shape == (2, H, 24, D) and k.shape == (2, HKV, 24, D) and v.shape == (2, HKV, 24, D)
+    assert col.scaling[0] == pytest.approx(D**-0.5)
+
+
+def test_keys_are_post_rope(tiny):
+    """Layer 0 with one repeated token: pre-RoPE keys are identical, so captured keys must differ by
+    position while keeping each rotary pair's norm, and q·k must depend only on the distance."""
+    ids = torch.full((1, 12), 7)
+    col = Collector(L, HKV, D, skip=0, mode="heldout")
+    run_batches(tiny, col, [ids])
+    q, k, _ = col.heldout[0][0]
+    assert not torch.allclose(k[0, 0, 0], k[0, 0, 5])
+    pair_norm = k[0, 0, :, : D // 2] ** 2 + k[0, 0, :, D // 2 :] ** 2  # rotate_half pairs (i, i + D/2)
+    assert torch.allclose(pair_norm, pair_norm[:1].expand_as(pair_norm), rtol=1e-4, atol=1e-6)
+    s = q[0, 0] @ k[0, 0].T  # query head 0 reads KV head 0
+    assert torch.allclose(s[5, 2], s[8, 5], rtol=1e-4) and torch.allclose(s[9, 9], s[3, 3], rtol=1e-4)
+
+
+def test_stats_match_direct_sums(tiny):
+    """Streaming fp64 sums over two batches equal sums over the raw tensors, with GQA grouping."""
+    ids = torch.randint(0, 50, (4, 20))
+    raw = Collector(L, HKV, D, skip=3, mode="heldout")
+    run_batches(tiny, raw, [ids])
+    col = Collector(L, HKV, D, skip=3)
+    run_batches(tiny, col, ids.split(2))
+    q, k, v = raw.heldout[1][0]
+    st = col.stats[1]
+    g = H // HKV
+    for h in range(HKV):
+        qs = q[:, h * g : (h + 1) * g, 3:].double().reshape(-1, D)
+        ks = k[:, h, 3:].double().reshape(-1, D)
+        vs = v[:, h, 3:].double().reshape(-1, D)
+        assert torch.allclose(st.key_target()[h], qs.T @ qs / len(qs), rtol=1e-5, atol=1e-7)
+        assert torch.allclose(st.key_mean()[h], ks.mean(0), rtol=1e-5, atol=1e-7)
+        assert torch.allclose(st.value_target("plain")[h], vs.T @ vs / len(vs), rtol=1e-5, atol=1e-7)
+        mass = causal_probs(q, k, D**-0.5, 4)[:, h].sum(dim=(1, 2))[:, 3:].double().reshape(-1)  # [B*(T-3)]
+        want = (vs * mass[:, None]).T @ vs / mass.sum()
+        assert torch.allclose(st.value_target("prob")[h], want, rtol=1e-4, atol=1e-7)
+    assert st.tokens == 4 * 17
+
+
+def test_nan_activation_names_the_layer(tiny):
+    bad = LlamaForCausalLM(tiny.config).eval()
+    bad.load_state_dict(tiny.state_dict())
+    with torch.no_grad():
+        bad.model.layers[1].self_attn.k_proj.weight[3, 0] = float("nan")
+    col = Collector(L, HKV, D, skip=0)
+    with pytest.raises(ValueError, match="layer 1 produced .* non-finite \\(NaN/Inf\\) keys"):
+        run_batches(bad, col, [torch.randint(0, 50, (1, 8))])
+    assert bad.config._attn_implementation == "sdpa"  # restored even after the error
+
+
+def test_bad_shapes_refused(tiny):
+    col = Collector(L, 3, D, skip=0)  # wrong KV head count
+    with pytest.raises(ValueError, match="expected keys \\[B, 3, T, 16\\], got \\(1, 2, 8, 16\\)"):
+        run_batches(tiny, col, [torch.randint(0, 50, (1, 8))])
+    st = Collector(L, HKV, D, skip=8)
+    with pytest.raises(ValueError, match="skip=8 leaves no positions"):
+        run_batches(tiny, st, [torch.randint(0, 50, (1, 8))])
