@@ -70,6 +70,54 @@ class AotCacheOps:
         state.num_pages[slot] += 1
         state.recent_len[slot] -= p
 
+    # ---- writing tokens ------------------------------------------------------------------------------------
+    def prefill(self, state, slot: int, k, v, page_ids, transform) -> None:
+        """Write a whole prompt of sequence ``slot`` (empty before): sink, INT2 pages, recent.
+
+        Args:
+            k, v: ``[H_kv, T, D]`` bf16 rows in the stored basis (``LayerTransform.transform_keys/values``
+                rounded to bf16, as the reference rounds rows through the window dtype).
+            page_ids: the ``layout.pages_for(T)`` pool pages the book allocated (``OscarCacheBook.grow``).
+        Same bytes as ``reference.append_tokens`` of the whole prompt.
+        """
+        import torch
+
+        t = k.shape[1]
+        sink, pages, recent = self.layout.split(t)
+        if len(page_ids) != pages:
+            raise ValueError(f"prefill: a {t}-token prompt fills {pages} pages, got {len(page_ids)} page ids")
+        p, hkv, d = self.layout.page_size, self.layout.num_kv_heads, self.layout.head_dim
+        for rows, sink_buf, recent_buf in ((k, state.sink_k, state.recent_k), (v, state.sink_v, state.recent_v)):
+            sink_buf[slot, :, :sink] = rows[:, :sink]
+            recent_buf[slot, :, :recent] = rows[:, sink + pages * p :]
+        if pages:
+            ids = torch.tensor(list(page_ids), dtype=torch.int32, device=state.k_codes.device)
+            for kernel, fmt, rows, clip, levels, codes, params in (
+                (self.quant_k, self.layout.key, k, transform.k_clip, transform.k_levels, state.k_codes, state.k_params),
+                (self.quant_v, self.layout.value, v, transform.v_clip, transform.v_levels, state.v_codes,
+                 state.v_params),
+            ):
+                x = rows[:, sink : sink + pages * p].reshape(hkv, pages, p, d).transpose(0, 1)  # [N, H_kv, P, D] view
+                self._quantize(kernel, fmt, x, ids, clip, levels, codes, params)
+            state.block_table[slot, :pages] = ids
+        state.sink_len[slot], state.num_pages[slot], state.recent_len[slot] = sink, pages, recent
+
+    def append(self, state, slot: int, split_before: tuple[int, int, int], k, v) -> None:
+        """Append one token (``k, v [H_kv, D]`` bf16, stored basis) to sequence ``slot``.
+
+        ``split_before`` is ``(sink_len, num_pages, recent_len)`` before the token (the host-side book's
+        ``split``); *recent* must have room (``OscarCacheBook.reserve_next`` demoted in the update step).
+        """
+        sink, pages, recent = split_before
+        if sink < self.layout.sink and pages == 0 and recent == 0:
+            state.sink_k[slot, :, sink], state.sink_v[slot, :, sink] = k, v
+            state.sink_len[slot] = sink + 1
+            return
+        if recent >= self.layout.recent_capacity:
+            raise ValueError(f"append: slot {slot} recent window is full ({recent}); demote first (reserve_next)")
+        state.recent_k[slot, :, recent], state.recent_v[slot, :, recent] = k, v
+        state.recent_len[slot] = recent + 1
+
     # ---- decode --------------------------------------------------------------------------------------------
     def decode(self, q, state, transform, pages_per_split: int, out=None):
         """One decode step: ``q [B, H, D]`` bf16 (model basis; the key rotation is fused) -> ``[B, H, D]`` bf16.

@@ -343,6 +343,75 @@ def test_trtllm_device_ops(bundles, where, source, lay, cuda):
     print(f"  trtllm device ops [{where} {source} {lay}]: demotion == reference.demote, decode == JIT")
 
 
+@pytest.mark.parametrize("lay", ["ktok", "kch"])
+def test_trtllm_serving_sequence(bundles, lay, cuda):
+    """Prefill two prompts, then decode 140 steps the way the TensorRT-LLM module does (book + AOT device
+    ops, demotion in the update step); after every token the cache equals reference.append_tokens'."""
+    from oscar_export.kernels import decode_attention as jit_mod
+    from oscar_export.kernels import reference
+    from oscar_export.kernels.aot.bundle import layout_tag
+    from oscar_export.kernels.layout import PagedKV
+    from oscar_export.plugins.trtllm import OscarCacheBook
+    from oscar_export.plugins.trtllm.device import AotCacheOps
+
+    layout = layouts()[lay]
+    _kernel(bundles, "cpu", "cubin", f"quant_pack_k_{layout_tag(layout, HEADS)}")
+    ops = AotCacheOps(bundles["cpu"], layout, HEADS)
+    _, t, _, _ = _state(layout, [1], torch.device("cpu"), seed=5)
+    tc = t.to(cuda)
+    book = OscarCacheBook(layout, max_batch=2, max_pages_per_seq=12, pool_pages=24)
+    st = PagedKV.allocate(layout, 2, 24, 12, device=cuda)
+    ref = PagedKV.allocate(layout, 2, 24, 12)
+    g = torch.Generator().manual_seed(7)
+    prompts, steps = {0: 380, 1: 600}, 140
+    rows = {b: ((torch.randn(3, n + steps, 64, generator=g) * 2).bfloat16(), torch.randn(3, n + steps, 64, generator=g).bfloat16())
+            for b, n in prompts.items()}
+    pending: dict[int, int] = {}
+
+    def update_step(b):
+        before = len(book.seqs[b].pages)
+        dem = book.reserve_next(b)
+        if dem is not None:
+            ops.demote(st, b, dem.page, before, tc)
+            pending[b] = dem.page
+
+    for b, n in prompts.items():
+        book.add(b)
+        pages = [d.page for d in book.grow(b, n)]
+        k, v = rows[b]
+        ops.prefill(st, b, k[:, :n].to(cuda), v[:, :n].to(cuda), pages, tc)
+        it = iter(pages)
+        reference.append_tokens(ref, b, k[:, :n].float(), v[:, :n].float(), layout, t, lambda: next(it))
+        update_step(b)
+    demotions = 0
+    for step in range(steps):
+        for b in prompts:
+            pos = book.seqs[b].length
+            k, v = rows[b]
+            ops.append(st, b, book.split(b), k[:, pos].to(cuda), v[:, pos].to(cuda))
+            page = pending.pop(b, None)
+            demotions += page is not None
+            reference.append_tokens(ref, b, k[:, pos : pos + 1].float(), v[:, pos : pos + 1].float(), layout, t,
+                                    lambda: page)
+            book.grow(b, 1)
+        torch.cuda.synchronize()
+        diff = [f for f in ref.__dataclass_fields__ if not torch.equal(getattr(st, f).cpu(), getattr(ref, f))]
+        assert not diff, f"step {step}: AOT cache differs from the reference in {diff}"
+        if step % 35 == 34:
+            q = torch.randn(2, HEADS, 64, device=cuda).bfloat16()
+            out = ops.decode(q, st, tc, pages_per_split=2)
+            jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
+                                           q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
+                                           pages_per_split=2)
+            torch.cuda.synchronize()
+            assert _report(f"step {step} decode vs JIT", out, jit)
+        for b in prompts:
+            update_step(b)
+    assert demotions >= 2 and book.split(0)[1] >= 3
+    print(f"  trtllm serving sequence [{lay}]: {steps} steps x 2 sequences, {demotions} update-step demotions, "
+          f"cache == reference after every token, decode == JIT")
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "build":
         build(sys.argv[2])
