@@ -359,11 +359,11 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
     ops = AotCacheOps(bundles["cpu"], layout, HEADS)
     _, t, _, _ = _state(layout, [1], torch.device("cpu"), seed=5)
     tc = t.to(cuda)
-    book = OscarCacheBook(layout, max_batch=2, max_pages_per_seq=12, pool_pages=24)
-    st = PagedKV.allocate(layout, 2, 24, 12, device=cuda)
-    ref = PagedKV.allocate(layout, 2, 24, 12)
+    book = OscarCacheBook(layout, max_batch=3, max_pages_per_seq=12, pool_pages=24)
+    st = PagedKV.allocate(layout, 3, 24, 12, device=cuda)
+    ref = PagedKV.allocate(layout, 3, 24, 12)
     g = torch.Generator().manual_seed(7)
-    prompts, steps = {0: 380, 1: 600}, 140
+    prompts, steps = {0: 380, 1: 600, 2: 60}, 140
     rows = {b: ((torch.randn(3, n + steps, 64, generator=g) * 2).bfloat16(), torch.randn(3, n + steps, 64, generator=g).bfloat16())
             for b, n in prompts.items()}
     pending: dict[int, int] = {}
@@ -398,7 +398,7 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
         diff = [f for f in ref.__dataclass_fields__ if not torch.equal(getattr(st, f).cpu(), getattr(ref, f))]
         assert not diff, f"step {step}: AOT cache differs from the reference in {diff}"
         if step % 35 == 34:
-            q = torch.randn(2, HEADS, 64, device=cuda).bfloat16()
+            q = torch.randn(3, HEADS, 64, device=cuda).bfloat16()
             out = ops.decode(q, st, tc, pages_per_split=2)
             jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
                                            q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
@@ -408,7 +408,7 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
         for b in prompts:
             update_step(b)
     assert demotions >= 2 and book.split(0)[1] >= 3
-    print(f"  trtllm serving sequence [{lay}]: {steps} steps x 2 sequences, {demotions} update-step demotions, "
+    print(f"  trtllm serving sequence [{lay}]: {steps} steps x 3 sequences, {demotions} update-step demotions, "
           f"cache == reference after every token, decode == JIT")
 
 
