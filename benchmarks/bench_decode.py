@@ -124,7 +124,8 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool) -> list[dict]:
         for pps in sorted({max(1, pps0 // 2), pps0 * 2, max(1, pps0 // 4)} - {pps0}):
             variants.append(dict(pages_per_split=pps, num_warps=4, num_stages=2))
         variants += [dict(pages_per_split=pps0, num_warps=8, num_stages=2),
-                     dict(pages_per_split=pps0, num_warps=4, num_stages=3)]
+                     dict(pages_per_split=pps0, num_warps=4, num_stages=3),
+                     dict(pages_per_split=pps0, num_warps=4, num_stages=2, fast_unpack=False)]
     rows = []
     for var in variants:
         call = lambda i, v=var: decode_attention(qs[i % sets], states[i % sets], lay, kl, kl, scale,  # noqa: E731
@@ -171,13 +172,14 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'shape':>9} {'kernel':>10} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'eager us':>9} {'graph us':>9} "
-          f"{'TB/s':>5} {'x SDPA':>6}")
+    print(f"\n{'shape':>9} {'kernel':>10} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
+          f"{'graph us':>9} {'TB/s':>5} {'x SDPA':>6}")
     sdpa = {(r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
     for r in rows:
         x = sdpa[(r["batch"], r["seq"])] / r["graph_us"]
         print(f"{r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
-              f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {r['eager_us']:9.1f} {r['graph_us']:9.1f} "
+              f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {'n' if r.get('fast_unpack') is False else 'y':>3} "
+              f"{r['eager_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['tbps']:5.2f} {x:6.2f}")
     return 0
 

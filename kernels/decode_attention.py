@@ -50,6 +50,32 @@ def _lev(c, l0, l1, l2, l3, CODEBOOK: tl.constexpr):
         return c.to(tl.float32)
 
 
+#: PTX turning field j of four packed code bytes into four fp16 codes (0.0..3.0) with four instructions:
+#: shift + mask, then prmt puts each byte under 0x64 (fp16 1024 + c) and one f16x2 subtract removes the 1024.
+_UNPACK_ASM = [tl.constexpr(
+    "{ .reg .b32 t, k; shr.b32 t, $2, " + str(2 * j) + "; and.b32 t, t, 0x03030303; mov.b32 k, 0x64006400; "
+    "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
+    "sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }"
+) for j in range(4)]
+_UNPACK0, _UNPACK1, _UNPACK2, _UNPACK3 = _UNPACK_ASM
+
+
+@triton.jit
+def _field(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST: tl.constexpr):
+    """Field ``J`` (bits 2J..2J+1) of every byte of a uint8 tile as fp16 levels."""
+    if FAST:
+        if J == 0:
+            return tl.inline_asm_elementwise(_UNPACK0, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        elif J == 1:
+            return tl.inline_asm_elementwise(_UNPACK1, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        elif J == 2:
+            return tl.inline_asm_elementwise(_UNPACK2, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_UNPACK3, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return _lev((codes.to(tl.int32) >> (2 * J)) & 3, l0, l1, l2, l3, CODEBOOK).to(tl.float16)
+
+
 @triton.jit
 def _softmax_step(sc, m, l):
     """Online-softmax update for scores ``sc [GQ_PAD, N]`` (log2 units): returns p, alpha, m_new, l_new."""
@@ -71,6 +97,7 @@ def _decode_split_kernel(
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, split). Grid ``(B * H_kv, n_splits)``.
 
@@ -87,7 +114,8 @@ def _decode_split_kernel(
         part_o_ptr    fp32 ``[B, H, n_splits, D]``; part_lse_ptr fp32 ``[B, H, n_splits]`` (log2 units)
         max_pages, pages_per_split, n_page_splits, n_splits: int32
         constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 16)), D, P, S0, RC, BN (BF16 chunk),
-        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q.
+        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK (PTX unpack of
+        uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path).
     Requires group_size == head_dim (one (scale, lo) per token row).
     """
     bh = tl.program_id(0)
@@ -145,12 +173,12 @@ def _decode_split_kernel(
         for pi in range(start, end):
             page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pi).to(tl.int64)
             ph = page * H_KV + h
-            kc = tl.load(k_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :]).to(tl.int32)  # [P, Q4]
-            vc = tl.load(v_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :]).to(tl.int32)
-            k0 = _lev(kc & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
-            k1 = _lev((kc >> 2) & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
-            k2 = _lev((kc >> 4) & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
-            k3 = _lev((kc >> 6) & 3, kl0, kl1, kl2, kl3, K_CODEBOOK).to(tl.float16)
+            kc = tl.load(k_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :])  # [P, Q4] uint8
+            vc = tl.load(v_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :])
+            k0 = _field(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
+            k1 = _field(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
+            k2 = _field(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
+            k3 = _field(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
             if K_CHANNEL:
                 kp = k_params_ptr + ph * (2 * D)
                 ks0 = tl.load(kp + 0 * Q4 + c4).to(tl.float32)
@@ -178,10 +206,10 @@ def _decode_split_kernel(
             vs = tl.load(v_params_ptr + ph * (P * 2) + t * 2).to(tl.float32)
             vlo = tl.load(v_params_ptr + ph * (P * 2) + t * 2 + 1).to(tl.float32)
             ps = (p * vs[None, :]).to(tl.float16)
-            acc0 = tl.dot(ps, _lev(vc & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc0 * alpha[:, None])
-            acc1 = tl.dot(ps, _lev((vc >> 2) & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc1 * alpha[:, None])
-            acc2 = tl.dot(ps, _lev((vc >> 4) & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc2 * alpha[:, None])
-            acc3 = tl.dot(ps, _lev((vc >> 6) & 3, vl0, vl1, vl2, vl3, V_CODEBOOK).to(tl.float16), acc3 * alpha[:, None])
+            acc0 = tl.dot(ps, _field(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc0 * alpha[:, None])
+            acc1 = tl.dot(ps, _field(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc1 * alpha[:, None])
+            acc2 = tl.dot(ps, _field(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc2 * alpha[:, None])
+            acc3 = tl.dot(ps, _field(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc3 * alpha[:, None])
             acclo = acclo * alpha + tl.sum(p * vlo[None, :], axis=1)
     else:
         # ---- one BN-token chunk of the BF16 sink or recent window --------------------------------------------
@@ -297,6 +325,7 @@ def decode_attention(
     pages_per_split: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    fast_unpack: bool | None = None,
 ) -> torch.Tensor:
     """``reference.decode_attention`` in two Triton launches (split, merge).
 
@@ -308,6 +337,7 @@ def decode_attention(
         codebook: treat levels as a fitted codebook (default: ``layout.key/value.codebook``).
         q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue.
         pages_per_split: INT2 pages per split program (default: fill the GPU, :func:`default_pages_per_split`).
+        fast_unpack: PTX code unpack for uniform levels (default: on CUDA); False forces the plain path.
     Returns:
         ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -380,6 +410,7 @@ def decode_attention(
         H_KV=hkv, GQ=gq, GQ_PAD=max(16, _next_pow2(gq)), D=d, P=p, S0=layout.sink, RC=layout.recent_capacity,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=layout.key.granularity == "channel",
         K_CODEBOOK=bool(codebook), V_CODEBOOK=bool(codebook), ROTATE_Q=q_rotation is not None,
+        FAST_UNPACK=(dev.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
         num_warps=num_warps, num_stages=num_stages,
     )
     _merge_kernel[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)

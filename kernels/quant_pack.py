@@ -331,7 +331,7 @@ def write_pages(
         H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
         ROTATE=rotation is not None, ROUND_BF16=rotation is not None and round_dtype == torch.bfloat16,
         ROUND_FP16=rotation is not None and round_dtype == torch.float16,
-        num_warps=4,
+        num_warps=8,
     )
 
 
@@ -412,7 +412,7 @@ def decode_step_update(
         tr.k_levels.contiguous(), tr.v_levels.contiguous(), state.block_table, state.num_pages, state.recent_len,
         max_pages,
         H_KV=h, P=p, D=d, G=layout.value.group_size, RC=layout.recent_capacity,
-        K_CHANNEL=layout.key.granularity == "channel", num_warps=4,
+        K_CHANNEL=layout.key.granularity == "channel", num_warps=8,
     )
     _append_kernel[(bsz,)](
         k, v, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
