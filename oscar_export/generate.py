@@ -17,6 +17,10 @@ EPILOG = """examples:
 """
 
 
+#: prompt used when neither --prompt nor --prompt-topic is given (703 SmolLM2 tokens).
+DEFAULT_TOPIC = "class"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a local HF model dir")
     p.add_argument("--artifact", default=None, help="OSCAR artifact directory (default: identity transforms)")
@@ -24,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", default=None, help="prompt text")
     src.add_argument(
         "--prompt-topic", default=None,
-        help="use a section of Python's own documentation (pydoc_data.topics, e.g. 'assignment') as the prompt",
+        help=f"use a section of Python's documentation (pydoc_data.topics) as the prompt (default {DEFAULT_TOPIC!r})",
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -42,8 +46,10 @@ def _prompt_text(args: argparse.Namespace) -> str:
         if args.prompt_topic not in topics:
             raise UserError(f"--prompt-topic: unknown topic {args.prompt_topic!r}; e.g. {', '.join(sorted(topics)[:8])}")
         return topics[args.prompt_topic]
-    if args.prompt is None:
-        return "Explain in two sentences what a key-value cache is in a transformer language model."
+    if args.prompt is None:  # ~700 tokens: long enough that the history reaches the INT2 pages
+        from pydoc_data.topics import topics
+
+        return topics[DEFAULT_TOPIC]
     return args.prompt
 
 
@@ -78,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens: expected > 0, got {args.max_new_tokens}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model, tok = load_model(args.model, dtype=dtype, device=device)
     text = _prompt_text(args)
+    model, tok = load_model(args.model, dtype=dtype, device=device)
     if args.chat and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     ids = tok(text, return_tensors="pt").input_ids.to(device)
