@@ -1,107 +1,62 @@
-"""TensorRT-LLM (>= 1.3, PyTorch backend) classes for the OSCAR cache. NOT EXECUTED: TensorRT-LLM cannot be
-installed on the machines this project was built on; only the plain-Python parts it calls are tested.
+"""TensorRT-LLM (PyTorch backend) classes for the OSCAR cache.
 
-What ``trtllm-serve --custom_module_dirs`` gets (through ``register`` in ``__init__.py``):
+NOT EXECUTED: TensorRT-LLM cannot be installed on the machines this project was built on. The TensorRT-LLM
+names used here (``BaseResourceManager`` hooks, ``AttentionBackend.forward(q, k, v, metadata)`` with packed
+``[tokens, heads * D]`` inputs, ``metadata.seq_lens`` / ``request_ids`` / ``kv_cache_params``) follow its
+public source as read, not as run. What IS tested: the decisions (``bookkeeping.py``, pure Python) and the
+device operations these classes call (``device.AotCacheOps``: prefill, append, demotion and decode through
+the AOT bundle, compared with the reference and the Triton JIT on an H200 in tests/gpu/test_aot_gpu.py,
+including a whole prefill + 140-step serving sequence driven exactly as below).
 
-* ``OscarResourceManager`` — a ``BaseResourceManager`` owning the per-layer OSCAR buffers (BF16 sink and
-  recent windows, the INT2 page pool) and an :class:`OscarCacheBook`. ``prepare_resources`` admits new
-  requests and checks room; ``update_resources`` (after each forward) records the tokens written and runs
-  the due demotions with the bundle's ``quant_pack_{k,v}`` kernels; ``free_resources`` returns the pages.
-* ``OscarAttention`` — the attention call for decode steps: appends the new token to *recent*, then launches
-  the bundle's ``decode_split``/``decode_merge`` (query rotation fused) on the current stream. Context
-  (prefill) attention stays full precision (the host's own backend); the prompt is then written as
-  sink / pages / recent with ``quant_pack_*_rot``.
-* ``register(checkpoint, bundle)`` — loads the artifact (``values_prerotated``) and the bundle manifest and
-  registers the model class that installs the two above.
+One step of the executor, and who does what:
 
-Everything numerical is in the bundle kernels (kernels/aot) and the reference; the decisions are in
-``bookkeeping.py``; argument order is in ``kernels/aot/bundle.py``.
+1. ``OscarResourceManager.prepare_resources``: admit new requests (a batch slot each) and, for a context
+   (prefill) request, ``book.grow(prompt_len)``: the pages its prompt fills.
+2. ``OscarAttention.forward`` (every layer): context requests attend at full precision (causal SDPA) and
+   write the prompt (``AotCacheOps.prefill``: sink, INT2 pages, recent); generation requests append their
+   token to *recent* (``append``, position from ``book.split``) and attend over sink + INT2 + recent with
+   the bundle's decode kernels (query rotation fused, output in the stored value basis: the exported
+   ``o_proj`` undoes the value rotation; the value mean is added back here).
+3. ``OscarResourceManager.update_resources``: ``book.grow(1)`` for each generation token, then the
+   demotion for each continuing request (``book.reserve_next`` + ``AotCacheOps.demote`` in every layer),
+   so the next forward always finds a free recent slot.
+4. ``free_resources``: the request's pages go back to the pool.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from .bookkeeping import OscarCacheBook, pages_per_seq_for, pool_pages_for
 
 INSTALL_HINT = (
-    "the OSCAR TensorRT-LLM module needs TensorRT-LLM >= 1.3 with its PyTorch backend "
-    "(use the nvcr.io/nvidia/tensorrt-llm/release image, see the Dockerfile) and cuda-python"
+    "the OSCAR TensorRT-LLM module needs TensorRT-LLM (PyTorch backend; use the "
+    "nvcr.io/nvidia/tensorrt-llm/release image, see the Dockerfile) and cuda-python"
 )
 
 
 def _require_trtllm():
     try:
         import tensorrt_llm  # noqa: F401
+        from tensorrt_llm._torch.attention_backend.interface import AttentionBackend, AttentionMetadata
         from tensorrt_llm._torch.pyexecutor.resource_manager import BaseResourceManager
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
-    return BaseResourceManager
-
-
-def make_resource_manager_class():
-    """Build ``OscarResourceManager`` on TensorRT-LLM's ``BaseResourceManager`` (import-guarded)."""
-    base = _require_trtllm()
-
-    class OscarResourceManager(base):  # pragma: no cover - needs TensorRT-LLM
-        def __init__(self, deployment: "OscarDeployment", max_batch: int, max_seq_len: int, device="cuda"):
-            import torch
-
-            from oscar_export.kernels.layout import PagedKV
-
-            lay = deployment.layout
-            self.deployment = deployment
-            self.book = OscarCacheBook(lay, max_batch, pages_per_seq_for(lay, max_seq_len),
-                                       pool_pages_for(lay, max_batch, max_seq_len))
-            self.layers = [
-                PagedKV.allocate(lay, max_batch, self.book.pool_pages, self.book.max_pages_per_seq, device,
-                                 torch.bfloat16)
-                for _ in range(deployment.num_layers)
-            ]
-
-        def get_max_resource_count(self) -> int:
-            return self.book.pool.num_pages
-
-        def get_needed_resource_to_completion(self, request) -> int:
-            total = request.prompt_len + request.max_new_tokens
-            return self.book.layout.pages_for(total)
-
-        def prepare_resources(self, scheduled_batch) -> None:
-            for req in scheduled_batch.context_requests:
-                if req.py_request_id not in self.book.seqs:
-                    self.book.add(req.py_request_id)
-            for req in scheduled_batch.all_requests():
-                if not self.book.can_grow(req.py_request_id, 1):
-                    raise RuntimeError(f"OSCAR cache: no room for request {req.py_request_id}")
-
-        def update_resources(self, scheduled_batch) -> None:
-            for req in scheduled_batch.all_requests():
-                rid = req.py_request_id
-                n = req.context_chunk_size if req.is_context_init_state else 1
-                self.book.grow(rid, n)  # prompt pages were written by the prefill writer; decode pages reserved
-                before = len(self.book.seqs[rid].pages)
-                dem = self.book.reserve_next(rid)  # demotion in the update step: room for the next token
-                if dem is not None:
-                    self.deployment.demote(self.layers, dem, before)
-
-        def free_resources(self, request) -> None:
-            self.book.free(request.py_request_id)
-
-    return OscarResourceManager
+    return BaseResourceManager, AttentionBackend, AttentionMetadata
 
 
 class OscarDeployment:
-    """The artifact, the layout and the loaded bundle kernels of one deployment directory."""
+    """The artifact (``values_prerotated``), the layout and the bundle of one deployment directory."""
 
     def __init__(self, checkpoint: str | Path, bundle: str | Path) -> None:
-        import json
-
         from oscar_export.calibration.artifact import load_artifact
         from oscar_export.kernels.aot.manifest import read_manifest
 
         checkpoint = Path(checkpoint)
-        section = json.loads((checkpoint / "config.json").read_text()).get("oscar")
+        config = json.loads((checkpoint / "config.json").read_text())
+        section = config.get("oscar")
         if not isinstance(section, dict):
             raise ValueError(f"{checkpoint}: not an OSCAR export (no 'oscar' section in config.json)")
         self.artifact = load_artifact(checkpoint / section["artifact"])
@@ -109,32 +64,126 @@ class OscarDeployment:
             raise ValueError(f"{checkpoint}: the artifact is not values_prerotated; serve an exported checkpoint")
         self.layout = self.artifact.layout
         self.num_layers = self.artifact.num_layers
+        self.num_heads = int(config["num_attention_heads"])
         self.manifest = read_manifest(bundle)
-        self.num_heads = int(json.loads((checkpoint / "config.json").read_text())["num_attention_heads"])
         self._ops: Any = None
+        self._transforms: Any = None
 
-    @property
     def ops(self):  # pragma: no cover - needs a GPU
-        """The bundle's kernels, loaded on first use (``device.AotCacheOps``; GPU-tested without TensorRT-LLM)."""
         if self._ops is None:
             from .device import AotCacheOps
 
             self._ops = AotCacheOps(self.manifest, self.layout, self.num_heads)
         return self._ops
 
-    def demote(self, layers, dem, pages_before: int) -> None:  # pragma: no cover - needs a GPU and TensorRT-LLM
-        """Quantize the oldest P recent tokens of slot ``dem.slot`` into page ``dem.page`` in every layer."""
-        transforms = [t.to(layers[0].k_codes.device) for t in self.artifact.transforms]
-        for state, t in zip(layers, transforms):
-            self.ops.demote(state, dem.slot, dem.page, pages_before, t)
+    def transform(self, layer: int, device):  # pragma: no cover - needs a GPU
+        if self._transforms is None:
+            self._transforms = [t.to(device) for t in self.artifact.transforms]
+        return self._transforms[layer]
+
+
+def make_classes(deployment: OscarDeployment):  # pragma: no cover - needs TensorRT-LLM
+    """``(OscarResourceManager, OscarAttention)`` built on TensorRT-LLM's base classes (import-guarded)."""
+    BaseResourceManager, AttentionBackend, AttentionMetadata = _require_trtllm()
+    import torch
+
+    lay = deployment.layout
+
+    class OscarResourceManager(BaseResourceManager):
+        def __init__(self, max_batch: int, max_seq_len: int, device="cuda"):
+            from oscar_export.kernels.layout import PagedKV
+
+            self.book = OscarCacheBook(lay, max_batch, pages_per_seq_for(lay, max_seq_len),
+                                       pool_pages_for(lay, max_batch, max_seq_len))
+            self.layers = [
+                PagedKV.allocate(lay, max_batch, self.book.pool_pages, self.book.max_pages_per_seq, device,
+                                 torch.bfloat16)
+                for _ in range(deployment.num_layers)
+            ]
+            self.prompt_pages: dict[int, list[int]] = {}
+
+        def get_max_resource_count(self) -> int:
+            return self.book.pool.num_pages
+
+        def get_needed_resource_to_completion(self, request) -> int:
+            return lay.pages_for(request.prompt_len + request.max_new_tokens)
+
+        def prepare_resources(self, scheduled_batch) -> None:
+            for req in scheduled_batch.context_requests:
+                rid = req.py_request_id
+                if rid not in self.book.seqs:
+                    self.book.add(rid)
+                self.prompt_pages[rid] = [d.page for d in self.book.grow(rid, req.context_chunk_size)]
+
+        def update_resources(self, scheduled_batch) -> None:
+            for req in scheduled_batch.generation_requests:
+                self.book.grow(req.py_request_id, 1)
+            for req in scheduled_batch.all_requests():
+                rid = req.py_request_id
+                self.prompt_pages.pop(rid, None)
+                before = len(self.book.seqs[rid].pages)
+                dem = self.book.reserve_next(rid)
+                if dem is not None:
+                    for i, state in enumerate(self.layers):
+                        deployment.ops().demote(state, dem.slot, dem.page, before, deployment.transform(i, state.k_codes.device))
+
+        def free_resources(self, request) -> None:
+            self.book.free(request.py_request_id)
+
+    class OscarAttentionMetadata(AttentionMetadata):
+        pass
+
+    class OscarAttention(AttentionBackend[OscarAttentionMetadata]):
+        Metadata = OscarAttentionMetadata
+
+        def forward(self, q, k, v, metadata, **kwargs):
+            mgr = metadata.kv_cache_manager  # the OscarResourceManager
+            state = mgr.layers[self.layer_idx]
+            t = deployment.transform(self.layer_idx, q.device)
+            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            out = torch.empty_like(q)
+            offset, decode_rows = 0, []
+            cached = metadata.kv_cache_params.num_cached_tokens_per_seq
+            for i, (rid, n) in enumerate(zip(metadata.request_ids, metadata.seq_lens.tolist())):
+                qi = q[offset : offset + n].view(n, h, d).transpose(0, 1)  # [H, n, D]
+                ki = k[offset : offset + n].view(n, hkv, d).transpose(0, 1)  # [H_kv, n, D]
+                vi = v[offset : offset + n].view(n, hkv, d).transpose(0, 1)
+                seq = mgr.book.seqs[rid]
+                k_s = t.transform_keys(ki[None])[0].to(torch.bfloat16)  # stored basis [H_kv, n, D]
+                v_s = t.transform_values(vi[None])[0].to(torch.bfloat16)
+                if cached[i] == 0:  # prompt: full precision, then written to the cache
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        qi[None], ki[None], vi[None], is_causal=True, enable_gqa=True)[0]
+                    out[offset : offset + n] = o.transpose(0, 1).reshape(n, h * d)
+                    deployment.ops().prefill(state, seq.slot, k_s, v_s, mgr.prompt_pages[rid], t)
+                else:
+                    deployment.ops().append(state, seq.slot, mgr.book.split(rid), k_s[:, 0], v_s[:, 0])
+                    decode_rows.append((offset, seq.slot, qi[:, 0]))
+                offset += n
+            if decode_rows:
+                qb = torch.zeros(mgr.book.max_batch, h, d, dtype=torch.bfloat16, device=q.device)
+                for _, slot, qr in decode_rows:
+                    qb[slot] = qr
+                ob = deployment.ops().decode(qb, state, t, pages_per_split=8)  # [max_batch, H, D], stored basis
+                ob = t.restore_output(ob[:, :, None]).squeeze(2)  # + v_mean (R_V is folded into o_proj)
+                for off, slot, _ in decode_rows:
+                    out[off] = ob[slot].reshape(h * d).to(out.dtype)
+            return out
+
+    return OscarResourceManager, OscarAttention
 
 
 def register(checkpoint: str | Path, bundle: str | Path) -> OscarDeployment:
-    """Entry point of the generated ``trtllm_module``: load the deployment and register with TensorRT-LLM."""
+    """Entry point of the generated ``trtllm_module``: load the deployment and build the TensorRT-LLM classes.
+
+    Selecting them inside the executor (the attention backend of the served model and the resource manager
+    for the KV cache) is done by the TensorRT-LLM configuration of the deployment; that wiring is the part
+    that most needs a real TensorRT-LLM to get right and was not executed.
+    """
     _require_trtllm()
     deployment = OscarDeployment(checkpoint, bundle)  # pragma: no cover - after the import guard
-    make_resource_manager_class()
+    deployment.classes = make_classes(deployment)
     return deployment
 
 
-__all__ = ["INSTALL_HINT", "OscarDeployment", "make_resource_manager_class", "register"]
+__all__ = ["INSTALL_HINT", "OscarDeployment", "make_classes", "register"]
