@@ -13,8 +13,8 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
   order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
 
-num_warps/num_stages are the JIT wrappers' (quant_pack and merge: 4 warps, Triton's default 3 stages;
-split: 4 warps, 2 stages) so the AOT binaries compute what the JIT launches compute, bit for bit.
+num_warps/num_stages are the JIT wrappers' (quant_pack: 8 warps, merge: 4, both Triton's default 3
+stages; split: 4 warps, 2 stages; ``FAST_UNPACK`` as the wrapper sets it on a GPU) so the AOT binaries compute what the JIT launches compute, bit for bit.
 :func:`decode_plan` reproduces the wrapper's split arithmetic for a host that launches the binaries itself.
 """
 
@@ -37,6 +37,8 @@ BF16_CHUNK = 64
 MERGE_CHUNK = 16
 #: Triton's default num_stages (what the JIT uses when the wrapper passes none).
 TRITON_DEFAULT_STAGES = 3
+#: num_warps of the quant_pack wrapper's launch.
+QUANT_WARPS = 8
 
 
 def _pow2(n: int) -> int:
@@ -68,7 +70,7 @@ def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: b
         }.items())),
         grid=("N", "H_KV", "1"),
         grid_inputs=("N",),
-        num_warps=4,
+        num_warps=QUANT_WARPS,
         num_stages=TRITON_DEFAULT_STAGES,
         doc=f"quantize {'model-basis' if rotate else 'stored-basis'} {which.upper()} pages into the INT2 pool",
     )
@@ -95,7 +97,7 @@ def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, ta
             "H_KV": hkv, "GQ": gq, "GQ_PAD": max(16, _pow2(gq)), "D": layout.head_dim, "P": layout.page_size,
             "S0": layout.sink, "RC": layout.recent_capacity, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
             "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-            "ROTATE_Q": True,
+            "ROTATE_Q": True, "FAST_UNPACK": not codebook,  # the wrapper's choice on a GPU
         }.items())),
         grid=("B * H_KV", "n_splits", "1"),
         grid_inputs=("B",),

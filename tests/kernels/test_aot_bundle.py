@@ -38,6 +38,10 @@ def test_constants_mirror_the_jit_wrapper():
     assert "num_warps: int = 4" in src and "num_stages: int = 2" in src
     split = bundle.decode_split_spec(*LAYOUTS["smollm2"], 0.125, "t")
     assert (split.num_warps, split.num_stages) == (4, 2)
+    assert 'FAST_UNPACK=(dev.type == "cuda"' in src and split.constexpr_dict["FAST_UNPACK"] is True
+    from oscar_export.kernels import quant_pack
+
+    assert f"num_warps={bundle.QUANT_WARPS}" in inspect.getsource(quant_pack.write_pages)
 
 
 @pytest.mark.parametrize("batch, max_pages, pps", [(1, 1, 1), (4, 23, 2), (64, 128, 8)])
