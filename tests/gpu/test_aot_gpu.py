@@ -92,8 +92,11 @@ def bundles(cuda, tmp_path_factory):
         out["cpu"] = m
     local = tmp_path_factory.mktemp("local") / "bundle"
     # this machine's Triton and ptxas, native PTX ISA; one layout (the compile time is device time)
-    build(str(local), archs=("sm_90",), ptx_version=None, names=("ktok",))
-    out["local"] = read_manifest(local)
+    try:
+        build(str(local), archs=("sm_90",), ptx_version=None, names=("ktok",))
+        out["local"] = read_manifest(local)
+    except Exception as e:  # a diagnostic only: the CPU-built bundle is what is under test
+        print(f"local bundle build FAILED (local tests skip): {type(e).__name__}: {str(e)[:300]}")
     return out
 
 
