@@ -341,6 +341,29 @@ def decode_attention(
     Returns:
         ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
+    rot, dsc, pages_per_split = check_decode_inputs(
+        q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split
+    )
+    dev = q.device
+    hkv, p = layout.num_kv_heads, layout.page_size
+    if codebook is None:
+        codebook = layout.key.codebook or layout.value.codebook
+    fast = (dev.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook
+    return launch_decode(
+        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
+        state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
+        state.recent_len, hkv, p, layout.sink, layout.recent_capacity, float(scale),
+        layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
+        out_dtype, num_warps, num_stages,
+    )
+
+
+def check_decode_inputs(
+    q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor,
+    scale: float, q_rotation, out_dtype: torch.dtype, pages_per_split: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Raise on anything :func:`decode_attention` cannot launch on; returns ``(R, d, pages_per_split)``
+    (``R``/``d`` are placeholders when there is no ``q_rotation``). Reads shapes only, never device values."""
     check_decode_layout(layout)
     if q.dim() != 3:
         raise ValueError(f"q: expected [B, H, D], got {list(q.shape)}")
@@ -393,28 +416,39 @@ def decode_attention(
         pages_per_split = default_pages_per_split(bsz, hkv, max_pages, sms)
     if pages_per_split <= 0:
         raise ValueError(f"pages_per_split: expected > 0, got {pages_per_split}")
-    gq = hq // hkv
+    return rot, dsc, pages_per_split
+
+
+def launch_decode(
+    q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+    block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
+    recent_capacity: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
+    pages_per_split: int, out_dtype: torch.dtype, num_warps: int = 4, num_stages: int = 2, wrap=lambda k: k,
+) -> torch.Tensor:
+    """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
+
+    ``wrap`` wraps each kernel before launch (``torch.library.wrap_triton`` in :mod:`.triton_ops`).
+    Grid rules: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages,
+    pages_per_split)``, ``n_bf16 = cdiv(S0, BN) + cdiv(W + P, BN)``; merge ``(B * H,)``.
+    """
+    bsz, hq, d = q.shape
+    max_pages = block_table.shape[1]
+    gq = hq // num_kv_heads
     n_page_splits = -(-max_pages // pages_per_split)
-    n_bf16 = -(-layout.sink // BF16_CHUNK) + -(-layout.recent_capacity // BF16_CHUNK)
+    n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_capacity // BF16_CHUNK)
     n_splits = n_page_splits + n_bf16
-    part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=dev)
-    part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=dev)
-    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=dev)
-    if codebook is None:
-        codebook = layout.key.codebook or layout.value.codebook
-    _decode_split_kernel[(bsz * hkv, n_splits)](
-        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
-        state.k_codes, state.k_params, state.v_codes, state.v_params, k_levels, v_levels,
-        state.block_table, state.sink_len, state.num_pages, state.recent_len, part_o, part_lse,
+    part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
+    wrap(_decode_split_kernel)[(bsz * num_kv_heads, n_splits)](
+        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=hkv, GQ=gq, GQ_PAD=max(16, _next_pow2(gq)), D=d, P=p, S0=layout.sink, RC=layout.recent_capacity,
-        BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=layout.key.granularity == "channel",
-        K_CODEBOOK=bool(codebook), V_CODEBOOK=bool(codebook), ROTATE_Q=q_rotation is not None,
-        FAST_UNPACK=(dev.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
-        num_warps=num_warps, num_stages=num_stages,
+        H_KV=num_kv_heads, GQ=gq, GQ_PAD=max(16, _next_pow2(gq)), D=d, P=page_size, S0=sink, RC=recent_capacity,
+        BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
+        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages,
     )
-    _merge_kernel[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
+    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
     return out
 
-
-__all__ = ["BF16_CHUNK", "check_decode_layout", "decode_attention", "default_pages_per_split"]
+__all__ = ["BF16_CHUNK", "check_decode_inputs", "check_decode_layout", "decode_attention", "default_pages_per_split", "launch_decode"]

@@ -367,6 +367,32 @@ def decode_step_update(
         k, v: ``[B, H_kv, D]`` fp32/bf16/fp16 new rows in the stored basis.
         transform: clip ratios and levels (``k_clip, v_clip, k_levels, v_levels``).
     """
+    check_decode_step_inputs(state, k, v, layout, transform)
+    h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
+    bsz = k.shape[0]
+    max_pages = state.block_table.shape[1]
+    tr = transform
+    k_group = p if layout.key.granularity == "channel" else layout.key.group_size
+    _demote_due_kernel[(bsz, h)](
+        state.recent_k, state.recent_v, state.k_codes, state.k_params, state.v_codes, state.v_params,
+        removal_counts(tr.k_clip, k_group), removal_counts(tr.v_clip, layout.value.group_size),
+        tr.k_levels.contiguous(), tr.v_levels.contiguous(), state.block_table, state.num_pages, state.recent_len,
+        max_pages,
+        H_KV=h, P=p, D=d, G=layout.value.group_size, RC=layout.recent_capacity,
+        K_CHANNEL=layout.key.granularity == "channel", num_warps=8,
+    )
+    _append_kernel[(bsz,)](
+        k, v, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
+        state.sink_len, state.num_pages, state.recent_len,
+        H_KV=h, H_PAD=1 << max(0, (h - 1).bit_length()), D=d, P=p, S0=layout.sink, RC=layout.recent_capacity,
+        num_warps=4,
+    )
+
+
+def check_decode_step_inputs(
+    state: PagedKV, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout, transform: LayerTransform
+) -> None:
+    """Raise on anything :func:`decode_step_update` cannot launch on (shapes, dtypes, devices only)."""
     h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
     check_format(layout.key, p, "decode_step_update key")
     check_format(layout.value, p, "decode_step_update value")
@@ -405,21 +431,6 @@ def decode_step_update(
         _check(f"transform.{name}", t, shape, torch.float32, dev)
     if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
         raise NotImplementedError("decode_step_update: key and value token group sizes must match")
-    k_group = p if layout.key.granularity == "channel" else layout.key.group_size
-    _demote_due_kernel[(bsz, h)](
-        state.recent_k, state.recent_v, state.k_codes, state.k_params, state.v_codes, state.v_params,
-        removal_counts(tr.k_clip, k_group), removal_counts(tr.v_clip, layout.value.group_size),
-        tr.k_levels.contiguous(), tr.v_levels.contiguous(), state.block_table, state.num_pages, state.recent_len,
-        max_pages,
-        H_KV=h, P=p, D=d, G=layout.value.group_size, RC=layout.recent_capacity,
-        K_CHANNEL=layout.key.granularity == "channel", num_warps=8,
-    )
-    _append_kernel[(bsz,)](
-        k, v, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
-        state.sink_len, state.num_pages, state.recent_len,
-        H_KV=h, H_PAD=1 << max(0, (h - 1).bit_length()), D=d, P=p, S0=layout.sink, RC=layout.recent_capacity,
-        num_warps=4,
-    )
 
 
-__all__ = ["check_format", "decode_step_update", "quantize_pages", "removal_counts", "write_pages"]
+__all__ = ["check_decode_step_inputs", "check_format", "decode_step_update", "quantize_pages", "removal_counts", "write_pages"]

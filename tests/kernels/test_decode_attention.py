@@ -170,3 +170,20 @@ def test_bad_inputs_raise(da, device):
     with pytest.raises(NotImplementedError, match="group_size must equal head_dim"):
         g64 = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 64), page_size=64)
         call(layout=g64, state=PagedKV.allocate(g64, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
+
+
+def test_custom_op_matches_wrapper(da, device):
+    """``oscar::decode_attention`` (torch.library.triton_op) launches the same kernels: bitwise equal."""
+    from oscar_export.kernels import triton_ops
+    from oscar_export.plugins.hf.triton_backend import triton_ops as backend
+
+    lay = _layout(2, 64, "channel", sink=16, window=32)
+    tr = LayerTransform.identity(2, 64, 0.95, 0.9)
+    st = _cache(lay, [7, 300], tr)
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    q = torch.randn(2, 8, 64, device=device)
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    want = da.decode_attention(q, dev_st, lay, *lv, 0.125)
+    got = triton_ops.decode_attention(q, dev_st, lay, *lv, 0.125)
+    assert torch.equal(got, want)
+    assert torch.equal(backend().decode_attention(q, dev_st, lay, *lv, 0.125), want)

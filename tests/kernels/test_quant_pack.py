@@ -192,3 +192,27 @@ def test_decode_step_update_bad_inputs(qp, device):
     bad = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=24, page_size=16)
     with pytest.raises(NotImplementedError, match="multiple of P"):
         qp.decode_step_update(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, bad, tr)
+
+
+def test_hf_triton_backend_writes_equal_reference(qp, device):
+    """``backend="triton"`` writers (prefill with pages, then demotions) leave the reference's cache, bit for bit."""
+    from oscar_export.plugins.hf.triton_backend import triton_ops
+
+    ops = triton_ops()
+    lay = KVCacheLayout(2, 64, RowFormat(64, 64, "channel"), RowFormat(64, 64), sink=16, window=16, page_size=16)
+    tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    a = PagedKV.allocate(lay, 2, 12, 6)
+    g = PagedKV(**{f: getattr(a, f).clone().to(device) for f in a.__dataclass_fields__})
+    trd = tr.to(device)
+    for b, t in enumerate([100, 30]):
+        k, v = torch.randn(2, t, 64), torch.randn(2, t, 64)
+        ids_a, ids_g = iter(range(b * 6, b * 6 + 6)), iter(range(b * 6, b * 6 + 6))
+        ref.append_tokens(a, b, k, v, lay, tr, lambda: next(ids_a))
+        ops.append_tokens(g, b, k.to(device), v.to(device), lay, trd, lambda: next(ids_g))
+        for _ in range(20):  # single-token appends through the demotion path
+            k1, v1 = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+            ref.append_tokens(a, b, k1, v1, lay, tr, lambda: next(ids_a))
+            ops.append_tokens(g, b, k1.to(device), v1.to(device), lay, trd, lambda: next(ids_g))
+    assert a.num_pages.tolist() == [5, 1], a.num_pages
+    for f in a.__dataclass_fields__:
+        _assert_equal(f"backend {f}", getattr(g, f).cpu(), getattr(a, f))
