@@ -130,3 +130,51 @@ def test_decode_step_cuda_graph_equals_eager():
     assert int(eager.num_pages[0]) == int(snapshot.num_pages[0]) + 1, "the replay should have crossed a demotion"
     for f in eager.__dataclass_fields__:
         assert torch.equal(getattr(graph_st, f), getattr(eager, f)), f"state.{f} differs after graph replays"
+
+
+def test_custom_ops_under_torch_compile():
+    """``oscar::decode_step_update`` + ``oscar::decode_attention`` in ``torch.compile(fullgraph=True)`` == eager."""
+    from oscar_export.kernels import triton_ops
+
+    lay = KVCacheLayout.default(8, 128, "token")
+    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    eager = _random_cache(lay, [5000, lay.sink + lay.recent_capacity], tr)  # sequence 1 demotes at once
+    pool = eager.k_codes.shape[0]
+    for f in ("k_codes", "k_params", "v_codes", "v_params"):  # two spare pages, reserved in the block tables
+        t = getattr(eager, f)
+        setattr(eager, f, torch.cat([t, torch.zeros(2, *t.shape[1:], dtype=t.dtype, device=DEV)]))
+    for b in range(2):
+        eager.block_table[b, int(eager.num_pages[b])] = pool + b
+    comp = PagedKV(**{f: getattr(eager, f).clone() for f in eager.__dataclass_fields__})
+    k, v = (torch.randn(2, 8, 128, device=DEV) for _ in range(2))
+    q = torch.randn(2, 32, 128, device=DEV)
+
+    def step(st, k, v, q):
+        triton_ops.decode_step_update(st, k, v, lay, tr)
+        return triton_ops.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, pages_per_split=4)
+
+    want = step(eager, k, v, q)
+    got = torch.compile(step, fullgraph=True)(comp, k, v, q)
+    assert torch.equal(got, want)
+    for f in eager.__dataclass_fields__:
+        assert torch.equal(getattr(comp, f), getattr(eager, f)), f"state.{f} differs"
+
+
+def test_hf_triton_backend_matches_reference_ops():
+    """``backend="triton"``: prefill writes bit-exact, decode within the error budget (windows BF16)."""
+    from oscar_export.plugins.hf.triton_backend import triton_ops
+
+    ops = triton_ops()
+    lay = KVCacheLayout.default(8, 128, "channel")
+    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    a = PagedKV.allocate(lay, 2, 64, 32, device=DEV)
+    g = PagedKV(**{f: getattr(a, f).clone() for f in a.__dataclass_fields__})
+    for b, t in enumerate([3000, 700]):
+        k, v = torch.randn(8, t, 128, device=DEV), torch.randn(8, t, 128, device=DEV)
+        ia, ig = iter(range(b * 32, b * 32 + 32)), iter(range(b * 32, b * 32 + 32))
+        ref.append_tokens(a, b, k, v, lay, tr, lambda: next(ia))
+        ops.append_tokens(g, b, k, v, lay, tr, lambda: next(ig))
+    for f in a.__dataclass_fields__:
+        assert torch.equal(getattr(g, f), getattr(a, f)), f"state.{f} differs"
+    q = torch.randn(2, 32, 128, device=DEV)
+    _budget(ops.decode_attention(q, g, lay, tr.k_levels, tr.v_levels, 128**-0.5), q, a, lay, tr, 128**-0.5)
