@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--niah-lengths", default=None, help="comma-separated NIAH lengths (overrides the preset)")
     p.add_argument("--no-niah", action="store_true", help="skip needle-in-a-haystack")
     p.add_argument("--no-text", action="store_true", help="skip PPL/KL/top-1")
+    p.add_argument("--niah-hf", action="store_true",
+                   help="also run NIAH for the HF QuantizedCache methods (HQQ re-optimises the whole prompt "
+                        "for every question and layer: ~30 s per question on a 2-core CPU)")
     p.add_argument("--out", default="eval_out", help="output directory (default: eval_out/)")
 
 
@@ -84,7 +87,7 @@ def _load_artifact(path: str, model):
 
 
 def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None = None, niah: bool = True,
-             text: bool = True, log=print) -> dict:
+             text: bool = True, niah_hf: bool = False, log=print) -> dict:
     """Build every method, score them, return the JSON-able result dict."""
     from .eval_metrics import TextScore, compare_hidden, final_hidden, text_windows
     from .eval_methods import Method
@@ -152,9 +155,11 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
         cfg = NiahConfig(lengths=preset.niah_lengths, needles_per_length=preset.needles_per_length,
                          single_haystacks=preset.single_haystacks)
         bar = _progress(0, "NIAH")
-        rows = run_niah(model, tok, methods, cfg, progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+        niah_methods = [m for m in methods if niah_hf or m.kind != "hf"]
+        rows = run_niah(model, tok, niah_methods, cfg, progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
         bar.close()
-        result["niah"] = {"config": cfg.to_dict(), "summary": summarize(rows), "rows": rows}
+        result["niah"] = {"config": cfg.to_dict(), "summary": summarize(rows), "rows": rows,
+                          "methods": [m.name for m in niah_methods]}
         timings["niah_s"] = round(time.perf_counter() - t0, 1)
     timings["total_eval_s"] = round(time.perf_counter() - t_start, 1)
     result["timings"] = timings
@@ -189,7 +194,8 @@ def run(args) -> int:
         print(f"calibrated in {time.perf_counter() - t1:.0f} s")
     else:
         artifact = None
-    result = run_eval(model, tok, preset, artifact, names, niah=not args.no_niah, text=not args.no_text)
+    result = run_eval(model, tok, preset, artifact, names, niah=not args.no_niah, text=not args.no_text,
+                      niah_hf=args.niah_hf)
     result["command"] = "oscar-export eval " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())
                                                          if not k.startswith("_"))
     result["preset"] = preset.__dict__
