@@ -10,7 +10,7 @@ tokens' activations are atypical)::
       "plain"     w_t = 1
       "prob"      w_t = sum_i sum_heads p_{i,t}: causal-softmax attention mass token t receives, estimated
                   from every ``query_stride``-th query position (the T x T softmax is the costliest part of
-                  capture; a stride of 4 keeps it small next to the forward pass)
+                  capture; a stride of 8 keeps it small next to the forward pass)
       "research"  w_t = k_t^T C_Q k_t / mean (the research code's mean-squared logit; C_Q is the running
                   estimate including the current batch, since a single streaming pass cannot know the final one)
 
@@ -48,8 +48,9 @@ def causal_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, query_stride:
     qq = q[:, :, ::query_stride].float()
     s = torch.matmul(group_queries(qq, hkv), k.float().transpose(-1, -2)) * scaling
     s = s.view(b, hkv, h // hkv, len(qpos), t)
-    mask = qpos[:, None] >= torch.arange(t, device=q.device)[None, :]
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    future = qpos[:, None] < torch.arange(t, device=q.device)[None, :]
+    s.masked_fill_(future, float("-inf"))
+    return torch.softmax(s, dim=-1)
 
 
 @dataclass
@@ -66,15 +67,18 @@ class _Moments:
         return cls(z(h, d, d), z(h, d), z(h))
 
     def add(self, x: torch.Tensor, w: torch.Tensor | None = None) -> None:
-        """``x [H_kv, N, D]`` fp64 rows, ``w [H_kv, N]`` weights (None = 1)."""
-        if w is None:
-            self.xx += x.transpose(-1, -2) @ x
-            self.x += x.sum(1)
-            self.w += x.shape[1]
-        else:
-            self.xx += (x * w[..., None]).transpose(-1, -2) @ x
-            self.x += (x * w[..., None]).sum(1)
-            self.w += w.sum(1)
+        """``x [H_kv, N, D]`` fp32 rows of one batch, ``w [H_kv, N]`` weights (None = 1).
+
+        One batch's sums are formed in fp32 (BLAS, ~1e-6 relative over a few thousand rows) and added to the
+        fp64 running sums, so the error does not grow with the number of batches.
+        """
+        ones = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+        xa = torch.cat([x, ones], -1)  # [H_kv, N, D+1]: one matmul gives sum x x^T, sum x and the count
+        wa = xa if w is None else xa * w[..., None]
+        s = (wa.transpose(-1, -2) @ xa).double()  # [H_kv, D+1, D+1]
+        self.xx += s[:, :-1, :-1]
+        self.x += s[:, -1, :-1]
+        self.w += s[:, -1, -1]
 
     def second(self) -> torch.Tensor:
         return self.xx / self.w[:, None, None]
@@ -91,7 +95,7 @@ class LayerStats:
     """Running sums of one layer (see module doc). Lives on the layer's device."""
 
     def __init__(
-        self, num_kv_heads: int, head_dim: int, device, weightings=VALUE_WEIGHTINGS, query_stride: int = 4
+        self, num_kv_heads: int, head_dim: int, device, weightings=VALUE_WEIGHTINGS, query_stride: int = 8
     ) -> None:
         bad = set(weightings) - set(VALUE_WEIGHTINGS)
         if bad:
@@ -119,19 +123,25 @@ class LayerStats:
         if skip >= t:
             raise ValueError(f"LayerStats.update: skip={skip} leaves no positions of a {t}-token sequence")
         g = h // hkv
-        rows = lambda x: x[:, :, skip:].double().transpose(0, 1).reshape(x.shape[1], -1, d)  # noqa: E731
-        qs = q[:, :, skip:].double().reshape(b, hkv, g, t - skip, d).transpose(0, 1).reshape(hkv, -1, d)
+        rows = lambda x: x[:, :, skip:].float().transpose(0, 1).reshape(x.shape[1], -1, d)  # noqa: E731
+        qs = q[:, :, skip:].float().reshape(b, hkv, g, t - skip, d).transpose(0, 1).reshape(hkv, -1, d)
         ks, vs = rows(k), rows(v)  # [H_kv, B*(T-skip), D]
         self.q.add(qs)
         self.k.add(ks)
         self.v["plain"].add(vs)
         if "prob" in self.v:
             mass = causal_probs(q, k, scaling, self.query_stride).sum(dim=(2, 3))[:, :, skip:]  # [B, H_kv, T-skip]
-            self.v["prob"].add(vs, mass.double().transpose(0, 1).reshape(hkv, -1))
+            self.v["prob"].add(vs, mass.transpose(0, 1).reshape(hkv, -1))
         if "research" in self.v:
-            wr = (torch.matmul(ks, self.q.second()) * ks).sum(-1)  # k^T C_Q k with the running C_Q, [H_kv, N]
-            self.v["research"].add(vs, wr / wr.mean(dim=1, keepdim=True).clamp_min(1e-300))
+            wr = (torch.matmul(ks, self.q.second().float()) * ks).sum(-1)  # k^T C_Q k, running C_Q, [H_kv, N]
+            self.v["research"].add(vs, wr / wr.mean(dim=1, keepdim=True).clamp_min(1e-30))
         self.tokens += b * (t - skip)
+
+    def to(self, device) -> "LayerStats":
+        """Move the sums (e.g. to the CPU for fitting, whatever device the layer ran on)."""
+        for m in (self.q, self.k, *self.v.values()):
+            m.xx, m.x, m.w = m.xx.to(device), m.x.to(device), m.w.to(device)
+        return self
 
     # ---- targets -----------------------------------------------------------------------------------------
     def key_target(self) -> torch.Tensor:

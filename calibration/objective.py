@@ -98,15 +98,14 @@ class LayerObjective:
     def _quant_errors(
         self, x: torch.Tensor, fmt: RowFormat, clips: list[torch.Tensor], levels: torch.Tensor
     ) -> list[torch.Tensor]:
-        """``x [N, H_kv, T_q, D]`` stored basis -> ``[x_hat - x]`` (fp64) for each ``clip [H_kv]`` of ``clips``.
+        """``x [N, H_kv, T_q, D]`` stored basis -> ``[x_hat - x]`` (fp32) for each ``clip [H_kv]`` of ``clips``.
 
         ``x_hat`` is bit-identical to ``dequantize_pages(*quantize_pages(pages, fmt, clip, levels), fmt, levels)``
         (tested); the ``|x|`` sort is shared by all clip ratios.
         """
         n = x.shape[0]
         pages = self._pages(x)
-        ref = pages.double()
-        return [self._unpages(xh.double() - ref, n) for xh in roundtrip(pages, fmt, clips, levels)]
+        return [self._unpages(xh - pages, n) for xh in roundtrip(pages, fmt, clips, levels)]
 
     def key_errors(
         self, r: torch.Tensor, d: torch.Tensor, mu: torch.Tensor, clips: list[torch.Tensor], levels: torch.Tensor,
@@ -118,10 +117,10 @@ class LayerObjective:
         """
         ks = torch.matmul(self.k, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
         cqs = r.double().transpose(-1, -2) @ self.c_q @ r.double()
-        cqs = cqs / d.double()[:, :, None] / d.double()[:, None, :]
+        cqs = (cqs / d.double()[:, :, None] / d.double()[:, None, :]).float().unsqueeze(0)
         out = []
-        for delta in self._quant_errors(ks, fmt, clips, levels):
-            e = (torch.matmul(delta, cqs.unsqueeze(0)) * delta).sum(dim=(0, 2, 3))
+        for delta in self._quant_errors(ks, fmt, clips, levels):  # fp32: the error's precision is ample
+            e = (torch.matmul(delta, cqs) * delta).sum(dim=(0, 2, 3), dtype=torch.float64)
             out.append(e / (delta.shape[0] * delta.shape[2]) * self.scaling**2)
         return torch.stack(out)
 
@@ -132,9 +131,10 @@ class LayerObjective:
         """``[len(clips), H_kv]`` mean squared attention-output error of values stored as ``v R d - mu``."""
         vs = torch.matmul(self.v, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
         out = []
+        m = self.m.float()
         for delta in self._quant_errors(vs, fmt, clips, levels):
-            delta = delta / d.double()[None, :, None]
-            out.append((torch.matmul(self.m, delta) * delta).sum(dim=(-1, -2)).mean(0))  # [H_kv]
+            delta = delta / d.float()[None, :, None]
+            out.append((torch.matmul(m, delta) * delta).sum(dim=(-1, -2), dtype=torch.float64).mean(0))  # [H_kv]
         return torch.stack(out)
 
     def key_error(self, r, d, mu, clip, levels, fmt) -> torch.Tensor:

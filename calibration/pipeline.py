@@ -35,8 +35,13 @@ from .data import load_sources, token_sequences
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
-#: rotation candidates tried by ``rotation="auto"``: (kind, whitening scale).
-AUTO_CANDIDATES = (("hadamard", False), ("oscar", False), ("eig", True), ("identity", False))
+#: rotation candidates tried by ``rotation="auto"``: (kind, whitening scale), per side and key granularity.
+#: Per-channel keys are scale-invariant per channel (no whitening); on SmolLM2 values never kept identity.
+AUTO_CANDIDATES = {
+    ("k", "token"): (("hadamard", False), ("oscar", False), ("eig", True), ("identity", False)),
+    ("k", "channel"): (("identity", False), ("hadamard", False), ("eig", False)),
+    ("v", "token"): (("hadamard", False), ("oscar", False), ("eig", True)),
+}
 
 
 @dataclass(frozen=True)
@@ -146,9 +151,9 @@ class SideFit:
     baselines: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _candidates(cfg: CalibrationConfig) -> list[tuple[str, bool]]:
+def _candidates(cfg: CalibrationConfig, side: str, granularity: str) -> list[tuple[str, bool]]:
     if cfg.rotation == "auto":
-        return list(AUTO_CANDIDATES)
+        return list(AUTO_CANDIDATES[(side, granularity)])
     return [(cfg.rotation, cfg.scale == "whiten")]
 
 
@@ -172,27 +177,39 @@ def fit_side(
     use_mean = cfg.key_mean if side == "k" else cfg.value_mean
     grid = clip_grid(group)
     best: SideFit | None = None
-    for kind, scaled in _candidates(cfg):
-        r = rotation(kind, target, fmt.group_size, seed)
-        s = whitening_scale(second, r) if scaled else torch.ones(h, d, dtype=torch.float64)
-        mu = (torch.einsum("hd,hde->he", mean.double(), r) * s) if use_mean else torch.zeros(h, d, dtype=torch.float64)
-        fn = lambda cs, r=r, s=s, mu=mu: error_fn(r, s, mu, cs, uni)  # noqa: E731
+    zero = torch.zeros(h, d, dtype=torch.float64)
+
+    def evaluate(r, s, mu, name) -> SideFit:
+        fn = lambda cs: error_fn(r, s, mu, cs, uni)  # noqa: E731
         if cfg.clip == "fitted":
             fit = fit_clip(fn, h, grid, per_head=cfg.per_head)
             clip, err = fit.clip, fit.error
         else:
             clip = torch.full((h,), GLOBAL_CLIP[side] if cfg.clip == "global" else 1.0)
             err = fn([clip])[0].double()
-        name = kind + ("+whiten" if scaled else "")
-        cand = SideFit(r, s, mu, clip, uni.clone(), err, [name] * h)
+        return SideFit(r, s, mu, clip, uni.clone(), err, [name] * h)
+
+    def merge(best: SideFit | None, cand: SideFit) -> SideFit:
         if best is None:
-            best = cand
-            continue
-        take = err < best.error if cfg.per_head else torch.full((h,), bool(err.sum() < best.error.sum()))
+            return cand
+        take = cand.error < best.error if cfg.per_head else torch.full((h,), bool(cand.error.sum() < best.error.sum()))
         for f in ("rotation", "scale", "mean", "clip", "error"):
-            setattr(best, f, torch.where(take.view(-1, *[1] * (getattr(best, f).dim() - 1)), getattr(cand, f), getattr(best, f)))
-        best.chosen = [name if t else c for t, c in zip(take.tolist(), best.chosen)]
+            old = getattr(best, f)
+            setattr(best, f, torch.where(take.view(-1, *[1] * (old.dim() - 1)), getattr(cand, f), old))
+        best.chosen = [n if t else c for t, n, c in zip(take.tolist(), cand.chosen, best.chosen)]
+        return best
+
+    for kind, scaled in _candidates(cfg, side, fmt.granularity):
+        r = rotation(kind, target, fmt.group_size, seed)
+        s = whitening_scale(second, r) if scaled else torch.ones(h, d, dtype=torch.float64)
+        mu = (torch.einsum("hd,hde->he", mean.double(), r) * s) if use_mean else zero
+        best = merge(best, evaluate(r, s, mu, kind + ("+whiten" if scaled else "")))
     assert best is not None
+    if use_mean and cfg.rotation == "auto":
+        # The mean is exact but only worth keeping where it shrinks the quantized range: measure without it.
+        nomean = evaluate(best.rotation, best.scale, zero, "")
+        nomean.chosen = [c + "-mean" for c in best.chosen]
+        best = merge(best, nomean)
     if cfg.codebook != "off":
         lv = lloyd_levels(normalized_positions(pages(best.rotation, best.scale, best.mean), fmt, best.clip))
         err = error_fn(best.rotation, best.scale, best.mean, [best.clip], lv)[0].double()
@@ -285,7 +302,7 @@ def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_
         if st is None:
             raise ValueError(f"capture: layer {i} was never called through the attention interface")
         obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window)
-        k_fit, v_fit = fit_layer(i, st, obj, layout, cfg)
+        k_fit, v_fit = fit_layer(i, st.to("cpu"), obj, layout, cfg)  # fitting runs on the CPU
         fits.append((k_fit, v_fit))
         per_layer.append(layer_summary(k_fit, v_fit, obj))
         if on_layer is not None:

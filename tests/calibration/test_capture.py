@@ -65,7 +65,7 @@ def test_stats_match_direct_sums(tiny):
         assert torch.allclose(st.key_target()[h], qs.T @ qs / len(qs), rtol=1e-5, atol=1e-7)
         assert torch.allclose(st.key_mean()[h], ks.mean(0), rtol=1e-5, atol=1e-7)
         assert torch.allclose(st.value_target("plain")[h], vs.T @ vs / len(vs), rtol=1e-5, atol=1e-7)
-        mass = causal_probs(q, k, D**-0.5, 4)[:, h].sum(dim=(1, 2))[:, 3:].double().reshape(-1)  # [B*(T-3)]
+        mass = causal_probs(q, k, D**-0.5, 8)[:, h].sum(dim=(1, 2))[:, 3:].double().reshape(-1)  # [B*(T-3)]
         want = (vs * mass[:, None]).T @ vs / mass.sum()
         assert torch.allclose(st.value_target("prob")[h], want, rtol=1e-4, atol=1e-7)
     assert st.tokens == 4 * 17

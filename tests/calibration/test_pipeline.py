@@ -1,0 +1,97 @@
+"""End to end on a tiny random Llama (mechanics only: random weights prove nothing about accuracy)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_export.calibration.artifact import load_artifact
+from oscar_export.calibration.data import pydoc_text, read_text_file, token_sequences
+from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+
+
+class CharTokenizer:
+    """Bytes as token ids (enough for the data path; no vocabulary files needed)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        return {"input_ids": torch.tensor([[b % self.vocab for b in text.encode()]])}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                      intermediate_size=96, vocab_size=256, head_dim=16, rope_theta=1000.0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def small_cfg(**kw) -> CalibrationConfig:
+    base = dict(tokens=8 * 96, seq_len=96, heldout=2, batch_size=3, sink=16, window=32, page_size=16)
+    base.update(kw)
+    return CalibrationConfig(**base)
+
+
+@pytest.mark.parametrize("kw", [{}, {"key_granularity": "token", "per_head": False, "codebook": "auto"},
+                                {"rotation": "oscar", "clip": "global", "value_weighting": "research"}])
+def test_calibrate_tiny_model(tiny, tmp_path, kw):
+    cfg = small_cfg(**kw)
+    seen = []
+    art = calibrate(tiny, CharTokenizer(256), cfg, on_layer=lambda i, s: seen.append(i))
+    assert seen == [0, 1] and art.num_layers == 2
+    assert art.layout.key.granularity == cfg.key_granularity and art.layout.sink == 16
+    art.save(tmp_path)
+    back = load_artifact(tmp_path, tiny.config)
+    assert back.config["rotation"] == cfg.rotation and back.stats["layers"][1]["k"]["rotation"]
+    for layer in back.stats["layers"]:
+        for side in "kv":
+            s = layer[side]
+            # identity without clipping is always among what the fit can choose (auto) or it was beaten
+            if cfg.rotation == "auto" and cfg.clip == "fitted":
+                assert s["error"] <= s["baselines"]["identity"] * (1 + 1e-9)
+            assert s["error"] > 0 and len(s["clip"]) == 2
+    if not cfg.per_head:
+        for t in back.transforms:
+            assert torch.equal(t.k_rotation[0], t.k_rotation[1]) and torch.equal(t.k_clip[0], t.k_clip[1])
+    json.dumps(back.stats)  # JSON-clean
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="rotation: expected one of"):
+        small_cfg(rotation="svd")
+    with pytest.raises(ValueError, match="clip: expected one of"):
+        small_cfg(clip="auto")
+    with pytest.raises(ValueError, match="seq_len: expected >= sink \\+ page_size = 32, got 24"):
+        small_cfg(seq_len=24)
+    with pytest.raises(ValueError, match="need more than the 2 held-out ones"):
+        small_cfg(tokens=2 * 96)
+    with pytest.raises(ValueError, match="scale='whiten' needs a fixed rotation"):
+        small_cfg(scale="whiten")
+    with pytest.raises(ValueError, match="value_weighting: expected one of"):
+        small_cfg(value_weighting="softmax")
+    assert small_cfg().objective_window == 32 and small_cfg(seq_len=48).objective_window == 0
+
+
+def test_data_sources(tmp_path):
+    cal, ev = pydoc_text("calibration"), pydoc_text("evaluation")
+    assert abs(len(cal) / (len(cal) + len(ev)) - 0.7) < 1e-3 and cal[-50:] not in ev
+    with pytest.raises(ValueError, match="part: expected"):
+        pydoc_text("test")
+    j = tmp_path / "d.jsonl"
+    j.write_text('{"text": "hello"}\n\n{"id": 1, "body": "world"}\n"plain"\n')
+    assert read_text_file(j) == "hello\n\nworld\n\nplain"
+    j.write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(ValueError, match="d.jsonl:2: not valid JSON"):
+        read_text_file(j)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_text_file(tmp_path / "missing.txt")
+    tok = CharTokenizer(256)
+    seqs = token_sequences("abcdefgh" * 10, tok, 8, 5, seed=1)
+    assert seqs.shape == (5, 8) and len({tuple(s.tolist()) for s in seqs}) == 1  # periodic text
+    with pytest.raises(ValueError, match="calibration data too short: 80 tokens hold 10 sequences of 8, 11 needed"):
+        token_sequences("abcdefgh" * 10, tok, 8, 11)
