@@ -46,7 +46,10 @@ def model_attention_shape(model_or_config: Any) -> AttentionShape:
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        if config is not model_or_config:
+            arch = type(model_or_config).__name__
+        else:
+            arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         raise NotImplementedError(
             f"OSCAR cache: architecture {arch!r} (model_type {model_type!r}) is not supported; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
