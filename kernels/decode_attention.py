@@ -72,8 +72,10 @@ def _field(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST:
             return tl.inline_asm_elementwise(_UNPACK2, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
         else:
             return tl.inline_asm_elementwise(_UNPACK3, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    else:
+    elif CODEBOOK:
         return _lev((codes.to(tl.int32) >> (2 * J)) & 3, l0, l1, l2, l3, CODEBOOK).to(tl.float16)
+    else:
+        return ((codes >> (2 * J)) & 3).to(tl.float16)
 
 
 @triton.jit
@@ -173,8 +175,10 @@ def _decode_split_kernel(
         for pi in range(start, end):
             page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pi).to(tl.int64)
             ph = page * H_KV + h
-            kc = tl.load(k_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :])  # [P, Q4] uint8
-            vc = tl.load(v_codes_ptr + ph * (P * Q4) + t[:, None] * Q4 + c4[None, :])
+            code_off = tl.multiple_of(ph * (P * Q4), 16)  # lets the loads vectorise (16 B per thread)
+            prm_off = tl.multiple_of(ph * (P * 2), 16)
+            kc = tl.load(k_codes_ptr + code_off + (t[:, None] * Q4 + c4[None, :]))  # [P, Q4] uint8
+            vc = tl.load(v_codes_ptr + code_off + (t[:, None] * Q4 + c4[None, :]))
             k0 = _field(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
             k1 = _field(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
             k2 = _field(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
@@ -195,16 +199,16 @@ def _decode_split_kernel(
                 sc = tl.dot((q3.to(tl.float32) * ks3[None, :]).to(tl.float16), tl.trans(k3), sc)
                 sc = sc + const[:, None]
             else:
-                ks = tl.load(k_params_ptr + ph * (P * 2) + t * 2).to(tl.float32)
-                klo = tl.load(k_params_ptr + ph * (P * 2) + t * 2 + 1).to(tl.float32)
+                ks = tl.load(k_params_ptr + prm_off + t * 2).to(tl.float32)
+                klo = tl.load(k_params_ptr + prm_off + t * 2 + 1).to(tl.float32)
                 sc = tl.dot(q0, tl.trans(k0))
                 sc = tl.dot(q1, tl.trans(k1), sc)
                 sc = tl.dot(q2, tl.trans(k2), sc)
                 sc = tl.dot(q3, tl.trans(k3), sc)
                 sc = sc * ks[None, :] + qsum[:, None] * klo[None, :]
             p, alpha, m, l = _softmax_step(sc, m, l)
-            vs = tl.load(v_params_ptr + ph * (P * 2) + t * 2).to(tl.float32)
-            vlo = tl.load(v_params_ptr + ph * (P * 2) + t * 2 + 1).to(tl.float32)
+            vs = tl.load(v_params_ptr + prm_off + t * 2).to(tl.float32)
+            vlo = tl.load(v_params_ptr + prm_off + t * 2 + 1).to(tl.float32)
             ps = (p * vs[None, :]).to(tl.float16)
             acc0 = tl.dot(ps, _field(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc0 * alpha[:, None])
             acc1 = tl.dot(ps, _field(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc1 * alpha[:, None])

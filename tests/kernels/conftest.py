@@ -37,11 +37,12 @@ BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS = _root_shapes()
 _child_results: dict[str, tuple[dict[str, str], str]] = {}
 
 
-def _run_child(path: str) -> tuple[dict[str, str], str]:
+def _run_child(path: str, markexpr: str) -> tuple[dict[str, str], str]:
     """Run one test file under the interpreter; ``({test name: PASSED/FAILED/...}, output)``."""
     if path not in _child_results:
         env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", path, "-q", "-rA", "-p", "no:cacheprovider", "-m", "not gpu"]
+        marks = f"({markexpr}) and not gpu" if markexpr else "not gpu"
+        cmd = [sys.executable, "-m", "pytest", path, "-q", "-rA", "-p", "no:cacheprovider", "-m", marks]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         out = proc.stdout + proc.stderr
         outcomes = {}
@@ -55,7 +56,7 @@ def _kernel_module(request: pytest.FixtureRequest, name: str) -> ModuleType:
     pytest.importorskip("triton")
     if torch.cuda.is_available() or INTERPRETED:
         return importlib.import_module(f"oscar_export.kernels.{name}")
-    outcomes, out = _run_child(str(request.node.path))
+    outcomes, out = _run_child(str(request.node.path), request.config.getoption("markexpr", "") or "")
     status = outcomes.get(request.node.name)
     if status == "PASSED":
         pytest.skip("passed in the TRITON_INTERPRET=1 child process (see tests/kernels/conftest.py)")

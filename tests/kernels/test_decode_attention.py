@@ -85,7 +85,7 @@ def test_boundary_lengths_ragged_batch(da, device, gran):
 
 
 @pytest.mark.parametrize("hq,hkv", GQA_SHAPES)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", [pytest.param(d, marks=pytest.mark.slow) if d > 64 else d for d in HEAD_DIMS])
 def test_gqa_and_head_dims(da, device, hq, hkv, d):
     gran = "channel" if (hq // hkv + d) % 2 else "token"  # both granularities over the grid, half the time
     if (hq, hkv) == (8, 2):
@@ -103,6 +103,7 @@ def test_gqa_and_head_dims(da, device, hq, hkv, d):
     _check_budget(got.float(), q, st, lay, tr, d**-0.5, f"gqa {hq}/{hkv} d={d} {gran}")
 
 
+@pytest.mark.slow  # ~20 s each in the interpreter: codebooks and the fused rotation are the less common paths
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_codebook_rotation_and_splits(da, device, gran):
     """Fitted levels, q·R_K/d fused into the prologue, and the split count not changing the result."""
