@@ -336,3 +336,22 @@ def test_padded_chunk_strips_pads_per_sequence():
         for x, y in zip(batch.read_sequence(b), alone.read_sequence(0)):
             torch.testing.assert_close(x, y, atol=0, rtol=0)
 
+
+
+def test_attention_rejects_bad_queries_masks_and_indices():
+    from oscar_export.plugins.hf.attention import oscar_attention
+
+    layer = OscarLayer(small_layout(), LayerTransform.identity(2, 32), 2, 50)
+    k = torch.randn(2, 2, 5, 32)
+    with pytest.raises(ValueError, match=r"query: expected \[2, a multiple of 2, T, 32\], got \[2, 3, 5, 32\]"):
+        attend(layer, torch.randn(2, 3, 5, 32), k, k, None, None)
+    with pytest.raises(ValueError, match=r"attention_mask: expected a 2D padding mask \[2, >= 5\], got \[2, 4\]"):
+        attend(layer, torch.randn(2, 4, 5, 32), k, k, torch.ones(2, 4, dtype=torch.bool), None)
+    assert layer.lengths == [0, 0]
+    step, _ = layer.update(k, k)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        oscar_attention(None, torch.randn(2, 4, 5, 32), step, k, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        oscar_attention(None, torch.randn(2, 4, 5, 32), step, k, None, sliding_window=8)
+    with pytest.raises(IndexError, match="expected 0..1, got 2"):
+        layer.free(2)
