@@ -109,6 +109,42 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def merge(old: dict, new: dict) -> dict:
+    """``new`` plus the methods of ``old`` it lacks (same text windows and NIAH config required).
+
+    Lets a later run add methods (e.g. ours, once calibrated) to an earlier one; BF16 is recomputed by
+    every run, and a mismatch of its scores means the two runs are not comparable.
+    """
+    out = json.loads(json.dumps(new, default=str))
+    have = {m["name"] for m in out["methods"]}
+    out["methods"] += [m for m in old["methods"] if m["name"] not in have]
+    for part in ("text", "niah"):
+        if part not in old:
+            continue
+        if part not in out:
+            out[part] = old[part]
+            continue
+        if part == "text":
+            for k in ("length", "windows", "source"):
+                if old["text"].get(k) != out["text"].get(k):
+                    raise ValueError(f"merge: text {k} differs: {old['text'].get(k)!r} vs {out['text'].get(k)!r}")
+            a, b = old["text"]["scores"].get("bf16"), out["text"]["scores"].get("bf16")
+            if a and b and abs(a["ppl"] - b["ppl"]) > 1e-6 * a["ppl"]:
+                raise ValueError(f"merge: BF16 perplexity differs between the runs ({a['ppl']} vs {b['ppl']})")
+            out["text"]["scores"] = {**old["text"]["scores"], **out["text"]["scores"]}
+        else:
+            if old["niah"]["config"] != out["niah"]["config"]:
+                raise ValueError("merge: NIAH configs differ")
+            names = set(out["niah"].get("methods", []))
+            out["niah"]["rows"] += [r for r in old["niah"]["rows"] if r["method"] not in names]
+            out["niah"]["methods"] = sorted(names | set(old["niah"].get("methods", [])))
+            from .niah import summarize
+
+            out["niah"]["summary"] = summarize(out["niah"]["rows"])
+    out.setdefault("merged_from", []).append(old.get("command", "?"))
+    return out
+
+
 def write_all(result: dict, out_dir: str | Path) -> dict[str, Path]:
     """``results.json``, ``results.md`` and the plots in ``out_dir``."""
     out = Path(out_dir)
@@ -121,4 +157,4 @@ def write_all(result: dict, out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
-__all__ = ["markdown", "plots", "write_all"]
+__all__ = ["markdown", "merge", "plots", "write_all"]

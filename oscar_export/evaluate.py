@@ -62,6 +62,8 @@ def add_arguments(p) -> None:
                    help="also run NIAH for the HF QuantizedCache methods (HQQ re-optimises the whole prompt "
                         "for every question and layer: ~30 s per question on a 2-core CPU)")
     p.add_argument("--out", default="eval_out", help="output directory (default: eval_out/)")
+    p.add_argument("--merge", default=None, metavar="RESULTS_JSON",
+                   help="add the methods of an earlier results.json (same text and NIAH settings) to this run's")
 
 
 def _progress(total: int, desc: str):
@@ -200,6 +202,13 @@ def run(args) -> int:
                                                          if not k.startswith("_"))
     result["preset"] = preset.__dict__
     result["timings"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.merge:
+        import json
+        from pathlib import Path
+
+        from .eval_report import merge
+
+        result = merge(json.loads(Path(args.merge).read_text()), result)
     paths = write_all(result, args.out)
     print(markdown(result))
     for k, p in paths.items():

@@ -122,9 +122,25 @@ def test_report_writes_markdown_json_and_plots(tmp_path):
     }
     paths = write_all(result, tmp_path)
     md = paths["markdown"].read_text()
-    assert "| a | 3.100 | 11.000 | 1.000 | 10.00 |" in md and "1/2" in md
+    assert "| a | 3.100 | 3.100 | 11.000 | 1.000 | 10.00 |" in md and "1/2" in md
     assert json.loads(paths["json"].read_text())["methods"][1]["name"] == "a"
     assert paths["kl_vs_bits"].stat().st_size > 1000 and paths["niah_vs_bits"].stat().st_size > 1000
+
+
+def test_merge_adds_methods_and_refuses_incomparable_runs():
+    from oscar_export.eval_report import merge
+
+    def res(names, ppl=10.0, length=1024):
+        return {"methods": [{"name": n, "bits": {}} for n in names], "command": "x",
+                "text": {"length": length, "windows": 1, "source": "s",
+                         "scores": {n: {"ppl": ppl if n == "bf16" else 11.0} for n in names}}}
+
+    m = merge(res(["bf16", "a"]), res(["bf16", "b"]))
+    assert [x["name"] for x in m["methods"]] == ["bf16", "b", "a"] and set(m["text"]["scores"]) == {"bf16", "a", "b"}
+    with pytest.raises(ValueError, match="BF16 perplexity differs"):
+        merge(res(["bf16", "a"]), res(["bf16", "b"], ppl=10.5))
+    with pytest.raises(ValueError, match="text length differs"):
+        merge(res(["bf16", "a"]), res(["bf16", "b"], length=2048))
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
