@@ -56,6 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--text-length", type=int, default=None, help="tokens per text window (overrides the preset)")
     p.add_argument("--text-windows", type=int, default=None, help="text windows (overrides the preset)")
     p.add_argument("--niah-lengths", default=None, help="comma-separated NIAH lengths (overrides the preset)")
+    p.add_argument("--needles-per-length", type=int, default=None, help="multi-key needles per length band (preset)")
+    p.add_argument("--single-haystacks", type=int, default=None, help="single-needle haystacks (overrides the preset)")
     p.add_argument("--no-niah", action="store_true", help="skip needle-in-a-haystack")
     p.add_argument("--no-text", action="store_true", help="skip PPL/KL/top-1")
     p.add_argument("--niah-hf", action="store_true",
@@ -178,6 +180,10 @@ def run(args) -> int:
         over["text_length"] = args.text_length
     if args.text_windows is not None:
         over["text_windows"] = args.text_windows
+    if args.needles_per_length is not None:
+        over["needles_per_length"] = args.needles_per_length
+    if args.single_haystacks is not None:
+        over["single_haystacks"] = args.single_haystacks
     if args.niah_lengths:
         over["niah_lengths"] = tuple(int(x) for x in args.niah_lengths.split(","))
     if over:
