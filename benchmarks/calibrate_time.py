@@ -43,6 +43,7 @@ def main_bench() -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--key-granularity", default=None)
     p.add_argument("--record", action="store_true", help=f"append the row to {RESULTS.name}")
+    p.add_argument("--keep", default=None, help="also copy the artifact to this directory")
     a = p.parse_args()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as out:
@@ -55,6 +56,8 @@ def main_bench() -> int:
         if rc != 0:
             return rc
         art = load_artifact(out)
+        if a.keep:
+            art.save(a.keep)
     load_after = os.getloadavg()[0]
     st, layers = art.stats, art.stats["layers"]
     mean = lambda side, key: sum(x[side][key] for x in layers) / len(layers)  # noqa: E731
@@ -66,9 +69,15 @@ def main_bench() -> int:
         f"{load_before:.1f}→{load_after:.1f} | {torch.__version__} |"
     )
     print(HEADER + row)
+    for side in "kv":
+        base = {n: sum(x[side]["baselines"][n] for x in layers) for n in layers[0][side]["baselines"]}
+        ours = sum(x[side]["error"] for x in layers)
+        print(f"{side.upper()} held-out error summed over layers: ours {ours:.4g}; "
+              + ", ".join(f"{n} {v:.4g}" for n, v in base.items()))
     if a.record:
-        if not RESULTS.exists():
-            RESULTS.write_text("# `oscar-export calibrate` wall time (SmolLM2-135M, CPU)\n\n" + HEADER)
+        text = RESULTS.read_text() if RESULTS.exists() else "# `oscar-export calibrate` wall time (SmolLM2-135M, CPU)\n\n"
+        if HEADER.splitlines()[0] not in text:
+            RESULTS.write_text(text + HEADER)
         with RESULTS.open("a") as f:
             f.write(row + "\n")
     return 0

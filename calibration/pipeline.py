@@ -221,7 +221,11 @@ def fit_side(
 
 def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_fn: Callable, fmt: RowFormat,
               seed: int) -> dict[str, torch.Tensor]:
-    """Held-out errors ``[H]`` of identity (no clip / global clip), Hadamard, random and the research recipe."""
+    """Held-out errors ``[H]`` of identity (no clip / global clip), Hadamard, random and the research recipe.
+
+    All with the layout being calibrated (so with channel keys "research" is the recipe's shared ``U·H`` and
+    global clips applied to channel-granular keys, not the recipe's per-token keys).
+    """
     h, d = target_shared.shape[0], target_shared.shape[-1]
     one, zero, uni = torch.ones(h, d, dtype=torch.float64), torch.zeros(h, d, dtype=torch.float64), uniform_levels(h)
     g = torch.full((h,), GLOBAL_CLIP[side])
@@ -269,11 +273,11 @@ def fit_layer(i: int, stats: LayerStats, obj: LayerObjective, layout: KVCacheLay
     kerr = lambda r, s, mu, cs, lv: obj.key_errors(r, s, mu, cs, lv, kfmt)  # noqa: E731
     verr = lambda r, s, mu, cs, lv: obj.value_errors(r, s, mu, cs, lv, vfmt)  # noqa: E731
     c_q = stats.key_target()
-    k_fit = fit_side("k", share(c_q), stats.key_second(cfg.key_mean), stats.key_mean(), kerr, pages_fn(obj.k),
+    k_fit = fit_side("k", share(c_q), share(stats.key_second(cfg.key_mean)), stats.key_mean(), kerr, pages_fn(obj.k),
                      kfmt, kgroup, cfg, cfg.seed + i)
     k_fit.baselines = baselines("k", shared_target(c_q), stats.key_mean(), kerr, kfmt, cfg.seed + i)
     v_t = stats.value_target(cfg.value_weighting)
-    v_fit = fit_side("v", share(v_t), stats.value_target("plain", cfg.value_mean), stats.value_mean(), verr,
+    v_fit = fit_side("v", share(v_t), share(stats.value_target("plain", cfg.value_mean)), stats.value_mean(), verr,
                      pages_fn(obj.v), vfmt, vfmt.group_size, cfg, cfg.seed + i)
     v_fit.baselines = baselines("v", shared_target(v_t), stats.value_mean(), verr, vfmt, cfg.seed + i)
     return k_fit, v_fit

@@ -87,9 +87,8 @@ def run(args: argparse.Namespace) -> int:
               f"{'V err':>9} {'V/id':>6} {'V/had':>6} {'V rot':>10} {'V clip':>6}", file=sys.stderr)
 
     def on_layer(i: int, s: dict) -> None:
-        if bar.n < total:
-            bar.update(total - bar.n)
-            bar.close()
+        if i == 0:
+            bar.close()  # capture is over: the per-layer fit table follows
         if args.quiet:
             return
         cols = []
