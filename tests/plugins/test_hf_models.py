@@ -185,6 +185,18 @@ def test_chunk_reads_quantized_history():
 
 
 @pytest.mark.slow
+def test_1500_tokens_with_small_windows():
+    """Mechanics over many demotions: 1,500 generated tokens through 93 pages per layer, no error."""
+    model = tiny("qwen2")
+    ids = torch.randint(1, 96, (1, 20))
+    with enable_oscar(model, layout=SMALL) as oscar:
+        cache = oscar.make_cache(1, 1520)
+        tokens, scores = generate(model, ids, cache, max_new_tokens=1500, min_new_tokens=1500)
+    assert tokens.shape == (1, 1500) and bool(torch.isfinite(scores).all())
+    assert cache.sequence_lengths() == [1519] and len(cache.layers[1].pages[0]) == SMALL.pages_for(1519) == 93
+
+
+@pytest.mark.slow
 def test_compiled_backend_matches_eager():
     """backend="torch.compile" (compiled reference attention) gives the eager backend's tokens and scores."""
     model = tiny("llama")
