@@ -11,9 +11,10 @@ reference signatures of ``oscar_export.kernels.reference``:
 =====================  ==========================================================================================
 
 Backends: ``"torch"`` (the reference functions, eager), ``"torch.compile"`` (the two attention functions
-wrapped in ``torch.compile``; the writers stay eager, they are host-side bookkeeping). A new backend (e.g.
-``"triton"``) is one more entry in :data:`BACKENDS`: a function returning a :class:`CacheOps` whose
-functions keep the reference signatures, so the HF path and its tests need no change.
+wrapped in ``torch.compile``; the writers stay eager, they are host-side bookkeeping), ``"triton"`` (the
+Triton kernels, ``triton_backend.py``; BF16 windows, i.e. a BF16 model on a GPU). A new backend is one more
+entry in :data:`BACKENDS`: a function returning a :class:`CacheOps` whose functions keep the reference
+signatures, so the HF path and its tests need no change.
 """
 
 from __future__ import annotations
@@ -57,10 +58,17 @@ def _compiled_ops() -> CacheOps:
     )
 
 
+def _triton_ops() -> CacheOps:
+    from .triton_backend import triton_ops  # Triton kernels (BF16 windows); ImportError without triton
+
+    return triton_ops()
+
+
 #: backend name -> factory. Add a backend here, not by patching the cache.
 BACKENDS: dict[str, Callable[[], CacheOps]] = {
     "torch": _torch_ops,
     "torch.compile": _compiled_ops,
+    "triton": _triton_ops,
 }
 
 
@@ -68,8 +76,6 @@ def get_ops(backend: str | CacheOps = "torch") -> CacheOps:
     """The :class:`CacheOps` of ``backend`` (a name from :data:`BACKENDS`, or a ready ``CacheOps``)."""
     if isinstance(backend, CacheOps):
         return backend
-    if backend == "triton" and backend not in BACKENDS:
-        raise NotImplementedError("backend 'triton': the Triton kernels are not available in this build yet")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {sorted(BACKENDS)}, got {backend!r}")
     return BACKENDS[backend]()

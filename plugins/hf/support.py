@@ -141,7 +141,8 @@ def enable_oscar(
         artifact: None (identity transforms, clip ratios ``k_clip``/``v_clip``, the default layout with
             ``key_granularity`` keys), an ``OscarArtifact`` or the path of an artifact directory (checked
             against the model).
-        backend: ``"torch"`` (reference ops), ``"torch.compile"``, or a ``CacheOps`` (``ops.py``).
+        backend: ``"torch"`` (reference ops), ``"torch.compile"``, ``"triton"`` (GPU kernels, BF16 model), or a
+            ``CacheOps`` (``ops.py``).
         layout: without an artifact, a layout to use instead of ``KVCacheLayout.default`` (e.g. small
             windows for tests).
         key_granularity: without an artifact or layout, ``"channel"`` (KIVI-style per-channel keys within a

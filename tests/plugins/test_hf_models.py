@@ -225,9 +225,7 @@ def test_unsupported_architectures_are_named():
 
 def test_bad_arguments_give_clear_errors():
     model = tiny("llama")
-    with pytest.raises(NotImplementedError, match="backend 'triton'"):
-        enable_oscar(model, backend="triton")
-    with pytest.raises(ValueError, match=r"backend: expected one of \['torch', 'torch.compile'\], got 'cuda'"):
+    with pytest.raises(ValueError, match=r"backend: expected one of \['torch', 'torch.compile', 'triton'\], got 'cuda'"):
         enable_oscar(model, backend="cuda")
     with pytest.raises(ValueError, match="layout: expected H_kv=2, D=16 .* got H_kv=3, D=16"):
         enable_oscar(model, layout=KVCacheLayout.default(3, 16))
@@ -246,6 +244,14 @@ def test_bad_arguments_give_clear_errors():
         with pytest.raises((NotImplementedError, ValueError), match=r"fixed batch|expected \[1, 2, T, 16\]"):
             model.generate(ids[:1], num_return_sequences=2, do_sample=True, max_new_tokens=2,
                            **cache_kwargs(model, oscar.make_cache(1, 64)))
+
+
+def test_triton_backend_is_registered():
+    pytest.importorskip("triton")
+    from oscar_export.plugins.hf import get_ops
+
+    ops = get_ops("triton")
+    assert ops.name == "triton" and ops.decode_attention.__module__.endswith("triton_backend")
 
 
 def test_artifact_object_is_checked_and_used():
