@@ -19,7 +19,7 @@ from oscar_export.kernels.transform import clip_rank
 
 #: research-code global clip ratios (keys, values): the baseline.
 GLOBAL_CLIP = {"k": 0.96, "v": 0.92}
-DEFAULT_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.87, 0.84, 0.8)
+DEFAULT_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.87, 0.84, 0.8, 0.75)
 
 
 def clip_grid(group: int, ratios=DEFAULT_GRID, include=(0.96, 0.92)) -> list[float]:

@@ -208,7 +208,7 @@ def fit_side(
     if use_mean and cfg.rotation == "auto":
         # The mean is exact but only worth keeping where it shrinks the quantized range: measure without it.
         nomean = evaluate(best.rotation, best.scale, zero, "")
-        nomean.chosen = [c + "-mean" for c in best.chosen]
+        nomean.chosen = [c + "/no-mean" for c in best.chosen]
         best = merge(best, nomean)
     if cfg.codebook != "off":
         lv = lloyd_levels(normalized_positions(pages(best.rotation, best.scale, best.mean), fmt, best.clip))
