@@ -91,23 +91,36 @@ def test_whole_windows_identical_to_dynamic_cache(smollm2):
     assert cache.sequence_lengths() == [319] and cache.layers[0].pages == [[]]
 
 
+def teacher_forced(model, ids: torch.Tensor, want: torch.Tensor, cache) -> torch.Tensor:
+    """Greedy choice at each of ``want``'s steps, decoding ``want`` itself through ``cache``: ``[1, N]`` tokens.
+    Each step reads the cache as deployed (INT2 history, BF16 windows) after the same prefix as BF16."""
+    kw = cache_kwargs(model, cache)
+    with torch.no_grad():
+        picks = [model(ids, **kw).logits[:, -1].argmax(-1)]
+        for t in range(want.shape[1] - 1):
+            picks.append(model(want[:, t : t + 1], **kw).logits[:, -1].argmax(-1))
+    return torch.stack(picks, 1)
+
+
 @pytest.mark.slow
 def test_int2_history_beats_same_scale_noise(smollm2):
-    """First 32 greedy tokens after 700-900-token prompts: OSCAR agrees with BF16 far more often than a cache
-    whose INT2 rows are replaced by noise of the same scale (fails if the history were ignored or garbled)."""
+    """The first 32 greedy BF16 tokens after 703/824/902-token prompts: at each step (same prefix), OSCAR picks
+    the BF16 token far more often than a cache whose INT2 rows are replaced by noise of the same scale (fails if
+    the quantized history were ignored or garbled)."""
     model, tok = smollm2
-    ids, mask = left_pad([prompt_ids(tok, t) for t in LONG_TOPICS])
-    want = greedy(model, ids, DynamicCache(config=model.config), mask)
-    agree = {}
-    with enable_oscar(model) as oscar:
-        for name, backend in (("oscar", oscar.ops), ("noise", noise_ops())):
-            cache = OscarCache(oscar.layout, oscar.transforms, 3, ids.shape[1] + 32, backend=backend)
-            got = greedy(model, ids, cache, mask)
-            assert all(len(p) >= 6 for p in cache.layers[0].pages)  # >= 6 pages of INT2 history each
-            agree[name] = (got == want).sum(1).tolist()
-    print(f"tokens agreeing with BF16 (of 32, per prompt): {agree}")
-    assert sum(agree["oscar"]) >= 64, agree
-    assert sum(agree["oscar"]) >= sum(agree["noise"]) + 24, agree
+    agree = {"oscar": [], "noise": []}
+    for topic in LONG_TOPICS:
+        ids = prompt_ids(tok, topic)
+        want = greedy(model, ids, DynamicCache(config=model.config))
+        with enable_oscar(model) as oscar:
+            for name, backend in (("oscar", oscar.ops), ("noise", noise_ops())):
+                cache = OscarCache(oscar.layout, oscar.transforms, 1, ids.shape[1] + 32, backend=backend)
+                got = teacher_forced(model, ids, want, cache)
+                assert len(cache.layers[0].pages[0]) >= 6  # >= 6 pages of INT2 history
+                agree[name].append(int((got == want).sum()))
+    print(f"greedy BF16 tokens matched (of 32, per prompt): {agree}")
+    assert sum(agree["oscar"]) >= 72, agree  # >= 75 %
+    assert sum(agree["oscar"]) >= sum(agree["noise"]) + 12, agree
 
 
 @pytest.mark.slow
