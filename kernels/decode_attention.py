@@ -78,6 +78,36 @@ def _field(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST:
         return ((codes >> (2 * J)) & 3).to(tl.float16)
 
 
+#: PTX for v4's scaled fields: masking field j in place and moving each byte under a zero byte gives the
+#: fp16 *subnormal* ``c·4^j·2^-24`` directly (three instructions for four codes, no shift, no subtract);
+#: the kernel folds ``2^24·4^-j`` back in outside the inner products (exact powers of two).
+_SUBNORMAL_ASM = [tl.constexpr(
+    "{ .reg .b32 t; and.b32 t, $2, " + hex(0x03030303 << (2 * j)) + "; "
+    "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }"
+) for j in range(4)]
+_SUB0, _SUB1, _SUB2, _SUB3 = _SUBNORMAL_ASM
+#: 2^-24, the fp16 subnormal unit
+TINY = tl.constexpr(5.960464477539063e-08)
+
+
+@triton.jit
+def _field_scaled(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST: tl.constexpr):
+    """Field ``J`` of every byte as fp16: the level (codebook) or ``c·4^J·2^-24`` (uniform codes, exact)."""
+    if CODEBOOK:
+        return _lev((codes.to(tl.int32) >> (2 * J)) & 3, l0, l1, l2, l3, CODEBOOK).to(tl.float16)
+    elif FAST:
+        if J == 0:
+            return tl.inline_asm_elementwise(_SUB0, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        elif J == 1:
+            return tl.inline_asm_elementwise(_SUB1, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        elif J == 2:
+            return tl.inline_asm_elementwise(_SUB2, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_SUB3, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return ((codes & (3 << (2 * J))).to(tl.float32) * TINY).to(tl.float16)
+
+
 @triton.jit
 def _softmax_step(sc, m, l):
     """Online-softmax update for scores ``sc [GQ_PAD, N]`` (log2 units): returns p, alpha, m_new, l_new."""
@@ -259,6 +289,223 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _slot_softmax_step(sc, m, l):
+    """Online-softmax update per page slot: ``sc [NB, GQ_PAD, P]``, ``m, l [NB, GQ_PAD]`` (log2 units)."""
+    m_new = tl.maximum(m, tl.max(sc, axis=2))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(sc - m_use[:, :, None])
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=2)
+
+
+@triton.jit
+def _decode_split_nb_kernel(
+    q_ptr, rot_ptr, dscale_ptr,
+    sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+    k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+    block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+    part_o_ptr, part_lse_ptr,
+    max_pages, pages_per_split, n_page_splits, n_splits,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
+):
+    """:func:`_decode_split_kernel` with ``NB`` INT2 pages per loop iteration on a batch axis (v4).
+
+    Same parameters, grid and outputs, plus constexpr ``NB`` (pow2, pages per iteration). Each page slot
+    keeps its own online softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); the scores
+    and ``p·V`` are batched ``tl.dot`` s, so with ``NB == num_warps`` the compiler can give each warp its own
+    page and the row max / sum reductions stay inside a warp (no cross-warp barrier per page). The slots
+    are combined by their log-sum-exp once, after the loop. Slots past the split's last page load nothing
+    (masked) and score ``-inf``.
+    """
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // H_KV
+    h = bh % H_KV
+    H: tl.constexpr = H_KV * GQ
+    Q4: tl.constexpr = D // 4
+    g = tl.arange(0, GQ_PAD)
+    gmask = g < GQ
+    c4 = tl.arange(0, Q4)
+    qrow = (b * H + h * GQ + g).to(tl.int64) * D
+    if ROTATE_Q:
+        dd = tl.arange(0, D)
+        qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        rb = rot_ptr + h * D * D + dd[:, None] * D
+        db = dscale_ptr + h * D
+        q0 = tl.dot(qf, tl.load(rb + 0 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 0 * Q4 + c4)[None, :]
+        q1 = tl.dot(qf, tl.load(rb + 1 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 1 * Q4 + c4)[None, :]
+        q2 = tl.dot(qf, tl.load(rb + 2 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 2 * Q4 + c4)[None, :]
+        q3 = tl.dot(qf, tl.load(rb + 3 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 3 * Q4 + c4)[None, :]
+    else:
+        qp = q_ptr + qrow[:, None] + c4[None, :]
+        q0 = tl.load(qp + 0 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q1 = tl.load(qp + 1 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(qp + 2 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(qp + 3 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
+    q0 = (q0 * qscale).to(tl.float16)
+    q1 = (q1 * qscale).to(tl.float16)
+    q2 = (q2 * qscale).to(tl.float16)
+    q3 = (q3 * qscale).to(tl.float16)
+    m = tl.full([GQ_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GQ_PAD], tl.float32)
+    acc0 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acc1 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acc2 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acc3 = tl.zeros([GQ_PAD, Q4], tl.float32)
+    acclo = tl.zeros([GQ_PAD], tl.float32)
+    if s < n_page_splits:
+        kl0 = tl.load(k_levels_ptr + h * 4 + 0)
+        kl1 = tl.load(k_levels_ptr + h * 4 + 1)
+        kl2 = tl.load(k_levels_ptr + h * 4 + 2)
+        kl3 = tl.load(k_levels_ptr + h * 4 + 3)
+        vl0 = tl.load(v_levels_ptr + h * 4 + 0)
+        vl1 = tl.load(v_levels_ptr + h * 4 + 1)
+        vl2 = tl.load(v_levels_ptr + h * 4 + 2)
+        vl3 = tl.load(v_levels_ptr + h * 4 + 3)
+        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+        # every page slot sees the same queries: [NB, GQ_PAD, Q4]
+        # uniform codes arrive as c·4^j·2^-24 (_field_scaled): quarter j of q carries 4^-j (exact), the
+        # scores 2^24 (KU), the value quarters 2^24·4^-j (VU, after the loop)
+        if K_CODEBOOK:
+            KU = 1.0
+            qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+            qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+            qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+            qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+        else:
+            KU = 16777216.0
+            qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+            qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :] * 0.25, (NB, GQ_PAD, Q4))
+            qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
+            qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.015625, (NB, GQ_PAD, Q4))
+        if V_CODEBOOK:
+            VU0 = 1.0
+            VU1 = 1.0
+            VU2 = 1.0
+            VU3 = 1.0
+        else:
+            VU0 = 16777216.0
+            VU1 = 4194304.0
+            VU2 = 1048576.0
+            VU3 = 262144.0
+        nb = tl.arange(0, NB)
+        t = tl.arange(0, P)
+        tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
+        bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
+        bl = tl.zeros([NB, GQ_PAD], tl.float32)
+        b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        blo = tl.zeros([NB, GQ_PAD], tl.float32)
+        start = s * pages_per_split
+        end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
+        for p0 in range(start, end, NB):
+            slot = p0 + nb
+            ok = slot < end
+            page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
+            ph = page * H_KV + h
+            code_off = tl.multiple_of(ph * (P * Q4), 16)
+            prm_off = tl.multiple_of(ph * (P * 2), 16)
+            okc = ok[:, None, None]
+            kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
+            vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
+            k0 = tl.permute(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+            k1 = tl.permute(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+            k2 = tl.permute(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+            k3 = tl.permute(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+            if K_CHANNEL:
+                kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]  # [NB, Q4] pointers
+                okp = ok[:, None]
+                ks0 = tl.load(kp + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                ks1 = tl.load(kp + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                ks2 = tl.load(kp + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                ks3 = tl.load(kp + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                const = tl.sum(q0.to(tl.float32)[None, :, :] * tl.load(kp + D + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                const += tl.sum(q1.to(tl.float32)[None, :, :] * tl.load(kp + D + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                const += tl.sum(q2.to(tl.float32)[None, :, :] * tl.load(kp + D + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                const += tl.sum(q3.to(tl.float32)[None, :, :] * tl.load(kp + D + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                sc = tl.dot((qb0 * ks0).to(tl.float16), k0)
+                sc = tl.dot((qb1 * ks1).to(tl.float16), k1, sc)
+                sc = tl.dot((qb2 * ks2).to(tl.float16), k2, sc)
+                sc = tl.dot((qb3 * ks3).to(tl.float16), k3, sc)
+                sc = sc * KU + const[:, :, None]
+            else:
+                pp = k_params_ptr + prm_off[:, None] + t[None, :] * 2  # [NB, P] pointers
+                ks = tl.load(pp, mask=ok[:, None], other=0.0).to(tl.float32)
+                klo = tl.load(pp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                sc = tl.dot(qb0.to(tl.float16), k0)
+                sc = tl.dot(qb1.to(tl.float16), k1, sc)
+                sc = tl.dot(qb2.to(tl.float16), k2, sc)
+                sc = tl.dot(qb3.to(tl.float16), k3, sc)
+                sc = sc * (ks * KU)[:, None, :] + qsum[None, :, None] * klo[:, None, :]
+            sc = tl.where(okc, sc, float("-inf"))
+            p, alpha, bm, bl = _slot_softmax_step(sc, bm, bl)
+            vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
+            vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
+            vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+            ps = (p * vs[:, None, :]).to(tl.float16)
+            b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
+            b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
+            b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
+            b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
+            blo = blo * alpha + tl.sum(p * vlo[:, None, :], axis=2)
+        # ---- combine the page slots by their log-sum-exp -------------------------------------------------
+        m = tl.max(bm, axis=0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
+        l = tl.sum(bl * w, axis=0)
+        acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
+        acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
+        acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
+        acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
+        acclo = tl.sum(blo * w, axis=0)
+    else:
+        NSINK: tl.constexpr = (S0 + BN - 1) // BN
+        c = s - n_page_splits
+        if c < NSINK:
+            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
+            kb = sink_k_ptr + kv_off
+            vb = sink_v_ptr + kv_off
+            valid = tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
+        else:
+            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
+            kb = recent_k_ptr + kv_off
+            vb = recent_v_ptr + kv_off
+            valid = tl.minimum(tl.load(recent_len_ptr + b), RC) - (c - NSINK) * BN
+        tb = tl.arange(0, BN)
+        tmask = tb < valid
+        rows = tb[:, None] * D + c4[None, :]
+        kk = kb + rows
+        scb = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
+        scb = tl.dot(q1, tl.trans(tl.load(kk + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q2, tl.trans(tl.load(kk + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q3, tl.trans(tl.load(kk + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.where(tmask[None, :], scb, float("-inf"))
+        pw, alpha, m, l = _softmax_step(scb, m, l)
+        pb = pw.to(tl.float16)
+        vv = vb + rows
+        acc0 = tl.dot(pb, tl.load(vv + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc1 = tl.dot(pb, tl.load(vv + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc2 = tl.dot(pb, tl.load(vv + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc3 = tl.dot(pb, tl.load(vv + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+    nonempty = l > 0.0
+    inv = tl.where(nonempty, 1.0 / l, 0.0)
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
+    tl.store(part_lse_ptr + prow, lse, mask=gmask)
+    po = part_o_ptr + prow[:, None] * D + c4[None, :]
+    tl.store(po + 0 * Q4, (acc0 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + 1 * Q4, (acc1 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + 2 * Q4, (acc2 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + 3 * Q4, (acc3 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+
+
+@triton.jit
 def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, CH: tl.constexpr):
     """Combine the splits of one query head. Grid ``(B * H,)``.
 
@@ -330,6 +577,7 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     fast_unpack: bool | None = None,
+    page_slots: int = 0,
 ) -> torch.Tensor:
     """``reference.decode_attention`` in two Triton launches (split, merge).
 
@@ -342,12 +590,20 @@ def decode_attention(
         q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue.
         pages_per_split: INT2 pages per split program (default: fill the GPU, :func:`default_pages_per_split`).
         fast_unpack: PTX code unpack for uniform levels (default: on CUDA); False forces the plain path.
+        page_slots: 0 runs the v3 split kernel; a power of two ``n`` runs ``_decode_split_nb_kernel`` with
+            ``n`` pages per loop iteration (one per warp with ``num_warps == n``; the default
+            pages-per-split is rounded up to a multiple of ``n``).
     Returns:
         ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
+    if page_slots < 0 or page_slots & (page_slots - 1):
+        raise ValueError(f"page_slots: expected 0 or a power of two, got {page_slots}")
+    given = pages_per_split
     rot, dsc, pages_per_split = check_decode_inputs(
         q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split
     )
+    if page_slots and given is None:
+        pages_per_split = -(-pages_per_split // page_slots) * page_slots
     dev = q.device
     hkv, p = layout.num_kv_heads, layout.page_size
     if codebook is None:
@@ -358,7 +614,7 @@ def decode_attention(
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, hkv, p, layout.sink, layout.recent_capacity, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
-        out_dtype, num_warps, num_stages,
+        out_dtype, num_warps, num_stages, page_slots=page_slots,
     )
 
 
@@ -428,6 +684,7 @@ def launch_decode(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_capacity: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = 4, num_stages: int = 2, wrap=lambda k: k,
+    page_slots: int = 0,
 ) -> torch.Tensor:
     """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
 
@@ -441,16 +698,21 @@ def launch_decode(
     n_page_splits = -(-max_pages // pages_per_split)
     n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_capacity // BF16_CHUNK)
     n_splits = n_page_splits + n_bf16
+    extra = {}
+    if page_slots:
+        kernel, gq_pad, extra = _decode_split_nb_kernel, _next_pow2(gq), dict(NB=page_slots)
+    else:
+        kernel, gq_pad = _decode_split_kernel, max(16, _next_pow2(gq))
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
-    wrap(_decode_split_kernel)[(bsz * num_kv_heads, n_splits)](
+    wrap(kernel)[(bsz * num_kv_heads, n_splits)](
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=num_kv_heads, GQ=gq, GQ_PAD=max(16, _next_pow2(gq)), D=d, P=page_size, S0=sink, RC=recent_capacity,
+        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad, D=d, P=page_size, S0=sink, RC=recent_capacity,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
-        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages,
+        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
     return out

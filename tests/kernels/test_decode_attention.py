@@ -131,6 +131,30 @@ def test_codebook_rotation_and_splits(da, device, gran):
         _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
 
 
+@pytest.mark.parametrize("gran,codebook,hq", [("token", False, 6), ("channel", False, 2), ("token", True, 8)])
+def test_page_slots_kernel(da, device, gran, codebook, hq):
+    """v4 (``page_slots``: several pages per loop iteration, scaled-subnormal code fields) within budget,
+    with a split whose last iteration is partly empty (5 pages per split, 2 or 4 slots) and an empty row."""
+    hkv, d = 2, 64
+    lay = KVCacheLayout(hkv, d, RowFormat(d, d, gran, codebook=codebook), RowFormat(d, d, codebook=codebook),
+                        sink=16, window=32, page_size=64)
+    tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
+    if codebook:
+        tr = LayerTransform(**{**{f: getattr(tr, f) for f in tr.__dataclass_fields__},
+                               "k_levels": torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),
+                               "v_levels": torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]])})
+    lengths = [0, 16 + 32 + 64 * 7 + 5, 16 + 32 + 64 + 1]
+    st = _cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), hq, d) * 2
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    for slots in (0, 2, 4):
+        got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=5, page_slots=slots,
+                                  num_warps=max(slots, 4))
+        assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
+        _check_budget(got, q, st, lay, tr, d**-0.5, f"page_slots={slots} {gran} codebook={codebook}")
+
+
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
 
 
@@ -158,6 +182,8 @@ def test_bad_inputs_raise(da, device):
         call(scale=float("nan"))
     with pytest.raises(ValueError, match="pages_per_split"):
         call(pages_per_split=0)
+    with pytest.raises(ValueError, match="page_slots: expected 0 or a power of two, got 3"):
+        call(page_slots=3)
     with pytest.raises(ValueError, match="device"):
         call(k_levels=kl.to("meta"))
     for field, bad in (("block_table", st.block_table.long()), ("sink_k", st.sink_k.float()),
