@@ -6,8 +6,9 @@ hands them to the :class:`Collector` passed down the forward call as the keyword
 beyond the one registration), then computes the real output with the stock ``sdpa`` implementation.
 
 The collector either accumulates float64 statistics (:class:`covariance.LayerStats`, bounded memory) or,
-for the held-out sequences, keeps the fp32 tensors on the CPU (bounded by the held-out budget). Every
-captured tensor is checked for NaN/Inf; a bad one raises ``ValueError`` naming the layer.
+for the held-out sequences, keeps the fp32 tensors on the CPU (bounded by the held-out budget). NaN/Inf in
+any captured tensor raises ``ValueError`` naming the layer (checked on the per-batch sums, which any
+non-finite element poisons, so the check costs nothing).
 Models sharded with ``device_map="auto"`` work: each layer's statistics live on that layer's device.
 """
 
@@ -19,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .covariance import LayerStats
+from .covariance import LayerStats, NonFiniteActivations
 
 CAPTURE_NAME = "oscar_capture"
 
@@ -88,21 +89,20 @@ class Collector:
             )
         if k.shape[2] != q.shape[2]:
             raise ValueError(f"capture layer {i}: calibration runs without a cache (q {q.shape[2]} vs k {k.shape[2]} tokens)")
-        for name, x in (("queries", q), ("keys", k), ("values", v)):
-            if not bool(torch.isfinite(x).all()):
-                n = int((~torch.isfinite(x)).sum())
-                raise ValueError(
-                    f"capture: layer {i} produced {n} non-finite (NaN/Inf) {name}; calibration statistics would be "
-                    f"poisoned (check the model weights / dtype of layer {i})"
-                )
         s = float(scaling) if scaling is not None else self.head_dim**-0.5
         self.scaling[i] = s
         if self.mode == "heldout":
+            for name, x in (("queries", q), ("keys", k), ("values", v)):
+                if not bool(torch.isfinite(x.sum())):  # NaN/Inf propagate into the sum
+                    _non_finite(i, name, x)
             self.heldout[i].append((q.float().cpu(), k.float().cpu(), v.float().cpu()))
             return
         if self.stats[i] is None:
             self.stats[i] = LayerStats(self.num_kv_heads, self.head_dim, k.device, self.weightings)
-        self.stats[i].update(q, k, v, s, self.skip)
+        try:
+            self.stats[i].update(q, k, v, s, self.skip)
+        except NonFiniteActivations as e:
+            _non_finite(i, e.what, {"queries": q, "keys": k, "values": v}[e.what])
 
     def heldout_layer(self, i: int) -> HeldOut:
         parts = self.heldout[i]
@@ -110,6 +110,14 @@ class Collector:
             raise ValueError(f"capture: no held-out sequences were recorded for layer {i}")
         q, k, v = (torch.cat([p[j] for p in parts]) for j in range(3))
         return HeldOut(q, k, v, self.scaling[i])
+
+
+def _non_finite(layer: int, name: str, x: torch.Tensor) -> None:
+    n = int((~torch.isfinite(x)).sum())
+    raise ValueError(
+        f"capture: layer {layer} produced {n} non-finite (NaN/Inf) {name}; calibration statistics would be "
+        f"poisoned (check the model weights / dtype of layer {layer})"
+    )
 
 
 def base_model(model) -> torch.nn.Module:

@@ -27,6 +27,14 @@ import torch
 VALUE_WEIGHTINGS = ("prob", "research", "plain")
 
 
+class NonFiniteActivations(ValueError):
+    """NaN/Inf reached the statistics; ``what`` names the tensor (queries, keys, values)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"non-finite (NaN/Inf) {what}")
+        self.what = what
+
+
 def group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """``[B, H, T, D]`` -> ``[B, H_kv, g*T, D]`` (query heads grouped under the KV head they read)."""
     b, h, t, d = q.shape
@@ -76,6 +84,8 @@ class _Moments:
         xa = torch.cat([x, ones], -1)  # [H_kv, N, D+1]: one matmul gives sum x x^T, sum x and the count
         wa = xa if w is None else xa * w[..., None]
         s = (wa.transpose(-1, -2) @ xa).double()  # [H_kv, D+1, D+1]
+        if not bool(torch.isfinite(s).all()):  # any NaN/Inf row poisons its x_i^2 diagonal term
+            raise NonFiniteActivations("rows")
         self.xx += s[:, :-1, :-1]
         self.x += s[:, -1, :-1]
         self.w += s[:, -1, -1]
@@ -126,9 +136,14 @@ class LayerStats:
         rows = lambda x: x[:, :, skip:].float().transpose(0, 1).reshape(x.shape[1], -1, d)  # noqa: E731
         qs = q[:, :, skip:].float().reshape(b, hkv, g, t - skip, d).transpose(0, 1).reshape(hkv, -1, d)
         ks, vs = rows(k), rows(v)  # [H_kv, B*(T-skip), D]
-        self.q.add(qs)
-        self.k.add(ks)
-        self.v["plain"].add(vs)
+        for name, x in (("queries", q), ("keys", k), ("values", v)):  # the skipped head of the sequence too
+            if skip and not bool(torch.isfinite(x[:, :, :skip].sum())):
+                raise NonFiniteActivations(name)
+        for name, m, x in (("queries", self.q, qs), ("keys", self.k, ks), ("values", self.v["plain"], vs)):
+            try:  # checked on the small per-batch sums, not element by element (that would cost more)
+                m.add(x)
+            except NonFiniteActivations:
+                raise NonFiniteActivations(name) from None
         if "prob" in self.v:
             mass = causal_probs(q, k, scaling, self.query_stride).sum(dim=(2, 3))[:, :, skip:]  # [B, H_kv, T-skip]
             self.v["prob"].add(vs, mass.transpose(0, 1).reshape(hkv, -1))
@@ -170,4 +185,4 @@ def shared_target(c: torch.Tensor) -> torch.Tensor:
     return c.mean(0, keepdim=True).expand_as(c).contiguous()
 
 
-__all__ = ["VALUE_WEIGHTINGS", "LayerStats", "causal_probs", "group_queries", "shared_target"]
+__all__ = ["VALUE_WEIGHTINGS", "LayerStats", "NonFiniteActivations", "causal_probs", "group_queries", "shared_target"]

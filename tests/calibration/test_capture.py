@@ -89,3 +89,17 @@ def test_bad_shapes_refused(tiny):
     st = Collector(L, HKV, D, skip=8)
     with pytest.raises(ValueError, match="skip=8 leaves no positions"):
         run_batches(tiny, st, [torch.randint(0, 50, (1, 8))])
+
+
+@pytest.mark.parametrize("mode,where", [("stats", "late"), ("stats", "early"), ("heldout", "late")])
+def test_nan_in_one_position_is_caught(tiny, mode, where):
+    """A single non-finite value, inside or before the skipped sink positions, in either capture mode."""
+    col = Collector(L, HKV, D, skip=4, mode=mode)
+
+    class Fake:
+        layer_idx = 1
+
+    q, k, v = torch.randn(1, H, 8, D), torch.randn(1, HKV, 8, D), torch.randn(1, HKV, 8, D)
+    v[0, 1, 2 if where == "early" else 6, 5] = float("inf")
+    with pytest.raises(ValueError, match="layer 1 produced 1 non-finite \\(NaN/Inf\\) values"):
+        col.observe(Fake(), q, k, v, None)
