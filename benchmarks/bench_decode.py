@@ -25,6 +25,16 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 32768), (64, 8192)]
+#: named kernel variants for A/B runs (``--variants``): v3 = the split kernel of run 4; v4 = several pages
+#: per loop iteration on a batch axis (one per warp), scaled-subnormal code fields, scores transposed.
+VARIANTS = {
+    "v3": dict(num_warps=4, num_stages=2),
+    "v4": dict(page_slots=4, num_warps=4, num_stages=2),
+    "v4nt": dict(page_slots=4, keys_on_m=False, num_warps=4, num_stages=2),
+    "v4w8": dict(page_slots=8, num_warps=8, num_stages=2),
+    "v4s1": dict(page_slots=4, num_warps=4, num_stages=1),
+    "v4s3": dict(page_slots=4, num_warps=4, num_stages=3),
+}
 
 
 def env_line() -> str:
@@ -108,7 +118,7 @@ def copy_bandwidth() -> float:
     return 2 * n / ms / 1e9
 
 
-def bench_shape(batch: int, seq: int, gran: str, sweep: bool) -> list[dict]:
+def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("v3",)) -> list[dict]:
     lay = KVCacheLayout.default(HKV, D, gran)
     scale = D**-0.5
     kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
@@ -119,8 +129,17 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool) -> list[dict]:
     max_pages = states[0].block_table.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pps0 = default_pages_per_split(batch, HKV, max_pages, sms)
-    variants = [dict(pages_per_split=pps0, num_warps=4, num_stages=2)]
-    if sweep:
+    variants = []
+    for name in names:
+        v = dict(VARIANTS[name], variant=name)
+        slots = v.get("page_slots", 0)
+        v["pages_per_split"] = -(-pps0 // slots) * slots if slots else pps0
+        variants.append(v)
+    if sweep and "v4" in names:
+        p4 = variants[names.index("v4")]["pages_per_split"]
+        for pps in sorted({max(4, p4 // 2), p4 * 2} - {p4}):
+            variants.append(dict(VARIANTS["v4"], variant="v4", pages_per_split=pps))
+    if sweep and "v4" not in names:
         for pps in sorted({max(1, pps0 // 2), pps0 * 2, max(1, pps0 // 4)} - {pps0}):
             variants.append(dict(pages_per_split=pps, num_warps=4, num_stages=2))
         variants += [dict(pages_per_split=pps0, num_warps=8, num_stages=2),
@@ -128,9 +147,10 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool) -> list[dict]:
                      dict(pages_per_split=pps0, num_warps=4, num_stages=2, fast_unpack=False)]
     rows = []
     for var in variants:
-        call = lambda i, v=var: decode_attention(qs[i % sets], states[i % sets], lay, kl, kl, scale,  # noqa: E731
-                                                  out_dtype=torch.bfloat16, **v)
-        eager = median_ms(call, sets, 100)
+        kw = {k: v for k, v in var.items() if k != "variant"}
+        call = lambda i, kw=kw: decode_attention(qs[i % sets], states[i % sets], lay, kl, kl, scale,  # noqa: E731
+                                                  out_dtype=torch.bfloat16, **kw)
+        eager = median_ms(call, sets, 30)
         graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
         rows.append(dict(kernel="oscar-int2", gran=gran, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
                          graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, **var))
@@ -155,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gran", default="token,channel")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default="v3", help=f"comma list of {sorted(VARIANTS)}")
+    ap.add_argument("--channel-variants", default=None, help="variants for channel keys (default: --variants)")
     args = ap.parse_args(argv)
     print(env_line())
     bw = copy_bandwidth()
@@ -163,7 +185,8 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         b, s = (int(x) for x in shape.split("x"))
         for gran in args.gran.split(","):
-            got = bench_shape(b, s, gran, args.sweep)
+            names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
+            got = bench_shape(b, s, gran, args.sweep, names.split(","))
             if gran != args.gran.split(",")[0]:
                 got = [r for r in got if r["kernel"] != "sdpa-bf16"]
             rows += got
@@ -172,12 +195,12 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'shape':>9} {'kernel':>10} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
+    print(f"\n{'shape':>9} {'kernel':>10} {'var':>5} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
           f"{'graph us':>9} {'TB/s':>5} {'x SDPA':>6}")
     sdpa = {(r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
     for r in rows:
         x = sdpa[(r["batch"], r["seq"])] / r["graph_us"]
-        print(f"{r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
+        print(f"{r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r.get('variant', '-'):>5} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
               f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {'n' if r.get('fast_unpack') is False else 'y':>3} "
               f"{r['eager_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['tbps']:5.2f} {x:6.2f}")

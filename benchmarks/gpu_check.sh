@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -21,6 +21,13 @@ p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, triton {triton.__version__}, {p.name}, {p.multi_processor_count} SMs, L2 {p.L2_cache_size/2**20:.0f} MiB, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
 PY
 step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc"; tail -n 25 "$OUT/$name.log"; return 0; }
+if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)
+    step decode_tests 150 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k decode_attention_real_shape
+    step bench_decode 240 python3 benchmarks/bench_decode.py --variants "${VARIANTS:-v3,v4,v4nt,v4w8}" --channel-variants "${CH_VARIANTS:-v3,v4}" --json "$OUT/bench_decode.json"
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/decode_tests.log | tail -n 3
+    tail -n 50 "$OUT/bench_decode.log"
+    exit 0
+fi
 step gpu_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -x -q -p no:cacheprovider
 [ "${1:-}" = quick ] || step kernel_tests 150 python3 -m pytest tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py -q -x -p no:cacheprovider
 step bench_quant 120 python3 benchmarks/bench_quant.py --json "$OUT/bench_quant.json"

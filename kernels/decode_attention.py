@@ -309,11 +309,12 @@ def _decode_split_nb_kernel(
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr,
 ):
     """:func:`_decode_split_kernel` with ``NB`` INT2 pages per loop iteration on a batch axis (v4).
 
-    Same parameters, grid and outputs, plus constexpr ``NB`` (pow2, pages per iteration). Each page slot
+    Same parameters, grid and outputs, plus constexprs ``NB`` (pow2, pages per iteration) and ``KT``
+    (tokens on the MMA's M axis for the keys: ``S^T = K·q^T``, only the small ``p`` tile is transposed). Each page slot
     keeps its own online softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); the scores
     and ``p·V`` are batched ``tl.dot`` s, so with ``NB == num_warps`` the compiler can give each warp its own
     page and the row max / sum reductions stay inside a warp (no cross-warp barrier per page). The slots
@@ -382,6 +383,11 @@ def _decode_split_nb_kernel(
             qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :] * 0.25, (NB, GQ_PAD, Q4))
             qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
             qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.015625, (NB, GQ_PAD, Q4))
+        if KT:  # B operands of the transposed scores
+            qt0 = tl.permute(qb0.to(tl.float16), (0, 2, 1))
+            qt1 = tl.permute(qb1.to(tl.float16), (0, 2, 1))
+            qt2 = tl.permute(qb2.to(tl.float16), (0, 2, 1))
+            qt3 = tl.permute(qb3.to(tl.float16), (0, 2, 1))
         if V_CODEBOOK:
             VU0 = 1.0
             VU1 = 1.0
@@ -414,46 +420,87 @@ def _decode_split_nb_kernel(
             okc = ok[:, None, None]
             kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
             vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
-            k0 = tl.permute(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-            k1 = tl.permute(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-            k2 = tl.permute(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-            k3 = tl.permute(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-            if K_CHANNEL:
-                kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]  # [NB, Q4] pointers
-                okp = ok[:, None]
-                ks0 = tl.load(kp + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                ks1 = tl.load(kp + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                ks2 = tl.load(kp + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                ks3 = tl.load(kp + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                const = tl.sum(q0.to(tl.float32)[None, :, :] * tl.load(kp + D + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                const += tl.sum(q1.to(tl.float32)[None, :, :] * tl.load(kp + D + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                const += tl.sum(q2.to(tl.float32)[None, :, :] * tl.load(kp + D + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                const += tl.sum(q3.to(tl.float32)[None, :, :] * tl.load(kp + D + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                sc = tl.dot((qb0 * ks0).to(tl.float16), k0)
-                sc = tl.dot((qb1 * ks1).to(tl.float16), k1, sc)
-                sc = tl.dot((qb2 * ks2).to(tl.float16), k2, sc)
-                sc = tl.dot((qb3 * ks3).to(tl.float16), k3, sc)
-                sc = sc * KU + const[:, :, None]
+            if KT:
+                # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
+                if K_CHANNEL:
+                    kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]
+                    okp = ok[:, None]
+                    ks0 = tl.load(kp + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    ks1 = tl.load(kp + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    ks2 = tl.load(kp + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    ks3 = tl.load(kp + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    const = tl.sum(q0.to(tl.float32)[None, :, :] * tl.load(kp + D + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    const += tl.sum(q1.to(tl.float32)[None, :, :] * tl.load(kp + D + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    const += tl.sum(q2.to(tl.float32)[None, :, :] * tl.load(kp + D + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    const += tl.sum(q3.to(tl.float32)[None, :, :] * tl.load(kp + D + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb0 * ks0).to(tl.float16), (0, 2, 1)))
+                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+                    st_ = st_ * KU + const[:, None, :]
+                else:
+                    pp = k_params_ptr + prm_off[:, None] + t[None, :] * 2
+                    ks = tl.load(pp, mask=ok[:, None], other=0.0).to(tl.float32)
+                    klo = tl.load(pp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+                    st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
+                st_ = tl.where(okc, st_, float("-inf"))
+                m_new = tl.maximum(bm, tl.max(st_, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(bm - m_use)
+                pt = tl.exp2(st_ - m_use[:, None, :])
+                bl = bl * alpha + tl.sum(pt, axis=1)
+                bm = m_new
+                vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
+                vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
+                vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
+                plo = tl.sum(pt * vlo[:, :, None], axis=1)
             else:
-                pp = k_params_ptr + prm_off[:, None] + t[None, :] * 2  # [NB, P] pointers
-                ks = tl.load(pp, mask=ok[:, None], other=0.0).to(tl.float32)
-                klo = tl.load(pp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
-                sc = tl.dot(qb0.to(tl.float16), k0)
-                sc = tl.dot(qb1.to(tl.float16), k1, sc)
-                sc = tl.dot(qb2.to(tl.float16), k2, sc)
-                sc = tl.dot(qb3.to(tl.float16), k3, sc)
-                sc = sc * (ks * KU)[:, None, :] + qsum[None, :, None] * klo[:, None, :]
-            sc = tl.where(okc, sc, float("-inf"))
-            p, alpha, bm, bl = _slot_softmax_step(sc, bm, bl)
-            vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
-            vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
-            vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
-            ps = (p * vs[:, None, :]).to(tl.float16)
+                k0 = tl.permute(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+                k1 = tl.permute(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+                k2 = tl.permute(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+                k3 = tl.permute(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
+                if K_CHANNEL:
+                    kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]  # [NB, Q4] pointers
+                    okp = ok[:, None]
+                    ks0 = tl.load(kp + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    ks1 = tl.load(kp + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    ks2 = tl.load(kp + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    ks3 = tl.load(kp + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
+                    const = tl.sum(q0.to(tl.float32)[None, :, :] * tl.load(kp + D + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    const += tl.sum(q1.to(tl.float32)[None, :, :] * tl.load(kp + D + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    const += tl.sum(q2.to(tl.float32)[None, :, :] * tl.load(kp + D + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    const += tl.sum(q3.to(tl.float32)[None, :, :] * tl.load(kp + D + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    sc = tl.dot((qb0 * ks0).to(tl.float16), k0)
+                    sc = tl.dot((qb1 * ks1).to(tl.float16), k1, sc)
+                    sc = tl.dot((qb2 * ks2).to(tl.float16), k2, sc)
+                    sc = tl.dot((qb3 * ks3).to(tl.float16), k3, sc)
+                    sc = sc * KU + const[:, :, None]
+                else:
+                    pp = k_params_ptr + prm_off[:, None] + t[None, :] * 2  # [NB, P] pointers
+                    ks = tl.load(pp, mask=ok[:, None], other=0.0).to(tl.float32)
+                    klo = tl.load(pp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                    sc = tl.dot(qb0.to(tl.float16), k0)
+                    sc = tl.dot(qb1.to(tl.float16), k1, sc)
+                    sc = tl.dot(qb2.to(tl.float16), k2, sc)
+                    sc = tl.dot(qb3.to(tl.float16), k3, sc)
+                    sc = sc * (ks * KU)[:, None, :] + qsum[None, :, None] * klo[:, None, :]
+                sc = tl.where(okc, sc, float("-inf"))
+                p, alpha, bm, bl = _slot_softmax_step(sc, bm, bl)
+                vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
+                vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
+                vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                ps = (p * vs[:, None, :]).to(tl.float16)
+                plo = tl.sum(p * vlo[:, None, :], axis=2)
             b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
             b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
             b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
             b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
-            blo = blo * alpha + tl.sum(p * vlo[:, None, :], axis=2)
+            blo = blo * alpha + plo
         # ---- combine the page slots by their log-sum-exp -------------------------------------------------
         m = tl.max(bm, axis=0)
         m_use = tl.where(m == float("-inf"), 0.0, m)
@@ -578,6 +625,7 @@ def decode_attention(
     num_stages: int = 2,
     fast_unpack: bool | None = None,
     page_slots: int = 0,
+    keys_on_m: bool = True,
 ) -> torch.Tensor:
     """``reference.decode_attention`` in two Triton launches (split, merge).
 
@@ -593,6 +641,7 @@ def decode_attention(
         page_slots: 0 runs the v3 split kernel; a power of two ``n`` runs ``_decode_split_nb_kernel`` with
             ``n`` pages per loop iteration (one per warp with ``num_warps == n``; the default
             pages-per-split is rounded up to a multiple of ``n``).
+        keys_on_m: with ``page_slots``, compute the scores transposed (tokens on the MMA's M axis).
     Returns:
         ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -614,7 +663,7 @@ def decode_attention(
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, hkv, p, layout.sink, layout.recent_capacity, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
-        out_dtype, num_warps, num_stages, page_slots=page_slots,
+        out_dtype, num_warps, num_stages, page_slots=page_slots, keys_on_m=keys_on_m,
     )
 
 
@@ -684,7 +733,7 @@ def launch_decode(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_capacity: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = 4, num_stages: int = 2, wrap=lambda k: k,
-    page_slots: int = 0,
+    page_slots: int = 0, keys_on_m: bool = True,
 ) -> torch.Tensor:
     """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
 
@@ -700,7 +749,7 @@ def launch_decode(
     n_splits = n_page_splits + n_bf16
     extra = {}
     if page_slots:
-        kernel, gq_pad, extra = _decode_split_nb_kernel, _next_pow2(gq), dict(NB=page_slots)
+        kernel, gq_pad, extra = _decode_split_nb_kernel, _next_pow2(gq), dict(NB=page_slots, KT=keys_on_m)
     else:
         kernel, gq_pad = _decode_split_kernel, max(16, _next_pow2(gq))
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)

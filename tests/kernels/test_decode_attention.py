@@ -133,8 +133,9 @@ def test_codebook_rotation_and_splits(da, device, gran):
 
 @pytest.mark.parametrize("gran,codebook,hq", [("token", False, 6), ("channel", False, 2), ("token", True, 8)])
 def test_page_slots_kernel(da, device, gran, codebook, hq):
-    """v4 (``page_slots``: several pages per loop iteration, scaled-subnormal code fields) within budget,
-    with a split whose last iteration is partly empty (5 pages per split, 2 or 4 slots) and an empty row."""
+    """v4 (``page_slots``: several pages per loop iteration, scaled-subnormal code fields; scores transposed
+    or not) within budget, with a split whose last iteration is partly empty (5 pages per split, 2 or 4
+    slots), GQ 3 padded to 4, GQ 1 and 4, and an empty row."""
     hkv, d = 2, 64
     lay = KVCacheLayout(hkv, d, RowFormat(d, d, gran, codebook=codebook), RowFormat(d, d, codebook=codebook),
                         sink=16, window=32, page_size=64)
@@ -148,11 +149,11 @@ def test_page_slots_kernel(da, device, gran, codebook, hq):
     q = torch.randn(len(lengths), hq, d) * 2
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    for slots in (0, 2, 4):
+    for slots, keys_on_m in ((2, True), (4, True), (4, False)):
         got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=5, page_slots=slots,
-                                  num_warps=max(slots, 4))
+                                  keys_on_m=keys_on_m, num_warps=4)
         assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
-        _check_budget(got, q, st, lay, tr, d**-0.5, f"page_slots={slots} {gran} codebook={codebook}")
+        _check_budget(got, q, st, lay, tr, d**-0.5, f"page_slots={slots} keys_on_m={keys_on_m} {gran} codebook={codebook}")
 
 
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
