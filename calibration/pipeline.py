@@ -151,9 +151,17 @@ class SideFit:
     baselines: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _candidates(cfg: CalibrationConfig, side: str, granularity: str) -> list[tuple[str, bool]]:
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def _candidates(cfg: CalibrationConfig, side: str, granularity: str, head_dim: int) -> list[tuple[str, bool]]:
+    """Candidates to try. Fallback: without a power-of-two head_dim, ``auto`` drops the Hadamard kinds."""
     if cfg.rotation == "auto":
-        return list(AUTO_CANDIDATES[(side, granularity)])
+        cands = list(AUTO_CANDIDATES[(side, granularity)])
+        if not _power_of_two(head_dim):
+            cands = [c for c in cands if c[0] not in ("hadamard", "oscar")] or [("eig", False), ("identity", False)]
+        return cands
     return [(cfg.rotation, cfg.scale == "whiten")]
 
 
@@ -199,7 +207,7 @@ def fit_side(
         best.chosen = [n if t else c for t, n, c in zip(take.tolist(), cand.chosen, best.chosen)]
         return best
 
-    for kind, scaled in _candidates(cfg, side, fmt.granularity):
+    for kind, scaled in _candidates(cfg, side, fmt.granularity, d):
         r = rotation(kind, target, fmt.group_size, seed)
         s = whitening_scale(second, r) if scaled else torch.ones(h, d, dtype=torch.float64)
         mu = (torch.einsum("hd,hde->he", mean.double(), r) * s) if use_mean else zero
@@ -233,6 +241,8 @@ def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_
     for name, kind, clip in (("identity", "identity", torch.ones(h)), ("identity+clip", "identity", g),
                              ("hadamard+clip", "hadamard", g), ("random+clip", "random", g),
                              ("research", "oscar", g)):
+        if kind in ("hadamard", "oscar") and not _power_of_two(d):
+            continue  # no Hadamard of this size: those baselines do not exist
         r = rotation(kind, target_shared, fmt.group_size, seed)
         out[name] = error_fn(r, one, zero, [clip], uni)[0].double()
     return out
@@ -287,12 +297,15 @@ def layer_summary(k: SideFit, v: SideFit, obj: LayerObjective) -> dict[str, Any]
     """JSON statistics of one layer: errors (absolute and relative to the signal) and the choices."""
     def side(f: SideFit, scale: torch.Tensor) -> dict[str, Any]:
         e = float(f.error.sum())
+
+        def ratio(name: str) -> float | None:
+            b = f.baselines.get(name)
+            return None if b is None else e / max(float(b.sum()), 1e-300)
+
         return {
             "error": e, "relative_error": e / max(float(scale.sum()), 1e-300),
             "baselines": {n: float(b.sum()) for n, b in f.baselines.items()},
-            "vs_identity": e / max(float(f.baselines["identity"].sum()), 1e-300),
-            "vs_hadamard": e / max(float(f.baselines["hadamard+clip"].sum()), 1e-300),
-            "vs_research": e / max(float(f.baselines["research"].sum()), 1e-300),
+            "vs_identity": ratio("identity"), "vs_hadamard": ratio("hadamard+clip"), "vs_research": ratio("research"),
             "clip": f.clip.tolist(), "rotation": f.chosen,
             "codebook": [lv != [0.0, 1.0, 2.0, 3.0] for lv in f.levels.tolist()],
         }

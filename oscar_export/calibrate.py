@@ -68,6 +68,11 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
+def _r(x: float | None) -> str:
+    """A ratio to 3 decimals, or '-' where the baseline does not exist (no Hadamard for this head_dim)."""
+    return "-" if x is None else f"{x:.3f}"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         for side in "kv":
             x = s[side]
             rot = ",".join(sorted(set(x["rotation"])))
-            cols.append(f"{x['relative_error']:9.3g} {x['vs_identity']:6.3f} {x['vs_hadamard']:6.3f} "
+            cols.append(f"{x['relative_error']:9.3g} {_r(x['vs_identity']):>6} {_r(x['vs_hadamard']):>6} "
                         f"{rot[:10]:>10} {min(x['clip']):6.3f}")
         print(f"{i:5d} " + "   ".join(cols), file=sys.stderr)
 
@@ -103,11 +108,14 @@ def run(args: argparse.Namespace) -> int:
     art.stats["seconds_load"] = round(t_load, 2)
     art.save(args.out)
     layers = art.stats["layers"]
-    mean = lambda side, key: sum(layer[side][key] for layer in layers) / len(layers)  # noqa: E731
+    def mean(side: str, key: str) -> str:
+        vals = [layer[side][key] for layer in layers if layer[side][key] is not None]
+        return _r(sum(vals) / len(vals) if vals else None)
+
     print(
         f"wrote {args.out}: {art.num_layers} layers, {art.layout.num_kv_heads} KV heads, keys {art.layout.key.granularity}, "
-        f"{art.bits_per_element():.2f} bits/element (INT2 part); held-out error vs identity K {mean('k', 'vs_identity'):.3f} "
-        f"V {mean('v', 'vs_identity'):.3f}, vs Hadamard+clip K {mean('k', 'vs_hadamard'):.3f} V {mean('v', 'vs_hadamard'):.3f}; "
+        f"{art.bits_per_element():.2f} bits/element (INT2 part); held-out error vs identity K {mean('k', 'vs_identity')} "
+        f"V {mean('v', 'vs_identity')}, vs Hadamard+clip K {mean('k', 'vs_hadamard')} V {mean('v', 'vs_hadamard')}; "
         f"{time.perf_counter() - t0:.0f} s (load {t_load:.0f} s)"
     )
     return 0

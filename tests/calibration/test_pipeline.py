@@ -95,3 +95,19 @@ def test_data_sources(tmp_path):
     assert seqs.shape == (5, 8) and len({tuple(s.tolist()) for s in seqs}) == 1  # periodic text
     with pytest.raises(ValueError, match="calibration data too short: 80 tokens hold 10 sequences of 8, 11 needed"):
         token_sequences("abcdefgh" * 10, tok, 8, 11)
+
+
+def test_non_power_of_two_head_dim_falls_back(tmp_path):
+    """head_dim 48: 'auto' drops the Hadamard kinds (documented fallback); a fixed Hadamard is a clear error."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                      intermediate_size=64, vocab_size=256, head_dim=48)
+    model = LlamaForCausalLM(cfg).eval()
+    art = calibrate(model, CharTokenizer(256), small_cfg())
+    s = art.stats["layers"][0]
+    assert s["k"]["vs_hadamard"] is None and "hadamard+clip" not in s["k"]["baselines"]
+    assert not any("hadamard" in c or "oscar" in c for c in s["k"]["rotation"] + s["v"]["rotation"])
+    art.save(tmp_path)
+    load_artifact(tmp_path, model.config)
+    with pytest.raises(NotImplementedError, match="power of two, got 48"):
+        calibrate(model, CharTokenizer(256), small_cfg(rotation="hadamard"))
