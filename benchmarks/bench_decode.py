@@ -32,6 +32,7 @@ VARIANTS = {
     "v4": dict(page_slots=4, num_warps=4, num_stages=2),
     "v4nt": dict(page_slots=4, keys_on_m=False, num_warps=4, num_stages=2),
     "v4w8": dict(page_slots=8, num_warps=8, num_stages=2),
+    "v4w2": dict(page_slots=2, num_warps=2, num_stages=2),
     "v4s1": dict(page_slots=4, num_warps=4, num_stages=1),
     "v4s3": dict(page_slots=4, num_warps=4, num_stages=3),
 }

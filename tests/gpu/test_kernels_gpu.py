@@ -75,7 +75,8 @@ def _budget(got, q, st, lay, tr, scale):
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
 @pytest.mark.parametrize("variant", [{}, dict(page_slots=4), dict(page_slots=4, keys_on_m=False),
-                                     dict(page_slots=8, num_warps=8)], ids=["v3", "v4", "v4-nt", "v4-w8"])
+                                     dict(page_slots=8, num_warps=8), dict(page_slots=2, num_warps=2)],
+                         ids=["v3", "v4", "v4-nt", "v4-w8", "v4-w2"])
 def test_decode_attention_real_shape(gran, variant):
     """v3 and the v4 variants (pages on a batch axis, scaled-subnormal fields: needs the tensor cores to
     take fp16 subnormals exactly) within budget at the real shape."""
