@@ -131,7 +131,8 @@ def test_codebook_rotation_and_splits(da, device, gran):
         _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
 
 
-@pytest.mark.parametrize("gran,codebook,hq", [("token", False, 6), ("channel", False, 2), ("token", True, 8)])
+@pytest.mark.parametrize("gran,codebook,hq", [("token", False, 6), ("channel", False, 2),
+                                              pytest.param("token", True, 8, marks=pytest.mark.slow)])
 def test_page_slots_kernel(da, device, gran, codebook, hq):
     """v4 (``page_slots``: several pages per loop iteration, scaled-subnormal code fields; scores transposed
     or not) within budget, with a split whose last iteration is partly empty (5 pages per split, 2 or 4
