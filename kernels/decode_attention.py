@@ -9,6 +9,11 @@ One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent w
    normalised partial output and its log2-sum-exp.
 2. ``_merge_kernel``, grid ``(B * H,)``: combines the splits by their log-sum-exp.
 
+``page_slots = n`` (opt-in, v4) swaps step 1 for ``_decode_split_nb_kernel``: same parameters plus ``NB``/``KT``,
+``n`` pages per loop iteration on the batch axis of 3-D dots (one page per warp with ``num_warps == n``),
+code fields as exact fp16 subnormals (3 PTX instructions per 4 codes), scores computed transposed (keys on
+the MMA's M axis). On the H200 1.1–2.0x faster than v3 for token keys (benchmarks/NOTES-kernels.md).
+
 The affine dequantization never touches the inner loop (DESIGN §3.1): with ``k̂ = lo + s·lev[c]``,
 ``q·k̂ = s·(q·lev[c]) + lo·Σq`` per row (token keys) or ``Σ_i (q_i s_i)·lev[c_i] + Σ_i q_i lo_i`` (keys per
 channel within a page: the query is scaled once per page), and ``Σ_t p_t v̂_t = Σ_t (p_t s_t)·lev[c_t] + Σ_t
@@ -299,6 +304,12 @@ def _slot_softmax_step(sc, m, l):
 
 
 @triton.jit
+def _slot_row(ptrs, ok):
+    """Per-slot channel parameters: ``[NB, Q4]`` fp16 pointers, ``ok [NB, 1]`` -> fp32 ``[NB, 1, Q4]``."""
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)[:, None, :]
+
+
+@triton.jit
 def _decode_split_nb_kernel(
     q_ptr, rot_ptr, dscale_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
@@ -425,14 +436,14 @@ def _decode_split_nb_kernel(
                 if K_CHANNEL:
                     kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]
                     okp = ok[:, None]
-                    ks0 = tl.load(kp + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    ks1 = tl.load(kp + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    ks2 = tl.load(kp + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    ks3 = tl.load(kp + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    const = tl.sum(q0.to(tl.float32)[None, :, :] * tl.load(kp + D + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                    const += tl.sum(q1.to(tl.float32)[None, :, :] * tl.load(kp + D + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                    const += tl.sum(q2.to(tl.float32)[None, :, :] * tl.load(kp + D + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                    const += tl.sum(q3.to(tl.float32)[None, :, :] * tl.load(kp + D + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    ks0 = _slot_row(kp + 0 * Q4, okp)
+                    ks1 = _slot_row(kp + 1 * Q4, okp)
+                    ks2 = _slot_row(kp + 2 * Q4, okp)
+                    ks3 = _slot_row(kp + 3 * Q4, okp)
+                    const = tl.sum(q0.to(tl.float32)[None, :, :] * _slot_row(kp + D + 0 * Q4, okp), axis=2)
+                    const += tl.sum(q1.to(tl.float32)[None, :, :] * _slot_row(kp + D + 1 * Q4, okp), axis=2)
+                    const += tl.sum(q2.to(tl.float32)[None, :, :] * _slot_row(kp + D + 2 * Q4, okp), axis=2)
+                    const += tl.sum(q3.to(tl.float32)[None, :, :] * _slot_row(kp + D + 3 * Q4, okp), axis=2)
                     st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb0 * ks0).to(tl.float16), (0, 2, 1)))
                     st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb1 * ks1).to(tl.float16), (0, 2, 1)), st_)
                     st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb2 * ks2).to(tl.float16), (0, 2, 1)), st_)
@@ -467,14 +478,14 @@ def _decode_split_nb_kernel(
                 if K_CHANNEL:
                     kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]  # [NB, Q4] pointers
                     okp = ok[:, None]
-                    ks0 = tl.load(kp + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    ks1 = tl.load(kp + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    ks2 = tl.load(kp + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    ks3 = tl.load(kp + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :]
-                    const = tl.sum(q0.to(tl.float32)[None, :, :] * tl.load(kp + D + 0 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                    const += tl.sum(q1.to(tl.float32)[None, :, :] * tl.load(kp + D + 1 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                    const += tl.sum(q2.to(tl.float32)[None, :, :] * tl.load(kp + D + 2 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
-                    const += tl.sum(q3.to(tl.float32)[None, :, :] * tl.load(kp + D + 3 * Q4, mask=okp, other=0.0).to(tl.float32)[:, None, :], axis=2)
+                    ks0 = _slot_row(kp + 0 * Q4, okp)
+                    ks1 = _slot_row(kp + 1 * Q4, okp)
+                    ks2 = _slot_row(kp + 2 * Q4, okp)
+                    ks3 = _slot_row(kp + 3 * Q4, okp)
+                    const = tl.sum(q0.to(tl.float32)[None, :, :] * _slot_row(kp + D + 0 * Q4, okp), axis=2)
+                    const += tl.sum(q1.to(tl.float32)[None, :, :] * _slot_row(kp + D + 1 * Q4, okp), axis=2)
+                    const += tl.sum(q2.to(tl.float32)[None, :, :] * _slot_row(kp + D + 2 * Q4, okp), axis=2)
+                    const += tl.sum(q3.to(tl.float32)[None, :, :] * _slot_row(kp + D + 3 * Q4, okp), axis=2)
                     sc = tl.dot((qb0 * ks0).to(tl.float16), k0)
                     sc = tl.dot((qb1 * ks1).to(tl.float16), k1, sc)
                     sc = tl.dot((qb2 * ks2).to(tl.float16), k2, sc)
