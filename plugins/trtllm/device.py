@@ -134,8 +134,9 @@ class AotCacheOps:
         if out is None:
             out = torch.empty(b, self.num_heads, d, dtype=torch.bfloat16, device=q.device)
         a = plan.split_args()
+        rot, dsc = transform.k_rotation.contiguous(), transform.k_scale.contiguous()  # the AOT ABI: dense
         self.split.launch(
-            q, transform.k_rotation, transform.k_scale, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
+            q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
             state.k_codes, state.k_params, state.v_codes, state.v_params, transform.k_levels, transform.v_levels,
             state.block_table, state.sink_len, state.num_pages, state.recent_len, part_o, part_lse,
             a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"], grid_inputs={"B": b},
