@@ -178,7 +178,7 @@ class OscarArtifact:
         out = {}
         for i, t in enumerate(self.transforms):
             for name in TENSOR_FIELDS:
-                out[f"layers.{i}.{name}"] = getattr(t, name).detach().to("cpu", torch.float32).contiguous()
+                out[f"layers.{i}.{name}"] = getattr(t, name).detach().to("cpu", torch.float32).contiguous().clone()
         return out
 
     def metadata(self, tensor_sha256: str) -> dict[str, Any]:

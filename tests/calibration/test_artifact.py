@@ -231,3 +231,11 @@ def test_constructor_validates():
     OscarArtifact(bad_layout, art.transforms, art.fingerprint)  # same heads/dim: fine
     with pytest.raises(ValueError, match="layout: expected 2 KV heads x head_dim 16"):
         OscarArtifact(KVCacheLayout.default(3, 16), art.transforms, art.fingerprint)
+
+
+def test_layers_sharing_one_transform_save(tmp_path):
+    """Layers may share one LayerTransform object (one set of tensors): safetensors refuses shared storage."""
+    art = random_artifact()
+    shared = OscarArtifact(art.layout, [art.transforms[0]] * 3, art.fingerprint, art.config, art.stats)
+    shared.save(tmp_path)
+    assert_same(shared, load_artifact(tmp_path, tiny_config()))
