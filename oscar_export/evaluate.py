@@ -25,7 +25,8 @@ EPILOG = """examples:
 @dataclass(frozen=True)
 class Preset:
     """Args: text_length/text_windows (PPL/KL text), niah lengths, needles per length band, single-needle
-    haystacks, calibration tokens and research-recipe capture tokens."""
+    haystacks, calibration tokens, research-recipe capture tokens, and whether the HF QuantizedCache
+    replay runs unless named in --methods (HQQ re-optimises the whole history at every flush: minutes)."""
 
     text_length: int
     text_windows: int
@@ -34,6 +35,7 @@ class Preset:
     single_haystacks: int
     calib_tokens: int
     research_tokens: int
+    hf_methods: bool = True
 
     def __post_init__(self) -> None:
         if self.text_length < 2 or self.text_windows < 1 or self.calib_tokens < 1 or self.research_tokens < 1:
@@ -41,7 +43,7 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(1024, 1, (1024,), 2, 0, 4096, 1024),
+    "quick": Preset(1024, 1, (1024,), 2, 0, 4096, 1024, hf_methods=False),
     "default": Preset(2048, 1, (1024, 2048, 4096, 8192), 2, 1, 20_000, 2048),
     "full": Preset(2048, 4, (1024, 2048, 4096, 8192), 4, 2, 20_000, 4096),
 }
@@ -51,7 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a local HF model dir")
     p.add_argument("--artifact", default=None, help="calibrated artifact directory (default: calibrate now)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument("--quick", action="store_true", help="same as --preset quick (CI)")
+    p.add_argument("--quick", action="store_true",
+                   help="same as --preset quick (CI; leaves out the HF QuantizedCache replay unless named in --methods)")
     p.add_argument("--methods", default=None, help="comma-separated subset of method names (default: all)")
     p.add_argument("--text-length", type=int, default=None, help="tokens per text window (overrides the preset)")
     p.add_argument("--text-windows", type=int, default=None, help="text windows (overrides the preset)")
@@ -121,6 +124,8 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
         if unknown:
             raise ValueError(f"--methods: unknown {sorted(unknown)}; available: {[m.name for m in methods]}")
         methods = [m for m in methods if m.name in want or m.name == "bf16"]
+    elif not preset.hf_methods:
+        methods = [m for m in methods if m.kind != "hf"]
     lengths = sorted({preset.text_length, *preset.niah_lengths})
     result = {
         "methods": [{"name": m.name, "kind": m.kind, "description": m.description,
