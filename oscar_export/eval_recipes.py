@@ -48,7 +48,11 @@ def _with_rotation(t: LayerTransform, rk: torch.Tensor, rv: torch.Tensor) -> Lay
 def baseline_methods(model, layout: KVCacheLayout | None = None) -> list[Method]:
     """BF16, naive INT2, QuaRot-INT2, KIVI-2 (paper defaults and matched budget), HF QuantizedCache HQQ/quanto."""
     n_layers, _, hkv, d = attention_shape(model)
-    lay = layout or KVCacheLayout.default(hkv, d)
+    base = layout or KVCacheLayout.default(hkv, d)
+    # baselines use per-token keys (the classic INT2 formats) with our windows, whatever the artifact chose;
+    # "quarot-int2-channel" isolates what per-channel keys alone give (same layout as a channel-key artifact)
+    lay = KVCacheLayout.default(hkv, d, "token", sink=base.sink, window=base.window, page_size=base.page_size)
+    lay_ch = KVCacheLayout.default(hkv, d, "channel", sink=base.sink, window=base.window, page_size=base.page_size)
     ident = [LayerTransform.identity(hkv, d) for _ in range(n_layers)]
     h = hadamard(d).float().expand(hkv, d, d)
     had = [_with_rotation(t, h, h) for t in ident]
@@ -58,6 +62,8 @@ def baseline_methods(model, layout: KVCacheLayout | None = None) -> list[Method]
         Method("bf16", "full", "BF16 cache (every row rounded to bfloat16)"),
         Method("int2-naive", "pages", "our layout, no rotation, no clipping", lay, ident),
         Method("quarot-int2", "pages", "our layout, Hadamard rotation, no clipping", lay, had),
+        Method("quarot-int2-channel", "pages", "as quarot-int2 but keys per channel within a page (our key format)",
+               lay_ch, had),
         Method("kivi2", "kivi", "KIVI-2: keys per channel / values per token, group 32, residual 128", group=32,
                residual=128),
         Method("kivi2-matched", "kivi",
