@@ -8,6 +8,8 @@ Anything else raises ``NotImplementedError`` naming the architecture.
 
 from __future__ import annotations
 
+import importlib.util
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -124,10 +126,20 @@ class OscarSetup:
         self.restore()
 
 
+def resolve_backend(model: Any, backend: str | CacheOps) -> str | CacheOps:
+    """``"auto"`` -> ``"triton"`` for a BF16 model on CUDA when Triton imports, else ``"torch"``."""
+    if backend != "auto":
+        return backend
+    p = next(model.parameters())
+    if p.is_cuda and p.dtype == torch.bfloat16 and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch"
+
+
 def enable_oscar(
     model: Any,
     artifact: Any = None,
-    backend: str | CacheOps = "torch",
+    backend: str | CacheOps = "auto",
     *,
     layout: KVCacheLayout | None = None,
     key_granularity: str = "channel",
@@ -141,7 +153,8 @@ def enable_oscar(
         artifact: None (identity transforms, clip ratios ``k_clip``/``v_clip``, the default layout with
             ``key_granularity`` keys), an ``OscarArtifact`` or the path of an artifact directory (checked
             against the model).
-        backend: ``"torch"`` (reference ops), ``"torch.compile"``, ``"triton"`` (GPU kernels, BF16 model), or a
+        backend: ``"auto"`` (``"triton"`` for a BF16 model on CUDA with Triton installed, else ``"torch"``),
+            ``"torch"`` (reference ops), ``"torch.compile"``, ``"triton"`` (GPU kernels, BF16 model), or a
             ``CacheOps`` (``ops.py``).
         layout: without an artifact, a layout to use instead of ``KVCacheLayout.default`` (e.g. small
             windows for tests).
@@ -153,7 +166,7 @@ def enable_oscar(
         ``past_key_values``.
     """
     shape = model_attention_shape(model)
-    ops = get_ops(backend)
+    ops = get_ops(resolve_backend(model, backend))
     if artifact is None:
         layout = layout or KVCacheLayout.default(shape.num_kv_heads, shape.head_dim, key_granularity)
         transforms: Sequence[LayerTransform] = [

@@ -274,3 +274,14 @@ def test_artifact_object_is_checked_and_used():
     with pytest.raises(ValueError, match="layout: expected H_kv=2"):
         enable_oscar(model, SimpleNamespace(layout=KVCacheLayout.default(3, 16), transforms=identity,
                                             check_model=calls.append))
+
+
+def test_auto_backend_is_torch_on_cpu_and_triton_for_bf16_cuda():
+    from oscar_export.plugins.hf.support import resolve_backend
+
+    model = tiny()
+    assert resolve_backend(model, "auto") == "torch"  # fp32 on the CPU
+    assert resolve_backend(model, "torch.compile") == "torch.compile"
+    if torch.cuda.is_available():
+        pytest.importorskip("triton")
+        assert resolve_backend(model.to("cuda", torch.bfloat16), "auto") == "triton"
