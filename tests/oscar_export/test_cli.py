@@ -70,3 +70,12 @@ def test_wheel_contains_the_mapped_subpackages(tmp_path):
               "oscar_export/calibration/__init__.py", "oscar_export/plugins/hf/__init__.py"):
         assert f in names, f"{f} not in the wheel"
     assert not any(n.startswith(("kernels/", "calibration/", "plugins/")) for n in names)
+
+
+def test_bench_needs_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run")
+    assert main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
