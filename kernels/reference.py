@@ -251,17 +251,23 @@ def check_finite(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: {bad} non-finite values (NaN/Inf) reached the INT2 quantizer")
 
 
-def demote(state: PagedKV, b: int, page_id: int, layout: KVCacheLayout, transform: LayerTransform) -> None:
-    """Quantize the oldest ``P`` recent tokens of sequence ``b`` into page ``page_id`` and shift recent left."""
+def demote(
+    state: PagedKV, b: int, page_id: int, layout: KVCacheLayout, transform: LayerTransform,
+    write: Callable | None = None,
+) -> None:
+    """Quantize the oldest ``P`` recent tokens of sequence ``b`` into page ``page_id`` and shift recent left.
+
+    ``write`` has :func:`write_pages`' signature (the default); a backend passes its own page quantizer.
+    """
+    write = write or write_pages
     p = layout.page_size
     n = int(state.num_pages[b])
     if int(state.recent_len[b]) < p:
         raise RuntimeError(f"demote: sequence {b} holds {int(state.recent_len[b])} recent tokens, needs {p}")
     if n >= state.block_table.shape[1]:
         raise ValueError(f"demote: sequence {b} already uses all {n} block-table slots")
-    rows_k = state.recent_k[b : b + 1, :, :p].float()  # [1, H_kv, P, D]
-    rows_v = state.recent_v[b : b + 1, :, :p].float()
-    write_pages(state, [page_id], rows_k, rows_v, layout, transform)
+    # [1, H_kv, P, D] in the window's dtype (the quantizer computes in fp32)
+    write(state, [page_id], state.recent_k[b : b + 1, :, :p], state.recent_v[b : b + 1, :, :p], layout, transform)
     state.block_table[b, n] = page_id
     state.num_pages[b] = n + 1
     state.recent_k[b, :, :-p] = state.recent_k[b, :, p:].clone()
@@ -291,15 +297,18 @@ def append_tokens(
     layout: KVCacheLayout,
     transform: LayerTransform,
     allocate: Callable[[], int],
+    write: Callable | None = None,
 ) -> None:
     """Append ``T`` tokens to sequence ``b``: sink first, then recent, demoting ``P`` at a time when full.
 
     Args:
         k, v: ``[H_kv, T, D]`` already in the stored basis.
         allocate: returns a free page id (raises when the pool is full).
+        write: page quantizer with :func:`write_pages`' signature (default); backends pass their kernel.
     Sequences are written whole pages at a time when the history is known up front (prefill), so a
     T-token prefill and T single-token appends leave identical caches.
     """
+    write = write or write_pages
     check_finite(k, "keys")
     check_finite(v, "values")
     t = k.shape[1]
@@ -315,27 +324,24 @@ def append_tokens(
     while i < t:
         r = int(state.recent_len[b])
         if r == cap:
-            demote(state, b, allocate(), layout, transform)
+            demote(state, b, allocate(), layout, transform, write)
             continue
         # Bulk path: whole pages that will certainly be demoted go straight to INT2 (same bytes as the loop).
         if r == 0 and t - i > cap:
             full = -(-(t - i - cap) // p)  # = layout.split: recent ends with W+1..W+P tokens
-            if full > 0:
-                n_pg = int(state.num_pages[b])
-                if n_pg + full > state.block_table.shape[1]:
-                    raise ValueError(f"append: sequence {b} needs more than {state.block_table.shape[1]} pages")
-                ids = [allocate() for _ in range(full)]
-                h, d = k.shape[0], k.shape[2]
-                kk = k[:, i : i + full * p].float().reshape(h, full, p, d).transpose(0, 1)
-                vv = v[:, i : i + full * p].float().reshape(h, full, p, d).transpose(0, 1)
-                # Rows pass through the recent buffer's dtype first, exactly as the one-by-one path does.
-                kk = kk.to(state.recent_k.dtype).float()
-                vv = vv.to(state.recent_v.dtype).float()
-                write_pages(state, ids, kk, vv, layout, transform)
-                state.block_table[b, n_pg : n_pg + full] = torch.tensor(ids, dtype=torch.int32)
-                state.num_pages[b] = n_pg + full
-                i += full * p
-                continue
+            n_pg = int(state.num_pages[b])
+            if n_pg + full > state.block_table.shape[1]:
+                raise ValueError(f"append: sequence {b} needs more than {state.block_table.shape[1]} pages")
+            ids = [allocate() for _ in range(full)]
+            h, d = k.shape[0], k.shape[2]
+            # Rows pass through the recent buffer's dtype first, exactly as the one-by-one path does.
+            kk = k[:, i : i + full * p].to(state.recent_k.dtype).reshape(h, full, p, d).transpose(0, 1).contiguous()
+            vv = v[:, i : i + full * p].to(state.recent_v.dtype).reshape(h, full, p, d).transpose(0, 1).contiguous()
+            write(state, ids, kk, vv, layout, transform)
+            state.block_table[b, n_pg : n_pg + full] = torch.tensor(ids, dtype=torch.int32)
+            state.num_pages[b] = n_pg + full
+            i += full * p
+            continue
         n = min(cap - r, t - i)
         state.recent_k[b, :, r : r + n] = k[:, i : i + n].to(state.recent_k.dtype)
         state.recent_v[b, :, r : r + n] = v[:, i : i + n].to(state.recent_v.dtype)

@@ -39,63 +39,17 @@ def _write(state: PagedKV, page_ids: list[int], k: torch.Tensor, v: torch.Tensor
 
 def demote(state: PagedKV, b: int, page_id: int, layout: KVCacheLayout, transform: LayerTransform) -> None:
     """``reference.demote`` with the Triton quantizer reading the recent window in place."""
-    p = layout.page_size
-    n = int(state.num_pages[b])
-    if int(state.recent_len[b]) < p:
-        raise RuntimeError(f"demote: sequence {b} holds {int(state.recent_len[b])} recent tokens, needs {p}")
-    if n >= state.block_table.shape[1]:
-        raise ValueError(f"demote: sequence {b} already uses all {n} block-table slots")
-    _write(state, [page_id], state.recent_k[b : b + 1, :, :p], state.recent_v[b : b + 1, :, :p], layout, transform)
-    state.block_table[b, n] = page_id
-    state.num_pages[b] = n + 1
-    state.recent_k[b, :, :-p] = state.recent_k[b, :, p:].clone()
-    state.recent_v[b, :, :-p] = state.recent_v[b, :, p:].clone()
-    state.recent_len[b] -= p
+    reference.demote(state, b, page_id, layout, transform, write=_write)
 
 
 def append_tokens(state: PagedKV, b: int, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout,
                   transform: LayerTransform, allocate: Callable[[], int]) -> None:
-    """``reference.append_tokens`` (same cache, bit for bit) with pages written by the Triton quantizer.
+    """``reference.append_tokens`` (same bookkeeping, same cache bit for bit) with the Triton page quantizer.
 
     Args:
         k, v: ``[H_kv, T, D]`` stored basis.
     """
-    reference.check_finite(k, "keys")
-    reference.check_finite(v, "values")
-    t, i = k.shape[1], 0
-    s0 = int(state.sink_len[b])
-    if s0 < layout.sink and int(state.recent_len[b]) == 0 and int(state.num_pages[b]) == 0:
-        n = min(layout.sink - s0, t)
-        state.sink_k[b, :, s0 : s0 + n] = k[:, :n].to(state.sink_k.dtype)
-        state.sink_v[b, :, s0 : s0 + n] = v[:, :n].to(state.sink_v.dtype)
-        state.sink_len[b] = s0 + n
-        i = n
-    cap, p = layout.recent_capacity, layout.page_size
-    while i < t:
-        r = int(state.recent_len[b])
-        if r == cap:
-            demote(state, b, allocate(), layout, transform)
-            continue
-        if r == 0 and t - i > cap:  # whole pages that will certainly be demoted go straight to INT2
-            full = -(-(t - i - cap) // p)
-            n_pg = int(state.num_pages[b])
-            if n_pg + full > state.block_table.shape[1]:
-                raise ValueError(f"append: sequence {b} needs more than {state.block_table.shape[1]} pages")
-            ids = [allocate() for _ in range(full)]
-            h, d = k.shape[0], k.shape[2]
-            # rows pass through the recent buffer's dtype first, exactly as the one-by-one path does
-            kk = k[:, i : i + full * p].to(state.recent_k.dtype).reshape(h, full, p, d).transpose(0, 1).contiguous()
-            vv = v[:, i : i + full * p].to(state.recent_v.dtype).reshape(h, full, p, d).transpose(0, 1).contiguous()
-            _write(state, ids, kk, vv, layout, transform)
-            state.block_table[b, n_pg : n_pg + full] = torch.tensor(ids, dtype=torch.int32)
-            state.num_pages[b] = n_pg + full
-            i += full * p
-            continue
-        n = min(cap - r, t - i)
-        state.recent_k[b, :, r : r + n] = k[:, i : i + n].to(state.recent_k.dtype)
-        state.recent_v[b, :, r : r + n] = v[:, i : i + n].to(state.recent_v.dtype)
-        state.recent_len[b] = r + n
-        i += n
+    reference.append_tokens(state, b, k, v, layout, transform, allocate, write=_write)
 
 
 def decode_attention(q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor,
