@@ -5,8 +5,8 @@
 32 query / 8 KV heads, head_dim 128 (DESIGN §6). Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
 queries and outputs); times are medians of CUDA-event timings over input sets rotated to defeat the L2
 (enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
-captured decode step runs), ``eager`` times plain launches. ``--sweep`` also tries pages-per-split /
-num_warps / num_stages variants and reports each.
+captured decode step runs), ``eager`` times plain launches. ``--sweep`` also runs the last of ``--variants`` at half and
+double its pages per split.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ VARIANTS = {
     "v4w2": dict(page_slots=2, num_warps=2, num_stages=2),
     "v4s1": dict(page_slots=4, num_warps=4, num_stages=1),
     "v4s3": dict(page_slots=4, num_warps=4, num_stages=3),
+    # v5 candidates: half pages per warp (registers 255 -> 168), values transposed, merge fused
+    "h2": dict(page_slots=2, slot_tokens=64, num_warps=2, num_stages=2),
+    "h2f": dict(page_slots=2, slot_tokens=64, num_warps=2, num_stages=2, fuse_merge=True),
+    "h2s3": dict(page_slots=2, slot_tokens=64, num_warps=2, num_stages=3),
+    "h4": dict(page_slots=4, slot_tokens=64, num_warps=4, num_stages=2),
+    "h2vt": dict(page_slots=2, slot_tokens=64, num_warps=2, num_stages=2, values_on_m=True),
+    "q4vt": dict(page_slots=4, slot_tokens=32, num_warps=4, num_stages=2, values_on_m=True),
+    "v4w2f": dict(page_slots=2, num_warps=2, num_stages=2, fuse_merge=True),
 }
 
 
@@ -133,19 +141,14 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
     variants = []
     for name in names:
         v = dict(VARIANTS[name], variant=name)
-        slots = v.get("page_slots", 0)
-        v["pages_per_split"] = -(-pps0 // slots) * slots if slots else pps0
+        per_iter = v.get("page_slots", 0) * v.get("slot_tokens", lay.page_size) // lay.page_size
+        v["pages_per_split"] = -(-pps0 // per_iter) * per_iter if per_iter else pps0
         variants.append(v)
-    if sweep and "v4" in names:
-        p4 = variants[names.index("v4")]["pages_per_split"]
-        for pps in sorted({max(4, p4 // 2), p4 * 2} - {p4}):
-            variants.append(dict(VARIANTS["v4"], variant="v4", pages_per_split=pps))
-    if sweep and "v4" not in names:
-        for pps in sorted({max(1, pps0 // 2), pps0 * 2, max(1, pps0 // 4)} - {pps0}):
-            variants.append(dict(pages_per_split=pps, num_warps=4, num_stages=2))
-        variants += [dict(pages_per_split=pps0, num_warps=8, num_stages=2),
-                     dict(pages_per_split=pps0, num_warps=4, num_stages=3),
-                     dict(pages_per_split=pps0, num_warps=4, num_stages=2, fast_unpack=False)]
+    if sweep:  # the last named variant at half and double its pages per split
+        base = variants[-1]
+        p = base["pages_per_split"]
+        for pps in sorted({max(1, p // 2), p * 2} - {p}):
+            variants.append(dict(base, pages_per_split=pps))
     rows = []
     for var in variants:
         kw = {k: v for k, v in var.items() if k != "variant"}

@@ -315,12 +315,13 @@ def _decode_split_nb_kernel(
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
     k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
     block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
-    part_o_ptr, part_lse_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, lock_ptr,
     max_pages, pages_per_split, n_page_splits, n_splits,
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr, VT: tl.constexpr, TS: tl.constexpr,
+    FUSE_MERGE: tl.constexpr,
 ):
     """:func:`_decode_split_kernel` with ``NB`` INT2 pages per loop iteration on a batch axis (v4).
 
@@ -410,24 +411,32 @@ def _decode_split_nb_kernel(
             VU2 = 1048576.0
             VU3 = 262144.0
         nb = tl.arange(0, NB)
-        t = tl.arange(0, P)
-        tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
+        SUB: tl.constexpr = P // TS  # slots per page (each slot takes TS tokens of one page)
+        t = tl.arange(0, TS)
+        tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, TS, Q4]
+        toff = (nb % SUB) * TS  # [NB] first token of each slot in its page
         bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
         bl = tl.zeros([NB, GQ_PAD], tl.float32)
-        b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        if VT:  # value quarters transposed: [NB, Q4, GQ_PAD] (dims on the MMA's M axis)
+            b0 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
+            b1 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
+            b2 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
+            b3 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
+        else:
+            b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
         blo = tl.zeros([NB, GQ_PAD], tl.float32)
         start = s * pages_per_split
         end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
-        for p0 in range(start, end, NB):
-            slot = p0 + nb
+        for p0 in range(start, end, NB // SUB):
+            slot = p0 + nb // SUB
             ok = slot < end
             page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
             ph = page * H_KV + h
-            code_off = tl.multiple_of(ph * (P * Q4), 16)
-            prm_off = tl.multiple_of(ph * (P * 2), 16)
+            code_off = tl.multiple_of(ph * (P * Q4) + toff * Q4, 16)
+            prm_off = tl.multiple_of(ph * (P * 2) + toff * 2, 16)
             okc = ok[:, None, None]
             kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
             vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
@@ -468,7 +477,10 @@ def _decode_split_nb_kernel(
                 vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
                 vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
                 vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
-                ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
+                if VT:
+                    pst = (pt * vs[:, :, None]).to(tl.float16)  # [NB, P, GQ_PAD]: B operand as computed
+                else:
+                    ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
                 plo = tl.sum(pt * vlo[:, :, None], axis=1)
             else:
                 k0 = tl.permute(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
@@ -507,20 +519,33 @@ def _decode_split_nb_kernel(
                 vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
                 ps = (p * vs[:, None, :]).to(tl.float16)
                 plo = tl.sum(p * vlo[:, None, :], axis=2)
-            b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
-            b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
-            b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
-            b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
+            if VT:  # O_j^T [NB, Q4, GQ_PAD] += V_j^T [NB, Q4, P] · (p·s)^T [NB, P, GQ_PAD]
+                vct = tl.permute(vc, (0, 2, 1))
+                b0 = tl.dot(_field_scaled(vct, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b0 * alpha[:, None, :])
+                b1 = tl.dot(_field_scaled(vct, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b1 * alpha[:, None, :])
+                b2 = tl.dot(_field_scaled(vct, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b2 * alpha[:, None, :])
+                b3 = tl.dot(_field_scaled(vct, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b3 * alpha[:, None, :])
+            else:
+                b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
+                b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
+                b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
+                b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
             blo = blo * alpha + plo
         # ---- combine the page slots by their log-sum-exp -------------------------------------------------
         m = tl.max(bm, axis=0)
         m_use = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
         l = tl.sum(bl * w, axis=0)
-        acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
-        acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
-        acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
-        acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
+        if VT:
+            acc0 = tl.trans(tl.sum(b0 * w[:, None, :], axis=0)) * VU0
+            acc1 = tl.trans(tl.sum(b1 * w[:, None, :], axis=0)) * VU1
+            acc2 = tl.trans(tl.sum(b2 * w[:, None, :], axis=0)) * VU2
+            acc3 = tl.trans(tl.sum(b3 * w[:, None, :], axis=0)) * VU3
+        else:
+            acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
+            acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
+            acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
+            acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
         acclo = tl.sum(blo * w, axis=0)
     else:
         NSINK: tl.constexpr = (S0 + BN - 1) // BN
@@ -561,6 +586,52 @@ def _decode_split_nb_kernel(
     tl.store(po + 1 * Q4, (acc1 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
     tl.store(po + 2 * Q4, (acc2 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
     tl.store(po + 3 * Q4, (acc3 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    if FUSE_MERGE:  # the last split program of this (sequence, KV head) merges its GQ rows
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        arrived = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:
+            _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, (b * H + h * GQ).to(tl.int64), GQ, n_splits,
+                        D, GQ_PAD, 4, True)
+            tl.atomic_xchg(lock_ptr + bh, 0, sem="relaxed", scope="gpu")  # reset for the next call
+
+
+@triton.jit
+def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, row0, nrows, n_splits,
+                D: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, L2_ONLY: tl.constexpr):
+    """Combine the splits of query-head rows ``row0 .. row0 + nrows - 1`` (``nrows <= R``) by log-sum-exp.
+
+    Reads ``part_lse [rows, n_splits]`` (log2 units) and ``part_o [rows, n_splits, D]``, ``CH`` splits per
+    step, and writes ``out [rows, D]``; a row with nothing to attend gets zeros (as the reference).
+    ``L2_ONLY`` loads with ``.cg`` (bypass L1): the fused merge reads partials other CTAs just wrote.
+    """
+    r = tl.arange(0, R)
+    rmask = r < nrows
+    rows = row0 + r
+    k = tl.arange(0, CH)
+    dd = tl.arange(0, D)
+    CM: tl.constexpr = ".cg" if L2_ONLY else ""
+    mx = tl.full([R, CH], float("-inf"), tl.float32)
+    for c0 in range(0, n_splits, CH):
+        ok = rmask[:, None] & (c0 + k < n_splits)[None, :]
+        lse = tl.load(part_lse_ptr + rows[:, None] * n_splits + c0 + k[None, :], mask=ok, other=float("-inf"),
+                      cache_modifier=CM)
+        mx = tl.maximum(mx, lse)
+    mtot = tl.max(mx, axis=1)
+    muse = tl.where(mtot == float("-inf"), 0.0, mtot)
+    den = tl.zeros([R, CH], tl.float32)
+    acc = tl.zeros([R, D], tl.float32)
+    for c0 in range(0, n_splits, CH):
+        ok = rmask[:, None] & (c0 + k < n_splits)[None, :]
+        sp = rows[:, None] * n_splits + c0 + k[None, :]  # [R, CH]
+        lse = tl.load(part_lse_ptr + sp, mask=ok, other=float("-inf"), cache_modifier=CM)
+        w = tl.exp2(lse - muse[:, None])
+        o = tl.load(part_o_ptr + sp[:, :, None] * D + dd[None, None, :], mask=ok[:, :, None], other=0.0,
+                    cache_modifier=CM)
+        den += w
+        acc += tl.sum(w[:, :, None] * o, axis=1)
+    dtot = tl.sum(den, axis=1)
+    res = tl.where(dtot[:, None] > 0.0, acc / tl.where(dtot > 0.0, dtot, 1.0)[:, None], 0.0)
+    tl.store(out_ptr + rows[:, None] * D + dd[None, :], res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -571,27 +642,7 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, 
     ``[B, H, D]`` (fp32/bf16/fp16), n_splits int32; constexpr D, CH (splits per step). A head with nothing
     to attend writes zeros (as the reference does).
     """
-    row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, CH)
-    dd = tl.arange(0, D)
-    mx = tl.full([CH], float("-inf"), tl.float32)
-    for c0 in range(0, n_splits, CH):
-        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=c0 + k < n_splits, other=float("-inf"))
-        mx = tl.maximum(mx, lse)
-    mtot = tl.max(mx, axis=0)
-    muse = tl.where(mtot == float("-inf"), 0.0, mtot)
-    den = tl.zeros([CH], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    for c0 in range(0, n_splits, CH):
-        kmask = c0 + k < n_splits
-        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=kmask, other=float("-inf"))
-        w = tl.exp2(lse - muse)
-        o = tl.load(part_o_ptr + (row * n_splits + c0 + k)[:, None] * D + dd[None, :], mask=kmask[:, None], other=0.0)
-        den += w
-        acc += tl.sum(w[:, None] * o, axis=0)
-    dtot = tl.sum(den, axis=0)
-    res = tl.where(dtot > 0.0, acc / tl.where(dtot > 0.0, dtot, 1.0), 0.0)
-    tl.store(out_ptr + row * D + dd, res.to(out_ptr.dtype.element_ty))
+    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), 1, n_splits, D, 1, CH, False)
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------
@@ -637,6 +688,9 @@ def decode_attention(
     fast_unpack: bool | None = None,
     page_slots: int = 0,
     keys_on_m: bool = True,
+    values_on_m: bool = False,
+    slot_tokens: int | None = None,
+    fuse_merge: bool = False,
 ) -> torch.Tensor:
     """``reference.decode_attention`` in two Triton launches (split, merge).
 
@@ -662,8 +716,13 @@ def decode_attention(
     rot, dsc, pages_per_split = check_decode_inputs(
         q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split
     )
+    tokens = slot_tokens or layout.page_size
+    if page_slots and (tokens <= 0 or layout.page_size % tokens or page_slots * tokens % layout.page_size):
+        raise ValueError(f"slot_tokens: expected a divisor of the page size {layout.page_size} with page_slots * "
+                         f"slot_tokens a multiple of it, got slot_tokens={tokens}, page_slots={page_slots}")
     if page_slots and given is None:
-        pages_per_split = -(-pages_per_split // page_slots) * page_slots
+        per_iter = page_slots * tokens // layout.page_size
+        pages_per_split = -(-pages_per_split // per_iter) * per_iter
     dev = q.device
     hkv, p = layout.num_kv_heads, layout.page_size
     if codebook is None:
@@ -675,6 +734,7 @@ def decode_attention(
         state.recent_len, hkv, p, layout.sink, layout.recent_capacity, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
         out_dtype, num_warps, num_stages, page_slots=page_slots, keys_on_m=keys_on_m,
+        values_on_m=values_on_m, slot_tokens=slot_tokens, fuse_merge=fuse_merge,
     )
 
 
@@ -744,7 +804,8 @@ def launch_decode(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_capacity: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = 4, num_stages: int = 2, wrap=lambda k: k,
-    page_slots: int = 0, keys_on_m: bool = True,
+    page_slots: int = 0, keys_on_m: bool = True, values_on_m: bool = False, slot_tokens: int | None = None,
+    fuse_merge: bool = False,
 ) -> torch.Tensor:
     """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
 
@@ -758,22 +819,29 @@ def launch_decode(
     n_page_splits = -(-max_pages // pages_per_split)
     n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_capacity // BF16_CHUNK)
     n_splits = n_page_splits + n_bf16
-    extra = {}
-    if page_slots:
-        kernel, gq_pad, extra = _decode_split_nb_kernel, _next_pow2(gq), dict(NB=page_slots, KT=keys_on_m)
-    else:
-        kernel, gq_pad = _decode_split_kernel, max(16, _next_pow2(gq))
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
-    wrap(kernel)[(bsz * num_kv_heads, n_splits)](
-        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, part_o, part_lse,
-        max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad, D=d, P=page_size, S0=sink, RC=recent_capacity,
+    common = dict(
+        H_KV=num_kv_heads, GQ=gq, D=d, P=page_size, S0=sink, RC=recent_capacity,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
-        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages, **extra,
+        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages,
     )
+    inputs = (q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+              v_levels, block_table, sink_len, num_pages, recent_len)
+    sizes = (max_pages, pages_per_split, n_page_splits, n_splits)
+    grid = (bsz * num_kv_heads, n_splits)
+    if page_slots:
+        # one arrival counter per (sequence, KV head); the merging program resets it to 0
+        lock = torch.zeros(bsz * num_kv_heads if fuse_merge else 1, dtype=torch.int32, device=q.device)
+        wrap(_decode_split_nb_kernel)[grid](
+            *inputs, part_o, part_lse, out, lock, *sizes, GQ_PAD=_next_pow2(gq), NB=page_slots, KT=keys_on_m,
+            VT=keys_on_m and values_on_m, TS=slot_tokens or page_size, FUSE_MERGE=fuse_merge, **common,
+        )
+        if fuse_merge:
+            return out
+    else:
+        wrap(_decode_split_kernel)[grid](*inputs, part_o, part_lse, *sizes, GQ_PAD=max(16, _next_pow2(gq)), **common)
     wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
     return out
 

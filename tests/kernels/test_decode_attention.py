@@ -150,11 +150,14 @@ def test_page_slots_kernel(da, device, gran, codebook, hq):
     q = torch.randn(len(lengths), hq, d) * 2
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    for slots, keys_on_m in ((2, True), (4, True), (4, False)):
-        got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=5, page_slots=slots,
-                                  keys_on_m=keys_on_m, num_warps=4)
+    variants = [dict(page_slots=2), dict(page_slots=4), dict(page_slots=4, keys_on_m=False),
+                dict(page_slots=2, slot_tokens=32, values_on_m=True),  # half pages, values transposed
+                dict(page_slots=4, slot_tokens=32, fuse_merge=True),  # 2 pages per iteration, merge fused
+                dict(page_slots=4, slot_tokens=16, values_on_m=True, fuse_merge=True)]
+    for kw in variants:
+        got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=5, num_warps=4, **kw)
         assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
-        _check_budget(got, q, st, lay, tr, d**-0.5, f"page_slots={slots} keys_on_m={keys_on_m} {gran} codebook={codebook}")
+        _check_budget(got, q, st, lay, tr, d**-0.5, f"{kw} {gran} codebook={codebook}")
 
 
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
