@@ -304,6 +304,21 @@ def _slot_softmax_step(sc, m, l):
 
 
 @triton.jit
+def _token_params(params_ptr, word_off, t, ok):
+    """Per-token ``(scale, lo)`` as fp32 ``[NB, TS]`` each, from fp16 pairs ``[.., P, 1, 2]``.
+
+    Each pair is read as one 32-bit word (``word_off [NB]`` in words, ``t [TS]``): contiguous 4-byte
+    elements, which Triton's pipeliner prefetches with ``cp.async`` a stage ahead. Two 2-byte loads per
+    token (scale, then lo) are not prefetched; on the H200 their latency was the largest stall (Nsight
+    Compute, benchmarks/NOTES-kernels.md). Little-endian: the scale is the low half.
+    """
+    w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + t[None, :], mask=ok[:, None], other=0)
+    scale = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, lo
+
+
+@triton.jit
 def _slot_row(ptrs, ok):
     """Per-slot channel parameters: ``[NB, Q4]`` fp16 pointers, ``ok [NB, 1]`` -> fp32 ``[NB, 1, Q4]``."""
     return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)[:, None, :]
@@ -436,7 +451,7 @@ def _decode_split_nb_kernel(
             page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
             ph = page * H_KV + h
             code_off = tl.multiple_of(ph * (P * Q4) + toff * Q4, 16)
-            prm_off = tl.multiple_of(ph * (P * 2) + toff * 2, 16)
+            word_off = tl.multiple_of(ph * P + toff, 16)  # token rows' (scale, lo) as one 32-bit word each
             okc = ok[:, None, None]
             kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
             vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
@@ -459,9 +474,7 @@ def _decode_split_nb_kernel(
                     st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb3 * ks3).to(tl.float16), (0, 2, 1)), st_)
                     st_ = st_ * KU + const[:, None, :]
                 else:
-                    pp = k_params_ptr + prm_off[:, None] + t[None, :] * 2
-                    ks = tl.load(pp, mask=ok[:, None], other=0.0).to(tl.float32)
-                    klo = tl.load(pp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                    ks, klo = _token_params(k_params_ptr, word_off, t, ok)
                     st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
                     st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
                     st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
@@ -474,9 +487,7 @@ def _decode_split_nb_kernel(
                 pt = tl.exp2(st_ - m_use[:, None, :])
                 bl = bl * alpha + tl.sum(pt, axis=1)
                 bm = m_new
-                vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
-                vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
-                vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
                 if VT:
                     pst = (pt * vs[:, :, None]).to(tl.float16)  # [NB, P, GQ_PAD]: B operand as computed
                 else:
@@ -504,9 +515,7 @@ def _decode_split_nb_kernel(
                     sc = tl.dot((qb3 * ks3).to(tl.float16), k3, sc)
                     sc = sc * KU + const[:, :, None]
                 else:
-                    pp = k_params_ptr + prm_off[:, None] + t[None, :] * 2  # [NB, P] pointers
-                    ks = tl.load(pp, mask=ok[:, None], other=0.0).to(tl.float32)
-                    klo = tl.load(pp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                    ks, klo = _token_params(k_params_ptr, word_off, t, ok)
                     sc = tl.dot(qb0.to(tl.float16), k0)
                     sc = tl.dot(qb1.to(tl.float16), k1, sc)
                     sc = tl.dot(qb2.to(tl.float16), k2, sc)
@@ -514,9 +523,7 @@ def _decode_split_nb_kernel(
                     sc = sc * (ks * KU)[:, None, :] + qsum[None, :, None] * klo[:, None, :]
                 sc = tl.where(okc, sc, float("-inf"))
                 p, alpha, bm, bl = _slot_softmax_step(sc, bm, bl)
-                vp = v_params_ptr + prm_off[:, None] + t[None, :] * 2
-                vs = tl.load(vp, mask=ok[:, None], other=0.0).to(tl.float32)
-                vlo = tl.load(vp + 1, mask=ok[:, None], other=0.0).to(tl.float32)
+                vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
                 ps = (p * vs[:, None, :]).to(tl.float16)
                 plo = tl.sum(p * vlo[:, None, :], axis=2)
             if VT:  # O_j^T [NB, Q4, GQ_PAD] += V_j^T [NB, Q4, P] · (p·s)^T [NB, P, GQ_PAD]

@@ -1,0 +1,40 @@
+"""One decode-attention call per variant and shape, for Nsight Compute (stall reasons per SASS line).
+
+    ncu --clock-control none -k regex:_decode_split --section WarpStateStats --section SchedulerStats \
+        --section SourceCounters -o rep python3 benchmarks/profile_decode.py --shape 1x131072 --variant v4w2
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
+
+Same random cache as bench_decode.py (32 query / 8 KV heads, head_dim 128, token keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_decode import HKV, HQ, D, VARIANTS, random_state  # noqa: E402  (same folder)
+from oscar_export.kernels.decode_attention import decode_attention
+from oscar_export.kernels.layout import KVCacheLayout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1x131072")
+    ap.add_argument("--variant", default="v4w2", help=f"one of {sorted(VARIANTS)}")
+    ap.add_argument("--gran", default="token")
+    args = ap.parse_args()
+    b, s = (int(x) for x in args.shape.split("x"))
+    lay = KVCacheLayout.default(HKV, D, args.gran)
+    st = random_state(lay, b, s)
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
+    lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
+    kw = {k: v for k, v in VARIANTS[args.variant].items()}
+    for _ in range(2):  # the first call compiles
+        decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16, **kw)
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
