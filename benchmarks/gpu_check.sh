@@ -23,7 +23,7 @@ PY
 step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc"; tail -n 25 "$OUT/$name.log"; return 0; }
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)
     step decode_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "decode_attention_real_shape or fused_merge"
-    step bench_decode 420 python3 benchmarks/bench_decode.py --variants "${VARIANTS:-v3,v4,v4nt,v4w8}" --channel-variants "${CH_VARIANTS:-v3,v4}" --json "$OUT/bench_decode.json"
+    step bench_decode 420 python3 benchmarks/bench_decode.py --variants "${VARIANTS:-default,slots4,stages3}" --channel-variants "${CH_VARIANTS:-default}" --json "$OUT/bench_decode.json"
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/decode_tests.log | tail -n 3
     tail -n 50 "$OUT/bench_decode.log"
     exit 0

@@ -1,7 +1,7 @@
 """One decode-attention call per variant and shape, for Nsight Compute (stall reasons per SASS line).
 
     ncu --clock-control none -k regex:_decode_split --section WarpStateStats --section SchedulerStats \
-        --section SourceCounters -o rep python3 benchmarks/profile_decode.py --shape 1x131072 --variant v4w2
+        --section SourceCounters -o rep python3 benchmarks/profile_decode.py --shape 1x131072 --variant default
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
 
 Same random cache as bench_decode.py (32 query / 8 KV heads, head_dim 128, token keys).
@@ -21,7 +21,7 @@ from oscar_export.kernels.layout import KVCacheLayout
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x131072")
-    ap.add_argument("--variant", default="v4w2", help=f"one of {sorted(VARIANTS)}")
+    ap.add_argument("--variant", default="default", help=f"one of {sorted(VARIANTS)}")
     ap.add_argument("--gran", default="token")
     args = ap.parse_args()
     b, s = (int(x) for x in args.shape.split("x"))

@@ -3,23 +3,25 @@
 One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent window, in two launches:
 
 1. ``_decode_split_kernel``, grid ``(B * H_kv, S)``: program ``(b, h, s)`` takes the ``GQ = H / H_kv`` query
-   heads of KV head ``h`` together (one tensor-core ``tl.dot`` per code quarter, so every cache byte is read
-   once) over one piece of the context: split ``s < S_pages`` streams ``pages_per_split`` INT2 pages, the
+   heads of KV head ``h`` together (tensor-core ``tl.dot`` s, so every cache byte is read once) over one
+   piece of the context. Split ``s < S_pages`` streams ``pages_per_split`` INT2 pages, ``NB`` pages per
+   loop iteration on the batch axis of 3-D dots (one page per warp: ``num_warps == NB``, so the row max and
+   sum stay inside a warp), each page slot with its own online softmax, combined after the loop. The
    remaining splits take one ``BN``-token chunk of the sink or of the recent window each. It writes the
    normalised partial output and its log2-sum-exp.
 2. ``_merge_kernel``, grid ``(B * H,)``: combines the splits by their log-sum-exp.
 
-``page_slots = n`` (opt-in, v4) swaps step 1 for ``_decode_split_nb_kernel``: same parameters plus ``NB``/``KT``,
-``n`` pages per loop iteration on the batch axis of 3-D dots (one page per warp with ``num_warps == n``),
-code fields as exact fp16 subnormals (3 PTX instructions per 4 codes), scores computed transposed (keys on
-the MMA's M axis). On the H200 1.1–2.0x faster than v3 for token keys (benchmarks/NOTES-kernels.md).
-
 The affine dequantization never touches the inner loop (DESIGN §3.1): with ``k̂ = lo + s·lev[c]``,
 ``q·k̂ = s·(q·lev[c]) + lo·Σq`` per row (token keys) or ``Σ_i (q_i s_i)·lev[c_i] + Σ_i q_i lo_i`` (keys per
 channel within a page: the query is scaled once per page), and ``Σ_t p_t v̂_t = Σ_t (p_t s_t)·lev[c_t] + Σ_t
-p_t lo_t``. Per element only ``(byte >> 2j) & 3`` and its conversion remain; the four 2-bit fields of one
-byte belong to the four quarters of the row (``layout.py`` packing), so quarter ``j`` of the query meets
-field ``j`` of the bytes and the output comes out as four quarter accumulators.
+p_t lo_t``. The four 2-bit fields of a code byte belong to the four quarters of the row (``layout.py``
+packing), so quarter ``j`` of the query meets field ``j`` of the bytes and the output comes out as four
+quarter accumulators. Per element only the field extraction remains: uniform codes become exact fp16
+*subnormals* ``c·4^j·2^-24`` with three PTX instructions per four codes (the powers of two are folded into
+the query, the key scale and the value quarters). Scores are computed transposed (``S^T = K·q^T``: the
+keys are the MMA's M operand, GQ sits on N), the per-token ``(scale, lo)`` pairs are read as 32-bit words so
+the pipeliner prefetches them with the codes. How each of these was chosen, with H200 numbers, is in
+``benchmarks/NOTES-kernels.md``.
 
 Dot operands are fp16 (accumulation fp32): codes and levels, the BF16 window values (exact in fp16
 within its range, |x| < 65504) and ``q·sm_scale·log2(e)``, ``p`` and ``p·s`` (11-bit mantissa, finer
@@ -44,6 +46,10 @@ from .quant_pack import _check, check_format
 LOG2E = 1.4426950408889634
 #: tokens per BF16 chunk (sink and recent window are cut into chunks of this size, one split each).
 BF16_CHUNK = 64
+#: INT2 pages per loop iteration and warps of the split kernel (one page per warp; fastest measured on the H200).
+PAGE_SLOTS = 2
+SPLIT_WARPS = 2
+SPLIT_STAGES = 2
 
 
 @triton.jit
@@ -55,35 +61,7 @@ def _lev(c, l0, l1, l2, l3, CODEBOOK: tl.constexpr):
         return c.to(tl.float32)
 
 
-#: PTX turning field j of four packed code bytes into four fp16 codes (0.0..3.0) with four instructions:
-#: shift + mask, then prmt puts each byte under 0x64 (fp16 1024 + c) and one f16x2 subtract removes the 1024.
-_UNPACK_ASM = [tl.constexpr(
-    "{ .reg .b32 t, k; shr.b32 t, $2, " + str(2 * j) + "; and.b32 t, t, 0x03030303; mov.b32 k, 0x64006400; "
-    "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
-    "sub.rn.f16x2 $0, $0, k; sub.rn.f16x2 $1, $1, k; }"
-) for j in range(4)]
-_UNPACK0, _UNPACK1, _UNPACK2, _UNPACK3 = _UNPACK_ASM
-
-
-@triton.jit
-def _field(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST: tl.constexpr):
-    """Field ``J`` (bits 2J..2J+1) of every byte of a uint8 tile as fp16 levels."""
-    if FAST:
-        if J == 0:
-            return tl.inline_asm_elementwise(_UNPACK0, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-        elif J == 1:
-            return tl.inline_asm_elementwise(_UNPACK1, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-        elif J == 2:
-            return tl.inline_asm_elementwise(_UNPACK2, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            return tl.inline_asm_elementwise(_UNPACK3, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    elif CODEBOOK:
-        return _lev((codes.to(tl.int32) >> (2 * J)) & 3, l0, l1, l2, l3, CODEBOOK).to(tl.float16)
-    else:
-        return ((codes >> (2 * J)) & 3).to(tl.float16)
-
-
-#: PTX for v4's scaled fields: masking field j in place and moving each byte under a zero byte gives the
+#: PTX for the scaled fields: masking field j in place and moving each byte under a zero byte gives the
 #: fp16 *subnormal* ``c·4^j·2^-24`` directly (three instructions for four codes, no shift, no subtract);
 #: the kernel folds ``2^24·4^-j`` back in outside the inner products (exact powers of two).
 _SUBNORMAL_ASM = [tl.constexpr(
@@ -124,190 +102,10 @@ def _softmax_step(sc, m, l):
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, rot_ptr, dscale_ptr,
-    sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
-    k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
-    block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
-    part_o_ptr, part_lse_ptr,
-    max_pages, pages_per_split, n_page_splits, n_splits,
-    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
-    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
-    FAST_UNPACK: tl.constexpr,
-):
-    """Partial attention of one (sequence, KV head, split). Grid ``(B * H_kv, n_splits)``.
-
-    Parameters (in order; pointers unless noted):
-        q_ptr         ``[B, H, D]`` queries (fp32/bf16/fp16, contiguous), stored key basis unless ROTATE_Q
-        rot_ptr, dscale_ptr  fp32 ``[H_kv, D, D]`` R_K and ``[H_kv, D]`` d_K (read iff ROTATE_Q: q_s = (q @ R) / d)
-        sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
-        recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` (RC = W + P)
-        k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D // 4]``
-        k_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
-        v_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]``
-        k_levels_ptr, v_levels_ptr   fp32 ``[H_kv, 4]``
-        block_table_ptr int32 ``[B, max_pages]``; sink_len_ptr, num_pages_ptr, recent_len_ptr int32 ``[B]``
-        part_o_ptr    fp32 ``[B, H, n_splits, D]``; part_lse_ptr fp32 ``[B, H, n_splits]`` (log2 units)
-        max_pages, pages_per_split, n_page_splits, n_splits: int32
-        constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 16)), D, P, S0, RC, BN (BF16 chunk),
-        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK (PTX unpack of
-        uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path).
-    Requires group_size == head_dim (one (scale, lo) per token row).
-    """
-    bh = tl.program_id(0)
-    s = tl.program_id(1)
-    b = bh // H_KV
-    h = bh % H_KV
-    H: tl.constexpr = H_KV * GQ
-    Q4: tl.constexpr = D // 4
-    g = tl.arange(0, GQ_PAD)
-    gmask = g < GQ
-    c4 = tl.arange(0, Q4)
-    qrow = (b * H + h * GQ + g).to(tl.int64) * D
-    # ---- prologue: the GQ queries of this KV head, as four quarters, scaled to log2 units ----------------
-    if ROTATE_Q:
-        dd = tl.arange(0, D)
-        qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        rb = rot_ptr + h * D * D + dd[:, None] * D
-        db = dscale_ptr + h * D
-        q0 = tl.dot(qf, tl.load(rb + 0 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 0 * Q4 + c4)[None, :]
-        q1 = tl.dot(qf, tl.load(rb + 1 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 1 * Q4 + c4)[None, :]
-        q2 = tl.dot(qf, tl.load(rb + 2 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 2 * Q4 + c4)[None, :]
-        q3 = tl.dot(qf, tl.load(rb + 3 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 3 * Q4 + c4)[None, :]
-    else:
-        qp = q_ptr + qrow[:, None] + c4[None, :]
-        q0 = tl.load(qp + 0 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-        q1 = tl.load(qp + 1 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(qp + 2 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-        q3 = tl.load(qp + 3 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
-    q0 = (q0 * qscale).to(tl.float16)
-    q1 = (q1 * qscale).to(tl.float16)
-    q2 = (q2 * qscale).to(tl.float16)
-    q3 = (q3 * qscale).to(tl.float16)
-    m = tl.full([GQ_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GQ_PAD], tl.float32)
-    acc0 = tl.zeros([GQ_PAD, Q4], tl.float32)
-    acc1 = tl.zeros([GQ_PAD, Q4], tl.float32)
-    acc2 = tl.zeros([GQ_PAD, Q4], tl.float32)
-    acc3 = tl.zeros([GQ_PAD, Q4], tl.float32)
-    acclo = tl.zeros([GQ_PAD], tl.float32)
-    if s < n_page_splits:
-        # ---- INT2 pages [start, end) of this sequence ------------------------------------------------------
-        kl0 = tl.load(k_levels_ptr + h * 4 + 0)
-        kl1 = tl.load(k_levels_ptr + h * 4 + 1)
-        kl2 = tl.load(k_levels_ptr + h * 4 + 2)
-        kl3 = tl.load(k_levels_ptr + h * 4 + 3)
-        vl0 = tl.load(v_levels_ptr + h * 4 + 0)
-        vl1 = tl.load(v_levels_ptr + h * 4 + 1)
-        vl2 = tl.load(v_levels_ptr + h * 4 + 2)
-        vl3 = tl.load(v_levels_ptr + h * 4 + 3)
-        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
-        t = tl.arange(0, P)
-        start = s * pages_per_split
-        end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
-        for pi in range(start, end):
-            page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pi).to(tl.int64)
-            ph = page * H_KV + h
-            code_off = tl.multiple_of(ph * (P * Q4), 16)  # lets the loads vectorise (16 B per thread)
-            prm_off = tl.multiple_of(ph * (P * 2), 16)
-            kc = tl.load(k_codes_ptr + code_off + (t[:, None] * Q4 + c4[None, :]))  # [P, Q4] uint8
-            vc = tl.load(v_codes_ptr + code_off + (t[:, None] * Q4 + c4[None, :]))
-            k0 = _field(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
-            k1 = _field(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
-            k2 = _field(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
-            k3 = _field(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK)
-            if K_CHANNEL:
-                kp = k_params_ptr + ph * (2 * D)
-                ks0 = tl.load(kp + 0 * Q4 + c4).to(tl.float32)
-                ks1 = tl.load(kp + 1 * Q4 + c4).to(tl.float32)
-                ks2 = tl.load(kp + 2 * Q4 + c4).to(tl.float32)
-                ks3 = tl.load(kp + 3 * Q4 + c4).to(tl.float32)
-                const = tl.sum(q0.to(tl.float32) * tl.load(kp + D + 0 * Q4 + c4).to(tl.float32)[None, :], axis=1)
-                const += tl.sum(q1.to(tl.float32) * tl.load(kp + D + 1 * Q4 + c4).to(tl.float32)[None, :], axis=1)
-                const += tl.sum(q2.to(tl.float32) * tl.load(kp + D + 2 * Q4 + c4).to(tl.float32)[None, :], axis=1)
-                const += tl.sum(q3.to(tl.float32) * tl.load(kp + D + 3 * Q4 + c4).to(tl.float32)[None, :], axis=1)
-                sc = tl.dot((q0.to(tl.float32) * ks0[None, :]).to(tl.float16), tl.trans(k0))
-                sc = tl.dot((q1.to(tl.float32) * ks1[None, :]).to(tl.float16), tl.trans(k1), sc)
-                sc = tl.dot((q2.to(tl.float32) * ks2[None, :]).to(tl.float16), tl.trans(k2), sc)
-                sc = tl.dot((q3.to(tl.float32) * ks3[None, :]).to(tl.float16), tl.trans(k3), sc)
-                sc = sc + const[:, None]
-            else:
-                ks = tl.load(k_params_ptr + prm_off + t * 2).to(tl.float32)
-                klo = tl.load(k_params_ptr + prm_off + t * 2 + 1).to(tl.float32)
-                sc = tl.dot(q0, tl.trans(k0))
-                sc = tl.dot(q1, tl.trans(k1), sc)
-                sc = tl.dot(q2, tl.trans(k2), sc)
-                sc = tl.dot(q3, tl.trans(k3), sc)
-                sc = sc * ks[None, :] + qsum[:, None] * klo[None, :]
-            p, alpha, m, l = _softmax_step(sc, m, l)
-            vs = tl.load(v_params_ptr + prm_off + t * 2).to(tl.float32)
-            vlo = tl.load(v_params_ptr + prm_off + t * 2 + 1).to(tl.float32)
-            ps = (p * vs[None, :]).to(tl.float16)
-            acc0 = tl.dot(ps, _field(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc0 * alpha[:, None])
-            acc1 = tl.dot(ps, _field(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc1 * alpha[:, None])
-            acc2 = tl.dot(ps, _field(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc2 * alpha[:, None])
-            acc3 = tl.dot(ps, _field(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), acc3 * alpha[:, None])
-            acclo = acclo * alpha + tl.sum(p * vlo[None, :], axis=1)
-    else:
-        # ---- one BN-token chunk of the BF16 sink or recent window --------------------------------------------
-        NSINK: tl.constexpr = (S0 + BN - 1) // BN
-        c = s - n_page_splits
-        if c < NSINK:
-            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
-            kb = sink_k_ptr + kv_off
-            vb = sink_v_ptr + kv_off
-            valid = tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
-        else:
-            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
-            kb = recent_k_ptr + kv_off
-            vb = recent_v_ptr + kv_off
-            valid = tl.minimum(tl.load(recent_len_ptr + b), RC) - (c - NSINK) * BN
-        tb = tl.arange(0, BN)
-        tmask = tb < valid
-        rows = tb[:, None] * D + c4[None, :]
-        kk = kb + rows
-        scb = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
-        scb = tl.dot(q1, tl.trans(tl.load(kk + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
-        scb = tl.dot(q2, tl.trans(tl.load(kk + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
-        scb = tl.dot(q3, tl.trans(tl.load(kk + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
-        scb = tl.where(tmask[None, :], scb, float("-inf"))
-        pw, alpha, m, l = _softmax_step(scb, m, l)
-        pb = pw.to(tl.float16)
-        vv = vb + rows
-        acc0 = tl.dot(pb, tl.load(vv + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-        acc1 = tl.dot(pb, tl.load(vv + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-        acc2 = tl.dot(pb, tl.load(vv + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-        acc3 = tl.dot(pb, tl.load(vv + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-    # ---- epilogue: normalised partial output and its log2-sum-exp -----------------------------------------
-    nonempty = l > 0.0
-    inv = tl.where(nonempty, 1.0 / l, 0.0)
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
-    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
-    tl.store(part_lse_ptr + prow, lse, mask=gmask)
-    po = part_o_ptr + prow[:, None] * D + c4[None, :]
-    tl.store(po + 0 * Q4, (acc0 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    tl.store(po + 1 * Q4, (acc1 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    tl.store(po + 2 * Q4, (acc2 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    tl.store(po + 3 * Q4, (acc3 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-
-
-@triton.jit
-def _slot_softmax_step(sc, m, l):
-    """Online-softmax update per page slot: ``sc [NB, GQ_PAD, P]``, ``m, l [NB, GQ_PAD]`` (log2 units)."""
-    m_new = tl.maximum(m, tl.max(sc, axis=2))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(sc - m_use[:, :, None])
-    return p, alpha, m_new, l * alpha + tl.sum(p, axis=2)
-
-
-@triton.jit
 def _token_params(params_ptr, word_off, t, ok):
-    """Per-token ``(scale, lo)`` as fp32 ``[NB, TS]`` each, from fp16 pairs ``[.., P, 1, 2]``.
+    """Per-token ``(scale, lo)`` as fp32 ``[NB, P]`` each, from fp16 pairs ``[.., P, 1, 2]``.
 
-    Each pair is read as one 32-bit word (``word_off [NB]`` in words, ``t [TS]``): contiguous 4-byte
+    Each pair is read as one 32-bit word (``word_off [NB]`` in words, ``t [P]``): contiguous 4-byte
     elements, which Triton's pipeliner prefetches with ``cp.async`` a stage ahead. Two 2-byte loads per
     token (scale, then lo) are not prefetched; on the H200 their latency was the largest stall (Nsight
     Compute, benchmarks/NOTES-kernels.md). Little-endian: the scale is the low half.
@@ -325,28 +123,39 @@ def _slot_row(ptrs, ok):
 
 
 @triton.jit
-def _decode_split_nb_kernel(
+def _decode_split_kernel(
     q_ptr, rot_ptr, dscale_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
     k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
     block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr, lock_ptr,
+    part_o_ptr, part_lse_ptr,
     max_pages, pages_per_split, n_page_splits, n_splits,
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KT: tl.constexpr, VT: tl.constexpr, TS: tl.constexpr,
-    FUSE_MERGE: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
 ):
-    """:func:`_decode_split_kernel` with ``NB`` INT2 pages per loop iteration on a batch axis (v4).
+    """Partial attention of one (sequence, KV head, split). Grid ``(B * H_kv, n_splits)``.
 
-    Same parameters, grid and outputs, plus constexprs ``NB`` (pow2, pages per iteration) and ``KT``
-    (tokens on the MMA's M axis for the keys: ``S^T = K·q^T``, only the small ``p`` tile is transposed). Each page slot
-    keeps its own online softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); the scores
-    and ``p·V`` are batched ``tl.dot`` s, so with ``NB == num_warps`` the compiler can give each warp its own
-    page and the row max / sum reductions stay inside a warp (no cross-warp barrier per page). The slots
-    are combined by their log-sum-exp once, after the loop. Slots past the split's last page load nothing
-    (masked) and score ``-inf``.
+    Parameters (in order; pointers unless noted):
+        q_ptr         ``[B, H, D]`` queries (fp32/bf16/fp16, contiguous), stored key basis unless ROTATE_Q
+        rot_ptr, dscale_ptr  fp32 ``[H_kv, D, D]`` R_K and ``[H_kv, D]`` d_K (read iff ROTATE_Q: q_s = (q @ R) / d)
+        sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
+        recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` (RC = W + P)
+        k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D // 4]``
+        k_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
+        v_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]``
+        k_levels_ptr, v_levels_ptr   fp32 ``[H_kv, 4]``
+        block_table_ptr int32 ``[B, max_pages]``; sink_len_ptr, num_pages_ptr, recent_len_ptr int32 ``[B]``
+        part_o_ptr    fp32 ``[B, H, n_splits, D]``; part_lse_ptr fp32 ``[B, H, n_splits]`` (log2 units)
+        max_pages, pages_per_split, n_page_splits, n_splits: int32
+        constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 4)), D, P, S0, RC, BN (BF16 chunk),
+        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK (PTX field extraction of
+        uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path), NB (pow2,
+        INT2 pages per loop iteration; one per warp with ``num_warps == NB``).
+    Requires group_size == head_dim (one (scale, lo) per token row). Each page slot keeps its own online
+    softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); slots past the split's last page
+    load nothing (masked) and score ``-inf``.
     """
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -410,11 +219,11 @@ def _decode_split_nb_kernel(
             qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :] * 0.25, (NB, GQ_PAD, Q4))
             qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
             qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.015625, (NB, GQ_PAD, Q4))
-        if KT:  # B operands of the transposed scores
-            qt0 = tl.permute(qb0.to(tl.float16), (0, 2, 1))
-            qt1 = tl.permute(qb1.to(tl.float16), (0, 2, 1))
-            qt2 = tl.permute(qb2.to(tl.float16), (0, 2, 1))
-            qt3 = tl.permute(qb3.to(tl.float16), (0, 2, 1))
+        # B operands of the transposed scores
+        qt0 = tl.permute(qb0.to(tl.float16), (0, 2, 1))
+        qt1 = tl.permute(qb1.to(tl.float16), (0, 2, 1))
+        qt2 = tl.permute(qb2.to(tl.float16), (0, 2, 1))
+        qt3 = tl.permute(qb3.to(tl.float16), (0, 2, 1))
         if V_CODEBOOK:
             VU0 = 1.0
             VU1 = 1.0
@@ -426,133 +235,75 @@ def _decode_split_nb_kernel(
             VU2 = 1048576.0
             VU3 = 262144.0
         nb = tl.arange(0, NB)
-        SUB: tl.constexpr = P // TS  # slots per page (each slot takes TS tokens of one page)
-        t = tl.arange(0, TS)
-        tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, TS, Q4]
-        toff = (nb % SUB) * TS  # [NB] first token of each slot in its page
+        t = tl.arange(0, P)
+        tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
         bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
         bl = tl.zeros([NB, GQ_PAD], tl.float32)
-        if VT:  # value quarters transposed: [NB, Q4, GQ_PAD] (dims on the MMA's M axis)
-            b0 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
-            b1 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
-            b2 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
-            b3 = tl.zeros([NB, Q4, GQ_PAD], tl.float32)
-        else:
-            b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+        b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
         blo = tl.zeros([NB, GQ_PAD], tl.float32)
         start = s * pages_per_split
         end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
-        for p0 in range(start, end, NB // SUB):
-            slot = p0 + nb // SUB
+        for p0 in range(start, end, NB):
+            slot = p0 + nb
             ok = slot < end
             page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
             ph = page * H_KV + h
-            code_off = tl.multiple_of(ph * (P * Q4) + toff * Q4, 16)
-            word_off = tl.multiple_of(ph * P + toff, 16)  # token rows' (scale, lo) as one 32-bit word each
+            code_off = tl.multiple_of(ph * (P * Q4), 16)
+            word_off = tl.multiple_of(ph * P, 16)  # token rows' (scale, lo) as one 32-bit word each
             okc = ok[:, None, None]
             kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
             vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
-            if KT:
-                # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
-                if K_CHANNEL:
-                    kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]
-                    okp = ok[:, None]
-                    ks0 = _slot_row(kp + 0 * Q4, okp)
-                    ks1 = _slot_row(kp + 1 * Q4, okp)
-                    ks2 = _slot_row(kp + 2 * Q4, okp)
-                    ks3 = _slot_row(kp + 3 * Q4, okp)
-                    const = tl.sum(q0.to(tl.float32)[None, :, :] * _slot_row(kp + D + 0 * Q4, okp), axis=2)
-                    const += tl.sum(q1.to(tl.float32)[None, :, :] * _slot_row(kp + D + 1 * Q4, okp), axis=2)
-                    const += tl.sum(q2.to(tl.float32)[None, :, :] * _slot_row(kp + D + 2 * Q4, okp), axis=2)
-                    const += tl.sum(q3.to(tl.float32)[None, :, :] * _slot_row(kp + D + 3 * Q4, okp), axis=2)
-                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb0 * ks0).to(tl.float16), (0, 2, 1)))
-                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb1 * ks1).to(tl.float16), (0, 2, 1)), st_)
-                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb2 * ks2).to(tl.float16), (0, 2, 1)), st_)
-                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb3 * ks3).to(tl.float16), (0, 2, 1)), st_)
-                    st_ = st_ * KU + const[:, None, :]
-                else:
-                    ks, klo = _token_params(k_params_ptr, word_off, t, ok)
-                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
-                    st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
-                st_ = tl.where(okc, st_, float("-inf"))
-                m_new = tl.maximum(bm, tl.max(st_, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(bm - m_use)
-                pt = tl.exp2(st_ - m_use[:, None, :])
-                bl = bl * alpha + tl.sum(pt, axis=1)
-                bm = m_new
-                vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
-                if VT:
-                    pst = (pt * vs[:, :, None]).to(tl.float16)  # [NB, P, GQ_PAD]: B operand as computed
-                else:
-                    ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
-                plo = tl.sum(pt * vlo[:, :, None], axis=1)
+            # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
+            if K_CHANNEL:
+                kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]
+                okp = ok[:, None]
+                ks0 = _slot_row(kp + 0 * Q4, okp)
+                ks1 = _slot_row(kp + 1 * Q4, okp)
+                ks2 = _slot_row(kp + 2 * Q4, okp)
+                ks3 = _slot_row(kp + 3 * Q4, okp)
+                const = tl.sum(q0.to(tl.float32)[None, :, :] * _slot_row(kp + D + 0 * Q4, okp), axis=2)
+                const += tl.sum(q1.to(tl.float32)[None, :, :] * _slot_row(kp + D + 1 * Q4, okp), axis=2)
+                const += tl.sum(q2.to(tl.float32)[None, :, :] * _slot_row(kp + D + 2 * Q4, okp), axis=2)
+                const += tl.sum(q3.to(tl.float32)[None, :, :] * _slot_row(kp + D + 3 * Q4, okp), axis=2)
+                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb0 * ks0).to(tl.float16), (0, 2, 1)))
+                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+                st_ = st_ * KU + const[:, None, :]
             else:
-                k0 = tl.permute(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-                k1 = tl.permute(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-                k2 = tl.permute(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-                k3 = tl.permute(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), (0, 2, 1))
-                if K_CHANNEL:
-                    kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]  # [NB, Q4] pointers
-                    okp = ok[:, None]
-                    ks0 = _slot_row(kp + 0 * Q4, okp)
-                    ks1 = _slot_row(kp + 1 * Q4, okp)
-                    ks2 = _slot_row(kp + 2 * Q4, okp)
-                    ks3 = _slot_row(kp + 3 * Q4, okp)
-                    const = tl.sum(q0.to(tl.float32)[None, :, :] * _slot_row(kp + D + 0 * Q4, okp), axis=2)
-                    const += tl.sum(q1.to(tl.float32)[None, :, :] * _slot_row(kp + D + 1 * Q4, okp), axis=2)
-                    const += tl.sum(q2.to(tl.float32)[None, :, :] * _slot_row(kp + D + 2 * Q4, okp), axis=2)
-                    const += tl.sum(q3.to(tl.float32)[None, :, :] * _slot_row(kp + D + 3 * Q4, okp), axis=2)
-                    sc = tl.dot((qb0 * ks0).to(tl.float16), k0)
-                    sc = tl.dot((qb1 * ks1).to(tl.float16), k1, sc)
-                    sc = tl.dot((qb2 * ks2).to(tl.float16), k2, sc)
-                    sc = tl.dot((qb3 * ks3).to(tl.float16), k3, sc)
-                    sc = sc * KU + const[:, :, None]
-                else:
-                    ks, klo = _token_params(k_params_ptr, word_off, t, ok)
-                    sc = tl.dot(qb0.to(tl.float16), k0)
-                    sc = tl.dot(qb1.to(tl.float16), k1, sc)
-                    sc = tl.dot(qb2.to(tl.float16), k2, sc)
-                    sc = tl.dot(qb3.to(tl.float16), k3, sc)
-                    sc = sc * (ks * KU)[:, None, :] + qsum[None, :, None] * klo[:, None, :]
-                sc = tl.where(okc, sc, float("-inf"))
-                p, alpha, bm, bl = _slot_softmax_step(sc, bm, bl)
-                vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
-                ps = (p * vs[:, None, :]).to(tl.float16)
-                plo = tl.sum(p * vlo[:, None, :], axis=2)
-            if VT:  # O_j^T [NB, Q4, GQ_PAD] += V_j^T [NB, Q4, P] · (p·s)^T [NB, P, GQ_PAD]
-                vct = tl.permute(vc, (0, 2, 1))
-                b0 = tl.dot(_field_scaled(vct, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b0 * alpha[:, None, :])
-                b1 = tl.dot(_field_scaled(vct, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b1 * alpha[:, None, :])
-                b2 = tl.dot(_field_scaled(vct, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b2 * alpha[:, None, :])
-                b3 = tl.dot(_field_scaled(vct, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), pst, b3 * alpha[:, None, :])
-            else:
-                b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
-                b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
-                b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
-                b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
+                ks, klo = _token_params(k_params_ptr, word_off, t, ok)
+                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+                st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
+            st_ = tl.where(okc, st_, float("-inf"))
+            m_new = tl.maximum(bm, tl.max(st_, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(bm - m_use)
+            pt = tl.exp2(st_ - m_use[:, None, :])
+            bl = bl * alpha + tl.sum(pt, axis=1)
+            bm = m_new
+            vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
+            ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
+            plo = tl.sum(pt * vlo[:, :, None], axis=1)
+            b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
+            b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
+            b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
+            b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
             blo = blo * alpha + plo
         # ---- combine the page slots by their log-sum-exp -------------------------------------------------
         m = tl.max(bm, axis=0)
         m_use = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
         l = tl.sum(bl * w, axis=0)
-        if VT:
-            acc0 = tl.trans(tl.sum(b0 * w[:, None, :], axis=0)) * VU0
-            acc1 = tl.trans(tl.sum(b1 * w[:, None, :], axis=0)) * VU1
-            acc2 = tl.trans(tl.sum(b2 * w[:, None, :], axis=0)) * VU2
-            acc3 = tl.trans(tl.sum(b3 * w[:, None, :], axis=0)) * VU3
-        else:
-            acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
-            acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
-            acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
-            acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
+        acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
+        acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
+        acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
+        acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
         acclo = tl.sum(blo * w, axis=0)
     else:
         NSINK: tl.constexpr = (S0 + BN - 1) // BN
@@ -593,52 +344,7 @@ def _decode_split_nb_kernel(
     tl.store(po + 1 * Q4, (acc1 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
     tl.store(po + 2 * Q4, (acc2 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
     tl.store(po + 3 * Q4, (acc3 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    if FUSE_MERGE:  # the last split program of this (sequence, KV head) merges its GQ rows
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        arrived = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, (b * H + h * GQ).to(tl.int64), GQ, n_splits,
-                        D, GQ_PAD, 4, True)
-            tl.atomic_xchg(lock_ptr + bh, 0, sem="relaxed", scope="gpu")  # reset for the next call
 
-
-@triton.jit
-def _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, row0, nrows, n_splits,
-                D: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, L2_ONLY: tl.constexpr):
-    """Combine the splits of query-head rows ``row0 .. row0 + nrows - 1`` (``nrows <= R``) by log-sum-exp.
-
-    Reads ``part_lse [rows, n_splits]`` (log2 units) and ``part_o [rows, n_splits, D]``, ``CH`` splits per
-    step, and writes ``out [rows, D]``; a row with nothing to attend gets zeros (as the reference).
-    ``L2_ONLY`` loads with ``.cg`` (bypass L1): the fused merge reads partials other CTAs just wrote.
-    """
-    r = tl.arange(0, R)
-    rmask = r < nrows
-    rows = row0 + r
-    k = tl.arange(0, CH)
-    dd = tl.arange(0, D)
-    CM: tl.constexpr = ".cg" if L2_ONLY else ""
-    mx = tl.full([R, CH], float("-inf"), tl.float32)
-    for c0 in range(0, n_splits, CH):
-        ok = rmask[:, None] & (c0 + k < n_splits)[None, :]
-        lse = tl.load(part_lse_ptr + rows[:, None] * n_splits + c0 + k[None, :], mask=ok, other=float("-inf"),
-                      cache_modifier=CM)
-        mx = tl.maximum(mx, lse)
-    mtot = tl.max(mx, axis=1)
-    muse = tl.where(mtot == float("-inf"), 0.0, mtot)
-    den = tl.zeros([R, CH], tl.float32)
-    acc = tl.zeros([R, D], tl.float32)
-    for c0 in range(0, n_splits, CH):
-        ok = rmask[:, None] & (c0 + k < n_splits)[None, :]
-        sp = rows[:, None] * n_splits + c0 + k[None, :]  # [R, CH]
-        lse = tl.load(part_lse_ptr + sp, mask=ok, other=float("-inf"), cache_modifier=CM)
-        w = tl.exp2(lse - muse[:, None])
-        o = tl.load(part_o_ptr + sp[:, :, None] * D + dd[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=CM)
-        den += w
-        acc += tl.sum(w[:, :, None] * o, axis=1)
-    dtot = tl.sum(den, axis=1)
-    res = tl.where(dtot[:, None] > 0.0, acc / tl.where(dtot > 0.0, dtot, 1.0)[:, None], 0.0)
-    tl.store(out_ptr + rows[:, None] * D + dd[None, :], res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
@@ -649,14 +355,35 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, 
     ``[B, H, D]`` (fp32/bf16/fp16), n_splits int32; constexpr D, CH (splits per step). A head with nothing
     to attend writes zeros (as the reference does).
     """
-    _merge_rows(part_o_ptr, part_lse_ptr, out_ptr, tl.program_id(0).to(tl.int64), 1, n_splits, D, 1, CH, False)
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, CH)
+    dd = tl.arange(0, D)
+    mx = tl.full([CH], float("-inf"), tl.float32)
+    for c0 in range(0, n_splits, CH):
+        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=c0 + k < n_splits, other=float("-inf"))
+        mx = tl.maximum(mx, lse)
+    mtot = tl.max(mx, axis=0)
+    muse = tl.where(mtot == float("-inf"), 0.0, mtot)
+    den = tl.zeros([CH], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for c0 in range(0, n_splits, CH):
+        kmask = c0 + k < n_splits
+        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=kmask, other=float("-inf"))
+        w = tl.exp2(lse - muse)
+        o = tl.load(part_o_ptr + (row * n_splits + c0 + k)[:, None] * D + dd[None, :], mask=kmask[:, None], other=0.0)
+        den += w
+        acc += tl.sum(w[:, None] * o, axis=0)
+    dtot = tl.sum(den, axis=0)
+    res = tl.where(dtot > 0.0, acc / tl.where(dtot > 0.0, dtot, 1.0), 0.0)
+    tl.store(out_ptr + row * D + dd, res.to(out_ptr.dtype.element_ty))
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def gq_pad(gq: int) -> int:
+    """Query heads per KV head padded for the dots: a power of two, at least 4."""
+    return max(4, 1 << max(0, (gq - 1).bit_length()))
 
 
 def check_decode_layout(layout: KVCacheLayout) -> None:
@@ -672,10 +399,13 @@ def check_decode_layout(layout: KVCacheLayout) -> None:
             )
 
 
-def default_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int = 132) -> int:
-    """Pages per split so that ``B * H_kv * splits`` fills ``num_sms`` about four times over."""
+def default_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int = 132,
+                            page_slots: int = PAGE_SLOTS) -> int:
+    """Pages per split so that ``B * H_kv * splits`` fills ``num_sms`` about four times over, rounded up to a
+    multiple of ``page_slots`` (the pages one loop iteration takes)."""
     wanted = max(1, -(-4 * num_sms // max(1, batch * num_kv_heads)))
-    return max(1, -(-max_pages // wanted))
+    pps = max(1, -(-max_pages // wanted))
+    return -(-pps // page_slots) * page_slots
 
 
 def decode_attention(
@@ -690,14 +420,10 @@ def decode_attention(
     q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     pages_per_split: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    page_slots: int = PAGE_SLOTS,
+    num_warps: int = SPLIT_WARPS,
+    num_stages: int = SPLIT_STAGES,
     fast_unpack: bool | None = None,
-    page_slots: int = 0,
-    keys_on_m: bool = True,
-    values_on_m: bool = False,
-    slot_tokens: int | None = None,
-    fuse_merge: bool = False,
 ) -> torch.Tensor:
     """``reference.decode_attention`` in two Triton launches (split, merge).
 
@@ -709,45 +435,33 @@ def decode_attention(
         codebook: treat levels as a fitted codebook (default: ``layout.key/value.codebook``).
         q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue.
         pages_per_split: INT2 pages per split program (default: fill the GPU, :func:`default_pages_per_split`).
-        fast_unpack: PTX code unpack for uniform levels (default: on CUDA); False forces the plain path.
-        page_slots: 0 runs the v3 split kernel; a power of two ``n`` runs ``_decode_split_nb_kernel`` with
-            ``n`` pages per loop iteration (one per warp with ``num_warps == n``; the default
-            pages-per-split is rounded up to a multiple of ``n``).
-        keys_on_m: with ``page_slots``, compute the scores transposed (tokens on the MMA's M axis).
+        page_slots, num_warps, num_stages: tuning (pages per loop iteration, a power of two; Triton's
+            options). The defaults are the fastest measured on the H200 and what the AOT bundle compiles.
+        fast_unpack: PTX field extraction for uniform levels (default: on CUDA); False forces the plain path.
     Returns:
         ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
-    if page_slots < 0 or page_slots & (page_slots - 1):
-        raise ValueError(f"page_slots: expected 0 or a power of two, got {page_slots}")
-    given = pages_per_split
+    if page_slots <= 0 or page_slots & (page_slots - 1):
+        raise ValueError(f"page_slots: expected a power of two, got {page_slots}")
     rot, dsc, pages_per_split = check_decode_inputs(
-        q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split
+        q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, page_slots
     )
-    tokens = slot_tokens or layout.page_size
-    if page_slots and (tokens <= 0 or layout.page_size % tokens or page_slots * tokens % layout.page_size):
-        raise ValueError(f"slot_tokens: expected a divisor of the page size {layout.page_size} with page_slots * "
-                         f"slot_tokens a multiple of it, got slot_tokens={tokens}, page_slots={page_slots}")
-    if page_slots and given is None:
-        per_iter = page_slots * tokens // layout.page_size
-        pages_per_split = -(-pages_per_split // per_iter) * per_iter
     dev = q.device
-    hkv, p = layout.num_kv_heads, layout.page_size
     if codebook is None:
         codebook = layout.key.codebook or layout.value.codebook
     fast = (dev.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook
     return launch_decode(
         q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
-        state.recent_len, hkv, p, layout.sink, layout.recent_capacity, float(scale),
+        state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_capacity, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
-        out_dtype, num_warps, num_stages, page_slots=page_slots, keys_on_m=keys_on_m,
-        values_on_m=values_on_m, slot_tokens=slot_tokens, fuse_merge=fuse_merge,
+        out_dtype, num_warps, num_stages, page_slots=page_slots,
     )
 
 
 def check_decode_inputs(
     q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor,
-    scale: float, q_rotation, out_dtype: torch.dtype, pages_per_split: int | None,
+    scale: float, q_rotation, out_dtype: torch.dtype, pages_per_split: int | None, page_slots: int = PAGE_SLOTS,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Raise on anything :func:`decode_attention` cannot launch on; returns ``(R, d, pages_per_split)``
     (``R``/``d`` are placeholders when there is no ``q_rotation``). Reads shapes only, never device values."""
@@ -800,7 +514,7 @@ def check_decode_inputs(
         raise ValueError(f"scale: expected a positive finite Python float, got {scale!r}")
     if pages_per_split is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-        pages_per_split = default_pages_per_split(bsz, hkv, max_pages, sms)
+        pages_per_split = default_pages_per_split(bsz, hkv, max_pages, sms, page_slots)
     if pages_per_split <= 0:
         raise ValueError(f"pages_per_split: expected > 0, got {pages_per_split}")
     return rot, dsc, pages_per_split
@@ -810,9 +524,8 @@ def launch_decode(
     q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_capacity: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
-    pages_per_split: int, out_dtype: torch.dtype, num_warps: int = 4, num_stages: int = 2, wrap=lambda k: k,
-    page_slots: int = 0, keys_on_m: bool = True, values_on_m: bool = False, slot_tokens: int | None = None,
-    fuse_merge: bool = False,
+    pages_per_split: int, out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES,
+    wrap=lambda k: k, page_slots: int = PAGE_SLOTS,
 ) -> torch.Tensor:
     """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
 
@@ -829,27 +542,16 @@ def launch_decode(
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
-    common = dict(
-        H_KV=num_kv_heads, GQ=gq, D=d, P=page_size, S0=sink, RC=recent_capacity,
+    wrap(_decode_split_kernel)[(bsz * num_kv_heads, n_splits)](
+        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        block_table, sink_len, num_pages, recent_len, part_o, part_lse,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, P=page_size, S0=sink, RC=recent_capacity,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
-        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, num_warps=num_warps, num_stages=num_stages,
+        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, num_warps=num_warps, num_stages=num_stages,
     )
-    inputs = (q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-              v_levels, block_table, sink_len, num_pages, recent_len)
-    sizes = (max_pages, pages_per_split, n_page_splits, n_splits)
-    grid = (bsz * num_kv_heads, n_splits)
-    if page_slots:
-        # one arrival counter per (sequence, KV head); the merging program resets it to 0
-        lock = torch.zeros(bsz * num_kv_heads if fuse_merge else 1, dtype=torch.int32, device=q.device)
-        wrap(_decode_split_nb_kernel)[grid](
-            *inputs, part_o, part_lse, out, lock, *sizes, GQ_PAD=_next_pow2(gq), NB=page_slots, KT=keys_on_m,
-            VT=keys_on_m and values_on_m, TS=slot_tokens or page_size, FUSE_MERGE=fuse_merge, **common,
-        )
-        if fuse_merge:
-            return out
-    else:
-        wrap(_decode_split_kernel)[grid](*inputs, part_o, part_lse, *sizes, GQ_PAD=max(16, _next_pow2(gq)), **common)
     wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
     return out
 
-__all__ = ["BF16_CHUNK", "check_decode_inputs", "check_decode_layout", "decode_attention", "default_pages_per_split", "launch_decode"]
+
+__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "check_decode_inputs", "check_decode_layout", "decode_attention", "default_pages_per_split", "gq_pad", "launch_decode"]

@@ -14,7 +14,9 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * the two probe kernels (``probe.py``) as a self-test.
 
 num_warps/num_stages are the JIT wrappers' (quant_pack: 8 warps, merge: 4, both Triton's default 3
-stages; split: 4 warps, 2 stages; ``FAST_UNPACK`` as the wrapper sets it on a GPU) so the AOT binaries compute what the JIT launches compute, bit for bit.
+stages; split: ``decode_attention.SPLIT_WARPS``/``SPLIT_STAGES`` with ``NB = PAGE_SLOTS`` pages per iteration;
+``FAST_UNPACK`` as the wrapper sets it on a GPU) so the AOT binaries compute what the JIT launches compute, bit
+for bit.
 :func:`decode_plan` reproduces the wrapper's split arithmetic for a host that launches the binaries itself.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decode_attention import PAGE_SLOTS, SPLIT_STAGES, SPLIT_WARPS, gq_pad
 from ..layout import KVCacheLayout, RowFormat
 from .probe import probe_specs
 from .spec import KernelSpec, Param
@@ -39,10 +42,6 @@ MERGE_CHUNK = 16
 TRITON_DEFAULT_STAGES = 3
 #: num_warps of the quant_pack wrapper's launch.
 QUANT_WARPS = 8
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
@@ -94,15 +93,16 @@ def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, ta
         kernel=_SPLIT,
         params=tuple(Param(n, t) for n, t in p),
         constexprs=tuple(sorted({
-            "H_KV": hkv, "GQ": gq, "GQ_PAD": max(16, _pow2(gq)), "D": layout.head_dim, "P": layout.page_size,
+            "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad(gq), "D": layout.head_dim, "P": layout.page_size,
             "S0": layout.sink, "RC": layout.recent_capacity, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
             "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
             "ROTATE_Q": True, "FAST_UNPACK": not codebook,  # the wrapper's choice on a GPU
+            "NB": PAGE_SLOTS,
         }.items())),
         grid=("B * H_KV", "n_splits", "1"),
         grid_inputs=("B",),
-        num_warps=4,
-        num_stages=2,
+        num_warps=SPLIT_WARPS,
+        num_stages=SPLIT_STAGES,
         doc="decode attention, one split of sink/INT2 pages/recent per program (query rotation fused)",
     )
 

@@ -32,14 +32,17 @@ def test_specs_match_kernels(name):
 
 
 def test_constants_mirror_the_jit_wrapper():
-    """The bundle compiles what the JIT wrappers launch (warps, stages, merge chunk, FAST_UNPACK on a GPU)."""
+    """The bundle compiles what the JIT wrappers launch (warps, stages, page slots, merge chunk, FAST_UNPACK on a GPU)."""
     assert bundle.BF16_CHUNK == decode_mod.BF16_CHUNK
     src = inspect.getsource(decode_mod)
     assert "CH=16" in src and bundle.MERGE_CHUNK == 16
-    launcher = getattr(decode_mod, "launch_decode", decode_mod.decode_attention)
-    params = inspect.signature(launcher).parameters
+    params = inspect.signature(decode_mod.launch_decode).parameters
+    wrapper = inspect.signature(decode_mod.decode_attention).parameters
     split = bundle.decode_split_spec(*LAYOUTS["smollm2"], 0.125, "t")
-    assert (split.num_warps, split.num_stages) == (params["num_warps"].default, params["num_stages"].default)
+    for name, value in (("num_warps", split.num_warps), ("num_stages", split.num_stages),
+                        ("page_slots", split.constexpr_dict["NB"])):
+        assert params[name].default == wrapper[name].default == value, name
+    assert split.constexpr_dict["GQ_PAD"] == decode_mod.gq_pad(3) == 4
     assert 'dev.type == "cuda"' in src and split.constexpr_dict["FAST_UNPACK"] is True  # GPU default, no codebook
     from oscar_export.kernels import quant_pack
 
