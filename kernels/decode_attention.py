@@ -117,9 +117,18 @@ def _token_params(params_ptr, word_off, t, ok):
 
 
 @triton.jit
-def _slot_row(ptrs, ok):
-    """Per-slot channel parameters: ``[NB, Q4]`` fp16 pointers, ``ok [NB, 1]`` -> fp32 ``[NB, 1, Q4]``."""
-    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)[:, None, :]
+def _slot_row(params_ptr, word_off, ok, Q4: tl.constexpr):
+    """``Q4`` consecutive fp16 channel parameters per page slot as fp32 ``[NB, 1, Q4]``.
+
+    Read as ``Q4 / 2`` 32-bit words from ``word_off [NB]`` (in words; ``ok [NB]`` masks empty slots) and
+    split into the even (low half) and odd (high half) channels, for the same reason as
+    :func:`_token_params`: 2-byte loads are neither vectorised nor prefetched.
+    """
+    w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + tl.arange(0, Q4 // 2)[None, :],
+                mask=ok[:, None], other=0)
+    even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(even, odd), (even.shape[0], Q4))[:, None, :]
 
 
 @triton.jit
@@ -258,16 +267,17 @@ def _decode_split_kernel(
             vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
             # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
             if K_CHANNEL:
-                kp = k_params_ptr + ph[:, None] * (2 * D) + c4[None, :]
-                okp = ok[:, None]
-                ks0 = _slot_row(kp + 0 * Q4, okp)
-                ks1 = _slot_row(kp + 1 * Q4, okp)
-                ks2 = _slot_row(kp + 2 * Q4, okp)
-                ks3 = _slot_row(kp + 3 * Q4, okp)
-                const = tl.sum(q0.to(tl.float32)[None, :, :] * _slot_row(kp + D + 0 * Q4, okp), axis=2)
-                const += tl.sum(q1.to(tl.float32)[None, :, :] * _slot_row(kp + D + 1 * Q4, okp), axis=2)
-                const += tl.sum(q2.to(tl.float32)[None, :, :] * _slot_row(kp + D + 2 * Q4, okp), axis=2)
-                const += tl.sum(q3.to(tl.float32)[None, :, :] * _slot_row(kp + D + 3 * Q4, okp), axis=2)
+                kw = tl.multiple_of(ph * D, 16)  # [2, D] fp16 (scales, then lows) = D words per page-head
+                ks0 = _slot_row(k_params_ptr, kw + 0 * Q4 // 2, ok, Q4)
+                ks1 = _slot_row(k_params_ptr, kw + 1 * Q4 // 2, ok, Q4)
+                ks2 = _slot_row(k_params_ptr, kw + 2 * Q4 // 2, ok, Q4)
+                ks3 = _slot_row(k_params_ptr, kw + 3 * Q4 // 2, ok, Q4)
+                # q·lo over the page's channel lows: one reduction for the four quarters
+                qlo = q0.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 0 * Q4) // 2, ok, Q4)
+                qlo += q1.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 1 * Q4) // 2, ok, Q4)
+                qlo += q2.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 2 * Q4) // 2, ok, Q4)
+                qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
+                const = tl.sum(qlo, axis=2)
                 st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb0 * ks0).to(tl.float16), (0, 2, 1)))
                 st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb1 * ks1).to(tl.float16), (0, 2, 1)), st_)
                 st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb2 * ks2).to(tl.float16), (0, 2, 1)), st_)
