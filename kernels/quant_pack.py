@@ -43,14 +43,382 @@ def _round_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
+# The clip threshold: sorted(|x|)[rank] of each group, i.e. the K-th largest |x| with K = removals + 1.
+# Each thread keeps, per group it owns, the KEEP = 8 largest |x| it has seen as a descending list in
+# registers (insertion: two min/max per slot), the lists of the threads sharing a group are merged by a
+# tl.reduce (bitonic merge of two sorted lists), and the threshold is the list's K-th entry. Ties need no
+# care: the list is a multiset. K > 8 (clip ratios below ~0.94 at G = 128) takes more rounds over the
+# group: round r keeps the 8 largest |x| below the previous round's 8th (the cut) and counts the values in
+# [cut, previous cut) it removes; each round removes >= 8 values or ends. Min and max of x come from the
+# first round: clamp is monotone, so min(clamp(x)) == clamp(min(x)) exactly.
+
+
+@triton.jit
+def _ins(t0, t1, t2, t3, t4, t5, t6, t7, v):
+    """Insert ``v`` into the descending lists ``t0 >= ... >= t7`` (elementwise); the smallest falls off."""
+    h = tl.maximum(t0, v)
+    v = tl.minimum(t0, v)
+    t0 = h
+    h = tl.maximum(t1, v)
+    v = tl.minimum(t1, v)
+    t1 = h
+    h = tl.maximum(t2, v)
+    v = tl.minimum(t2, v)
+    t2 = h
+    h = tl.maximum(t3, v)
+    v = tl.minimum(t3, v)
+    t3 = h
+    h = tl.maximum(t4, v)
+    v = tl.minimum(t4, v)
+    t4 = h
+    h = tl.maximum(t5, v)
+    v = tl.minimum(t5, v)
+    t5 = h
+    h = tl.maximum(t6, v)
+    v = tl.minimum(t6, v)
+    t6 = h
+    t7 = tl.maximum(t7, v)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """The 8 largest of two descending 8-lists, descending (``tl.reduce`` combine: associative, commutative).
+
+    ``max(a_i, b_{7-i})`` holds the 8 largest as a bitonic sequence; a bitonic merger sorts it.
+    """
+    m0 = tl.maximum(a0, b7)
+    m1 = tl.maximum(a1, b6)
+    m2 = tl.maximum(a2, b5)
+    m3 = tl.maximum(a3, b4)
+    m4 = tl.maximum(a4, b3)
+    m5 = tl.maximum(a5, b2)
+    m6 = tl.maximum(a6, b1)
+    m7 = tl.maximum(a7, b0)
+    m0, m4 = tl.maximum(m0, m4), tl.minimum(m0, m4)
+    m1, m5 = tl.maximum(m1, m5), tl.minimum(m1, m5)
+    m2, m6 = tl.maximum(m2, m6), tl.minimum(m2, m6)
+    m3, m7 = tl.maximum(m3, m7), tl.minimum(m3, m7)
+    m0, m2 = tl.maximum(m0, m2), tl.minimum(m0, m2)
+    m1, m3 = tl.maximum(m1, m3), tl.minimum(m1, m3)
+    m4, m6 = tl.maximum(m4, m6), tl.minimum(m4, m6)
+    m5, m7 = tl.maximum(m5, m7), tl.minimum(m5, m7)
+    m0, m1 = tl.maximum(m0, m1), tl.minimum(m0, m1)
+    m2, m3 = tl.maximum(m2, m3), tl.minimum(m2, m3)
+    m4, m5 = tl.maximum(m4, m5), tl.minimum(m4, m5)
+    m6, m7 = tl.maximum(m6, m7), tl.minimum(m6, m7)
+    return m0, m1, m2, m3, m4, m5, m6, m7
+
+
+@triton.jit
+def _sort8(e0, e1, e2, e3, e4, e5, e6, e7):
+    """Descending sort of 8 values (elementwise): a 19-comparator network."""
+    e0, e2 = tl.maximum(e0, e2), tl.minimum(e0, e2)
+    e1, e3 = tl.maximum(e1, e3), tl.minimum(e1, e3)
+    e4, e6 = tl.maximum(e4, e6), tl.minimum(e4, e6)
+    e5, e7 = tl.maximum(e5, e7), tl.minimum(e5, e7)
+    e0, e4 = tl.maximum(e0, e4), tl.minimum(e0, e4)
+    e1, e5 = tl.maximum(e1, e5), tl.minimum(e1, e5)
+    e2, e6 = tl.maximum(e2, e6), tl.minimum(e2, e6)
+    e3, e7 = tl.maximum(e3, e7), tl.minimum(e3, e7)
+    e0, e1 = tl.maximum(e0, e1), tl.minimum(e0, e1)
+    e2, e3 = tl.maximum(e2, e3), tl.minimum(e2, e3)
+    e4, e5 = tl.maximum(e4, e5), tl.minimum(e4, e5)
+    e6, e7 = tl.maximum(e6, e7), tl.minimum(e6, e7)
+    e2, e4 = tl.maximum(e2, e4), tl.minimum(e2, e4)
+    e3, e5 = tl.maximum(e3, e5), tl.minimum(e3, e5)
+    e1, e4 = tl.maximum(e1, e4), tl.minimum(e1, e4)
+    e3, e6 = tl.maximum(e3, e6), tl.minimum(e3, e6)
+    e1, e2 = tl.maximum(e1, e2), tl.minimum(e1, e2)
+    e3, e4 = tl.maximum(e3, e4), tl.minimum(e3, e4)
+    e5, e6 = tl.maximum(e5, e6), tl.minimum(e5, e6)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
+def _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST: tl.constexpr):
+    """The 8 largest of the lists and 8 new values (sorted, then merged: ~9 min/max per value, not 15)."""
+    e0, e1, e2, e3, e4, e5, e6, e7 = _sort8(e0, e1, e2, e3, e4, e5, e6, e7)
+    if FIRST:  # the lists are still empty
+        t0, t1, t2, t3, t4, t5, t6, t7 = e0, e1, e2, e3, e4, e5, e6, e7
+    else:
+        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7, v, C: tl.constexpr, FIRST: tl.constexpr):
+    """Insert the ``C`` (1, 2, 4 or 8) values along the last axis of ``v [S, M, C]`` into lists ``[S, M]``.
+
+    The last axis is a thread's contiguous load vector, so the splits move no data. ``FIRST``: the lists
+    are empty (all -1).
+    """
+    if C == 1:
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, tl.reshape(v, (v.shape[0], v.shape[1])))
+    elif C == 2:
+        e0, e1 = tl.split(v)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
+    elif C == 4:
+        w0, w1 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
+        e0, e1 = tl.split(w0)
+        e2, e3 = tl.split(w1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e2)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e3)
+    else:
+        w0, w1 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2, 2)))
+        w00, w01 = tl.split(w0)
+        w10, w11 = tl.split(w1)
+        e0, e1 = tl.split(w00)
+        e2, e3 = tl.split(w01)
+        e4, e5 = tl.split(w10)
+        e6, e7 = tl.split(w11)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST)
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
+def _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr):
+    """One round's verdict per group. ``t*``: the 8 largest ``|x|`` below ``cut``; ``c``: count of values in
+    ``[cut, previous cut)``; ``kr``: rank from the top still to go before this round. Returns kr, done, thr.
+    """
+    fin = (done == 0) & (c >= kr)  # the kr-th largest is among the c values >= cut: equal to cut
+    thr = tl.where(fin, cut, thr)
+    done = tl.where(fin, 1, done)
+    kr = tl.where(done == 0, kr - c, kr)
+    fin = (done == 0) & (kr <= 8)
+    j = kr - 1
+    pick = tl.where(j == 0, t0, tl.where(j == 1, t1, tl.where(j == 2, t2, tl.where(j == 3, t3, tl.where(
+        j == 4, t4, tl.where(j == 5, t5, tl.where(j == 6, t6, t7)))))))
+    thr = tl.where(fin, pick, thr)
+    done = tl.where(fin, 1, done)
+    return kr, done, thr
+
+
+@triton.jit
+def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constexpr, FIRST: tl.constexpr):
+    """One pass over the token groups at ``ptrs [S, Q]`` (+ k*Q: quarter k): see :func:`_resolve`.
+
+    Returns the 8 largest ``|x| < cut`` per row, the count in ``[cut, bound)`` and (FIRST) min/max of x.
+    """
+    neg = tl.full((S, Q // C), -1.0, tl.float32)
+    t0, t1, t2, t3, t4, t5, t6, t7 = neg, neg, neg, neg, neg, neg, neg, neg
+    cnt = tl.zeros((S, Q), tl.int32)
+    mn = tl.full((S, Q), float("inf"), tl.float32)
+    mx = tl.full((S, Q), float("-inf"), tl.float32)
+    for k in tl.static_range(4):
+        a, mn, mx, cnt = _prep(tl.load(ptrs + k * Q).to(tl.float32), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
+        t0, t1, t2, t3, t4, t5, t6, t7 = _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7,
+                                                     tl.reshape(a, (S, Q // C, C)), C, k == 0)
+    t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge8)
+    return t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 1), tl.min(mn, 1), tl.max(mx, 1)
+
+
+@triton.jit
+def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
+                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Quantize one page-head of token groups: ``x_base`` rows ``[P, D]`` (row stride ``stride_xp``).
+
+    Rows go in blocks of S; each thread holds C contiguous values of a quarter row per load, the four
+    quarters (bits 0, 2, 4, 6 of a code byte) are loaded separately so a byte is packed in one thread.
+    """
+    Q: tl.constexpr = G // 4
+    C: tl.constexpr = 8 if Q >= 8 else Q
+    S: tl.constexpr = 32 if P >= 32 else P
+    NG: tl.constexpr = D // G
+    r = tl.arange(0, S)
+    q = tl.arange(0, Q)
+    inf = tl.full((S,), float("inf"), tl.float32)
+    t0p = (lv0 + lv1) * 0.5
+    t1p = (lv1 + lv2) * 0.5
+    t2p = (lv2 + lv3) * 0.5
+    for rb in range(0, P, S):
+        for g in tl.static_range(NG):
+            ptrs = x_base + (rb + r)[:, None] * stride_xp + (g * G + q)[None, :]
+            t0, t1, t2, t3, t4, t5, t6, t7, c, mn, mx = _row_round(ptrs, inf, inf, S, Q, C, True)
+            kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((S,), tl.int32) + keep,
+                                     tl.zeros((S,), tl.int32), tl.zeros((S,), tl.float32))
+            cut = inf
+            while tl.min(done, 0) == 0:
+                bound = cut
+                cut = t7
+                t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _row_round(ptrs, cut, bound, S, Q, C, False)
+                kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
+            lo = tl.minimum(tl.maximum(mn, -thr), thr)
+            hi = tl.minimum(tl.maximum(mx, -thr), thr)
+            scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
+            lo16 = lo.to(tl.float16)
+            s = scale16.to(tl.float32)
+            lof = lo16.to(tl.float32)[:, None]
+            ts0 = (t0p * s)[:, None]
+            ts1 = (t1p * s)[:, None]
+            ts2 = (t2p * s)[:, None]
+            packed = tl.zeros((S, Q), tl.int32)
+            for k in tl.static_range(4):
+                x = tl.load(ptrs + k * Q).to(tl.float32)
+                d = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None]) - lof
+                code = (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
+                packed = packed | (code << (2 * k))
+            tl.store(codes_base + (rb + r)[:, None] * (D // 4) + (g * Q + q)[None, :], packed.to(tl.uint8))
+            prm = params_base + ((rb + r) * NG + g) * 2
+            tl.store(prm, scale16)
+            tl.store(prm + 1, lo16)
+
+
+@triton.jit
+def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
+    """``|x|`` masked to ``< cut`` (FIRST: all) and the running min/max of x (FIRST) or the count in [cut, bound)."""
+    a = tl.abs(x)
+    if FIRST:
+        mn = tl.minimum(mn, x)
+        mx = tl.maximum(mx, x)
+    else:
+        cnt += ((a >= cut) & (a < bound)).to(tl.int32)
+        a = tl.where(a < cut, a, -1.0)
+    return a, mn, mx, cnt
+
+
+@triton.jit
+def _channel_block(t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut, bound, mn, mx, cnt,
+                   T: tl.constexpr, FIRST: tl.constexpr, EMPTY: tl.constexpr):
+    """Add 8 loads of T tokens each (``rows [T, D]`` pointers, then + j*T rows) to the channel lists."""
+    e0, mn, mx, cnt = _prep(tl.load(rows).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e1, mn, mx, cnt = _prep(tl.load(rows + 1 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e2, mn, mx, cnt = _prep(tl.load(rows + 2 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e3, mn, mx, cnt = _prep(tl.load(rows + 3 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e4, mn, mx, cnt = _prep(tl.load(rows + 4 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e5, mn, mx, cnt = _prep(tl.load(rows + 5 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e6, mn, mx, cnt = _prep(tl.load(rows + 6 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e7, mn, mx, cnt = _prep(tl.load(rows + 7 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, EMPTY)
+    return t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt
+
+
+@triton.jit
+def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                   FIRST: tl.constexpr):
+    """One pass over the channel groups (``[P, D]`` rows, T tokens per load): see :func:`_row_round`.
+
+    With ``P >= 8 T`` the tokens go 8 loads at a time (sorted, merged); else one at a time (insertion).
+    """
+    t = tl.arange(0, T)
+    i = tl.arange(0, D)
+    neg = tl.full((T, D), -1.0, tl.float32)
+    t0, t1, t2, t3, t4, t5, t6, t7 = neg, neg, neg, neg, neg, neg, neg, neg
+    cnt = tl.zeros((T, D), tl.int32)
+    mn = tl.full((T, D), float("inf"), tl.float32)
+    mx = tl.full((T, D), float("-inf"), tl.float32)
+    cut2 = cut[None, :]
+    bound2 = bound[None, :]
+    rows = x_base + t[:, None] * stride_xp + i[None, :]
+    if P >= 8 * T:
+        t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
+            t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut2, bound2, mn, mx, cnt, T, FIRST, True)
+        for tb in range(8 * T, P, 8 * T):
+            t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
+                t0, t1, t2, t3, t4, t5, t6, t7, rows + tb * stride_xp, stride_xp, cut2, bound2, mn, mx, cnt,
+                T, FIRST, False)
+    else:
+        for tb in range(0, P, T):
+            a, mn, mx, cnt = _prep(tl.load(rows + tb * stride_xp).to(tl.float32), cut2, bound2, mn, mx, cnt, FIRST)
+            t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, a)
+    t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 0, _merge8)
+    return t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 0), tl.min(mn, 0), tl.max(mx, 0)
+
+
+@triton.jit
+def _quarter(v, k: tl.constexpr, NG: tl.constexpr, Q: tl.constexpr):
+    """``v [D]`` -> ``[NG, Q]``: the channels of quarter ``k`` of each group (exact: a max against -inf)."""
+    w = tl.reshape(v, (NG, 4, Q))
+    kk = tl.arange(0, 4)[None, :, None]
+    return tl.max(tl.where(kk == k, w, float("-inf")), 1)
+
+
+@triton.jit
+def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
+                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Quantize one page-head of channel groups (each channel over the P tokens; bytes packed along D by G)."""
+    Q: tl.constexpr = G // 4
+    NG: tl.constexpr = D // G
+    T: tl.constexpr = 4 if P >= 32 else (P // 8 if P >= 8 else 1)
+    i = tl.arange(0, D)
+    inf = tl.full((D,), float("inf"), tl.float32)
+    t0, t1, t2, t3, t4, t5, t6, t7, c, mn, mx = _channel_round(x_base, stride_xp, inf, inf, P, D, T, True)
+    kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((D,), tl.int32) + keep,
+                             tl.zeros((D,), tl.int32), tl.zeros((D,), tl.float32))
+    cut = inf
+    while tl.min(done, 0) == 0:
+        bound = cut
+        cut = t7
+        t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _channel_round(x_base, stride_xp, cut, bound, P, D, T, False)
+        kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
+    lo = tl.minimum(tl.maximum(mn, -thr), thr)
+    hi = tl.minimum(tl.maximum(mx, -thr), thr)
+    scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
+    lo16 = lo.to(tl.float16)
+    tl.store(params_base + i, scale16)
+    tl.store(params_base + D + i, lo16)
+    s = scale16.to(tl.float32)
+    lof = lo16.to(tl.float32)
+    ts0 = ((lv0 + lv1) * 0.5) * s
+    ts1 = ((lv1 + lv2) * 0.5) * s
+    ts2 = ((lv2 + lv3) * 0.5) * s
+    t = tl.arange(0, T)[:, None, None]
+    col = (tl.arange(0, NG)[:, None] * G + tl.arange(0, Q)[None, :])[None, :, :]  # [1, NG, Q], quarter 0
+    byte = (tl.arange(0, NG)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
+    th0, lo0 = _quarter(thr, 0, NG, Q)[None, :, :], _quarter(lof, 0, NG, Q)[None, :, :]
+    a0, b0, c0 = (_quarter(ts0, 0, NG, Q)[None, :, :], _quarter(ts1, 0, NG, Q)[None, :, :],
+                  _quarter(ts2, 0, NG, Q)[None, :, :])
+    th1, lo1 = _quarter(thr, 1, NG, Q)[None, :, :], _quarter(lof, 1, NG, Q)[None, :, :]
+    a1, b1, c1 = (_quarter(ts0, 1, NG, Q)[None, :, :], _quarter(ts1, 1, NG, Q)[None, :, :],
+                  _quarter(ts2, 1, NG, Q)[None, :, :])
+    th2, lo2 = _quarter(thr, 2, NG, Q)[None, :, :], _quarter(lof, 2, NG, Q)[None, :, :]
+    a2, b2, c2 = (_quarter(ts0, 2, NG, Q)[None, :, :], _quarter(ts1, 2, NG, Q)[None, :, :],
+                  _quarter(ts2, 2, NG, Q)[None, :, :])
+    th3, lo3 = _quarter(thr, 3, NG, Q)[None, :, :], _quarter(lof, 3, NG, Q)[None, :, :]
+    a3, b3, c3 = (_quarter(ts0, 3, NG, Q)[None, :, :], _quarter(ts1, 3, NG, Q)[None, :, :],
+                  _quarter(ts2, 3, NG, Q)[None, :, :])
+    for tb in range(0, P, T):
+        rows = x_base + (tb + t) * stride_xp + col
+        packed = _code(tl.load(rows).to(tl.float32), th0, lo0, a0, b0, c0)
+        packed |= _code(tl.load(rows + Q).to(tl.float32), th1, lo1, a1, b1, c1) << 2
+        packed |= _code(tl.load(rows + 2 * Q).to(tl.float32), th2, lo2, a2, b2, c2) << 4
+        packed |= _code(tl.load(rows + 3 * Q).to(tl.float32), th3, lo3, a3, b3, c3) << 6
+        tl.store(codes_base + (tb + t) * (D // 4) + byte, packed.to(tl.uint8))
+
+
+@triton.jit
+def _code(x, thr, lof, ts0, ts1, ts2):
+    """The 2-bit code of ``x`` (int32) given its group's threshold, float(lo16) and ``t_j * scale``."""
+    d = tl.minimum(tl.maximum(x, -thr), thr) - lof
+    return (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
+
+
+@triton.jit
+def _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
+                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr):
+    """Quantize the rows ``[P, D]`` at ``x_base`` (row stride ``stride_xp``) into page-head ``page_head`` (int64)."""
+    codes_base = codes_ptr + page_head * (P * D // 4)
+    if CHANNEL:
+        _channel_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (2 * D), removals + 1,
+                       lv0, lv1, lv2, lv3, P, D, G)
+    else:
+        _token_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (P * (D // G) * 2), removals + 1,
+                     lv0, lv1, lv2, lv3, P, D, G)
+
+
+# ---- the rotated-input path: the whole page as one tile (the basis change needs full rows) -------------------
+
+
 @triton.jit
 def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
-    """Quantize the groups laid along axis 1 of ``x [R, N]`` (``a = |x|``).
-
-    Returns codes ``[R, N]`` int32, scale16 ``[R]`` fp16, lo16 ``[R]`` fp16.
+    """Quantize the groups laid along axis 1 of ``x [R, N]`` (``a = |x|``); the threshold by removing the
+    current max one occurrence (lowest index) at a time. Returns codes int32, scale16 ``[R]``, lo16 ``[R]``.
     """
     col = tl.arange(0, N)[None, :]
-    for _ in range(rank_removals):  # drop the current max, one occurrence (the lowest index) at a time
+    for _ in range(rank_removals):
         m = tl.max(a, axis=1)
         idx = tl.min(tl.where(a == m[:, None], col, N), axis=1)
         a = tl.where(col == idx[:, None], -1.0, a)
@@ -70,52 +438,7 @@ def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
 
 
 @triton.jit
-def _quant_pack_kernel(
-    x_ptr, page_ids_ptr, rank_ptr, levels_ptr, rot_ptr, dscale_ptr, mean_ptr,
-    codes_ptr, params_ptr,
-    stride_xn, stride_xh, stride_xp,
-    H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_FP16: tl.constexpr,
-):
-    """Quantize page ``n`` of KV head ``h`` into pool page ``page_ids[n]``. Grid ``(N, H_kv)``.
-
-    Parameters (pointers unless noted; the export bundle relies on this order):
-        x_ptr        float rows ``[N, H_kv, P, D]`` (last dim contiguous; fp32/bf16/fp16)
-        page_ids_ptr int32 ``[N]`` destination page of each input page
-        rank_ptr     int32 ``[H_kv]`` removals per group, ``group - 1 - clip_rank``
-        levels_ptr   fp32 ``[H_kv, 4]`` code levels
-        rot_ptr, dscale_ptr, mean_ptr  fp32 ``[H_kv, D, D]``, ``[H_kv, D]``, ``[H_kv, D]`` (read iff ROTATE)
-        codes_ptr    uint8 pool ``[N_pool, H_kv, P, D // 4]``
-        params_ptr   fp16 pool, token ``[N_pool, H_kv, P, D // G, 2]``, channel ``[N_pool, H_kv, 2, D]``
-        stride_xn, stride_xh, stride_xp  int32 element strides of x
-        constexpr: H_KV, P, D, G, CHANNEL (per-channel-within-page groups), ROTATE, ROUND_BF16/ROUND_FP16
-        (round the rotated rows through that dtype before quantizing).
-    """
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    page = tl.load(page_ids_ptr + n).to(tl.int64)
-    removals = tl.load(rank_ptr + h)
-    lv0 = tl.load(levels_ptr + h * 4 + 0)
-    lv1 = tl.load(levels_ptr + h * 4 + 1)
-    lv2 = tl.load(levels_ptr + h * 4 + 2)
-    lv3 = tl.load(levels_ptr + h * 4 + 3)
-    t = tl.arange(0, P)
-    i = tl.arange(0, D)
-    x_base = x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh
-    x = tl.load(x_base + t[:, None] * stride_xp + i[None, :]).to(tl.float32)  # [P, D]
-    if ROTATE:
-        r = tl.load(rot_ptr + h * D * D + i[:, None] * D + i[None, :])  # [D, D]
-        x = tl.dot(x, r, input_precision="ieee")
-        x = x * tl.load(dscale_ptr + h * D + i)[None, :] - tl.load(mean_ptr + h * D + i)[None, :]
-        if ROUND_BF16:
-            x = _round_bf16(x)
-        if ROUND_FP16:
-            x = x.to(tl.float16).to(tl.float32)
-    _store_page(x, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3, P, D, G, CHANNEL)
-
-
-@triton.jit
-def _store_page(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
+def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr):
     """Quantize the tile ``x [P, D]`` fp32 and store it as page-head ``page_head`` (int64) of the pool."""
     Q: tl.constexpr = G // 4
@@ -148,6 +471,54 @@ def _store_page(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv
 
 
 @triton.jit
+def _quant_pack_kernel(
+    x_ptr, page_ids_ptr, rank_ptr, levels_ptr, rot_ptr, dscale_ptr, mean_ptr,
+    codes_ptr, params_ptr,
+    stride_xn, stride_xh, stride_xp,
+    H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_FP16: tl.constexpr,
+):
+    """Quantize page ``n`` of KV head ``h`` into pool page ``page_ids[n]``. Grid ``(N, H_kv)``.
+
+    Parameters (pointers unless noted; the export bundle relies on this order):
+        x_ptr        float rows ``[N, H_kv, P, D]`` (last dim contiguous; fp32/bf16/fp16)
+        page_ids_ptr int32 ``[N]`` destination page of each input page
+        rank_ptr     int32 ``[H_kv]`` removals per group, ``group - 1 - clip_rank``
+        levels_ptr   fp32 ``[H_kv, 4]`` code levels
+        rot_ptr, dscale_ptr, mean_ptr  fp32 ``[H_kv, D, D]``, ``[H_kv, D]``, ``[H_kv, D]`` (read iff ROTATE)
+        codes_ptr    uint8 pool ``[N_pool, H_kv, P, D // 4]``
+        params_ptr   fp16 pool, token ``[N_pool, H_kv, P, D // G, 2]``, channel ``[N_pool, H_kv, 2, D]``
+        stride_xn, stride_xh, stride_xp  int32 element strides of x
+        constexpr: H_KV, P, D, G, CHANNEL (per-channel-within-page groups), ROTATE, ROUND_BF16/ROUND_FP16
+        (round the rotated rows through that dtype before quantizing).
+    """
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    page = tl.load(page_ids_ptr + n).to(tl.int64)
+    removals = tl.load(rank_ptr + h)
+    lv0 = tl.load(levels_ptr + h * 4 + 0)
+    lv1 = tl.load(levels_ptr + h * 4 + 1)
+    lv2 = tl.load(levels_ptr + h * 4 + 2)
+    lv3 = tl.load(levels_ptr + h * 4 + 3)
+    x_base = x_ptr + n.to(tl.int64) * stride_xn + h * stride_xh
+    if ROTATE:
+        t = tl.arange(0, P)
+        i = tl.arange(0, D)
+        x = tl.load(x_base + t[:, None] * stride_xp + i[None, :]).to(tl.float32)  # [P, D]
+        r = tl.load(rot_ptr + h * D * D + i[:, None] * D + i[None, :])  # [D, D]
+        x = tl.dot(x, r, input_precision="ieee")
+        x = x * tl.load(dscale_ptr + h * D + i)[None, :] - tl.load(mean_ptr + h * D + i)[None, :]
+        if ROUND_BF16:
+            x = _round_bf16(x)
+        if ROUND_FP16:
+            x = x.to(tl.float16).to(tl.float32)
+        _store_tile(x, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3, P, D, G, CHANNEL)
+    else:
+        _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3,
+                       P, D, G, CHANNEL)
+
+
+@triton.jit
 def _demote_due_kernel(
     recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr,
     k_rank_ptr, v_rank_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr, num_pages_ptr, recent_len_ptr,
@@ -174,14 +545,13 @@ def _demote_due_kernel(
         i = tl.arange(0, D)
         base = (b * H_KV + h).to(tl.int64) * (RC * D)
         rows = t[:, None] * D + i[None, :]
-        xk = tl.load(recent_k_ptr + base + rows).to(tl.float32)
-        _store_page(xk, k_codes_ptr, k_params_ptr, page * H_KV + h, tl.load(k_rank_ptr + h),
-                    tl.load(k_levels_ptr + h * 4), tl.load(k_levels_ptr + h * 4 + 1),
-                    tl.load(k_levels_ptr + h * 4 + 2), tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL)
-        xv = tl.load(recent_v_ptr + base + rows).to(tl.float32)
-        _store_page(xv, v_codes_ptr, v_params_ptr, page * H_KV + h, tl.load(v_rank_ptr + h),
-                    tl.load(v_levels_ptr + h * 4), tl.load(v_levels_ptr + h * 4 + 1),
-                    tl.load(v_levels_ptr + h * 4 + 2), tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False)
+        _quantize_page(recent_k_ptr + base, D, k_codes_ptr, k_params_ptr, page * H_KV + h, tl.load(k_rank_ptr + h),
+                       tl.load(k_levels_ptr + h * 4), tl.load(k_levels_ptr + h * 4 + 1),
+                       tl.load(k_levels_ptr + h * 4 + 2), tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL)
+        _quantize_page(recent_v_ptr + base, D, v_codes_ptr, v_params_ptr, page * H_KV + h, tl.load(v_rank_ptr + h),
+                       tl.load(v_levels_ptr + h * 4), tl.load(v_levels_ptr + h * 4 + 1),
+                       tl.load(v_levels_ptr + h * 4 + 2), tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False)
+        tl.debug_barrier()  # every warp has read slots [0, P) before any overwrites them
         # shift left by P, one page-sized block at a time in ascending order (reads stay ahead of writes)
         for blk in range(0, RC // P - 1):
             src = base + (blk + 1) * (P * D) + rows
@@ -278,6 +648,9 @@ def write_pages(
     levels: torch.Tensor,
     rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     round_dtype: torch.dtype | None = torch.bfloat16,
+    *,
+    fused_rotation: bool = False,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize ``x`` page by page into the pool (in place), like ``reference.write_pages`` for one of K/V.
 
@@ -289,7 +662,11 @@ def write_pages(
         fmt: ``layout.key`` or ``layout.value``.
         clip: ``[H_kv]`` fp32 clip ratios; levels: ``[H_kv, 4]`` fp32.
         rotation: optional ``(R [H_kv, D, D], d [H_kv, D], mu [H_kv, D])`` fp32: quantize
-            ``(x @ R) * d - mu`` rounded through ``round_dtype`` (None: not rounded).
+            ``(x @ R) * d - mu`` rounded through ``round_dtype`` (None: not rounded). Computed with
+            ``torch.matmul`` (as ``LayerTransform.transform_keys``) before the kernel unless
+            ``fused_rotation``: then inside it, an fp32 FMA product (the AOT bundle's ``_rot`` kernel),
+            ~10x slower on the H200.
+        num_warps: launch width (benchmark sweeps); None: the default, which the AOT bundle mirrors.
     """
     h, p, d = layout.num_kv_heads, layout.page_size, layout.head_dim
     check_format(fmt, p, "write_pages")
@@ -325,13 +702,16 @@ def write_pages(
         return
     group = p if fmt.granularity == "channel" else fmt.group_size
     removals = removal_counts(clip, group)
+    fuse = rotation is not None and fused_rotation
+    if rotation is not None and not fused_rotation:
+        x = torch.matmul(x.float(), rot) * ds[:, None, :] - mu[:, None, :]
+        x = x if round_dtype is None else x.to(round_dtype)
     _quant_pack_kernel[(n, h)](
         x, page_ids, removals, levels.contiguous(), rot, ds, mu, codes, params,
         x.stride(0), x.stride(1), x.stride(2),
         H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
-        ROTATE=rotation is not None, ROUND_BF16=rotation is not None and round_dtype == torch.bfloat16,
-        ROUND_FP16=rotation is not None and round_dtype == torch.float16,
-        num_warps=8,
+        ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16, ROUND_FP16=fuse and round_dtype == torch.float16,
+        num_warps=4 if num_warps is None else num_warps,
     )
 
 
@@ -343,13 +723,20 @@ def quantize_pages(
     levels: torch.Tensor,
     rotation: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     round_dtype: torch.dtype | None = torch.bfloat16,
+    *,
+    fused_rotation: bool = False,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``reference.quantize_pages`` on the GPU: ``x [N, H_kv, P, D]`` -> (codes uint8, params fp16)."""
+    """``reference.quantize_pages`` on the GPU: ``x [N, H_kv, P, D]`` -> (codes uint8, params fp16).
+
+    ``fused_rotation``, ``num_warps``: as :func:`write_pages`.
+    """
     n = x.shape[0] if x.dim() == 4 else 0
     codes = torch.empty(layout.codes_shape(n), dtype=torch.uint8, device=x.device)
     params = torch.empty(layout.params_shape(fmt, n), dtype=torch.float16, device=x.device)
     ids = torch.arange(n, dtype=torch.int32, device=x.device)
-    write_pages(x, ids, codes, params, layout, fmt, clip, levels, rotation, round_dtype)
+    write_pages(x, ids, codes, params, layout, fmt, clip, levels, rotation, round_dtype,
+                fused_rotation=fused_rotation, num_warps=num_warps)
     return codes, params
 
 
@@ -379,7 +766,7 @@ def decode_step_update(
         tr.k_levels.contiguous(), tr.v_levels.contiguous(), state.block_table, state.num_pages, state.recent_len,
         max_pages,
         H_KV=h, P=p, D=d, G=layout.value.group_size, RC=layout.recent_capacity,
-        K_CHANNEL=layout.key.granularity == "channel", num_warps=8,
+        K_CHANNEL=layout.key.granularity == "channel", num_warps=4,
     )
     _append_kernel[(bsz,)](
         k, v, state.sink_k, state.sink_v, state.recent_k, state.recent_v,

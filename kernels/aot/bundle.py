@@ -13,7 +13,7 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
   order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
 
-num_warps/num_stages are the JIT wrappers' (quant_pack: 8 warps, merge: 4, both Triton's default 3
+num_warps/num_stages are the JIT wrappers' (quant_pack: 4 warps, merge: 4, both Triton's default 3
 stages; split: ``decode_attention.SPLIT_WARPS``/``SPLIT_STAGES`` with ``NB = PAGE_SLOTS`` pages per iteration;
 ``FAST_UNPACK`` as the wrapper sets it on a GPU) so the AOT binaries compute what the JIT launches compute, bit
 for bit.
@@ -41,7 +41,7 @@ MERGE_CHUNK = 16
 #: Triton's default num_stages (what the JIT uses when the wrapper passes none).
 TRITON_DEFAULT_STAGES = 3
 #: num_warps of the quant_pack wrapper's launch.
-QUANT_WARPS = 8
+QUANT_WARPS = 4
 
 
 def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
