@@ -36,10 +36,11 @@ VARIANTS = {
 }
 
 
-def env_line() -> str:
+def env_line(commit: str | None = None) -> str:
+    """GPU, versions and the code's commit (``commit`` when given: a copied tree's ``.git`` can be stale)."""
     import triton
 
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
             f"git {sha or '?'}")
 
@@ -169,8 +170,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default="default", help=f"comma list of {sorted(VARIANTS)}")
     ap.add_argument("--channel-variants", default=None, help="variants for channel keys (default: --variants)")
+    ap.add_argument("--commit", default=None, help="commit to report (default: git rev-parse in this tree)")
     args = ap.parse_args(argv)
-    print(env_line())
+    print(env_line(args.commit))
     bw = copy_bandwidth()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
                 print(json.dumps(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
+            json.dump(dict(env=env_line(args.commit), copy_tbps=bw, rows=rows), f, indent=1)
     print(f"\n{'shape':>9} {'kernel':>10} {'var':>5} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
           f"{'graph us':>9} {'TB/s':>5} {'x SDPA':>6}")
     sdpa = {(r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}

@@ -1,7 +1,7 @@
 """Static cost of a Triton kernel variant on sm_90, from its SASS, without a GPU.
 
-    python benchmarks/kernel_stats.py decode [--set NB=2 --set VT=1] [--warps 2] [--stages 2] [--sass out.sass]
-    python benchmarks/kernel_stats.py quant  [--set CHANNEL=1] [--warps 8]
+    PYTHONPATH=/tmp/t36 python3 benchmarks/kernel_stats.py decode [--set NB=4 --set K_CHANNEL=true] [--warps 4] [--sass out.sass]
+    PYTHONPATH=/tmp/t36 python3 benchmarks/kernel_stats.py quant  [--set CHANNEL=true] [--warps 8]
 
 Compiles through ``kernels/aot`` (the bundle's compiler: ``triton.compile`` + ptxas, no driver), then reads
 the cubin with the ``cuobjdump``/``nvdisasm`` that ship with Triton. Prints registers, spill bytes, shared
@@ -32,8 +32,8 @@ from oscar_export.kernels.aot.compile import compile_kernel  # noqa: E402
 from oscar_export.kernels.aot.spec import KernelSpec, Param  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 
-#: pointer types of kernel arguments the bundle specs do not name
-EXTRA_TYPES = {"out_ptr": "*bf16", "lock_ptr": "*i32"}
+#: pointer types of kernel arguments the bundle specs do not name (for ``KERNEL=`` experiments)
+EXTRA_TYPES = {"out_ptr": "*bf16"}
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/")
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CLASSES = {
