@@ -1,12 +1,16 @@
 """Quantize/pack (prefill write) and decode-step demotion on the GPU, as a fraction of the copy bandwidth.
 
-    python benchmarks/bench_quant.py [--json out.json]
+    python benchmarks/bench_quant.py [--json out.json] [--sweep]
 
 8 KV heads, head_dim 128, P = 128. Bytes = bytes read + bytes written, from the layout's shapes:
 prefill write reads the BF16 rows and writes codes + params; ``+rot`` also fuses ``(x @ R) * d - mu``;
 demotion (every sequence due at once) reads P rows of K and V, writes a page and shifts W rows left
 (read + write) and appends the new token; its counters are reset between calls by two tiny fills, which
 the time includes. Medians of CUDA-graph replays over rotated input sets.
+
+Before timing, every prefill-write variant is checked bit-exact against ``reference.quantize_pages`` on
+the same GPU (64 pages, clips 1.0 .. 0.5, so the multi-round threshold path runs too); ``+rot`` within the
+tests' tolerance. ``--sweep`` adds the launch widths (``num_warps`` 1/2/4/8) and the fused in-kernel rotation.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import json
 
 import torch
 
+from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
-from oscar_export.kernels.quant_pack import decode_step_update, write_pages
+from oscar_export.kernels.quant_pack import decode_step_update, quantize_pages, write_pages
 from oscar_export.kernels.transform import LayerTransform
 
 from bench_decode import copy_bandwidth, copies_for, env_line, graph_ms  # noqa: E402  (same folder)
@@ -25,7 +30,34 @@ from bench_decode import copy_bandwidth, copies_for, env_line, graph_ms  # noqa:
 H, D = 8, 128
 
 
-def bench_write(n_pages: int, gran: str, rotate: bool) -> dict:
+def check_write(gran: str, rotate: bool, **kw) -> str:
+    """Bit-exact (plain) or within tolerance (rotation) against the reference on this GPU; raises if not."""
+    lay = KVCacheLayout.default(H, D, gran)
+    x = (torch.randn(64, H, lay.page_size, D, device="cuda") * torch.linspace(0.1, 3, D, device="cuda")).bfloat16()
+    clip = torch.tensor([1.0, 0.99, 0.96, 0.94, 0.92, 0.87, 0.75, 0.5], device="cuda")
+    lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(H, 1)
+    rot = None
+    if rotate:
+        r = torch.linalg.qr(torch.randn(H, D, D, device="cuda"))[0].contiguous()
+        rot = (r, torch.rand(H, D, device="cuda") + 0.5, torch.randn(H, D, device="cuda") * 0.1)
+    got = quantize_pages(x, lay, lay.key, clip, lev, rot, **kw)
+    xs = x.float() if rot is None else ((torch.matmul(x.float(), rot[0]) * rot[1][:, None] - rot[2][:, None])
+                                        .bfloat16().float())
+    want = ref.quantize_pages(xs, lay.key, clip, lev)
+    if rot is None:
+        for name, g, w in zip(("codes", "params"), got, want):
+            if not torch.equal(g, w):
+                raise AssertionError(f"{gran} {kw}: {name} differ from the reference at {(g != w).sum().item()} places")
+        return "exact"
+    flips = (ref.unpack_codes(got[0], lay.key.group_size) != ref.unpack_codes(want[0], lay.key.group_size))
+    frac = flips.float().mean().item()
+    if frac > 2e-3:
+        raise AssertionError(f"{gran} +rot {kw}: {frac:.2%} of codes flipped (tolerance 0.2%)")
+    return f"{frac:.1e} flips"
+
+
+def bench_write(n_pages: int, gran: str, rotate: bool, **kw) -> dict:
+    check = check_write(gran, rotate, **kw)
     lay = KVCacheLayout.default(H, D, gran)
     fmt = lay.key
     clip = torch.full((H,), 0.96, device="cuda")
@@ -41,11 +73,12 @@ def bench_write(n_pages: int, gran: str, rotate: bool) -> dict:
     codes = torch.empty(lay.codes_shape(n_pages * sets), dtype=torch.uint8, device="cuda")
     params = torch.empty(lay.params_shape(fmt, n_pages * sets), dtype=torch.float16, device="cuda")
     ids = [torch.arange(i * n_pages, (i + 1) * n_pages, dtype=torch.int32, device="cuda") for i in range(sets)]
-    fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot) for i in range(sets)]
+    fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot, **kw) for i in range(sets)]
     us = graph_ms(fns) * 1e3
     nbytes = in_bytes + out_bytes
-    return dict(op="prefill write" + (" +rot" if rotate else ""), gran=gran, pages=n_pages, bytes=nbytes, us=us,
-                tbps=nbytes / (us * 1e-6) / 1e12)
+    variant = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
+    return dict(op="prefill write" + (" +rot" if rotate else ""), gran=gran, pages=n_pages, variant=variant,
+                check=check, bytes=nbytes, us=us, tbps=nbytes / (us * 1e-6) / 1e12)
 
 
 def bench_demote(batch: int, gran: str) -> dict:
@@ -73,12 +106,14 @@ def bench_demote(batch: int, gran: str) -> dict:
     row_bytes = H * D * 2
     nbytes = batch * (2 * p * row_bytes + 2 * (lay.page_bytes() // 2)  # read P K+V rows, write one page
                       + 2 * 2 * (cap - p) * row_bytes + 2 * row_bytes)  # shift K+V (read+write), append
-    return dict(op="demote+append", gran=gran, pages=batch, bytes=nbytes, us=us, tbps=nbytes / (us * 1e-6) / 1e12)
+    return dict(op="demote+append", gran=gran, pages=batch, variant="default", check="tests", bytes=nbytes, us=us,
+                tbps=nbytes / (us * 1e-6) / 1e12)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also num_warps 1/2/4/8 and the fused rotation")
     args = ap.parse_args(argv)
     print(env_line())
     bw = copy_bandwidth()
@@ -89,15 +124,19 @@ def main(argv=None) -> int:
             rows.append(bench_write(n, gran, rotate=False))
         rows.append(bench_write(1024, gran, rotate=True))
         rows.append(bench_demote(64, gran))
+        if args.sweep:
+            for w in (1, 2, 4, 8):
+                rows.append(bench_write(1024, gran, rotate=False, num_warps=w))
+            rows.append(bench_write(1024, gran, rotate=True, fused_rotation=True))
     for r in rows:
         print(json.dumps(r))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'op':>18} {'gran':>7} {'pages':>6} {'MB':>8} {'us':>8} {'TB/s':>6} {'% copy':>6}")
+    print(f"\n{'op':>18} {'gran':>7} {'pages':>6} {'variant':>20} {'MB':>8} {'us':>8} {'TB/s':>6} {'% copy':>6}  check")
     for r in rows:
-        print(f"{r['op']:>18} {r['gran']:>7} {r['pages']:>6} {r['bytes'] / 1e6:8.1f} {r['us']:8.1f} {r['tbps']:6.2f} "
-              f"{100 * r['tbps'] / bw:6.1f}")
+        print(f"{r['op']:>18} {r['gran']:>7} {r['pages']:>6} {r['variant']:>20} {r['bytes'] / 1e6:8.1f} {r['us']:8.1f} "
+              f"{r['tbps']:6.2f} {100 * r['tbps'] / bw:6.1f}  {r['check']}")
     return 0
 
 

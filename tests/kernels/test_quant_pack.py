@@ -53,6 +53,59 @@ def test_quantize_pages_bit_exact(qp, device, d, g, gran):
     _assert_equal("params", got_p.cpu(), want_p)
 
 
+def _hard_groups(p: int, g: int, h: int) -> torch.Tensor:
+    """``[1, h, p, g]``: one quantization group per row, built to break a top-k threshold search."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(h, p, g, generator=gen) * 1.5
+    x = torch.round(x * 2) / 2  # a coarse grid: ties everywhere, also across signs (+2 and -2)
+    x[:, 0] = 0.5  # all equal
+    x[:, 1] = 0.0  # all zero: threshold 0, scale 0
+    x[:, 2, :: max(1, g // 10)] = 3.0  # the max repeated ~10 times
+    x[:, 3] = torch.linspace(-1, 1, g)
+    x[:, 3, :12] = torch.tensor([5.0, -4.5, 4.0, 3.5, -3.0, 2.5, 2.0, 1.5, -1.5, 1.5, 1.5, -1.5])  # ties at the 8th..12th
+    x[:, 4, g // 2:] = -x[:, 4, : g // 2]  # every |x| exactly twice
+    x[:, 5] = torch.randn(g, generator=gen) * 1e-3  # distinct, tiny
+    x[:, 6, 5] = 1e4  # one huge outlier
+    x[:, 7] = torch.arange(g, dtype=torch.float32).flip(0) // 3  # runs of three equal values, descending
+    return x[None]
+
+
+# ranks for a 64-element group: K = 64 - rank values from the top decide the clip. K = 1 (clip 1), 8 and 9
+# (the fast path's edge), 16 and 17 (a second round, its edge), 64 (rank 0: the smallest |x|), 6 and 33.
+HARD_CLIPS = torch.tensor([1.0, 57 / 64, 56 / 64, 49 / 64, 48 / 64, 0.01, 0.96, 0.5])
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_threshold_ties_and_rank_edges_bit_exact(qp, device, gran):
+    """Ties at and around the threshold, repeated maxima, all-equal and zero groups, rank 0 and G - 1."""
+    h, n = len(HARD_CLIPS), 64
+    lay = KVCacheLayout(h, n, RowFormat(n, n, gran), RowFormat(n, n), sink=64, window=256, page_size=n)
+    x = _hard_groups(n, n, h)  # token: a group is a row
+    if gran == "channel":
+        x = x.transpose(-1, -2).contiguous()  # a group is a channel over the page's tokens
+    levels = LEVELS[torch.arange(h) % 3]
+    want_c, want_p = ref.quantize_pages(x, lay.key, HARD_CLIPS, levels)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gran", ["token", "channel"])
+@pytest.mark.parametrize("warps", [1, 2, 4, 8])
+def test_quantize_real_shape_every_width_bit_exact(qp, device, gran, warps):
+    """8 KV heads, D = P = G = 128, BF16 rows (ties), clips from 1.0 to 0.5: every launch width exact."""
+    lay = KVCacheLayout.default(8, 128, gran)
+    x = (torch.randn(64, 8, 128, 128, device=device) * torch.linspace(0.1, 3, 128, device=device)).bfloat16()
+    clip = torch.tensor([1.0, 0.99, 0.96, 0.94, 0.92, 0.87, 0.75, 0.5], device=device)
+    levels = LEVELS[torch.arange(8) % 3].to(device)
+    want_c, want_p = ref.quantize_pages(x.float(), lay.key, clip, levels)
+    got_c, got_p = qp.quantize_pages(x, lay, lay.key, clip, levels, num_warps=warps)
+    _assert_equal("codes", got_c, want_c)
+    _assert_equal("params", got_p, want_p)
+
+
 def test_quantize_bf16_input_bit_exact(qp, device):
     lay = _layout(64, "token")
     x = _rows(2, 3, 64, 64).bfloat16()
