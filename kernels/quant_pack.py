@@ -365,7 +365,8 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     ts0 = ((lv0 + lv1) * 0.5) * s
     ts1 = ((lv1 + lv2) * 0.5) * s
     ts2 = ((lv2 + lv3) * 0.5) * s
-    t = tl.arange(0, T)[:, None, None]
+    T3: tl.constexpr = 2 * T if P >= 2 * T else T  # tokens per step of the code pass
+    t = tl.arange(0, T3)[:, None, None]
     col = (tl.arange(0, NG)[:, None] * G + tl.arange(0, Q)[None, :])[None, :, :]  # [1, NG, Q], quarter 0
     byte = (tl.arange(0, NG)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
     th0, lo0 = _quarter(thr, 0, NG, Q)[None, :, :], _quarter(lof, 0, NG, Q)[None, :, :]
@@ -380,7 +381,7 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     th3, lo3 = _quarter(thr, 3, NG, Q)[None, :, :], _quarter(lof, 3, NG, Q)[None, :, :]
     a3, b3, c3 = (_quarter(ts0, 3, NG, Q)[None, :, :], _quarter(ts1, 3, NG, Q)[None, :, :],
                   _quarter(ts2, 3, NG, Q)[None, :, :])
-    for tb in range(0, P, T):
+    for tb in range(0, P, T3):
         rows = x_base + (tb + t) * stride_xp + col
         packed = _code(tl.load(rows).to(tl.float32), th0, lo0, a0, b0, c0)
         packed |= _code(tl.load(rows + Q).to(tl.float32), th1, lo1, a1, b1, c1) << 2
