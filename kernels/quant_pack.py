@@ -1,19 +1,22 @@
 """Fused (rotate,) clip, quantize and pack of whole pages: the Triton twin of ``reference.quantize_pages``.
 
-One program quantizes one ``[P, D]`` tile (one page of one KV head) and writes its packed codes and fp16
+One program quantizes one page of one KV head (``[P, D]`` rows) and writes its packed codes and fp16
 ``(scale, lo)`` params straight into the page pool. It serves the prefill write (whole pages known up front)
 and the demotion of the oldest recent tokens inside a decode step (:func:`decode_step_update`).
 
-The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is the
-``rank``-th smallest ``|x|`` of the group (found by removing the largest ``group - 1 - rank`` values one at
-a time, ties one occurrence at a time, so it equals ``sorted(|x|)[rank]``), the scale is
+The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is
+``sorted(|x|)[rank]`` of the group, i.e. its K-th largest ``|x|`` with ``K = group - rank``, found with
+per-thread top-8 lists in registers (see the comment above :func:`_ins`); the scale is
 ``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,
-so the codes and params are bit-identical to the reference on the same stored-basis input.
+so the codes and params are bit-identical to the reference on the same stored-basis input. A page takes
+two passes over its rows: the threshold (with min/max), then the codes.
 
-Optionally the basis change is fused in front (``rotation``): ``x_s = (x @ R[h]) * d[h] - mu[h]``,
-rounded to ``round_dtype`` (the BF16 the recent buffer would have held). The product is summed in a
-different order than ``torch.matmul``, so a value sitting exactly on a code boundary may flip; this path
-is tested with a tolerance, the plain path bit-exactly.
+Rows given in the model basis (``rotation``) are turned into ``x_s = (x @ R[h]) * d[h] - mu[h]`` by
+``torch.matmul`` first, rounded to ``round_dtype`` (the BF16 the recent buffer would have held), exactly as
+``LayerTransform.transform_keys`` does. ``fused_rotation=True`` does the product inside the kernel instead
+(the AOT bundle's ``_rot`` kernel; one ``[P, D]`` tile, the threshold by one-at-a-time max removal): it sums
+in a different order than ``torch.matmul``, so a value on a code boundary may flip, and it is ~10x slower
+on the H200. Both are tested with a tolerance, the plain path bit-exactly.
 """
 
 from __future__ import annotations
