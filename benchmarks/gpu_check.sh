@@ -22,8 +22,8 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, {p.name}, {p.mul
 PY
 step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc"; tail -n 25 "$OUT/$name.log"; return 0; }
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)
-    step decode_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "decode_attention_real_shape or fused_merge"
-    step bench_decode 420 python3 benchmarks/bench_decode.py --variants "${VARIANTS:-default,slots4,stages3}" --channel-variants "${CH_VARIANTS:-default}" --json "$OUT/bench_decode.json"
+    step decode_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "decode_attention_real_shape"
+    step bench_decode 420 python3 benchmarks/bench_decode.py --variants "${VARIANTS:-default,slots4,stages3}" --channel-variants "${CH_VARIANTS:-default}" --json "$OUT/bench_decode.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/decode_tests.log | tail -n 3
     tail -n 50 "$OUT/bench_decode.log"
     exit 0
@@ -31,6 +31,6 @@ fi
 step gpu_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -x -q -p no:cacheprovider
 [ "${1:-}" = quick ] || step kernel_tests 150 python3 -m pytest tests/kernels/test_quant_pack.py tests/kernels/test_decode_attention.py -q -x -p no:cacheprovider
 step bench_quant 120 python3 benchmarks/bench_quant.py --json "$OUT/bench_quant.json"
-step bench_decode 300 python3 benchmarks/bench_decode.py --sweep --json "$OUT/bench_decode.json"
+step bench_decode 300 python3 benchmarks/bench_decode.py --sweep --json "$OUT/bench_decode.json" ${COMMIT:+--commit $COMMIT}
 echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/gpu_tests.log "$OUT"/kernel_tests.log 2>/dev/null | tail -n 4
 tail -n 30 "$OUT/bench_decode.log"
