@@ -244,11 +244,12 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((S,), tl.int32) + keep,
                                      tl.zeros((S,), tl.int32), tl.zeros((S,), tl.float32))
             cut = inf
-            while tl.min(done, 0) == 0:
-                bound = cut
-                cut = t7
-                t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _row_round(ptrs, cut, bound, S, Q, C, False)
-                kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
+            if keep > 8:  # uniform: K <= 8 is resolved by the first round, skip the cross-warp check
+                while tl.min(done, 0) == 0:
+                    bound = cut
+                    cut = t7
+                    t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _row_round(ptrs, cut, bound, S, Q, C, False)
+                    kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
             lo = tl.minimum(tl.maximum(mn, -thr), thr)
             hi = tl.minimum(tl.maximum(mx, -thr), thr)
             scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
@@ -265,9 +266,13 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                 code = (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
                 packed = packed | (code << (2 * k))
             tl.store(codes_base + (rb + r)[:, None] * (D // 4) + (g * Q + q)[None, :], packed.to(tl.uint8))
-            prm = params_base + ((rb + r) * NG + g) * 2
-            tl.store(prm, scale16)
-            tl.store(prm + 1, lo16)
+            # (scale, lo) as one 32-bit word per row, stored by the thread holding column 0 of the tile
+            # (a [S] vector would be re-laid through shared memory first)
+            word = (scale16.to(tl.uint16, bitcast=True).to(tl.uint32)
+                    | (lo16.to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+            prm = (params_base + ((rb + r) * NG + g) * 2).to(tl.pointer_type(tl.uint32))
+            tl.store(prm[:, None] + 0 * q[None, :], word[:, None] + 0 * q[None, :].to(tl.uint32),
+                     mask=q[None, :] == 0)
 
 
 @triton.jit
@@ -352,11 +357,12 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((D,), tl.int32) + keep,
                              tl.zeros((D,), tl.int32), tl.zeros((D,), tl.float32))
     cut = inf
-    while tl.min(done, 0) == 0:
-        bound = cut
-        cut = t7
-        t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _channel_round(x_base, stride_xp, cut, bound, P, D, T, False)
-        kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
+    if keep > 8:  # uniform: K <= 8 is resolved by the first round
+        while tl.min(done, 0) == 0:
+            bound = cut
+            cut = t7
+            t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _channel_round(x_base, stride_xp, cut, bound, P, D, T, False)
+            kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
     lo = tl.minimum(tl.maximum(mn, -thr), thr)
     hi = tl.minimum(tl.maximum(mx, -thr), thr)
     scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
