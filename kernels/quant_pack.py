@@ -47,9 +47,10 @@ def _round_bf16(x):
 
 
 # The clip threshold: sorted(|x|)[rank] of each group, i.e. the K-th largest |x| with K = removals + 1.
-# Each thread keeps, per group it owns, the KEEP = 8 largest |x| it has seen as a descending list in
-# registers (insertion: two min/max per slot), the lists of the threads sharing a group are merged by a
-# tl.reduce (bitonic merge of two sorted lists), and the threshold is the list's K-th entry. Ties need no
+# Each thread keeps, per group it owns, the 8 largest |x| it has seen as a descending list in registers
+# (8 new values: a sorting network, then a bitonic merge into the list; one value: insertion), the lists
+# of the threads sharing a group are merged by a tl.reduce (the same bitonic merge), and the threshold is
+# the list's K-th entry. Ties need no
 # care: the list is a multiset. K > 8 (clip ratios below ~0.94 at G = 128) takes more rounds over the
 # group: round r keeps the 8 largest |x| below the previous round's 8th (the cut) and counts the values in
 # [cut, previous cut) it removes; each round removes >= 8 values or ends. Min and max of x come from the
