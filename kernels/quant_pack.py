@@ -714,6 +714,11 @@ def write_pages(
     group = p if fmt.granularity == "channel" else fmt.group_size
     removals = removal_counts(clip, group)
     fuse = rotation is not None and fused_rotation
+    # launch widths mirrored by the AOT bundle (aot.bundle.QUANT_WARPS, QUANT_ROT_WARPS): the fused
+    # rotation's [P, D] fp32 tile spills far less on 8 warps
+    warps = dict(num_warps=8) if fuse else dict(num_warps=4)
+    if num_warps is not None:
+        warps = dict(num_warps=num_warps)
     if rotation is not None and not fused_rotation:
         x = torch.matmul(x.float(), rot) * ds[:, None, :] - mu[:, None, :]
         x = x if round_dtype is None else x.to(round_dtype)
@@ -722,7 +727,7 @@ def write_pages(
         x.stride(0), x.stride(1), x.stride(2),
         H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
         ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16, ROUND_FP16=fuse and round_dtype == torch.float16,
-        num_warps=4 if num_warps is None else num_warps,
+        **warps,
     )
 
 

@@ -42,6 +42,8 @@ MERGE_CHUNK = 16
 TRITON_DEFAULT_STAGES = 3
 #: num_warps of the quant_pack wrapper's launch.
 QUANT_WARPS = 4
+#: ... and with the rotation fused in (``fused_rotation=True``).
+QUANT_ROT_WARPS = 8
 
 
 def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
@@ -69,7 +71,7 @@ def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: b
         }.items())),
         grid=("N", "H_KV", "1"),
         grid_inputs=("N",),
-        num_warps=QUANT_WARPS,
+        num_warps=QUANT_ROT_WARPS if rotate else QUANT_WARPS,
         num_stages=TRITON_DEFAULT_STAGES,
         doc=f"quantize {'model-basis' if rotate else 'stored-basis'} {which.upper()} pages into the INT2 pool",
     )

@@ -130,9 +130,13 @@ def test_write_pages_into_pool_at_page_ids(qp, device):
         assert bool((codes[untouched] == 0xAB).all()) and bool((params[untouched] == -7.0).all())
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("gran", ["token", "channel"])
-def test_fused_rotation_within_tolerance(qp, device, gran):
-    """(x @ R) * d - mu, rounded to BF16, then quantized: only exact-boundary flips may differ."""
+def test_fused_rotation_within_tolerance(qp, device, gran, fused):
+    """(x @ R) * d - mu, rounded to BF16, then quantized: only exact-boundary flips may differ.
+
+    ``fused``: the product inside the kernel (the AOT ``_rot`` kernel), else ``torch.matmul`` before it.
+    """
     lay = _layout(64, gran)
     h, p, d = 3, lay.page_size, 64
     rot = torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
@@ -146,7 +150,7 @@ def test_fused_rotation_within_tolerance(qp, device, gran):
     want_c, want_p = ref.quantize_pages(stored, lay.key, CLIPS, LEVELS)
     got_c, got_p = qp.quantize_pages(
         x.to(device), lay, lay.key, CLIPS.to(device), LEVELS.to(device),
-        rotation=(tr.k_rotation.to(device), tr.k_scale.to(device), tr.k_mean.to(device)),
+        rotation=(tr.k_rotation.to(device), tr.k_scale.to(device), tr.k_mean.to(device)), fused_rotation=fused,
     )
     got_c, got_p = got_c.cpu(), got_p.cpu()
     deq_want = ref.dequantize_pages(want_c, want_p, lay.key, LEVELS)
