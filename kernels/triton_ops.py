@@ -83,7 +83,7 @@ def _decode_step_update_op(
     torch.library.wrap_triton(_demote_due_kernel)[(bsz, h)](
         recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_removals, v_removals, k_levels, v_levels,
         block_table, num_pages, recent_len, block_table.shape[1],
-        H_KV=h, P=page_size, D=d, G=group_size, RC=recent_capacity, K_CHANNEL=k_channel, num_warps=8,
+        H_KV=h, P=page_size, D=d, G=group_size, RC=recent_capacity, K_CHANNEL=k_channel, num_warps=4,
     )
     torch.library.wrap_triton(_append_kernel)[(bsz,)](
         k, v, sink_k, sink_v, recent_k, recent_v, sink_len, num_pages, recent_len,
