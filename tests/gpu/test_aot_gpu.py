@@ -7,7 +7,8 @@ Run on the H200 (the bundle is built on the CPU machine and carried over)::
 
 Checks, for the cubin and for the PTX (driver JIT) of every kernel: the parameter list matches the
 manifest (``cuFuncGetParamInfo``); results are bitwise equal to the Triton JIT launch of the same kernel
-and constexprs; integer kernels equal the reference exactly, attention is within the error budget of the
+and constexprs (attention outputs: bitwise when the bundle's Triton is the JIT's, else within 2 bf16 ulps on
+at most 1 % of them, see ``_attention_matches_jit``); integer kernels equal the reference exactly, attention is within the error budget of the
 reference (at most 2x the error of a BF16 PyTorch computation, plus 1e-3); a decode step captured in a
 CUDA graph replays correctly with new inputs. A bundle compiled on the GPU machine with its own Triton
 (``local``) separates "the AOT path is wrong" from "two Triton versions compile differently".
@@ -93,7 +94,7 @@ def bundles(cuda, tmp_path_factory):
     local = tmp_path_factory.mktemp("local") / "bundle"
     # this machine's Triton and ptxas, native PTX ISA; one layout (the compile time is device time)
     try:
-        build(str(local), archs=("sm_90",), ptx_version=None, names=("ktok",))
+        build(str(local), archs=("sm_90",), ptx_version=None, names=("ktok", "kch"))
         out["local"] = read_manifest(local)
     except Exception as e:  # a diagnostic only: the CPU-built bundle is what is under test
         print(f"local bundle build FAILED (local tests skip): {type(e).__name__}: {str(e)[:300]}")
@@ -122,6 +123,27 @@ def _report(what, a, b):
         d = (a.float() - b.float()).abs()
         print(f"  {what}: NOT bitwise equal: {int((d > 0).sum())} of {d.numel()} differ, max {d.max().item():.3g}")
     return eq
+
+
+def _same_triton(bundles, where) -> bool:
+    """Whether the bundle was compiled by the Triton the JIT runs (the ``local`` bundle always is)."""
+    import triton
+
+    return where == "local" or bundles[where].data["triton_version"] == triton.__version__
+
+
+def _attention_matches_jit(what, out, jit, same_triton: bool) -> bool:
+    """Decode outputs vs the JIT: bitwise when one Triton compiled both. Across Triton versions the order of
+    the fp32 reductions inside the kernel (row sums over a page, the page-slot merge) is the compiler's
+    choice, so the bf16 outputs may differ in the last bit: then at most 1 % of them may differ, each by at
+    most 2 bf16 ulps (seen on the H200, Triton 3.9 bundle vs 3.6 JIT: 1 of 2304, 1 ulp). The accuracy
+    against the reference is asserted separately."""
+    if _report(what, out, jit) or same_triton:
+        return torch.equal(out, jit)
+    a, b = out.float(), jit.float()
+    d = (a - b).abs()
+    ulp = torch.maximum(a.abs(), b.abs()) * 2.0**-7 + 1e-30  # 2 bf16 ulps (8-bit significand)
+    return bool((d <= ulp).all()) and int((d > 0).sum()) <= max(1, d.numel() // 100)
 
 
 # ---- probe kernels --------------------------------------------------------------------------------------------
@@ -274,7 +296,7 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     print(f"  decode [{where} {source} {lay}] B={len(lengths)} lengths {lengths}: max err vs reference {err:.3g}, "
           f"BF16 torch {lp_err:.3g}")
     assert err <= 2 * lp_err + 1e-3
-    assert _report("decode vs JIT", out, jit)
+    assert _attention_matches_jit("decode vs JIT", out, jit, _same_triton(bundles, where))
 
     # The TensorRT-order variants (what plugins/trt hands TensorRT) through the same driver path.
     tsplit = _kernel(bundles, where, source, f"trt_decode_split_{tag}")
@@ -314,15 +336,7 @@ def test_decode_attention(bundles, where, source, lay, cuda):
 # ---- the TensorRT-LLM module's device ops (plugins/trtllm/device.py), without TensorRT-LLM ----------------
 
 
-PPS_ONE = pytest.param(
-    1, marks=pytest.mark.xfail(strict=False, reason=(
-        "seen on the H200 (2026-11-30): ktok, pages_per_split=1: 1 of 1728 bf16 outputs differs from the JIT by "
-        "5.96e-8 (kch equal). Suspected cause, not verified: the JIT specializes an int argument equal to 1 into "
-        "a constant; the AOT binary is generic. pages_per_split=2 is bitwise equal in every test here.")),
-)
-
-
-@pytest.mark.parametrize("pps", [PPS_ONE, 2])
+@pytest.mark.parametrize("pps", [1, 2])
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", [("cpu", "cubin"), ("cpu", "ptx")])
 def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
@@ -352,7 +366,7 @@ def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
                                    q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
                                    pages_per_split=pps)
     torch.cuda.synchronize()
-    assert _report("device-ops decode vs JIT", out, jit)
+    assert _attention_matches_jit("device-ops decode vs JIT", out, jit, _same_triton(bundles, where))
     print(f"  trtllm device ops [{where} {source} {lay} pps={pps}]: demotion == reference.demote, decode == JIT")
 
 
@@ -417,7 +431,7 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
                                            q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
                                            pages_per_split=2)
             torch.cuda.synchronize()
-            assert _report(f"step {step} decode vs JIT", out, jit)
+            assert _attention_matches_jit(f"step {step} decode vs JIT", out, jit, _same_triton(bundles, "cpu"))
         for b in prompts:
             update_step(b)
     assert demotions >= 2 and book.split(0)[1] >= 3
