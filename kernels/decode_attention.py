@@ -278,10 +278,10 @@ def _decode_split_kernel(
                 qlo += q2.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 2 * Q4) // 2, ok, Q4)
                 qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
                 const = tl.sum(qlo, axis=2)
-                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb0 * ks0).to(tl.float16), (0, 2, 1)))
-                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb1 * ks1).to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb2 * ks2).to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute((qb3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
+                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
                 st_ = st_ * KU + const[:, None, :]
             else:
                 ks, klo = _token_params(k_params_ptr, word_off, t, ok)
