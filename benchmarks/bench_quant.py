@@ -22,7 +22,8 @@ import torch
 
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
-from oscar_export.kernels.quant_pack import decode_step_update, quantize_pages, write_pages
+from oscar_export.kernels.decode_step import decode_step_update
+from oscar_export.kernels.quant_pack import quantize_pages, write_pages
 from oscar_export.kernels.transform import LayerTransform
 
 from bench_decode import copy_bandwidth, copies_for, env_line, graph_ms  # noqa: E402  (same folder)

@@ -2,11 +2,11 @@
 
 One program quantizes one page of one KV head (``[P, D]`` rows) and writes its packed codes and fp16
 ``(scale, lo)`` params straight into the page pool. It serves the prefill write (whole pages known up front)
-and the demotion of the oldest recent tokens inside a decode step (:func:`decode_step_update`).
+and the demotion of the oldest recent tokens inside a decode step (:mod:`.decode_step`).
 
 The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is
 ``sorted(|x|)[rank]`` of the group, i.e. its K-th largest ``|x|`` with ``K = group - rank``, found with
-per-thread top-8 lists in registers (see the comment above :func:`_ins`); the scale is
+per-thread top-8 lists in registers (:mod:`.clip_threshold`); the scale is
 ``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,
 so the codes and params are bit-identical to the reference on the same stored-basis input. A page takes
 two passes over its rows: the threshold (with min/max), then the codes.
@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
-from .transform import LayerTransform, clip_rank
+from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
+from .layout import ONE_THIRD_F32, KVCacheLayout, RowFormat
+from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
@@ -44,161 +45,6 @@ def _round_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
-
-
-# The clip threshold: sorted(|x|)[rank] of each group, i.e. the K-th largest |x| with K = removals + 1.
-# Each thread keeps, per group it owns, the 8 largest |x| it has seen as a descending list in registers
-# (8 new values: a sorting network, then a bitonic merge into the list; one value: insertion), the lists
-# of the threads sharing a group are merged by a tl.reduce (the same bitonic merge), and the threshold is
-# the list's K-th entry. Ties need no
-# care: the list is a multiset. K > 8 (clip ratios below ~0.94 at G = 128) takes more rounds over the
-# group: round r keeps the 8 largest |x| below the previous round's 8th (the cut) and counts the values in
-# [cut, previous cut) it removes; each round removes >= 8 values or ends. Min and max of x come from the
-# first round: clamp is monotone, so min(clamp(x)) == clamp(min(x)) exactly.
-
-
-@triton.jit
-def _ins(t0, t1, t2, t3, t4, t5, t6, t7, v):
-    """Insert ``v`` into the descending lists ``t0 >= ... >= t7`` (elementwise); the smallest falls off."""
-    h = tl.maximum(t0, v)
-    v = tl.minimum(t0, v)
-    t0 = h
-    h = tl.maximum(t1, v)
-    v = tl.minimum(t1, v)
-    t1 = h
-    h = tl.maximum(t2, v)
-    v = tl.minimum(t2, v)
-    t2 = h
-    h = tl.maximum(t3, v)
-    v = tl.minimum(t3, v)
-    t3 = h
-    h = tl.maximum(t4, v)
-    v = tl.minimum(t4, v)
-    t4 = h
-    h = tl.maximum(t5, v)
-    v = tl.minimum(t5, v)
-    t5 = h
-    h = tl.maximum(t6, v)
-    v = tl.minimum(t6, v)
-    t6 = h
-    t7 = tl.maximum(t7, v)
-    return t0, t1, t2, t3, t4, t5, t6, t7
-
-
-@triton.jit
-def _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    """The 8 largest of two descending 8-lists, descending (``tl.reduce`` combine: associative, commutative).
-
-    ``max(a_i, b_{7-i})`` holds the 8 largest as a bitonic sequence; a bitonic merger sorts it.
-    """
-    m0 = tl.maximum(a0, b7)
-    m1 = tl.maximum(a1, b6)
-    m2 = tl.maximum(a2, b5)
-    m3 = tl.maximum(a3, b4)
-    m4 = tl.maximum(a4, b3)
-    m5 = tl.maximum(a5, b2)
-    m6 = tl.maximum(a6, b1)
-    m7 = tl.maximum(a7, b0)
-    m0, m4 = tl.maximum(m0, m4), tl.minimum(m0, m4)
-    m1, m5 = tl.maximum(m1, m5), tl.minimum(m1, m5)
-    m2, m6 = tl.maximum(m2, m6), tl.minimum(m2, m6)
-    m3, m7 = tl.maximum(m3, m7), tl.minimum(m3, m7)
-    m0, m2 = tl.maximum(m0, m2), tl.minimum(m0, m2)
-    m1, m3 = tl.maximum(m1, m3), tl.minimum(m1, m3)
-    m4, m6 = tl.maximum(m4, m6), tl.minimum(m4, m6)
-    m5, m7 = tl.maximum(m5, m7), tl.minimum(m5, m7)
-    m0, m1 = tl.maximum(m0, m1), tl.minimum(m0, m1)
-    m2, m3 = tl.maximum(m2, m3), tl.minimum(m2, m3)
-    m4, m5 = tl.maximum(m4, m5), tl.minimum(m4, m5)
-    m6, m7 = tl.maximum(m6, m7), tl.minimum(m6, m7)
-    return m0, m1, m2, m3, m4, m5, m6, m7
-
-
-@triton.jit
-def _sort8(e0, e1, e2, e3, e4, e5, e6, e7):
-    """Descending sort of 8 values (elementwise): a 19-comparator network."""
-    e0, e2 = tl.maximum(e0, e2), tl.minimum(e0, e2)
-    e1, e3 = tl.maximum(e1, e3), tl.minimum(e1, e3)
-    e4, e6 = tl.maximum(e4, e6), tl.minimum(e4, e6)
-    e5, e7 = tl.maximum(e5, e7), tl.minimum(e5, e7)
-    e0, e4 = tl.maximum(e0, e4), tl.minimum(e0, e4)
-    e1, e5 = tl.maximum(e1, e5), tl.minimum(e1, e5)
-    e2, e6 = tl.maximum(e2, e6), tl.minimum(e2, e6)
-    e3, e7 = tl.maximum(e3, e7), tl.minimum(e3, e7)
-    e0, e1 = tl.maximum(e0, e1), tl.minimum(e0, e1)
-    e2, e3 = tl.maximum(e2, e3), tl.minimum(e2, e3)
-    e4, e5 = tl.maximum(e4, e5), tl.minimum(e4, e5)
-    e6, e7 = tl.maximum(e6, e7), tl.minimum(e6, e7)
-    e2, e4 = tl.maximum(e2, e4), tl.minimum(e2, e4)
-    e3, e5 = tl.maximum(e3, e5), tl.minimum(e3, e5)
-    e1, e4 = tl.maximum(e1, e4), tl.minimum(e1, e4)
-    e3, e6 = tl.maximum(e3, e6), tl.minimum(e3, e6)
-    e1, e2 = tl.maximum(e1, e2), tl.minimum(e1, e2)
-    e3, e4 = tl.maximum(e3, e4), tl.minimum(e3, e4)
-    e5, e6 = tl.maximum(e5, e6), tl.minimum(e5, e6)
-    return e0, e1, e2, e3, e4, e5, e6, e7
-
-
-@triton.jit
-def _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST: tl.constexpr):
-    """The 8 largest of the lists and 8 new values (sorted, then merged: ~9 min/max per value, not 15)."""
-    e0, e1, e2, e3, e4, e5, e6, e7 = _sort8(e0, e1, e2, e3, e4, e5, e6, e7)
-    if FIRST:  # the lists are still empty
-        t0, t1, t2, t3, t4, t5, t6, t7 = e0, e1, e2, e3, e4, e5, e6, e7
-    else:
-        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7)
-    return t0, t1, t2, t3, t4, t5, t6, t7
-
-
-@triton.jit
-def _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7, v, C: tl.constexpr, FIRST: tl.constexpr):
-    """Insert the ``C`` (1, 2, 4 or 8) values along the last axis of ``v [S, M, C]`` into lists ``[S, M]``.
-
-    The last axis is a thread's contiguous load vector, so the splits move no data. ``FIRST``: the lists
-    are empty (all -1).
-    """
-    if C == 1:
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, tl.reshape(v, (v.shape[0], v.shape[1])))
-    elif C == 2:
-        e0, e1 = tl.split(v)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
-    elif C == 4:
-        w0, w1 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
-        e0, e1 = tl.split(w0)
-        e2, e3 = tl.split(w1)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e2)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e3)
-    else:
-        w0, w1 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2, 2)))
-        w00, w01 = tl.split(w0)
-        w10, w11 = tl.split(w1)
-        e0, e1 = tl.split(w00)
-        e2, e3 = tl.split(w01)
-        e4, e5 = tl.split(w10)
-        e6, e7 = tl.split(w11)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST)
-    return t0, t1, t2, t3, t4, t5, t6, t7
-
-
-@triton.jit
-def _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr):
-    """One round's verdict per group. ``t*``: the 8 largest ``|x|`` below ``cut``; ``c``: count of values in
-    ``[cut, previous cut)``; ``kr``: rank from the top still to go before this round. Returns kr, done, thr.
-    """
-    fin = (done == 0) & (c >= kr)  # the kr-th largest is among the c values >= cut: equal to cut
-    thr = tl.where(fin, cut, thr)
-    done = tl.where(fin, 1, done)
-    kr = tl.where(done == 0, kr - c, kr)
-    fin = (done == 0) & (kr <= 8)
-    j = kr - 1
-    pick = tl.where(j == 0, t0, tl.where(j == 1, t1, tl.where(j == 2, t2, tl.where(j == 3, t3, tl.where(
-        j == 4, t4, tl.where(j == 5, t5, tl.where(j == 6, t6, t7)))))))
-    thr = tl.where(fin, pick, thr)
-    done = tl.where(fin, 1, done)
-    return kr, done, thr
 
 
 @triton.jit
@@ -529,90 +375,6 @@ def _quant_pack_kernel(
                        P, D, G, CHANNEL)
 
 
-@triton.jit
-def _demote_due_kernel(
-    recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr,
-    k_rank_ptr, v_rank_ptr, k_levels_ptr, v_levels_ptr, block_table_ptr, num_pages_ptr, recent_len_ptr,
-    max_pages,
-    H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, RC: tl.constexpr,
-    K_CHANNEL: tl.constexpr,
-):
-    """Demotion step of a decode step, for sequences whose recent window is full. Grid ``(B, H_kv)``.
-
-    If ``recent_len[b] == RC`` (= W + P): quantize recent slots ``[0, P)`` of KV head ``h`` into pool page
-    ``block_table[b, num_pages[b]]`` (the caller reserved it) and shift slots ``[P, RC)`` to ``[0, RC - P)``.
-    Counters are left alone (``_append_kernel`` updates them after every head is done).
-
-    Parameters: recent_k_ptr, recent_v_ptr bf16 ``[B, H_kv, RC, D]``; k/v codes and params: the pools;
-    k_rank_ptr, v_rank_ptr int32 ``[H_kv]`` removals per group; k_levels_ptr, v_levels_ptr fp32 ``[H_kv, 4]``;
-    block_table_ptr int32 ``[B, max_pages]``; num_pages_ptr, recent_len_ptr int32 ``[B]``; max_pages int32;
-    constexpr H_KV, P, D, G (value/token group size), RC, K_CHANNEL.
-    """
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    if tl.load(recent_len_ptr + b) == RC:
-        page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + tl.load(num_pages_ptr + b)).to(tl.int64)
-        t = tl.arange(0, P)
-        i = tl.arange(0, D)
-        base = (b * H_KV + h).to(tl.int64) * (RC * D)
-        rows = t[:, None] * D + i[None, :]
-        _quantize_page(recent_k_ptr + base, D, k_codes_ptr, k_params_ptr, page * H_KV + h, tl.load(k_rank_ptr + h),
-                       tl.load(k_levels_ptr + h * 4), tl.load(k_levels_ptr + h * 4 + 1),
-                       tl.load(k_levels_ptr + h * 4 + 2), tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL)
-        _quantize_page(recent_v_ptr + base, D, v_codes_ptr, v_params_ptr, page * H_KV + h, tl.load(v_rank_ptr + h),
-                       tl.load(v_levels_ptr + h * 4), tl.load(v_levels_ptr + h * 4 + 1),
-                       tl.load(v_levels_ptr + h * 4 + 2), tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False)
-        tl.debug_barrier()  # every warp has read slots [0, P) before any overwrites them
-        # shift left by P, one page-sized block at a time in ascending order (reads stay ahead of writes)
-        for blk in range(0, RC // P - 1):
-            src = base + (blk + 1) * (P * D) + rows
-            dst = base + blk * (P * D) + rows
-            tl.store(recent_k_ptr + dst, tl.load(recent_k_ptr + src))
-            tl.store(recent_v_ptr + dst, tl.load(recent_v_ptr + src))
-
-
-@triton.jit
-def _append_kernel(
-    k_ptr, v_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
-    sink_len_ptr, num_pages_ptr, recent_len_ptr,
-    H_KV: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, S0: tl.constexpr,
-    RC: tl.constexpr,
-):
-    """Write one new token per sequence and update the counters. Grid ``(B,)``; runs after the demotion.
-
-    The token goes to the sink while the sequence is still filling it (``sink_len < S0`` and nothing
-    after it), otherwise to recent slot ``recent_len`` (``recent_len - P`` when a demotion just happened).
-
-    Parameters: k_ptr, v_ptr ``[B, H_kv, D]`` stored basis (fp32/bf16/fp16); sink_k/v bf16 ``[B, H_kv, S0, D]``;
-    recent_k/v bf16 ``[B, H_kv, RC, D]``; sink_len_ptr, num_pages_ptr, recent_len_ptr int32 ``[B]``;
-    constexpr H_KV, H_PAD (pow2 >= H_KV), D, P, S0, RC.
-    """
-    b = tl.program_id(0)
-    hh = tl.arange(0, H_PAD)
-    i = tl.arange(0, D)
-    hm = (hh < H_KV)[:, None]
-    src = (b * H_KV + hh).to(tl.int64)[:, None] * D + i[None, :]
-    k = _round_bf16(tl.load(k_ptr + src, mask=hm, other=0.0).to(tl.float32))
-    v = _round_bf16(tl.load(v_ptr + src, mask=hm, other=0.0).to(tl.float32))
-    sl = tl.load(sink_len_ptr + b)
-    npg = tl.load(num_pages_ptr + b)
-    rl = tl.load(recent_len_ptr + b)
-    if (sl < S0) & (npg == 0) & (rl == 0):
-        dst = (b * H_KV + hh).to(tl.int64)[:, None] * (S0 * D) + sl * D + i[None, :]
-        tl.store(sink_k_ptr + dst, k.to(tl.bfloat16), mask=hm)
-        tl.store(sink_v_ptr + dst, v.to(tl.bfloat16), mask=hm)
-        tl.store(sink_len_ptr + b, sl + 1)
-    else:
-        due = rl == RC
-        r = tl.where(due, rl - P, rl)
-        dst = (b * H_KV + hh).to(tl.int64)[:, None] * (RC * D) + r * D + i[None, :]
-        tl.store(recent_k_ptr + dst, k.to(tl.bfloat16), mask=hm)
-        tl.store(recent_v_ptr + dst, v.to(tl.bfloat16), mask=hm)
-        tl.store(recent_len_ptr + b, r + 1)
-        tl.store(num_pages_ptr + b, tl.where(due, npg + 1, npg))
-
-
-
 # ---- wrapper ------------------------------------------------------------------------------------------------
 
 
@@ -756,84 +518,4 @@ def quantize_pages(
     return codes, params
 
 
-def decode_step_update(
-    state: PagedKV, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout, transform: LayerTransform
-) -> None:
-    """Append one token to every sequence, demoting ``P`` recent tokens first where the window is full.
-
-    The same cache as ``reference.append_tokens`` with ``T = 1`` for each ``b``, in two launches that read no
-    device value on the host (CUDA-graph capturable). Contract (not checked, it would need a host sync):
-    wherever a demotion can be due, ``block_table[b, num_pages[b]]`` holds a free page the caller reserved,
-    and ``num_pages[b] < max_pages``. New rows are not checked for NaN/Inf (the reference does).
-
-    Args:
-        k, v: ``[B, H_kv, D]`` fp32/bf16/fp16 new rows in the stored basis.
-        transform: clip ratios and levels (``k_clip, v_clip, k_levels, v_levels``).
-    """
-    check_decode_step_inputs(state, k, v, layout, transform)
-    h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
-    bsz = k.shape[0]
-    max_pages = state.block_table.shape[1]
-    tr = transform
-    k_group = p if layout.key.granularity == "channel" else layout.key.group_size
-    _demote_due_kernel[(bsz, h)](
-        state.recent_k, state.recent_v, state.k_codes, state.k_params, state.v_codes, state.v_params,
-        removal_counts(tr.k_clip, k_group), removal_counts(tr.v_clip, layout.value.group_size),
-        tr.k_levels.contiguous(), tr.v_levels.contiguous(), state.block_table, state.num_pages, state.recent_len,
-        max_pages,
-        H_KV=h, P=p, D=d, G=layout.value.group_size, RC=layout.recent_capacity,
-        K_CHANNEL=layout.key.granularity == "channel", num_warps=4,
-    )
-    _append_kernel[(bsz,)](
-        k, v, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
-        state.sink_len, state.num_pages, state.recent_len,
-        H_KV=h, H_PAD=1 << max(0, (h - 1).bit_length()), D=d, P=p, S0=layout.sink, RC=layout.recent_capacity,
-        num_warps=4,
-    )
-
-
-def check_decode_step_inputs(
-    state: PagedKV, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout, transform: LayerTransform
-) -> None:
-    """Raise on anything :func:`decode_step_update` cannot launch on (shapes, dtypes, devices only)."""
-    h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
-    check_format(layout.key, p, "decode_step_update key")
-    check_format(layout.value, p, "decode_step_update value")
-    if layout.recent_capacity % p:
-        raise NotImplementedError(f"decode_step_update: window + page must be a multiple of P={p}")
-    if k.dim() != 3:
-        raise ValueError(f"k: expected [B, H_kv, D], got {list(k.shape)}")
-    bsz = k.shape[0]
-    dev = k.device
-    for name, t in (("k", k), ("v", v)):
-        _check(name, t, (bsz, h, d), (torch.float32, torch.bfloat16, torch.float16), dev)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-    pool = state.k_codes.shape[0]
-    max_pages = state.block_table.shape[1] if state.block_table.dim() == 2 else -1
-    for name, t, shape, dt in (
-        ("state.sink_k", state.sink_k, layout.sink_shape(bsz), torch.bfloat16),
-        ("state.sink_v", state.sink_v, layout.sink_shape(bsz), torch.bfloat16),
-        ("state.recent_k", state.recent_k, layout.recent_shape(bsz), torch.bfloat16),
-        ("state.recent_v", state.recent_v, layout.recent_shape(bsz), torch.bfloat16),
-        ("state.k_codes", state.k_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.v_codes", state.v_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
-        ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
-        ("state.block_table", state.block_table, (bsz, max_pages), torch.int32),
-        ("state.sink_len", state.sink_len, (bsz,), torch.int32),
-        ("state.num_pages", state.num_pages, (bsz,), torch.int32),
-        ("state.recent_len", state.recent_len, (bsz,), torch.int32),
-    ):
-        _check(name, t, shape, dt, dev)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-    tr = transform
-    for name, t, shape in (("k_clip", tr.k_clip, (h,)), ("v_clip", tr.v_clip, (h,)),
-                           ("k_levels", tr.k_levels, (h, 4)), ("v_levels", tr.v_levels, (h, 4))):
-        _check(f"transform.{name}", t, shape, torch.float32, dev)
-    if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
-        raise NotImplementedError("decode_step_update: key and value token group sizes must match")
-
-
-__all__ = ["check_decode_step_inputs", "check_format", "decode_step_update", "quantize_pages", "removal_counts", "write_pages"]
+__all__ = ["check_format", "quantize_pages", "removal_counts", "write_pages"]

@@ -3,7 +3,7 @@
 ``torch.library.triton_op`` registers each op with a schema of tensors and plain scalars; inside, the
 kernels launch through ``torch.library.wrap_triton``, which lets Inductor trace and schedule them (and
 gives fake-tensor shape propagation for free). The Python entry points take the same arguments as the
-plain wrappers (:func:`.decode_attention.decode_attention`, :func:`.quant_pack.decode_step_update`), run
+plain wrappers (:func:`.decode_attention.decode_attention`, :func:`.decode_step.decode_step_update`), run
 the same input checks and then call the op:
 
 =====================================  ======================================================================
@@ -18,9 +18,8 @@ import torch
 
 from .decode_attention import check_decode_inputs, launch_decode
 from .layout import KVCacheLayout, PagedKV
-from .quant_pack import (
-    _append_kernel, _demote_due_kernel, check_decode_step_inputs, removal_counts,
-)
+from .decode_step import _append_kernel, _demote_due_kernel, check_decode_step_inputs
+from .quant_pack import removal_counts
 from .transform import LayerTransform
 
 _STATE = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params",
@@ -95,7 +94,7 @@ def _decode_step_update_op(
 def decode_step_update(
     state: PagedKV, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout, transform: LayerTransform
 ) -> None:
-    """:func:`.quant_pack.decode_step_update` through the ``oscar::decode_step_update`` custom op."""
+    """:func:`.decode_step.decode_step_update` through the ``oscar::decode_step_update`` custom op."""
     check_decode_step_inputs(state, k, v, layout, transform)
     tr = transform
     k_group = layout.page_size if layout.key.granularity == "channel" else layout.key.group_size

@@ -11,7 +11,7 @@
 
 The windows must be BF16 (the cache's GPU default). Writers read counters on the host, like the reference
 (the HF cache keeps host mirrors anyway); the graph-capturable per-step update is
-``kernels.quant_pack.decode_step_update``.
+``kernels.decode_step.decode_step_update``.
 """
 
 from __future__ import annotations

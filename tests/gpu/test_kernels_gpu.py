@@ -23,7 +23,8 @@ triton = pytest.importorskip("triton")
 from oscar_export.kernels import reference as ref  # noqa: E402
 from oscar_export.kernels.decode_attention import decode_attention  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
-from oscar_export.kernels.quant_pack import decode_step_update, quantize_pages  # noqa: E402
+from oscar_export.kernels.decode_step import decode_step_update  # noqa: E402
+from oscar_export.kernels.quant_pack import quantize_pages  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
 DEV = torch.device("cuda")

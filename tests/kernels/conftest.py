@@ -78,6 +78,12 @@ def qp(request) -> ModuleType:
 
 
 @pytest.fixture
+def ds(request) -> ModuleType:
+    """``kernels.decode_step`` as it runs here (see the module doc)."""
+    return _kernel_module(request, "decode_step")
+
+
+@pytest.fixture
 def da(request) -> ModuleType:
     """``kernels.decode_attention`` as it runs here (see the module doc)."""
     return _kernel_module(request, "decode_attention")

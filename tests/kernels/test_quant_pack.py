@@ -1,4 +1,4 @@
-"""Triton quantize/pack and the decode-step cache update against ``kernels/reference.py``.
+"""Triton quantize/pack against ``kernels/reference.py`` (the decode-step update: test_decode_step.py).
 
 Codes and fp16 params must be ``torch.equal`` to the reference on the same stored-basis rows; the fused
 rotation path is allowed a stated, small fraction of boundary flips. On the CPU this runs through Triton's
@@ -162,36 +162,6 @@ def test_fused_rotation_within_tolerance(qp, device, gran, fused):
     assert rel <= 5e-3, f"fused rotation: relative dequantized difference {rel:.3e}"
 
 
-def test_decode_step_update_matches_reference_appends(qp, device):
-    """Ragged batch, both key granularities: every buffer equal to T single-token reference appends."""
-    for gran in ("token", "channel"):
-        lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
-        tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-        bsz, maxp, start = 3, 6, [0, 30, 47]  # 47 = S0 + W + P - 1: the first step demotes
-        a = PagedKV.allocate(lay, bsz, bsz * maxp, maxp)
-        for b, t in enumerate(start):
-            if t:
-                ids = iter(range(b * maxp, (b + 1) * maxp))
-                ref.append_tokens(a, b, torch.randn(2, t, 64), torch.randn(2, t, 64), lay, tr, lambda: next(ids))
-        g = PagedKV(**{f: getattr(a, f).clone().to(device) for f in a.__dataclass_fields__})
-        g.block_table.copy_(torch.arange(bsz * maxp, dtype=torch.int32).view(bsz, maxp))  # reserved ahead
-        for _ in range(20):
-            k, v = torch.randn(bsz, 2, 64), torch.randn(bsz, 2, 64)
-            for b in range(bsz):
-                ids = iter(range(b * maxp + int(a.num_pages[b]), (b + 1) * maxp))
-                ref.append_tokens(a, b, k[b, :, None], v[b, :, None], lay, tr, lambda: next(ids))
-            qp.decode_step_update(g, k.to(device), v.to(device), lay, tr.to(device))
-        assert a.num_pages.tolist() == [0, 1, 2], a.num_pages  # demotions happened on the way
-        for f in a.__dataclass_fields__:
-            got, want = getattr(g, f).cpu(), getattr(a, f)
-            if f == "block_table":
-                for b in range(bsz):
-                    n = int(a.num_pages[b])
-                    _assert_equal(f"{gran} block_table[{b}]", got[b, :n], want[b, :n])
-            else:
-                _assert_equal(f"{gran} {f}", got, want)
-
-
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
 
 
@@ -232,23 +202,6 @@ def test_bad_inputs_raise(qp, device):
     odd = KVCacheLayout(3, 96, RowFormat(96, 96), RowFormat(96, 96), page_size=32)
     with pytest.raises(NotImplementedError, match="power-of-two"):
         qp.quantize_pages(torch.randn(1, 3, 32, 96, device=device), odd, odd.key, clip, lev)
-
-
-def test_decode_step_update_bad_inputs(qp, device):
-    lay = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=16, page_size=16)
-    st = PagedKV.allocate(lay, 2, 4, 2, device=device)
-    tr = LayerTransform.identity(2, 64).to(device)
-    k = torch.randn(2, 2, 64, device=device)
-    with pytest.raises(ValueError, match=r"k: expected shape \[2, 2, 64\]"):
-        qp.decode_step_update(st, k[:, :1], k, lay, tr)
-    with pytest.raises(ValueError, match="v: expected a contiguous"):
-        qp.decode_step_update(st, k, k.transpose(0, 1).contiguous().transpose(0, 1), lay, tr)
-    st.recent_k = st.recent_k.float()
-    with pytest.raises(ValueError, match="state.recent_k: expected dtype torch.bfloat16"):
-        qp.decode_step_update(st, k, k, lay, tr)
-    bad = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=24, page_size=16)
-    with pytest.raises(NotImplementedError, match="multiple of P"):
-        qp.decode_step_update(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, bad, tr)
 
 
 def test_hf_triton_backend_writes_equal_reference(qp, device):
