@@ -248,7 +248,7 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     """Raise if ``x`` holds NaN or Inf: one would silently turn a whole page into garbage."""
     if not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x)).sum().item()
-        raise ValueError(f"{what}: {bad} non-finite values (NaN/Inf) reached the INT2 quantizer")
+        raise ValueError(f"{what}: {bad} non-finite values (NaN/Inf) would enter the cache")
 
 
 def demote(

@@ -263,6 +263,9 @@ class OscarLayer(CacheLayerMixin):
             rec_b.append(b)
             rec_t.append(recent)
         st, p = self.state, lay.page_size
+        for b in sink_b:  # sink tokens stay for the whole sequence and are never quantized: check them here
+            reference.check_finite(k[b, :, 0], f"keys of sequence {b} (sink)")
+            reference.check_finite(v[b, :, 0], f"values of sequence {b} (sink)")
         for b in demote:  # every check before the first write: a failure leaves all sequences as they were
             reference.check_finite(st.recent_k[b, :, :p], f"keys of sequence {b} (demotion)")
             reference.check_finite(st.recent_v[b, :, :p], f"values of sequence {b} (demotion)")

@@ -222,6 +222,21 @@ def test_nan_keys_are_rejected_before_any_write():
     assert torch.equal(layer.read_sequence(0)[1], before[0])
 
 
+def test_nan_in_a_sink_token_is_rejected_at_decode():
+    """Sink tokens are never quantized (so never reach the demotion check): a NaN there is caught on append."""
+    lay = small_layout()
+    layer = OscarLayer(lay, LayerTransform.identity(2, 32), 2, 200)
+    k, v = torch.randn(2, 2, 3, 32), torch.randn(2, 2, 3, 32)
+    layer.append_decode(k[:, :, :1], v[:, :, :1])
+    v[0, 1, 1, 5] = float("nan")
+    before = [layer.read_sequence(b)[1].clone() for b in range(2)]
+    with pytest.raises(ValueError, match=r"values of sequence 0 \(sink\): 1 non-finite"):
+        layer.append_decode(k[:, :, 1:2], v[:, :, 1:2])
+    assert layer.lengths == [1, 1]
+    for b in range(2):
+        assert torch.equal(layer.read_sequence(b)[1], before[b])
+
+
 @pytest.mark.parametrize(
     "k_shape, dtype, match",
     [
