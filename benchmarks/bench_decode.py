@@ -20,7 +20,7 @@ import subprocess
 import torch
 import torch.nn.functional as F
 
-from oscar_export.kernels.decode_attention import decode_attention, default_pages_per_split
+from oscar_export.kernels.decode_attention import PAGE_SLOTS, decode_attention, default_pages_per_split
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 
 HQ, HKV, D = 32, 8, 128
@@ -131,7 +131,7 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
     variants = []
     for name in names:
         v = dict(VARIANTS[name], variant=name)
-        v["pages_per_split"] = default_pages_per_split(batch, HKV, max_pages, sms, v.get("page_slots", 2))
+        v["pages_per_split"] = default_pages_per_split(batch, HKV, max_pages, sms, v.get("page_slots", PAGE_SLOTS))
         variants.append(v)
     if sweep:  # the last named variant at half and double its pages per split
         base = variants[-1]

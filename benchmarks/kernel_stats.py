@@ -32,8 +32,6 @@ from oscar_export.kernels.aot.compile import compile_kernel  # noqa: E402
 from oscar_export.kernels.aot.spec import KernelSpec, Param  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 
-#: pointer types of kernel arguments the bundle specs do not name (for ``KERNEL=`` experiments)
-EXTRA_TYPES = {"out_ptr": "*bf16"}
 INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/")
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 CLASSES = {
@@ -61,7 +59,8 @@ def _parse_value(v: str):
 
 def build_spec(which: str, sets: dict, warps: int | None, stages: int | None) -> KernelSpec:
     kernel = sets.pop("KERNEL", None)
-    gran = "channel" if sets.pop("K_CHANNEL", False) or sets.pop("CHANNEL", False) and which == "quant" else "token"
+    channel = bool(sets.pop("K_CHANNEL" if which == "decode" else "CHANNEL", False))
+    gran = "channel" if channel else "token"
     layout = KVCacheLayout.default(sets.pop("H_KV", 8), sets.pop("D", 128), key_granularity=gran)
     if which == "decode":
         spec = decode_split_spec(layout, 4 * layout.num_kv_heads, layout.head_dim ** -0.5, layout_tag(layout, 32))
@@ -72,10 +71,10 @@ def build_spec(which: str, sets: dict, warps: int | None, stages: int | None) ->
         cx["ROTATE_Q"] = False  # as bench_decode.py runs it
     cx.update(sets)
     params = spec.params
-    if kernel:  # another kernel: its runtime arguments, typed like the spec's (plus EXTRA_TYPES)
+    if kernel:  # another kernel with the same argument names: its runtime arguments, typed like the spec's
         module, attr = kernel.split(":")
         fn = getattr(importlib.import_module(module), attr)
-        types = {**{p.name: p.type for p in spec.params}, **EXTRA_TYPES}
+        types = {p.name: p.type for p in spec.params}
         params = tuple(Param(a, types[a]) for a in fn.arg_names if a not in cx)
     return KernelSpec(name=spec.name, kernel=kernel or spec.kernel, params=params,
                       constexprs=tuple(sorted(cx.items())), grid=spec.grid, grid_inputs=spec.grid_inputs,

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .layout import KVCacheLayout, PagedKV
-from .quant_pack import _check, check_format
+from .quant_pack import _check, check_format, check_paged_state
 
 LOG2E = 1.4426950408889634
 #: tokens per BF16 chunk (sink and recent window are cut into chunks of this size, one split each).
@@ -489,26 +489,10 @@ def check_decode_inputs(
     if not q.is_contiguous():
         raise ValueError("q: expected a contiguous tensor")
     dev = q.device
-    pool = state.k_codes.shape[0]
-    max_pages = state.block_table.shape[1] if state.block_table.dim() == 2 else -1
-    checks = [
-        ("state.sink_k", state.sink_k, layout.sink_shape(bsz), torch.bfloat16),
-        ("state.sink_v", state.sink_v, layout.sink_shape(bsz), torch.bfloat16),
-        ("state.recent_k", state.recent_k, layout.recent_shape(bsz), torch.bfloat16),
-        ("state.recent_v", state.recent_v, layout.recent_shape(bsz), torch.bfloat16),
-        ("state.k_codes", state.k_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.v_codes", state.v_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
-        ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
-        ("state.block_table", state.block_table, (bsz, max_pages), torch.int32),
-        ("state.sink_len", state.sink_len, (bsz,), torch.int32),
-        ("state.num_pages", state.num_pages, (bsz,), torch.int32),
-        ("state.recent_len", state.recent_len, (bsz,), torch.int32),
-        ("k_levels", k_levels, (hkv, 4), torch.float32),
-        ("v_levels", v_levels, (hkv, 4), torch.float32),
-    ]
-    for name, t, shape, dt in checks:
-        _check(name, t, shape, dt, dev)
+    check_paged_state(state, layout, bsz, dev)
+    max_pages = state.block_table.shape[1]
+    for name, t in (("k_levels", k_levels), ("v_levels", v_levels)):
+        _check(name, t, (hkv, 4), torch.float32, dev)
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor")
     if q_rotation is not None:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .layout import KVCacheLayout, PagedKV
-from .quant_pack import _check, _quantize_page, _round_bf16, check_format, removal_counts
+from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state, removal_counts
 from .transform import LayerTransform
 
 
@@ -159,25 +159,7 @@ def check_decode_step_inputs(
         _check(name, t, (bsz, h, d), (torch.float32, torch.bfloat16, torch.float16), dev)
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor")
-    pool = state.k_codes.shape[0]
-    max_pages = state.block_table.shape[1] if state.block_table.dim() == 2 else -1
-    for name, t, shape, dt in (
-        ("state.sink_k", state.sink_k, layout.sink_shape(bsz), torch.bfloat16),
-        ("state.sink_v", state.sink_v, layout.sink_shape(bsz), torch.bfloat16),
-        ("state.recent_k", state.recent_k, layout.recent_shape(bsz), torch.bfloat16),
-        ("state.recent_v", state.recent_v, layout.recent_shape(bsz), torch.bfloat16),
-        ("state.k_codes", state.k_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.v_codes", state.v_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
-        ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
-        ("state.block_table", state.block_table, (bsz, max_pages), torch.int32),
-        ("state.sink_len", state.sink_len, (bsz,), torch.int32),
-        ("state.num_pages", state.num_pages, (bsz,), torch.int32),
-        ("state.recent_len", state.recent_len, (bsz,), torch.int32),
-    ):
-        _check(name, t, shape, dt, dev)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
+    check_paged_state(state, layout, bsz, dev)
     tr = transform
     for name, t, shape in (("k_clip", tr.k_clip, (h,)), ("v_clip", tr.v_clip, (h,)),
                            ("k_levels", tr.k_levels, (h, 4)), ("v_levels", tr.v_levels, (h, 4))):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
-from .layout import ONE_THIRD_F32, KVCacheLayout, RowFormat
+from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
 from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
@@ -410,6 +410,30 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
 
+def check_paged_state(state: PagedKV, layout: KVCacheLayout, batch: int, device) -> None:
+    """Raise unless every buffer of ``state`` has the layout's shape and dtype for ``batch`` sequences, lives
+    on ``device`` and is contiguous (the pool size and block-table width are taken from the state)."""
+    pool = state.k_codes.shape[0]
+    max_pages = state.block_table.shape[1] if state.block_table.dim() == 2 else -1
+    for name, t, shape, dt in (
+        ("state.sink_k", state.sink_k, layout.sink_shape(batch), torch.bfloat16),
+        ("state.sink_v", state.sink_v, layout.sink_shape(batch), torch.bfloat16),
+        ("state.recent_k", state.recent_k, layout.recent_shape(batch), torch.bfloat16),
+        ("state.recent_v", state.recent_v, layout.recent_shape(batch), torch.bfloat16),
+        ("state.k_codes", state.k_codes, layout.codes_shape(pool), torch.uint8),
+        ("state.v_codes", state.v_codes, layout.codes_shape(pool), torch.uint8),
+        ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
+        ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
+        ("state.block_table", state.block_table, (batch, max_pages), torch.int32),
+        ("state.sink_len", state.sink_len, (batch,), torch.int32),
+        ("state.num_pages", state.num_pages, (batch,), torch.int32),
+        ("state.recent_len", state.recent_len, (batch,), torch.int32),
+    ):
+        _check(name, t, shape, dt, device)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+
+
 def write_pages(
     x: torch.Tensor,
     page_ids: torch.Tensor,
@@ -518,4 +542,4 @@ def quantize_pages(
     return codes, params
 
 
-__all__ = ["check_format", "quantize_pages", "removal_counts", "write_pages"]
+__all__ = ["check_format", "check_paged_state", "quantize_pages", "removal_counts", "write_pages"]
