@@ -96,7 +96,7 @@ def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, ta
         params=tuple(Param(n, t) for n, t in p),
         constexprs=tuple(sorted({
             "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad(gq), "D": layout.head_dim, "P": layout.page_size,
-            "S0": layout.sink, "RC": layout.recent_capacity, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
+            "S0": layout.sink, "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
             "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
             "ROTATE_Q": True, "FAST_UNPACK": not codebook,  # the wrapper's choice on a GPU
             "NB": PAGE_SLOTS,
@@ -185,7 +185,7 @@ def decode_plan(layout: KVCacheLayout, batch: int, num_heads: int, max_pages: in
         raise ValueError(f"decode_plan: batch, max_pages, pages_per_split must be > 0, got {batch}, {max_pages}, "
                          f"{pages_per_split}")
     n_page = -(-max_pages // pages_per_split)
-    n_bf16 = -(-layout.sink // BF16_CHUNK) + -(-layout.recent_capacity // BF16_CHUNK)
+    n_bf16 = -(-layout.sink // BF16_CHUNK) + -(-layout.recent_slots // BF16_CHUNK)
     return DecodePlan(batch, num_heads, max_pages, pages_per_split, n_page, n_page + n_bf16)
 
 

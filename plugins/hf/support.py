@@ -102,18 +102,12 @@ class OscarSetup:
     ops: CacheOps
     previous_attn_implementation: str
 
-    def make_cache(
-        self, batch_size: int, max_length: int, pool_pages: int | None = None, overcommit: bool = False
-    ) -> OscarCache:
-        """A fresh cache for ``batch_size`` sequences of up to ``max_length`` tokens (prompt + generated).
-
-        Windows take the model's dtype and device; the pool defaults to B * pages(max_length) pages.
-        """
+    def make_cache(self, batch_size: int, max_length: int) -> OscarCache:
+        """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
+        generated); every page they can need is reserved now. Windows take the model's dtype and device."""
         p = next(self.model.parameters())
-        return OscarCache(
-            self.layout, self.transforms, batch_size, max_length, pool_pages=pool_pages, overcommit=overcommit,
-            device=p.device, dtype=p.dtype, backend=self.ops,
-        )
+        return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
+                          backend=self.ops)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
