@@ -4,11 +4,11 @@ transformers calls, per layer: ``cache.update(k, v)`` (our :class:`~.cache.Oscar
 :class:`~.cache.LayerStep`), then ``oscar_attention(module, q, step, v, mask)``. What happens depends on the
 forward:
 
-* **decode** (``T == 1``, every slot): device-only. The first layer begins the step on the page book;
+* **decode** (``T == 1`` for every slot): device-only. The first layer begins the step on the page book;
   each layer appends its token (``ops.decode_append``: key transform, NaN/Inf check, demotion when due)
   and attends over sink + INT2 pages + recent (``ops.decode_attention``, query transform fused); the last
   layer commits. No host read: the whole model step is capturable in one CUDA graph.
-* **prompt** (``T > 1``, a slot with nothing stored): the real tokens attend causally at full precision
+* **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend causally at full precision
   through ``scaled_dot_product_attention`` in the model dtype (flash / memory-efficient: O(T) memory, no
   ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages, recent ring).
 * **chunk** (``T > 1``, a slot that holds tokens): the chunk reads the history as stored and itself causally
@@ -94,7 +94,7 @@ def attend(
             f"{lay.head_dim}], got {list(q.shape)}"
         )
     scale = d**-0.5 if scale is None else float(scale)
-    if t == 1:
+    if t == 1 and b == layer.cache.book.batch:  # a decode step (a 1-token prompt into selected slots is a prompt)
         return _decode(layer, q, k, v, scale)
     return _prompt(layer, q, k, v, padding, scale)
 
