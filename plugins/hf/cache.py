@@ -177,7 +177,7 @@ class OscarLayer(CacheLayerMixin):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             if t.ndim != 4 or any(e is not None and e != g for e, g in zip(shape, t.shape)):
                 want = f"[{shape[0]}, {shape[1]}, T, {shape[3]}]"
-                raise ValueError(f"{name}: expected {want} (batch = the cache's active slots), got {list(t.shape)}")
+                raise ValueError(f"{name}: expected {want}, got {list(t.shape)} (batch = the cache's active slots)")
             if not t.dtype.is_floating_point:
                 raise ValueError(f"{name}: expected a float dtype, got {t.dtype}")
             if t.device != self.device:

@@ -227,7 +227,7 @@ def test_slot_prefill_while_others_keep_their_sequences():
 @pytest.mark.parametrize(
     "k_shape, dtype, match",
     [
-        ((2, 2, 1, 32), torch.float32, r"key_states: expected \[1, 2, T, 32\] \(batch = the cache's active slots\), got \[2, 2, 1, 32\]"),
+        ((2, 2, 1, 32), torch.float32, r"key_states: expected \[1, 2, T, 32\], got \[2, 2, 1, 32\] \(batch = the cache's active slots\)"),
         ((1, 3, 1, 32), torch.float32, r"expected \[1, 2, T, 32\].*got \[1, 3, 1, 32\]"),
         ((1, 2, 1, 16), torch.float32, r"got \[1, 2, 1, 16\]"),
         ((1, 2, 32), torch.float32, r"got \[1, 2, 32\]"),

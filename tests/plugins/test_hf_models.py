@@ -114,7 +114,7 @@ def test_beyond_windows_runs_and_accounts_bytes():
     n = 50 + 60 - 1
     assert tokens.shape == (1, 60) and bool(torch.isfinite(scores).all())
     assert cache.sequence_lengths() == [n]
-    assert [len(layer.pages[0]) for layer in cache.layers] == [SMALL.pages_for(n)] * 2 == [5, 5]
+    assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [SMALL.pages_for(n)] * 2 == [5, 5]
     assert cache.kv_bytes() == 2 * SMALL.sequence_bytes(n) < cache.bf16_bytes() == 2 * n * SMALL.bf16_token_bytes()
 
 
@@ -175,7 +175,7 @@ def test_chunk_reads_quantized_history():
             with torch.no_grad():
                 model(ids[:, :60], **cache_kwargs(model, cache))
                 logits.append(model(ids[:, 60:], **cache_kwargs(model, cache)).logits)
-            assert SMALL.pages_for(60) == 2 and len(cache.layers[0].pages[0]) == SMALL.pages_for(70) == 3
+            assert SMALL.pages_for(60) == 2 and int(cache.layers[0].state.num_pages[0]) == SMALL.pages_for(70) == 3
         full = oscar.make_cache(1, 80)
         with torch.no_grad():
             one = model(ids, **cache_kwargs(model, full)).logits[:, 60:]
@@ -193,7 +193,7 @@ def test_1500_tokens_with_small_windows():
         cache = oscar.make_cache(1, 1520)
         tokens, scores = generate(model, ids, cache, max_new_tokens=1500, min_new_tokens=1500)
     assert tokens.shape == (1, 1500) and bool(torch.isfinite(scores).all())
-    assert cache.sequence_lengths() == [1519] and len(cache.layers[1].pages[0]) == SMALL.pages_for(1519) == 93
+    assert cache.sequence_lengths() == [1519] and int(cache.layers[1].state.num_pages[0]) == SMALL.pages_for(1519) == 93
 
 
 @pytest.mark.slow
@@ -238,8 +238,8 @@ def test_bad_arguments_give_clear_errors():
             model(ids, **cache_kwargs(model, oscar.make_cache(1, 64)))
         with pytest.raises(TypeError, match="needs an OscarCache"):
             model(ids, **cache_kwargs(model, DynamicCache(config=model.config)))
-        with pytest.raises(ValueError, match="page pool too small"):
-            oscar.make_cache(2, 1000, pool_pages=3)
+        with pytest.raises(ValueError, match="batch_size and max_length: expected ints > 0"):
+            oscar.make_cache(2, 0)
         # 5.24 asks the cache to repeat its batch (refused); 5.17 feeds 2 rows to a 1-row cache (refused)
         with pytest.raises((NotImplementedError, ValueError), match=r"fixed batch|expected \[1, 2, T, 16\]"):
             model.generate(ids[:1], num_return_sequences=2, do_sample=True, max_new_tokens=2,
