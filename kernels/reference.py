@@ -251,13 +251,21 @@ def chunk_attention(
         q: ``[B, H, Tq, D]`` stored basis; k_new, v_new: ``[B, H_kv, Tq, D]`` stored basis (full precision).
         state: the cache before this chunk is written.
     Returns:
-        ``[B, H, Tq, D]`` float32, stored value basis.
+        ``[B, H, Tq, D]`` float32, stored value basis. Scores are formed a block of queries at a time.
     """
     k, v, valid = gather_context(state, layout, k_levels, v_levels)
-    tq = q.shape[2]
-    causal = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
-    mask = torch.cat([valid[:, None, :].expand(-1, tq, -1), causal[None].expand(q.shape[0], -1, -1)], dim=2)
-    return masked_attention(q, torch.cat([k, k_new.float()], 2), torch.cat([v, v_new.float()], 2), mask, scale)
+    b, h, tq, _ = q.shape
+    k, v = torch.cat([k, k_new.float()], 2), torch.cat([v, v_new.float()], 2)
+    tk = k.shape[2]
+    # query blocks keep the scores at most ~2^26 elements: memory linear in the history, not [Tq, Tk]
+    block = max(1, min(tq, (1 << 26) // max(1, b * h * tk)))
+    out = []
+    for t0 in range(0, tq, block):
+        t1 = min(tq, t0 + block)
+        causal = torch.arange(tq, device=q.device)[None, :] <= torch.arange(t0, t1, device=q.device)[:, None]
+        mask = torch.cat([valid[:, None, :].expand(-1, t1 - t0, -1), causal[None].expand(b, -1, -1)], dim=2)
+        out.append(masked_attention(q[:, :, t0:t1], k, v, mask, scale))
+    return torch.cat(out, dim=2)
 
 
 # ---- cache writers --------------------------------------------------------------------------------------
