@@ -8,6 +8,8 @@ Random BF16 weights (speed does not depend on them). Per workload ``B x L`` and 
 * ``oscar``: ``enable_oscar(model)`` (Triton backend), ``make_cache(B, L + steps)``; the prompt is prefilled
   in one forward (SDPA in BF16, then the quantize kernels), the decode step runs under
   ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (one CUDA graph per step).
+* ``oscar-graph``: the same cache, its eager forward captured once with ``torch.cuda.graph`` (no compiler;
+  the rest of the model runs unfused eager kernels inside the graph).
 * ``bf16-static``: transformers' ``StaticCache`` with the same compile mode (what a speed-minded user runs);
   prefilled in 8K chunks (its masked attention over the static cache).
 * ``bf16-dynamic``: eager ``DynamicCache`` decode (filled without a prefill: contents do not change its speed).
@@ -127,7 +129,7 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
     max_len = ctx + steps + 8
     row = {"cache": kind, "B": b, "context": ctx}
     ids = torch.randint(1, cfg.vocab_size, (b, ctx), device="cuda")
-    if kind == "oscar":
+    if kind.startswith("oscar"):
         cache = oscar_setup.make_cache(b, max_len)
     elif kind == "bf16-static":
         cache = StaticCache(config=cfg, max_cache_len=max_len)
@@ -135,7 +137,7 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
         cache = DynamicCache(config=cfg)
     with torch.no_grad():
         t0 = time.perf_counter()
-        if prefill and kind == "oscar":
+        if prefill and kind.startswith("oscar"):
             model(ids, logits_to_keep=1, **kw(model, cache))
         elif prefill:
             for s in range(0, ctx, PREFILL_CHUNK):
@@ -150,17 +152,30 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
             row["prefill_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         tok = torch.randint(1, cfg.vocab_size, (b, 1), device="cuda")
         pos = torch.full((b, 1), ctx, device="cuda")
-        if kind == "bf16-dynamic":
-            fwd = model.forward
-        else:
-            fwd = torch.compile(model.forward, mode=compile_mode, fullgraph=True)
         kwargs = kw(model, cache)
+        if kind == "oscar-graph":  # the eager forward captured once with torch.cuda.graph (no compiler)
+            fwd = None
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(tok, position_ids=pos, **kwargs)  # a real step: compiles the kernels
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model(tok, position_ids=pos, **kwargs)
 
-        def step():
-            nonlocal pos
-            out = fwd(tok, position_ids=pos, **kwargs)
-            pos = pos + 1
-            return out
+            def step():
+                pos.add_(1)
+                graph.replay()
+        else:
+            fwd = model.forward if kind == "bf16-dynamic" else torch.compile(model.forward, mode=compile_mode,
+                                                                               fullgraph=True)
+
+            def step():
+                nonlocal pos
+                out = fwd(tok, position_ids=pos, **kwargs)
+                pos = pos + 1
+                return out
 
         t0 = time.perf_counter()
         for _ in range(3):  # compile + cudagraph record
@@ -175,12 +190,12 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
         except Exception as e:  # the profiler is a nice-to-have: never lose the row for it
             row["profile"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if kind == "oscar":
+        if kind.startswith("oscar"):
             row["status_ok"] = bool((cache.step_status() == 0).all())
             row["cache_gib"] = cache.allocated_bytes() / 2**30
         else:
             row["cache_gib"] = _bf16_cache_bytes(cfg, b, max_len if kind == "bf16-static" else ctx) / 2**30
-    del cache, fwd
+    del cache
     return row
 
 
@@ -191,7 +206,7 @@ def _bf16_cache_bytes(cfg, b, length):
 def _fill_without_prefill(model, kind, cache, ids, ctx):
     """Give every sequence ``ctx`` tokens without computing them (decode speed does not depend on the values)."""
     b = ids.shape[0]
-    if kind == "oscar":
+    if kind.startswith("oscar"):
         model(ids[:, :16], logits_to_keep=1, **kw(model, cache))  # writes 16 real tokens, then jump the lengths
         cache.book.seq_len.fill_(ctx)
         cache.book.commit(0)
@@ -211,7 +226,7 @@ def _fill_without_prefill(model, kind, cache, ids, ctx):
 def roofline(row, model, weight_bytes, bw, layout):
     cfg = model.config
     b, ctx = row["B"], row["context"]
-    if row["cache"] == "oscar":
+    if row["cache"].startswith("oscar"):
         kv = cfg.num_hidden_layers * b * layout.sequence_bytes(ctx)
     else:
         kv = _bf16_cache_bytes(cfg, b, ctx)
@@ -233,6 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--equal-kv-gib", type=float, default=0.0, help="also run the equal-KV-memory rows (0: skip)")
     ap.add_argument("--equal-context", type=int, default=32768)
+    ap.add_argument("--equal-oscar", default="oscar-graph", help="the OSCAR cache kind of the equal-memory row")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
@@ -261,12 +277,12 @@ def main(argv=None) -> int:
         per_bf16 = _bf16_cache_bytes(cfg, 1, args.equal_context)
         per_oscar = cfg.num_hidden_layers * layout.sequence_bytes(args.equal_context)
         plan.append(("bf16-static", max_batch(per_bf16, budget), args.equal_context, False))
-        plan.append(("oscar", max_batch(per_oscar, budget), args.equal_context, False))
+        plan.append((args.equal_oscar, max_batch(per_oscar, budget), args.equal_context, False))
     rows = []
     for kind, b, ctx, prefill in plan:
         if kind == "bf16-dynamic" and prefill:
             prefill = False  # eager DynamicCache decode is timed on a directly filled cache
-        setup = enable_oscar(model) if kind == "oscar" else None
+        setup = enable_oscar(model) if kind.startswith("oscar") else None
         try:
             row = run_cache(model, kind, b, ctx, args.steps, prefill, args.compile_mode, setup)
             if setup is not None:
