@@ -164,7 +164,8 @@ def _got(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
-def _int(x: Any, where: str, lo: int, hi: int, multiple_of: int = 1) -> int:
+def json_int(x: Any, where: str, lo: int, hi: int, multiple_of: int = 1) -> int:
+    """``x`` if it is a JSON int (not a bool, not 3.0) in ``[lo, hi]``, else :class:`ArtifactError`."""
     if type(x) is not int or not lo <= x <= hi or x % multiple_of:
         what = f"a multiple of {multiple_of} in" if multiple_of > 1 else "an int in"
         raise ArtifactError(f"{where}: expected {what} [{lo}, {hi}], got {_got(x)}")
@@ -537,18 +538,18 @@ def parse_layout(x: Any, where: str = "layout") -> KVCacheLayout:
     for side in ("key", "value"):
         r = _dict(d[side], f"{where}.{side}")
         _keys(r, f"{where}.{side}", ROW_KEYS, ROW_KEYS)
-        _int(r["head_dim"], f"{where}.{side}.head_dim", L.min_head_dim, L.max_head_dim)
-        _int(r["group_size"], f"{where}.{side}.group_size", 4, L.max_head_dim)
+        json_int(r["head_dim"], f"{where}.{side}.head_dim", L.min_head_dim, L.max_head_dim)
+        json_int(r["group_size"], f"{where}.{side}.group_size", 4, L.max_head_dim)
         if not isinstance(r["granularity"], str) or r["granularity"] not in ("token", "channel"):
             raise ArtifactError(f"{where}.{side}.granularity: expected one of ['token', 'channel'], "
                                 f"got {_got(r['granularity'])}")
-        _int(r["bits"], f"{where}.{side}.bits", 2, 2)
+        json_int(r["bits"], f"{where}.{side}.bits", 2, 2)
         _bool(r["codebook"], f"{where}.{side}.codebook")
-    _int(d["num_kv_heads"], f"{where}.num_kv_heads", 1, L.max_kv_heads)
-    _int(d["head_dim"], f"{where}.head_dim", L.min_head_dim, L.max_head_dim)
-    _int(d["sink"], f"{where}.sink", 0, L.max_sink)
-    _int(d["window"], f"{where}.window", 0, L.max_window)
-    _int(d["page_size"], f"{where}.page_size", L.min_page_size, L.max_page_size)
+    json_int(d["num_kv_heads"], f"{where}.num_kv_heads", 1, L.max_kv_heads)
+    json_int(d["head_dim"], f"{where}.head_dim", L.min_head_dim, L.max_head_dim)
+    json_int(d["sink"], f"{where}.sink", 0, L.max_sink)
+    json_int(d["window"], f"{where}.window", 0, L.max_window)
+    json_int(d["page_size"], f"{where}.page_size", L.min_page_size, L.max_page_size)
     try:
         return KVCacheLayout.from_dict(d)
     except (TypeError, KeyError, ValueError, NotImplementedError) as e:
@@ -564,15 +565,15 @@ def parse_fingerprint(x: Any, where: str = "fingerprint") -> dict[str, Any]:
     for key in ("architecture", "name"):
         if key in fp:
             _str(fp[key], f"{where}.{key}", limit=4096, optional=True)
-    _int(fp["num_hidden_layers"], f"{where}.num_hidden_layers", 1, L.max_layers)
-    _int(fp["num_key_value_heads"], f"{where}.num_key_value_heads", 1, L.max_kv_heads)
-    heads = _int(fp["num_attention_heads"], f"{where}.num_attention_heads", 1, L.max_heads)
+    json_int(fp["num_hidden_layers"], f"{where}.num_hidden_layers", 1, L.max_layers)
+    json_int(fp["num_key_value_heads"], f"{where}.num_key_value_heads", 1, L.max_kv_heads)
+    heads = json_int(fp["num_attention_heads"], f"{where}.num_attention_heads", 1, L.max_heads)
     if heads % fp["num_key_value_heads"]:
         raise ArtifactError(f"{where}.num_attention_heads: expected a multiple of num_key_value_heads = "
                             f"{fp['num_key_value_heads']}, got {heads}")
-    _int(fp["head_dim"], f"{where}.head_dim", 1, L.max_head_dim)
-    _int(fp["hidden_size"], f"{where}.hidden_size", 1, L.max_hidden_size)
-    _int(fp["vocab_size"], f"{where}.vocab_size", 0, L.max_vocab_size)
+    json_int(fp["head_dim"], f"{where}.head_dim", 1, L.max_head_dim)
+    json_int(fp["hidden_size"], f"{where}.hidden_size", 1, L.max_hidden_size)
+    json_int(fp["vocab_size"], f"{where}.vocab_size", 0, L.max_vocab_size)
     _dict(fp["rope"], f"{where}.rope", optional=True)
     return fp
 
@@ -616,7 +617,7 @@ def _read_meta(d: Path) -> dict[str, Any]:
     for key in REQUIRED_META_KEYS:
         if key not in meta:
             raise ArtifactError(f"{where}: missing key {key!r}")
-    _int(meta["num_layers"], f"{where}: num_layers", 1, LIMITS.max_layers)
+    json_int(meta["num_layers"], f"{where}: num_layers", 1, LIMITS.max_layers)
     _bool(meta["values_prerotated"], f"{where}: values_prerotated")
     sha = meta["tensor_sha256"]
     if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
@@ -800,6 +801,7 @@ __all__ = [
     "fingerprint_mismatches",
     "load_artifact",
     "model_fingerprint",
+    "json_int",
     "parse_fingerprint",
     "parse_json",
     "parse_layout",
