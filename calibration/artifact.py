@@ -357,7 +357,7 @@ class OscarArtifact:
         return cls(layout, tuple(ts), fp, {"method": "identity", **config}, {})
 
     def check_model(self, config: Any) -> None:
-        """Raise :class:`ArtifactError` unless ``config`` (a HF config or model) is the model this was calibrated for."""
+        """Raise :class:`ArtifactError` unless ``config`` (a HF config or model) is the model calibrated for."""
         bad = fingerprint_mismatches(self.fingerprint, model_fingerprint(config))
         if bad:
             raise ArtifactError(

@@ -52,9 +52,7 @@ def model_shape(ckpt: Path) -> dict[str, Any]:
 
     def field(key: str, hi: int, default: Any = None) -> int:
         value = cfg.get(key)
-        if value is None and default is not None:
-            return default
-        return json_int(value, f"{where}: {key}", 1, hi)
+        return json_int(default if value is None else value, f"{where}: {key}", 1, hi)
 
     h = field("num_attention_heads", LIMITS.max_heads)
     hidden = field("hidden_size", LIMITS.max_hidden_size)
