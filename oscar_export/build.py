@@ -156,6 +156,9 @@ def build_deployment(
     for a in archs:
         parse_arch(a)
     check_out_dir(out, force, looks_like="deploy.json")
+    o, e = Path(out).resolve(), export_dir.resolve()
+    if o.is_relative_to(e) or e.is_relative_to(o):  # copying into itself, or replacing what is being copied
+        raise ValueError(f"--out {out}: overlaps the checkpoint {export_dir}; choose a directory beside it")
     check_inside(export_dir)
     shape = model_shape(export_dir)
     layout = load_packaged_artifact(export_dir, section, shape).layout

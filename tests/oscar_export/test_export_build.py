@@ -172,3 +172,15 @@ def test_cli_non_empty_out_needs_force(exported, tmp_path, capsys, no_compile):
     assert main(["build", "--export", str(exported), "--out", str(tmp_path / "deploy"), "--force"]) == 2
     assert "does not look like" in capsys.readouterr().err  # no deploy.json: not replaced even with --force
     assert (tmp_path / "deploy" / "x").exists()
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_out_overlapping_the_checkpoint_refused(exported, tmp_path, no_compile, where):
+    """--out inside the checkpoint would copy the temporary into itself; --out around it would delete it."""
+    d = _copy(exported, tmp_path / "deploy" if where == "around" else tmp_path)
+    out = d / "deploy" if where == "inside" else tmp_path / "deploy"
+    if where == "around":
+        (out / "deploy.json").write_text("{}")  # an earlier deployment, replaced with --force
+    with pytest.raises(ValueError, match="--out .* overlaps the checkpoint"):
+        build_deployment(d, out, ["sm_90"], force=True)
+    assert (d / "config.json").is_file()
