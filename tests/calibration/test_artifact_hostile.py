@@ -270,3 +270,25 @@ def test_printable_escapes_terminal_controls():
 def test_error_messages_escape_strings_from_the_file(tmp_path):
     err = refused(written(tmp_path, lambda m: m.__setitem__("format", "\x1b[31mevil")), "expected format")
     assert "\x1b" not in str(err)
+
+
+def test_save_dying_half_way_never_leaves_a_loadable_mix(tmp_path, monkeypatch):
+    """Each file is replaced whole (temporary + fsync + rename), oscar.json last: a save killed before the last
+    rename leaves the old oscar.json beside the new tensors, which its checksum refuses, and no partial file."""
+    d = tmp_path / "art"
+    small_artifact().save(d)
+    real = os.replace
+
+    def killed_before_meta(src, dst):
+        if Path(dst).name == META_FILE:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_meta)
+    other = small_artifact()
+    other = OscarArtifact(other.layout, [LayerTransform.identity(2, 16, 0.5, 0.5)] * 2, other.fingerprint)
+    with pytest.raises(KeyboardInterrupt):
+        other.save(d)
+    monkeypatch.undo()
+    assert sorted(p.name for p in d.iterdir()) == [META_FILE, TENSOR_FILE]
+    refused(d, "checksum mismatch")
