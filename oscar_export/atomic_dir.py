@@ -78,12 +78,15 @@ def remove_stale(out: Path) -> list[Path]:
         m = _NAME.fullmatch(p.name)
         if m is None or m["out"] != out.name or p.is_symlink() or not p.is_dir():
             continue
-        if p.stat().st_uid != os.getuid() or _alive(int(m["pid"]), int(m["start"])):
+        try:
+            if p.stat().st_uid != os.getuid() or _alive(int(m["pid"]), int(m["start"])):
+                continue
+            if m["kind"] == "old" and not os.path.lexists(out):
+                os.rename(p, out)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+        except FileNotFoundError:  # another run cleaned it up first
             continue
-        if m["kind"] == "old" and not os.path.lexists(out):
-            os.rename(p, out)
-        else:
-            shutil.rmtree(p, ignore_errors=True)
         done.append(p)
     return done
 

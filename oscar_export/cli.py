@@ -44,7 +44,11 @@ def check_int(value: int, option: str, lo: int, hi: int, multiple_of: int = 1) -
 
 def error_line(e: BaseException) -> str:
     """One terminal-safe line describing ``e`` (whitespace collapsed, control characters escaped)."""
-    from oscar_export.calibration.artifact import printable
+    try:
+        from oscar_export.calibration.artifact import printable
+    except ImportError:  # the error may be that the project itself cannot import (torch missing)
+        def printable(s: str, limit: int) -> str:
+            return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
 
     if isinstance(e, KeyboardInterrupt):
         text = str(e) or "interrupted"
