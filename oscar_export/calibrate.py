@@ -106,11 +106,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from oscar_export.calibration.pipeline import calibrate
-    from oscar_export.models import load_model
-
     from oscar_export.atomic_dir import atomic_dir
     from oscar_export.calibration.artifact import META_FILE
+    from oscar_export.calibration.pipeline import calibrate
+    from oscar_export.models import load_model
 
     check_args(args)  # validate before the slow model load
     cfg = config_from_args(args)

@@ -161,7 +161,7 @@ def export_checkpoint(
     """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically.
 
     ``out`` must be absent or empty; with ``force`` an earlier checkpoint (a directory with a ``config.json``)
-    is replaced in one rename (``oscar_export.atomic_dir``).
+    is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
 
