@@ -10,8 +10,8 @@ so attention over the exported values, followed by the exported ``o_proj``, equa
 rotation cannot be folded (RoPE sits between ``k_proj`` and the cache), and means, clips and codebooks
 act on stored rows: they stay in the artifact, saved inside the checkpoint with ``values_prerotated=True``.
 
-Output (written to a temp dir next to ``--out`` and renamed at the end, so a failure leaves nothing
-that looks complete)::
+Output (written to a temp dir next to ``--out`` and renamed at the end by ``oscar_export.atomic_dir``, so a
+failure, Ctrl-C or SIGTERM leaves nothing that looks complete)::
 
     out/config.json          the model config plus an "oscar" section (see ``oscar_section``)
     out/model.safetensors    folded weights
@@ -22,8 +22,6 @@ that looks complete)::
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -127,23 +125,6 @@ def oscar_section(artifact, source: str) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out: str | Path) -> Iterator[Path]:
-    """Yield a temp dir beside ``out``; rename it to ``out`` on success, delete it on any failure."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _gguf_dequantized(model) -> bool:
     """True when the model came from a GGUF file (transformers dequantizes it to float on load)."""
     q = getattr(model, "hf_quantizer", None)
@@ -173,15 +154,25 @@ def _plain_float_model(model) -> Iterator[None]:
             model.config.quantization_config = qc
 
 
-def export_checkpoint(model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None) -> Path:
-    """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically."""
+def export_checkpoint(
+    model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None,
+    force: bool = False,
+) -> Path:
+    """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically.
+
+    ``out`` must be absent or empty; with ``force`` an earlier checkpoint (a directory with a ``config.json``)
+    is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
+    """
+    from oscar_export.atomic_dir import atomic_dir, check_out_dir
+
     if getattr(model.config, "oscar", None):
         raise ValueError("export: this model is already an OSCAR export (its config has an 'oscar' section)")
     artifact.check_model(model.config)
+    check_out_dir(out, force, looks_like="config.json")
     fold_value_transforms(model, artifact.transforms)
     if dtype is not None:
         model.to(dtype)
-    with atomic_output_dir(out) as tmp:
+    with atomic_dir(out, force=force, looks_like="config.json") as tmp:
         model.config.oscar = oscar_section(artifact, source)
         try:
             with _plain_float_model(model):
@@ -194,18 +185,47 @@ def export_checkpoint(model, tokenizer, artifact, out: str | Path, source: str =
     return Path(out)
 
 
-def read_export(ckpt: str | Path) -> dict[str, Any]:
-    """The ``oscar`` section of an exported checkpoint's config (raises if ``ckpt`` is not one)."""
-    import json
+def read_config_json(ckpt: str | Path) -> dict[str, Any]:
+    """``ckpt/config.json`` as a dict, read with the artifact loader's bounds (size, strict JSON, nesting)."""
+    from oscar_export.calibration.artifact import LIMITS, parse_json, printable
+
+    cfg = Path(ckpt) / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{printable(ckpt)}: not a Hugging Face checkpoint (no config.json)")
+    size = cfg.stat().st_size
+    if size > LIMITS.max_meta_bytes:
+        raise ValueError(f"{printable(cfg)}: expected at most {LIMITS.max_meta_bytes:,} bytes, got {size:,}")
+    data = parse_json(cfg.read_bytes(), printable(cfg))
+    if not isinstance(data, dict):
+        raise ValueError(f"{printable(cfg)}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def artifact_path(ckpt: str | Path, section: dict[str, Any]) -> Path:
+    """The bundled artifact's directory, refused unless it lies inside ``ckpt`` (after resolving links)."""
+    from oscar_export.calibration.artifact import printable
 
     ckpt = Path(ckpt)
+    rel = section.get("artifact")
+    if not isinstance(rel, str) or not rel:
+        raise ValueError(f"{printable(ckpt / 'config.json')}: oscar.artifact: expected a relative directory name, "
+                         f"got {printable(repr(rel), 80)}")
+    path = ckpt / rel
+    real, base = path.resolve(), ckpt.resolve()
+    if Path(rel).is_absolute() or not real.is_relative_to(base) or real == base:
+        raise ValueError(f"{printable(ckpt / 'config.json')}: the artifact {printable(rel, 120)!r} is outside the "
+                         f"checkpoint (resolves to {printable(real)}); it must be a directory inside {printable(base)}")
+    return path
+
+
+def read_export(ckpt: str | Path) -> dict[str, Any]:
+    """The ``oscar`` section of an exported checkpoint's config (raises if ``ckpt`` is not one)."""
+    ckpt = Path(ckpt)
+    section = read_config_json(ckpt).get("oscar")
     cfg = ckpt / "config.json"
-    if not cfg.is_file():
-        raise FileNotFoundError(f"{ckpt}: not a Hugging Face checkpoint (no config.json)")
-    section = json.loads(cfg.read_text()).get("oscar")
     if not isinstance(section, dict) or section.get("format_version") != OSCAR_SECTION_VERSION:
         raise ValueError(f"{cfg}: no 'oscar' section of format {OSCAR_SECTION_VERSION}; run `oscar-export export` first")
-    if not (ckpt / section["artifact"] / "oscar.json").is_file():
+    if not (artifact_path(ckpt, section) / "oscar.json").is_file():
         raise FileNotFoundError(f"{ckpt}: the OSCAR artifact {section['artifact']}/ is missing")
     return section
 
@@ -218,7 +238,7 @@ def load_exported(ckpt: str | Path, dtype: torch.dtype = torch.float32):
 
     section = read_export(ckpt)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
-    artifact = load_artifact(Path(ckpt) / section["artifact"], model.config)
+    artifact = load_artifact(artifact_path(ckpt, section), model.config)
     if not all(t.values_prerotated for t in artifact.transforms):
         raise ValueError(f"{ckpt}: the bundled artifact is not marked values_prerotated")
     return model, AutoTokenizer.from_pretrained(str(ckpt)), artifact
@@ -230,27 +250,28 @@ def load_exported(ckpt: str | Path, dtype: torch.dtype = torch.float32):
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2) or a local HF model directory")
     p.add_argument("--artifact", required=True, help="OSCAR artifact directory from `oscar-export calibrate`")
-    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
+    p.add_argument("--out", required=True, help="new checkpoint directory (absent or empty; see --force)")
+    p.add_argument("--force", action="store_true", help="replace an earlier checkpoint at --out (atomically)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
 
 
 def run(args) -> int:
+    from oscar_export.atomic_dir import check_out_dir
     from oscar_export.calibration.artifact import load_artifact
-    from oscar_export.cli import UserError
     from oscar_export.models import load_model
 
+    check_out_dir(args.out, args.force, looks_like="config.json")  # everything checked before the model loads
     if not Path(args.artifact).is_dir():
         raise FileNotFoundError(f"--artifact {args.artifact}: no such directory")
-    if Path(args.out).exists():
-        raise UserError(f"--out {args.out} already exists; choose a new output directory")
+    artifact = load_artifact(args.artifact)
     model, tok = load_model(args.model, dtype=torch.float32)
-    artifact = load_artifact(args.artifact, model.config)
-    out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype])
+    out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype],
+                            force=args.force)
     print(f"wrote {out} ({len(artifact.transforms)} layers folded, artifact in {out / ARTIFACT_DIR})")
     return 0
 
 
 __all__ = [
-    "ARTIFACT_DIR", "SUPPORTED_MODEL_TYPES", "atomic_output_dir", "attention_modules", "export_checkpoint",
-    "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_export",
+    "ARTIFACT_DIR", "SUPPORTED_MODEL_TYPES", "artifact_path", "attention_modules", "export_checkpoint",
+    "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_config_json", "read_export",
 ]
