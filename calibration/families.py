@@ -237,6 +237,13 @@ def family_for(model_or_config: Any) -> ModelAttention:
     )
 
 
+def family_for_pretrained(directory: Any) -> ModelAttention:
+    """:func:`family_for` of a local checkpoint directory's ``config.json``, without loading any weights."""
+    from transformers import AutoConfig
+
+    return family_for(AutoConfig.from_pretrained(str(directory)))
+
+
 def _sliding_layers(model_or_config: Any, fam: Family) -> tuple[list[int], int | None]:
     """Indices of the layers with a sliding window, and that window (the rule of ``fam.sliding``)."""
     c = _config_of(model_or_config)
@@ -255,4 +262,4 @@ def _sliding_layers(model_or_config: Any, fam: Family) -> tuple[list[int], int |
 
 
 __all__ = ["FAMILIES", "ROPE_TYPES", "Family", "FoldSpec", "ModelAttention", "architecture_name", "family_for",
-           "rope_parameters"]
+           "family_for_pretrained", "rope_parameters"]

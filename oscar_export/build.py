@@ -42,17 +42,24 @@ register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels")
 
 
 def model_shape(ckpt: Path) -> dict[str, Any]:
-    """Heads, head_dim, layers and the softmax scale of an exported checkpoint's config."""
-    cfg = json.loads((ckpt / "config.json").read_text())
-    h = int(cfg["num_attention_heads"])
-    d = int(cfg.get("head_dim") or cfg["hidden_size"] // h)
+    """Heads, head_dim, layers and the softmax scale of an exported checkpoint, from the family table.
+
+    ``sm_scale`` is the model's own attention scale (``ModelAttention.scaling``: ``query_pre_attn_scalar ** -0.5``
+    for Gemma 3, ``head_dim ** -0.5`` otherwise), baked into the decode kernels of the bundle.
+
+    Raises:
+        NotImplementedError: the table's error (the one ``enable_oscar`` gives) for what serving cannot run.
+    """
+    from oscar_export.calibration.families import family_for_pretrained
+
+    f = family_for_pretrained(ckpt)
     return {
-        "model_type": cfg.get("model_type"),
-        "num_layers": int(cfg["num_hidden_layers"]),
-        "num_heads": h,
-        "num_kv_heads": int(cfg.get("num_key_value_heads") or h),
-        "head_dim": d,
-        "sm_scale": d ** -0.5,
+        "model_type": f.model_type,
+        "num_layers": f.num_layers,
+        "num_heads": f.num_heads,
+        "num_kv_heads": f.num_kv_heads,
+        "head_dim": f.head_dim,
+        "sm_scale": f.scaling,
     }
 
 
