@@ -62,7 +62,8 @@ class Family:
 
     Args:
         name: human name (``"Llama"``).
-        scaling: ``"head_dim"`` (``D ** -0.5``) or ``"query_pre_attn_scalar"`` (``config.query_pre_attn_scalar ** -0.5``).
+        scaling: ``"head_dim"`` (``D ** -0.5``) or ``"query_pre_attn_scalar"``
+            (``config.query_pre_attn_scalar ** -0.5``).
         rope_interleaved: RoPE pairs ``(2i, 2i+1)`` (GLM) instead of ``(i, i + r/2)`` (``rotate_half``).
         qk_norm: RMS norms on q and k per head, before RoPE.
         qkv_bias, o_bias: biases of q/k/v_proj and of o_proj.
@@ -152,7 +153,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     """The config's RoPE parameters (transformers 5 ``rope_parameters``, or the 4.x ``rope_theta``/``rope_scaling``)."""
     rope = getattr(config, "rope_parameters", None)
     if rope is None:
-        rope = {"rope_theta": getattr(config, "rope_theta", None), "rope_scaling": getattr(config, "rope_scaling", None)}
+        rope = {"rope_theta": getattr(config, "rope_theta", None),
+                "rope_scaling": getattr(config, "rope_scaling", None)}
     return dict(rope)
 
 
@@ -205,7 +207,9 @@ def family_for(model_or_config: Any) -> ModelAttention:
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
     if heads % kv_heads:
-        raise ValueError(f"{mt} config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        raise ValueError(
+            f"{mt} config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
     if fam.scaling == "query_pre_attn_scalar":
         scaling = float(c.query_pre_attn_scalar) ** -0.5
     else:
@@ -215,7 +219,9 @@ def family_for(model_or_config: Any) -> ModelAttention:
     for r in _rope_sets(c):
         kind = r.get("rope_type", r.get("type", "default"))
         if kind not in ROPE_TYPES:
-            raise _unsupported(model_or_config, f"uses RoPE type {kind!r}; supported RoPE types: {', '.join(ROPE_TYPES)}")
+            raise _unsupported(
+                model_or_config, f"uses RoPE type {kind!r}; supported RoPE types: {', '.join(ROPE_TYPES)}"
+            )
         factor = r.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None) or 1.0)
         rotary.add(int(head_dim * float(factor)))
     if len(rotary) != 1:
