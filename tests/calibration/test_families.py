@@ -30,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated"
 
 V = 96
 COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_id=None)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
@@ -208,6 +208,22 @@ def test_oscar_generation_equals_dynamic_cache_inside_windows(kind):
     if not torch.equal(tokens, want_tokens):
         raise AssertionError(f"{kind}: tokens differ first at step {(tokens != want_tokens).nonzero()[0].tolist()}")
     torch.testing.assert_close(scores, want_scores, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "glm4", "glm4_moe", "gemma3"])
+def test_beyond_windows_runs_through_int2_pages(kind):
+    """Mechanics past the windows (MoE, GLM's interleaved partial RoPE, Gemma's 2 groups per 256-wide row): 30
+    tokens through INT2 pages, finite scores, one page per 16 demoted tokens in every layer."""
+    model = tiny_model(kind)
+    d = family_for(model).head_dim
+    layout = KVCacheLayout.default(2, d, "channel", sink=4, window=16, page_size=16)
+    with enable_oscar(model, layout=layout) as oscar:
+        cache = oscar.make_cache(1, 120)
+        tokens, scores = generate(model, torch.randint(1, V, (1, 50)), cache, n=30)
+    n = 50 + 30 - 1
+    assert tokens.shape == (1, 30) and bool(torch.isfinite(scores).all())
+    assert [len(layer.pages[0]) for layer in cache.layers] == [layout.pages_for(n)] * 2 == [3, 3]
+    assert cache.kv_bytes() == 2 * layout.sequence_bytes(n)
 
 
 # ---- calibrate -> export -> from_pretrained ---------------------------------------------------------------------
