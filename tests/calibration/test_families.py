@@ -9,7 +9,9 @@ every unsupported feature: one ``NotImplementedError`` naming it, the same at ``
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
 
 import pytest
 import torch
@@ -105,7 +107,7 @@ def test_every_family_is_tested():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_table_reads_the_modules_facts(kind):
-    """Compared with what transformers built: head_dim, scale, projections, biases, norms, rotary dimension."""
+    """Compared with what transformers built: head_dim, scale, projections, biases, norms, RoPE pairing and width."""
     model = tiny_model(kind)
     f = family_for(model)
     name, scaling, rotary, qk_norm, qkv_bias, o_bias = EXPECTED[kind]
@@ -124,9 +126,28 @@ def test_table_reads_the_modules_facts(kind):
         assert (attn.q_proj.bias is not None, attn.v_proj.bias is not None) == (f.qkv_bias, f.qkv_bias)
         assert (attn.o_proj.bias is not None) == f.o_bias
         assert (getattr(attn, "q_norm", None) is not None) == (getattr(attn, "k_norm", None) is not None) == f.qk_norm
-    inv_freq = [b for n, b in model.model.rotary_emb.named_buffers() if n.endswith("inv_freq") and "original" not in n]
-    assert [2 * b.numel() for b in inv_freq] == [f.rotary_dim]
     assert f.rope == model_fingerprint(model)["rope"]
+    assert rope_pairing(model) == (1 if f.family.rope_interleaved else f.rotary_dim // 2, f.rotary_dim)
+
+
+def rope_pairing(model) -> tuple[int, int]:
+    """The model's own RoPE on one-hot keys at position 3: ``(the coordinate 0 rotates into, how many rotate)``."""
+    attn = model.model.layers[0].self_attn
+    apply = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    d = attn.head_dim
+    rotary = model.model.rotary_emb
+    kw = {"layer_type": "full_attention"} if "layer_type" in inspect.signature(rotary.forward).parameters else {}
+    cos, sin = rotary(torch.zeros(1, 1, 1, d), torch.tensor([[3]]), **kw)
+    partner, rotated = None, 0
+    for i in range(d):
+        e = torch.zeros(1, 1, 1, d)
+        e[..., i] = 1.0
+        _, k = apply(e, e, cos, sin)
+        moved = (k - e).abs().flatten().gt(1e-6).nonzero().flatten().tolist()
+        rotated += bool(moved)
+        if i == 0:
+            partner = next(j for j in moved if j != 0)
+    return partner, rotated
 
 
 def test_llama3_rope_and_gemma_head_dim_read_from_config():
