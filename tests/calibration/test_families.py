@@ -200,9 +200,17 @@ def test_unknown_rope_type_is_named():
 
 
 def test_qwen2_sliding_flag_without_sliding_layers_is_full_attention():
-    """use_sliding_window with max_window_layers >= L slides no layer (layer_types say so; Qwen2 follows them)."""
+    """use_sliding_window with max_window_layers >= L slides no layer (layer_types say so; Qwen2 follows them):
+    accepted, and served exactly like DynamicCache."""
     f = family_for(tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2))
     assert f.sliding_layers == () and f.sliding_window is None
+    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    ids = torch.randint(1, V, (1, 20))  # longer than the window that no layer uses
+    want = generate(model, ids, DynamicCache(config=model.config))
+    with enable_oscar(model) as oscar:
+        got = generate(model, ids, oscar.make_cache(1, 64))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
 
 
 # ---- enable_oscar: accepted, and inside the windows identical to DynamicCache ----------------------------------
