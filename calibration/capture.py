@@ -78,7 +78,7 @@ class Collector:
     model_scaling: float | None = None
 
     @classmethod
-    def for_model(cls, model, skip: int, **kw) -> "Collector":
+    def for_model(cls, model, skip: int, **kw) -> Collector:
         """A collector shaped by the family table for ``model`` (raises its ``NotImplementedError``)."""
         f = family_for(model)
         return cls(f.num_layers, f.num_kv_heads, f.head_dim, skip, model_scaling=f.scaling, **kw)

@@ -89,7 +89,8 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
     h, hkv, d, group = facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.group_size
     if len(transforms) != len(attns):
         raise ValueError(f"export: artifact has {len(transforms)} layers, model has {len(attns)}")
-    for i, (attn, t) in enumerate(zip(attns, transforms)):
+    projections = []
+    for i, (attn, t) in enumerate(zip(attns, transforms)):  # every check before the first write
         if t.values_prerotated:
             raise ValueError(f"export: layer {i} transform is already values_prerotated (exporting twice?)")
         if (t.num_kv_heads, t.head_dim) != (hkv, d):
@@ -100,9 +101,11 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
         v_proj, o_proj = getattr(attn, fold.v_proj), getattr(attn, fold.o_proj)
         if v_proj.weight.shape[0] != hkv * d or o_proj.weight.shape[1] != h * d:
             raise ValueError(
-                f"export: layer {i}: expected {fold.v_proj} [{hkv * d}, hidden] and {fold.o_proj} [hidden, {h * d}], "
-                f"got {list(v_proj.weight.shape)} and {list(o_proj.weight.shape)}"
+                f"export: layer {i}: expected {fold.v_proj} [{hkv * d}, hidden] and {fold.o_proj} "
+                f"[hidden, {h * d}], got {list(v_proj.weight.shape)} and {list(o_proj.weight.shape)}"
             )
+        projections.append((v_proj, o_proj))
+    for (v_proj, o_proj), t in zip(projections, transforms):
         r = t.v_rotation.double().to(v_proj.weight.device)  # [H_kv, D, D]
         s = t.v_scale.double().to(r.device)  # [H_kv, D]
         m = r * s[:, None, :]  # R diag(d): [H_kv, D, D]

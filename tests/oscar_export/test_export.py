@@ -199,3 +199,18 @@ def test_cli_existing_output(tmp_path, capsys):
     rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
     assert rc == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_fold_checks_the_modules_the_family_table_names():
+    """Projections of the wrong width, or no decoder layers where the family keeps them: one clear error."""
+    model = tiny_model()
+    art = random_artifact(model)
+    model.model.layers[1].self_attn.v_proj = torch.nn.Linear(48, 16, bias=False)
+    layer0 = model.model.layers[0].self_attn.v_proj.weight.clone()
+    with pytest.raises(ValueError, match=r"layer 1: expected v_proj \[32, hidden\] and o_proj \[hidden, 96\], "
+                                         r"got \[16, 48\] and \[48, 96\]"):
+        fold_value_transforms(model, art.transforms)
+    assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, layer0)  # nothing folded before the error
+    del model.model.layers
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM has no \.model\.layers"):
+        fold_value_transforms(model, art.transforms)
