@@ -39,6 +39,8 @@ import torch
 from oscar_export.kernels.layout import UNIFORM_LEVELS, KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
+from .families import family_for, rope_parameters
+
 FORMAT_NAME = "oscar-kv-artifact"
 FORMAT_VERSION = 1
 META_FILE = "oscar.json"
@@ -55,6 +57,8 @@ FINGERPRINT_KEYS = (
     "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
     "vocab_size", "rope",
 )
+#: fingerprint keys compared when the artifact has them (artifacts written before they existed lack them).
+OPTIONAL_FINGERPRINT_KEYS = ("attention_scaling",)
 
 
 class ArtifactError(ValueError):
@@ -276,38 +280,39 @@ def _text_config(config: Any) -> Any:
 
 
 def model_fingerprint(config: Any) -> dict[str, Any]:
-    """What an artifact must match: architecture, layers, heads, head_dim, widths and RoPE parameters.
+    """What an artifact must match: architecture, layers, heads, head_dim, scale, widths and RoPE parameters.
+
+    The attention facts come from the model-family table (``families.family_for``: raises its
+    ``NotImplementedError`` for a model the cache cannot serve).
 
     Args:
         config: a Hugging Face ``PretrainedConfig`` (or a model; its ``.config`` is used).
     """
     c = _text_config(config)
-    heads = int(c.num_attention_heads)
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    rope = getattr(c, "rope_parameters", None)
-    if rope is None:  # transformers 4 style
-        rope = {"rope_theta": getattr(c, "rope_theta", None), "rope_scaling": getattr(c, "rope_scaling", None)}
+    f = family_for(c)
     archs = getattr(c, "architectures", None) or []
     return _jsonable({
-        "model_type": c.model_type,
+        "model_type": f.model_type,
         "architecture": archs[0] if archs else None,
-        "num_hidden_layers": int(c.num_hidden_layers),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(kv),
-        "head_dim": int(head_dim),
+        "num_hidden_layers": f.num_layers,
+        "num_attention_heads": f.num_heads,
+        "num_key_value_heads": f.num_kv_heads,
+        "head_dim": f.head_dim,
+        "attention_scaling": f.scaling,
         "hidden_size": int(c.hidden_size),
         "vocab_size": int(getattr(c, "vocab_size", 0) or 0),
-        "rope": dict(rope),
+        "rope": rope_parameters(c),
         "name": getattr(c, "_name_or_path", None) or getattr(c, "_model_name_or_path", None),
     })
 
 
 def fingerprint_mismatches(expected: dict[str, Any], got: dict[str, Any]) -> list[str]:
-    """``["num_hidden_layers: artifact 30, model 24", ...]`` for every key of :data:`FINGERPRINT_KEYS` that differs."""
+    """``["num_hidden_layers: artifact 30, model 24", ...]`` for every key of :data:`FINGERPRINT_KEYS` that differs
+    (and of :data:`OPTIONAL_FINGERPRINT_KEYS` that the artifact records)."""
+    keys = FINGERPRINT_KEYS + tuple(k for k in OPTIONAL_FINGERPRINT_KEYS if k in expected)
     return [
         f"{k}: artifact {expected.get(k)!r}, model {got.get(k)!r}"
-        for k in FINGERPRINT_KEYS
+        for k in keys
         if _jsonable(expected.get(k)) != _jsonable(got.get(k))
     ]
 

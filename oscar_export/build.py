@@ -43,28 +43,34 @@ register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels")
 
 
 def model_shape(ckpt: Path) -> dict[str, Any]:
-    """Heads, head_dim, layers and the softmax scale of an exported checkpoint's config (every field typed)."""
+    """Heads, head_dim, layers and the softmax scale of an exported checkpoint, from the family table.
+
+    ``config.json`` is first read with the artifact loader's bounds (``export.read_config_json``); ``sm_scale``
+    is the model's own attention scale (``ModelAttention.scaling``: ``query_pre_attn_scalar ** -0.5`` for
+    Gemma 3, ``head_dim ** -0.5`` otherwise), baked into the decode kernels of the bundle.
+
+    Raises:
+        NotImplementedError: the table's error (the one ``enable_oscar`` gives) for what serving cannot run.
+    """
     from oscar_export.calibration.artifact import LIMITS, json_int, printable
+    from oscar_export.calibration.families import family_for_pretrained
     from oscar_export.export import read_config_json
 
-    cfg = read_config_json(ckpt)
+    cfg = read_config_json(ckpt)  # bounded, and the fields typed: a hostile config.json fails with one clear line
     where = printable(Path(ckpt) / "config.json")
-
-    def field(key: str, hi: int, default: Any = None) -> int:
-        value = cfg.get(key)
-        return json_int(default if value is None else value, f"{where}: {key}", 1, hi)
-
-    h = field("num_attention_heads", LIMITS.max_heads)
-    hidden = field("hidden_size", LIMITS.max_hidden_size)
-    d = field("head_dim", LIMITS.max_head_dim, default=hidden // h)
-    mt = cfg.get("model_type")
+    for key, hi in (("num_attention_heads", LIMITS.max_heads), ("hidden_size", LIMITS.max_hidden_size),
+                    ("num_hidden_layers", LIMITS.max_layers), ("num_key_value_heads", LIMITS.max_kv_heads),
+                    ("head_dim", LIMITS.max_head_dim)):
+        if cfg.get(key) is not None:
+            json_int(cfg[key], f"{where}: {key}", 1, hi)
+    f = family_for_pretrained(ckpt)
     return {
-        "model_type": printable(mt, 64) if isinstance(mt, str) else None,
-        "num_layers": field("num_hidden_layers", LIMITS.max_layers),
-        "num_heads": h,
-        "num_kv_heads": field("num_key_value_heads", LIMITS.max_kv_heads, default=h),
-        "head_dim": d,
-        "sm_scale": d ** -0.5,
+        "model_type": f.model_type,
+        "num_layers": f.num_layers,
+        "num_heads": f.num_heads,
+        "num_kv_heads": f.num_kv_heads,
+        "head_dim": f.head_dim,
+        "sm_scale": f.scaling,
     }
 
 

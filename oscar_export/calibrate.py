@@ -103,16 +103,21 @@ def _r(x: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
     from tqdm import tqdm
 
     from oscar_export.atomic_dir import atomic_dir
     from oscar_export.calibration.artifact import META_FILE
+    from oscar_export.calibration.families import family_for_pretrained
     from oscar_export.calibration.pipeline import calibrate
     from oscar_export.models import load_model
 
     check_args(args)  # validate before the slow model load
     cfg = config_from_args(args)
+    if (Path(args.model) / "config.json").is_file():
+        family_for_pretrained(args.model)  # refuse what serving cannot run (enable_oscar's message) before loading
     t0 = time.perf_counter()
     kw = {"device_map": args.device_map} if args.device_map else {}
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), **kw)

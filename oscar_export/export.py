@@ -27,14 +27,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from oscar_export.calibration.families import family_for, family_for_pretrained
+
 EPILOG = """example:
   oscar-export calibrate --model default --out art/
   oscar-export export --model default --artifact art/ --out ckpt/
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('ckpt/')"
 """
 
-#: HF model types whose decoder layers hold ``self_attn.{v_proj,o_proj}`` with the Llama head layout.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 OSCAR_SECTION_VERSION = 1
 ARTIFACT_DIR = "oscar_artifact"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,30 +44,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def attention_modules(model) -> list[Any]:
-    """The ``self_attn`` module of every decoder layer; raises for architectures we cannot fold."""
-    config = model.config
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"export: unknown architecture {mt!r} ({getattr(config, 'architectures', None)}); "
-            f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
-        )
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The attention module of every decoder layer, where the family table says it is.
+
+    Raises:
+        NotImplementedError: the table's error for an architecture or feature the cache cannot serve, or a
+            model whose modules are not where its family puts them.
+    """
+    fold = family_for(model).family.fold
+    layers: Any = model
+    for part in fold.layers.split("."):
+        layers = getattr(layers, part, None)
     if layers is None:
-        raise NotImplementedError(f"export: {type(model).__name__} has no .model.layers")
-    attns = [layer.self_attn for layer in layers]
+        raise NotImplementedError(f"export: {type(model).__name__} has no .{fold.layers} (expected by its family)")
+    attns = [getattr(layer, fold.attention, None) for layer in layers]
     for i, a in enumerate(attns):
-        if not (hasattr(a, "v_proj") and hasattr(a, "o_proj")):
-            raise NotImplementedError(f"export: layer {i} attention has no v_proj/o_proj")
+        if not (hasattr(a, fold.v_proj) and hasattr(a, fold.o_proj)):
+            raise NotImplementedError(
+                f"export: layer {i}: expected .{fold.attention}.{fold.v_proj} and .{fold.o_proj}, "
+                f"got {type(a).__name__}"
+            )
     return attns
 
 
 def head_counts(config) -> tuple[int, int, int]:
-    """``(H, H_kv, D)`` from a HF config."""
-    h = int(config.num_attention_heads)
-    hkv = int(getattr(config, "num_key_value_heads", None) or h)
-    d = int(getattr(config, "head_dim", None) or config.hidden_size // h)
-    return h, hkv, d
+    """``(H, H_kv, D)`` of a HF config or model, from the family table."""
+    f = family_for(config)
+    return f.num_heads, f.num_kv_heads, f.head_dim
 
 
 @torch.no_grad()
@@ -80,11 +82,13 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
             not yet ``values_prerotated``.
     """
     attns = attention_modules(model)
-    h, hkv, d = head_counts(model.config)
+    facts = family_for(model)
+    fold = facts.family.fold
+    h, hkv, d, group = facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.group_size
     if len(transforms) != len(attns):
         raise ValueError(f"export: artifact has {len(transforms)} layers, model has {len(attns)}")
-    group = h // hkv
-    for i, (attn, t) in enumerate(zip(attns, transforms)):
+    projections = []
+    for i, (attn, t) in enumerate(zip(attns, transforms)):  # every check before the first write
         if t.values_prerotated:
             raise ValueError(f"export: layer {i} transform is already values_prerotated (exporting twice?)")
         if (t.num_kv_heads, t.head_dim) != (hkv, d):
@@ -92,19 +96,27 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
                 f"export: layer {i}: artifact has {t.num_kv_heads} KV heads x head_dim {t.head_dim}, "
                 f"model has {hkv} x {d}"
             )
-        r = t.v_rotation.double().to(attn.v_proj.weight.device)  # [H_kv, D, D]
+        v_proj, o_proj = getattr(attn, fold.v_proj), getattr(attn, fold.o_proj)
+        if v_proj.weight.shape[0] != hkv * d or o_proj.weight.shape[1] != h * d:
+            raise ValueError(
+                f"export: layer {i}: expected {fold.v_proj} [{hkv * d}, hidden] and {fold.o_proj} "
+                f"[hidden, {h * d}], got {list(v_proj.weight.shape)} and {list(o_proj.weight.shape)}"
+            )
+        projections.append((v_proj, o_proj))
+    for (v_proj, o_proj), t in zip(projections, transforms):
+        r = t.v_rotation.double().to(v_proj.weight.device)  # [H_kv, D, D]
         s = t.v_scale.double().to(r.device)  # [H_kv, D]
         m = r * s[:, None, :]  # R diag(d): [H_kv, D, D]
         m_inv_t = r / s[:, None, :]  # (diag(1/d) R^T)^T = R diag(1/d)
 
-        wv = attn.v_proj.weight  # [H_kv * D, hidden]
+        wv = v_proj.weight  # [H_kv * D, hidden]
         wv64 = wv.double().view(hkv, d, -1)
         wv.copy_(torch.matmul(m.transpose(-1, -2), wv64).reshape(wv.shape).to(wv.dtype))
-        if attn.v_proj.bias is not None:
-            bv = attn.v_proj.bias  # [H_kv * D]
+        if v_proj.bias is not None:
+            bv = v_proj.bias  # [H_kv * D]
             bv.copy_(torch.matmul(bv.double().view(hkv, 1, d), m).reshape(bv.shape).to(bv.dtype))
 
-        wo = attn.o_proj.weight  # [hidden, H * D]
+        wo = o_proj.weight  # [hidden, H * D], head-major: query head j = KV head j // g (FoldSpec.o_proj_layout)
         wo64 = wo.double().view(-1, hkv, group, d).permute(1, 2, 0, 3)  # [H_kv, g, hidden, D]
         folded = torch.matmul(wo64, m_inv_t[:, None])  # [H_kv, g, hidden, D]
         wo.copy_(folded.permute(2, 0, 1, 3).reshape(wo.shape).to(wo.dtype))
@@ -263,6 +275,8 @@ def run(args) -> int:
     check_out_dir(args.out, args.force, looks_like="config.json")  # everything checked before the model loads
     if not Path(args.artifact).is_dir():
         raise FileNotFoundError(f"--artifact {args.artifact}: no such directory")
+    if (Path(args.model) / "config.json").is_file():
+        family_for_pretrained(args.model)  # refuse what serving cannot run before loading any weights
     artifact = load_artifact(args.artifact)
     model, tok = load_model(args.model, dtype=torch.float32)
     out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype],
@@ -272,6 +286,6 @@ def run(args) -> int:
 
 
 __all__ = [
-    "ARTIFACT_DIR", "SUPPORTED_MODEL_TYPES", "artifact_path", "attention_modules", "export_checkpoint",
+    "ARTIFACT_DIR", "artifact_path", "attention_modules", "export_checkpoint",
     "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_config_json", "read_export",
 ]

@@ -113,7 +113,7 @@ def test_fold_rejects_wrong_heads_and_prerotated():
 def test_unknown_architecture():
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50)
     model = transformers.GPT2LMHeadModel(cfg)
-    with pytest.raises(NotImplementedError, match="unknown architecture 'gpt2'"):
+    with pytest.raises(NotImplementedError, match=r"'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"):
         fold_value_transforms(model, [])
 
 
@@ -248,3 +248,18 @@ def test_export_removes_a_killed_runs_temporary(tmp_path):
     model = tiny_model()
     export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_fold_checks_the_modules_the_family_table_names():
+    """Projections of the wrong width, or no decoder layers where the family keeps them: one clear error."""
+    model = tiny_model()
+    art = random_artifact(model)
+    model.model.layers[1].self_attn.v_proj = torch.nn.Linear(48, 16, bias=False)
+    layer0 = model.model.layers[0].self_attn.v_proj.weight.clone()
+    with pytest.raises(ValueError, match=r"layer 1: expected v_proj \[32, hidden\] and o_proj \[hidden, 96\], "
+                                         r"got \[16, 48\] and \[48, 96\]"):
+        fold_value_transforms(model, art.transforms)
+    assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, layer0)  # nothing folded before the error
+    del model.model.layers
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM has no \.model\.layers"):
+        fold_value_transforms(model, art.transforms)

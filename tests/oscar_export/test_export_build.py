@@ -184,3 +184,31 @@ def test_out_overlapping_the_checkpoint_refused(exported, tmp_path, no_compile, 
     with pytest.raises(ValueError, match="--out .* overlaps the checkpoint"):
         build_deployment(d, out, ["sm_90"], force=True)
     assert (d / "config.json").is_file()
+
+
+def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
+    """Gemma 3 scales by query_pre_attn_scalar ** -0.5 (here 256 ** -0.5), not head_dim ** -0.5 (64 ** -0.5): the
+    decode kernels of the bundle, deploy.json and the ONNX node carry the model's scale. Compiling is replaced
+    by recording the specs (the compile itself is tested above)."""
+    import oscar_export.kernels.aot.compile as aot_compile
+    import oscar_export.onnx_export as onnx_export
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                        query_pre_attn_scalar=256, layer_types=["full_attention"])
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    ckpt = export_checkpoint(model, None, OscarArtifact.identity(model), tmp_path / "ckpt")
+    seen = {}
+
+    def record_bundle(specs, out, archs, progress=None):
+        seen["specs"] = specs
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
+
+    monkeypatch.setattr(aot_compile, "build_bundle", record_bundle)
+    monkeypatch.setattr(onnx_export, "export_decode_attention_onnx",
+                        lambda layout, heads, sm_scale, out: seen.setdefault("onnx_scale", sm_scale))
+    out = build_deployment(ckpt, tmp_path / "deploy", ["sm_90"], onnx=True)
+    scales = {dict(s.constexprs)["SM_SCALE"] for s in seen["specs"] if "SM_SCALE" in dict(s.constexprs)}
+    assert scales == {256**-0.5} and seen["onnx_scale"] == 256**-0.5
+    assert json.loads((out / "deploy.json").read_text())["model"]["sm_scale"] == 256**-0.5

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import (
     DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -212,15 +214,25 @@ def test_compiled_backend_matches_eager():
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 
-def test_unsupported_architectures_are_named():
+def test_unsupported_architectures_and_features_are_named():
+    """The family table's one message, at enable_oscar time (never at the first forward); the model is untouched."""
     torch.manual_seed(0)
-    mistral = MistralForCausalLM(MistralConfig(**COMMON)).eval()
-    with pytest.raises(NotImplementedError, match="'MistralForCausalLM'.*model_type 'mistral'"):
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=96)).eval()
+    with pytest.raises(NotImplementedError, match=r"'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"):
+        enable_oscar(gpt2)
+    mistral = MistralForCausalLM(MistralConfig(**COMMON)).eval()  # MistralConfig's default sliding_window is 4096
+    with pytest.raises(NotImplementedError, match=r"'MistralForCausalLM' \(model_type 'mistral'\) has sliding-window "
+                                                  r"attention in 2 of 2 layers \(0, 1; sliding_window=4096\)"):
         enable_oscar(mistral)
     sliding = Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1))
-    with pytest.raises(NotImplementedError, match="only full-attention layers"):
+    with pytest.raises(NotImplementedError, match=r"in 1 of 2 layers \(1; sliding_window=8\); only full-attention"):
         enable_oscar(sliding)
-    assert mistral.config._attn_implementation == "sdpa"
+    assert mistral.config._attn_implementation == sliding.config._attn_implementation == "sdpa"
+    full = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)).eval()
+    with enable_oscar(full) as oscar:
+        s = oscar.shape
+        assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (2, 4, 2, 16)
+        assert oscar.shape.scaling == 16**-0.5 and oscar.shape.family.name == "Mistral"
 
 
 def test_bad_arguments_give_clear_errors():
