@@ -1,8 +1,8 @@
 """Fake-quantized attention for the evaluation, registered with transformers' ``AttentionInterface``.
 
 One forward pass scores a whole text decode-as-deployed: inside every attention call each query row reads
-what the method's cache would hold at that position (``eval_methods``: quantized rows where the cache holds
-INT2, full-precision rows elsewhere). The per-call state travels in the forward kwargs
+what the method's cache would hold at that position (``cache_models``: quantized rows where the cache holds
+INT2, full-precision rows elsewhere). Runs on the model's device (CPU or CUDA). The per-call state travels in the forward kwargs
 (``model(ids, oscar_eval=ctx)``), never in module globals.
 
 ``EvalContext`` modes:
@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .eval_methods import Method, Segment, covers, prepare, stored_rows
+from .cache_models import BF16Cache, CacheModel, Segment
 
 ATTENTION_NAME = "oscar_eval"
+FULL = BF16Cache("full precision")
 MODES = ("score", "prefill", "decode")
 #: query rows per attention block (bounds the [H, rows, Tk] score buffer).
 QUERY_BLOCK = 256
@@ -40,7 +41,7 @@ class EvalContext:
         prefill_len: ``decode``: the prompt length (first ``QuantizedCache`` update); ``score``: 1.
     """
 
-    methods: list[Method]
+    methods: list[CacheModel]
     mode: str = "score"
     store_dtype: torch.dtype = torch.bfloat16
     prefill_len: int = 1
@@ -116,8 +117,7 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
         k = torch.cat([ctx.prefix_k[layer], key], 2) if layer in ctx.prefix_k else key
         v = torch.cat([ctx.prefix_v[layer], value], 2) if layer in ctx.prefix_v else value
         ctx.prefix_k[layer], ctx.prefix_v[layer] = k, v
-        full = Method("bf16", "full")
-        outs.append(_one_row(ctx, full, -1, layer, query[0], k[0], v[0], scale))
+        outs.append(_one_row(ctx, FULL, -1, layer, query[0], k[0], v[0], scale))
     else:
         if b != len(ctx.methods):
             raise ValueError(f"oscar_eval: batch {b} but {len(ctx.methods)} methods")
@@ -136,7 +136,7 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
     return out.transpose(1, 2).contiguous(), None
 
 
-def _one_row(ctx: EvalContext, m: Method, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
+def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
     """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis) -> ``[H, Tq, D]`` float32."""
     tk, tq = k.shape[1], q.shape[1]
     q_start = tk - tq
@@ -145,7 +145,7 @@ def _one_row(ctx: EvalContext, m: Method, mi: int, layer: int, q, k, v, scale: f
     h, hkv, d = q.shape[0], k.shape[0], q.shape[2]
     g = h // hkv
     qs = qs.view(hkv, g, tq, d)
-    out = torch.empty(hkv, g, tq, d)
+    out = torch.empty(hkv, g, tq, d, device=q.device)
     for seg in segs:
         for a0 in range(max(seg.start, q_start), seg.end, QUERY_BLOCK):
             a1 = min(a0 + QUERY_BLOCK, seg.end)
@@ -157,44 +157,48 @@ def _one_row(ctx: EvalContext, m: Method, mi: int, layer: int, q, k, v, scale: f
     return out[0]
 
 
-def _rows_and_segments(ctx: EvalContext, m: Method, mi: int, layer: int, k, v, q_start: int):
-    """Stored rows and segments; in ``decode`` the prefix part is computed once per prompt (memoised)."""
+def _rows_and_segments(ctx: EvalContext, m: CacheModel, mi: int, layer: int, k, v, q_start: int):
+    """Stored rows and segments. In ``decode`` the prefix rows and their quantization are computed once per
+    prompt (memoised) and reused while the segment stays valid (``Segment.valid_until``)."""
     tk = k.shape[1]
     if ctx.mode != "decode" or mi < 0:
-        t, ks, vs = stored_rows(m, layer, k, v, ctx.store_dtype)
-        return t, ks, vs, prepare(m, layer, ks, vs, q_start, tk, ctx.prefill_len, t)
+        t, ks, vs = m.stored_rows(layer, k, v, ctx.store_dtype)
+        return t, ks, vs, m.segments(layer, ks, vs, q_start, tk, ctx.prefill_len)
     n0 = ctx.prefix_len
     hit = ctx.memo.get((mi, layer))
     if hit is None:
-        t, ks0, vs0 = stored_rows(m, layer, k[:, :n0], v[:, :n0], ctx.store_dtype)
-        hit = (t, ks0, vs0, prepare(m, layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len, t))
+        t, ks0, vs0 = m.stored_rows(layer, k[:, :n0], v[:, :n0], ctx.store_dtype)
+        hit = (t, ks0, vs0, m.segments(layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len))
         ctx.memo[(mi, layer)] = hit
     t, ks0, vs0, segs = hit
-    _, ks1, vs1 = stored_rows(m, layer, k[:, n0:], v[:, n0:], ctx.store_dtype)
+    _, ks1, vs1 = m.stored_rows(layer, k[:, n0:], v[:, n0:], ctx.store_dtype)
     ks, vs = torch.cat([ks0, ks1], 1), torch.cat([vs0, vs1], 1)
-    if not covers(m, segs, tk, ctx.prefill_len):
-        return t, ks, vs, prepare(m, layer, ks, vs, q_start, tk, ctx.prefill_len, t)
     last = segs[-1]
-    return t, ks, vs, [Segment(q_start, tk, last.c0, last.k_alt, last.v_alt, last.ranges)]
+    if tk - 1 >= last.valid_until:  # a page was demoted / a group flushed since the prompt: quantize again
+        segs = m.segments(layer, ks, vs, q_start, tk, ctx.prefill_len)
+        ctx.memo[(mi, layer)] = (t, ks0, vs0, segs)
+        return t, ks, vs, segs
+    return t, ks, vs, [Segment(q_start, tk, last.c0, last.k_alt, last.v_alt, last.ranges, last.valid_until)]
 
 
 def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.Tensor:
     """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]`` -> ``[H_kv, g, n, D]``."""
     hkv, g, n, d = qs.shape
+    dev = qs.device
     q2 = qs.reshape(hkv, g * n, d)
     s = torch.matmul(q2, ks.transpose(-1, -2)).view(hkv, g, n, a1)
-    pos = torch.arange(a0, a1)
+    pos = torch.arange(a0, a1, device=dev)
     alt = seg.k_alt is not None
+    c1 = c0 = seg.c0
     if alt:
         lo, k_hi, v_hi = seg.ranges(pos)
-        c0 = seg.c0
         c1 = min(c0 + seg.k_alt.shape[1], a1)
-        cols = torch.arange(c0, c1)
+        cols = torch.arange(c0, c1, device=dev)
         if c1 > c0:
             mk = (cols[None] >= lo[:, None]) & (cols[None] < k_hi[:, None])  # [n, c]
             sq = torch.matmul(q2, seg.k_alt[:, : c1 - c0].transpose(-1, -2)).view(hkv, g, n, c1 - c0)
             s[..., c0:c1] = torch.where(mk, sq, s[..., c0:c1])
-    causal = torch.arange(a1)[None, :] > pos[:, None]  # [n, a1]
+    causal = torch.arange(a1, device=dev)[None, :] > pos[:, None]  # [n, a1]
     s = (s * scale).masked_fill(causal, float("-inf"))
     p = torch.softmax(s, dim=-1)
     o = torch.matmul(p.view(hkv, g * n, a1), vs)
