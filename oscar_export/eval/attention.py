@@ -126,21 +126,22 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
             gv = torch.cat([ctx.gen_v[layer], value], 2) if layer in ctx.gen_v else value
             ctx.gen_k[layer], ctx.gen_v[layer] = gk, gv
         for i, m in enumerate(ctx.methods):
-            if ctx.mode == "decode":
-                k = torch.cat([ctx.prefix_k[layer][0], gk[i]], 1)
-                v = torch.cat([ctx.prefix_v[layer][0], gv[i]], 1)
-            else:
-                k, v = key[i], value[i]
+            k, v = (gk[i], gv[i]) if ctx.mode == "decode" else (key[i], value[i])
             outs.append(_one_row(ctx, m, i, layer, query[i], k, v, scale))
     out = torch.stack(outs, 0).to(query.dtype)  # [B, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None
 
 
 def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
-    """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis) -> ``[H, Tq, D]`` float32."""
-    tk, tq = k.shape[1], q.shape[1]
-    q_start = tk - tq
-    t, ks, vs, segs = _rows_and_segments(ctx, m, mi, layer, k, v, q_start)
+    """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis; in ``decode`` only the generated rows,
+    the prompt's are the context's prefix) -> ``[H, Tq, D]`` float32."""
+    tq = q.shape[1]
+    if ctx.mode == "decode" and mi >= 0:
+        t, ks, vs, segs = _decode_rows(ctx, m, mi, layer, k, v)
+    else:
+        t, ks, vs = m.stored_rows(layer, k, v, ctx.store_dtype)
+        segs = m.segments(layer, ks, vs, k.shape[1] - tq, k.shape[1], ctx.prefill_len)
+    q_start = ks.shape[1] - tq
     qs = t.transform_queries(q.unsqueeze(0).contiguous())[0] if t is not None else q.float()
     h, hkv, d = q.shape[0], k.shape[0], q.shape[2]
     g = h // hkv
@@ -157,28 +158,43 @@ def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scal
     return out[0]
 
 
-def _rows_and_segments(ctx: EvalContext, m: CacheModel, mi: int, layer: int, k, v, q_start: int):
-    """Stored rows and segments. In ``decode`` the prefix rows and their quantization are computed once per
-    prompt (memoised) and reused while the segment stays valid (``Segment.valid_until``)."""
-    tk = k.shape[1]
-    if ctx.mode != "decode" or mi < 0:
-        t, ks, vs = m.stored_rows(layer, k, v, ctx.store_dtype)
-        return t, ks, vs, m.segments(layer, ks, vs, q_start, tk, ctx.prefill_len)
+@dataclass
+class _DecodeRows:
+    """Per method and layer in ``decode``: stored rows of prompt + generated tokens (a growing buffer) and
+    the segments built when the prompt was prefilled (reused until ``valid_until``)."""
+
+    transform: object
+    ks: torch.Tensor  # [H_kv, capacity, D]
+    vs: torch.Tensor
+    n: int
+    segs: list
+
+
+def _decode_rows(ctx: EvalContext, m: CacheModel, mi: int, layer: int, gk, gv):
+    """``gk, gv [H_kv, t, D]``: the generated rows so far (model basis). Returns ``(transform, ks, vs, segs)``
+    over the ``n0 + t`` rows; the prompt's rows and quantization are computed once per prompt."""
     n0 = ctx.prefix_len
-    hit = ctx.memo.get((mi, layer))
-    if hit is None:
-        t, ks0, vs0 = m.stored_rows(layer, k[:, :n0], v[:, :n0], ctx.store_dtype)
-        hit = (t, ks0, vs0, m.segments(layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len))
-        ctx.memo[(mi, layer)] = hit
-    t, ks0, vs0, segs = hit
-    _, ks1, vs1 = m.stored_rows(layer, k[:, n0:], v[:, n0:], ctx.store_dtype)
-    ks, vs = torch.cat([ks0, ks1], 1), torch.cat([vs0, vs1], 1)
-    last = segs[-1]
+    tk = n0 + gk.shape[1]
+    st: _DecodeRows | None = ctx.memo.get((mi, layer))
+    if st is None:
+        t, ks0, vs0 = m.stored_rows(layer, ctx.prefix_k[layer][0], ctx.prefix_v[layer][0], ctx.store_dtype)
+        segs = m.segments(layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len)
+        st = _DecodeRows(t, ks0, vs0, n0, segs)
+        ctx.memo[(mi, layer)] = st
+    if tk > st.ks.shape[1]:  # grow the buffer (amortised: by 64 rows at least)
+        grow = max(64, tk - st.ks.shape[1])
+        pad = st.ks.new_empty(st.ks.shape[0], grow, st.ks.shape[2])
+        st.ks, st.vs = torch.cat([st.ks, pad], 1), torch.cat([st.vs, pad.clone()], 1)
+    if tk > st.n:
+        _, ks1, vs1 = m.stored_rows(layer, gk[:, st.n - n0 :], gv[:, st.n - n0 :], ctx.store_dtype)
+        st.ks[:, st.n : tk], st.vs[:, st.n : tk] = ks1, vs1
+        st.n = tk
+    ks, vs = st.ks[:, :tk], st.vs[:, :tk]
+    last = st.segs[-1]
     if tk - 1 >= last.valid_until:  # a page was demoted / a group flushed since the prompt: quantize again
-        segs = m.segments(layer, ks, vs, q_start, tk, ctx.prefill_len)
-        ctx.memo[(mi, layer)] = (t, ks0, vs0, segs)
-        return t, ks, vs, segs
-    return t, ks, vs, [Segment(q_start, tk, last.c0, last.k_alt, last.v_alt, last.ranges, last.valid_until)]
+        st.segs = m.segments(layer, ks, vs, tk - 1, tk, ctx.prefill_len)
+        last = st.segs[-1]
+    return st.transform, ks, vs, [Segment(tk - 1, tk, last.c0, last.k_alt, last.v_alt, last.ranges, last.valid_until)]
 
 
 def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.Tensor:

@@ -7,7 +7,8 @@ Only the public API of the HF integration is used: ``enable_oscar(model, artifac
 * **Text.** Each window is fed through the real cache: the first ``S0 + W`` tokens as one prefill (full
   precision, none of them reads INT2 in any cache), then chunks of ``chunk`` tokens; a chunk reads the cache
   as stored (INT2 pages, BF16 windows) and itself causally. With ``chunk = 1`` this is token-by-token decode
-  (the decode kernel); with ``chunk = c`` a query sees at most ``c - 1`` more BF16 tokens than in decode.
+  (the decode kernel: the token is appended, then attends); with ``chunk = c`` a query sees at most ``c``
+  more BF16 tokens than in decode.
   The positions counted as reading INT2 are those whose chunk found pages in the cache. One pass over an
   ``L``-token window scores every shorter length too (causality).
 * **NIAH.** The prompt is one prefill call (full precision), the answer is decoded greedily token by token
@@ -24,17 +25,11 @@ from typing import Callable
 
 import torch
 
-from .niah import NiahConfig, NiahPrompt, judge, result_row, summarize
+from .niah import NiahConfig, NiahPrompt, judge, last_logits_only, result_row, summarize
 from .text import TextScore, score_prefixes
 
 #: bytes the OSCAR prefill's fp32 score matrix may take (the reference prefill attention is dense).
 PREFILL_SCORE_BYTES = 6 << 30
-
-
-def _logits_to_keep(model) -> dict:
-    import inspect
-
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.no_grad()
@@ -65,7 +60,8 @@ def oscar_logits(model, artifact, backend: str, ids: torch.Tensor, chunk: int) -
         out, quantized = [], torch.zeros(t, dtype=torch.bool)
         for c0, c1 in bounds:
             out.append(model(input_ids=ids[:, c0:c1], use_cache=True, **kw).logits.float())
-            quantized[c0:c1] = lay.split(c0)[1] > 0
+            # a chunk reads the cache as it was before it; a one-token call is a decode step (appended first)
+            quantized[c0:c1] = lay.split(c0 + 1 if c1 - c0 == 1 else c0)[1] > 0
     finally:
         setup.restore()
     return torch.cat(out, 1), quantized[:-1]
@@ -84,7 +80,8 @@ def _scores(ref: torch.Tensor, got: torch.Tensor, ids: torch.Tensor, quantized: 
 
 @torch.no_grad()
 def deployed_text(models: dict, artifact, windows: torch.Tensor, lengths, chunk: int, log=print) -> dict:
-    """``models``: ``{"triton": bf16 model, "reference": fp32 model}`` (either may be missing).
+    """``models``: ``{run: (model, backend)}``, normally ``{"triton": (bf16 model, "triton"), "reference":
+    (fp32 model, "torch")}``; the cross-check needs both names.
 
     Returns ``{"text": {L: {run: summary}}, "cross": {L: {...}}, "timings": {...}}``.
     """
@@ -93,17 +90,18 @@ def deployed_text(models: dict, artifact, windows: torch.Tensor, lengths, chunk:
     cross: dict = {str(L): {} for L in lengths}
     timings = {}
     oscar_out, plain_out = {}, {}
-    for run, model in models.items():
+    for run, (model, backend) in models.items():
         t0 = time.perf_counter()
         plain = plain_logits(model, windows)
-        got, quantized = oscar_logits(model, artifact, "triton" if run == "triton" else "torch", windows, chunk)
+        got, quantized = oscar_logits(model, artifact, backend, windows, chunk)
         sync(model)
         timings[f"text_{run}_s"] = round(time.perf_counter() - t0, 1)
         for L, sc in _scores(plain, got, windows, quantized, lengths).items():
             text[str(L)][f"oscar-{run}"] = sc.summary()
         oscar_out[run], plain_out[run] = got, plain
         log(f"deployed text: {run} done in {timings[f'text_{run}_s']} s")
-    if len(oscar_out) == 2:
+    both = {"triton", "reference"} <= set(oscar_out)
+    if both:
         q_all = torch.ones(windows.shape[1] - 1, dtype=torch.bool)
         pairs = {"kl_triton_vs_reference": (oscar_out["reference"], oscar_out["triton"]),
                  "kl_model_precision": (plain_out["reference"], plain_out["triton"])}
@@ -113,7 +111,7 @@ def deployed_text(models: dict, artifact, windows: torch.Tensor, lengths, chunk:
         for L in lengths:
             cross[str(L)]["kl_triton"] = text[str(L)]["oscar-triton"]["kl"]
             cross[str(L)]["kl_reference"] = text[str(L)]["oscar-reference"]["kl"]
-    return {"text": text, "cross": cross if len(oscar_out) == 2 else {}, "chunk": chunk, "timings": timings}
+    return {"text": text, "cross": cross if both else {}, "chunk": chunk, "timings": timings}
 
 
 def sync(model) -> None:
@@ -135,7 +133,7 @@ def greedy_answers(model, tokenizer, prompts: list[NiahPrompt], cfg: NiahConfig,
     b, n = ids.shape
     budget = max(cfg.answer_budget(p.task) for p in prompts)
     kw = cache_kwargs(model, make_cache(b, n + budget)) if make_cache is not None else {}
-    out = model(input_ids=ids, use_cache=True, **kw, **_logits_to_keep(model))
+    out = model(input_ids=ids, use_cache=True, **kw, **last_logits_only(model))
     if make_cache is None:
         kw = {"past_key_values": out.past_key_values}
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -173,13 +171,14 @@ def prompt_batches(prompts: list[NiahPrompt], num_heads: int) -> list[list[NiahP
 @torch.no_grad()
 def deployed_niah(models: dict, artifact, tokenizer, prompts: list[NiahPrompt], cfg: NiahConfig,
                   plain: bool = True, log=print) -> dict:
-    """NIAH through the real cache (``oscar-<run>``) and, with ``plain``, the plain BF16 model (``bf16-plain``)."""
+    """NIAH through the real cache (``oscar-<run>``, ``models`` as in :func:`deployed_text`) and, with
+    ``plain``, the ``triton`` run's model with its own cache (``bf16-plain``)."""
     from oscar_export.plugins.hf import enable_oscar
 
     rows, timings = [], {}
-    runs = [(f"oscar-{run}", model, "triton" if run == "triton" else "torch") for run, model in models.items()]
+    runs = [(f"oscar-{run}", model, backend) for run, (model, backend) in models.items()]
     if plain and "triton" in models:
-        runs.insert(0, ("bf16-plain", models["triton"], None))
+        runs.insert(0, ("bf16-plain", models["triton"][0], None))
     for name, model, backend in runs:
         t0 = time.perf_counter()
         heads = model.config.num_attention_heads

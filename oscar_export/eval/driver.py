@@ -222,7 +222,7 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
 
     if artifact is None:
         raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
-    models = {"triton": copy.deepcopy(model).to(torch.bfloat16), "reference": model}
+    models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), "triton"), "reference": (model, "torch")}
     dep: dict = {"timings": {}}
     if text:
         windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
@@ -282,6 +282,10 @@ def run(args) -> int:
     model, tok = load_model(args.model, device=str(device))
     attention_shape(model)
     check_lengths(model, preset, not args.no_text, not args.no_niah)
+    if not args.no_text:  # before calibrating: a text too short for the windows fails at once
+        from .text import max_positions, text_windows
+
+        text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
     if args.artifact:
         from oscar_export.calibration.artifact import load_artifact

@@ -13,8 +13,9 @@ key and a ``digits``-digit value, inserted at line boundaries. Tasks (RULER ``ni
 (evenly spread). Two needle sets: ``split="dev"`` (for tuning) and ``split="report"`` (for reporting) differ in
 every seeded choice (haystack start, keys, values, distractor depths).
 
-Each prompt (header + haystack + question, at most ``length - answer budget`` tokens) is prefilled at FULL
-precision, the first answer token comes from that prefill (as deployed), and the rest is decoded greedily
+Each prompt (header + haystack + question, ``length - answer budget`` tokens) is prefilled at FULL precision
+(the model's own attention; its cache's keys and values become the shared prefix), the first answer token
+comes from that prefill (as deployed), and the rest is decoded greedily
 while every decode step reads each method's cache (``EvalContext`` mode ``decode``; every method one batch
 row). Exact match: the first number of the answer equals the value (``single``/``multikey``), every value
 appears among the answer's numbers (``multivalue``). Counts come with 95 % Wilson intervals.
@@ -48,7 +49,6 @@ KEYS = (
     "feather", "granite", "hammock", "island", "jigsaw", "kettle", "lobster", "magnet", "nutmeg", "oyster",
     "parrot", "quartz", "rocket", "sparrow", "tulip", "velvet", "walnut", "yogurt", "zephyr",
 )
-PREFILL_CHUNK = 1024
 Z95 = 1.959963984540054
 
 
@@ -181,7 +181,8 @@ def _cut_haystack(lines: list[list[int]], budget: int, start: int) -> list[list[
 
 
 def _insert(header: list[int], hay: list[list[int]], pieces) -> tuple[list[int], list[int]]:
-    """Needles into the haystack at the line boundary nearest each depth; ``(ids, asked needle positions)``."""
+    """Needles into the haystack at the line boundary nearest each depth; ``(ids, asked needle positions)``,
+    the positions in the order of the asked needles in ``pieces``."""
     n = sum(len(x) for x in hay)
     starts, acc = [], 0
     for line in hay:
@@ -189,18 +190,18 @@ def _insert(header: list[int], hay: list[list[int]], pieces) -> tuple[list[int],
         acc += len(line)
     starts.append(acc)
     slots: dict[int, list] = {}
-    for p, d, asked in sorted(pieces, key=lambda x: x[1]):
+    for order, (p, d, asked) in sorted(enumerate(pieces), key=lambda x: x[1][1]):
         b = min(range(len(starts)), key=lambda j: abs(starts[j] - d * n))
-        slots.setdefault(b, []).append((p, asked))
-    ids, at = list(header), []
+        slots.setdefault(b, []).append((p, asked, order))
+    ids, at = list(header), {}
     for j in range(len(hay) + 1):
-        for p, asked in slots.get(j, []):
+        for p, asked, order in slots.get(j, []):
             if asked:
-                at.append(len(ids))
+                at[order] = len(ids)
             ids += p
         if j < len(hay):
             ids += hay[j]
-    return ids, at
+    return ids, [at[k] for k in sorted(at)]
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------
@@ -257,18 +258,34 @@ def run_niah(model, tokenizer, methods: list[CacheModel], prompts: list[NiahProm
     """Every prompt for every method (fake-quantized caches): ``[{task, length, index, depth, method, answer, ok}]``."""
     check_lengths(model, cfg)
     rows: list[dict] = []
-    with evaluating(model):
-        for pr in prompts:
-            ctx = EvalContext(list(methods), "prefill", store_dtype)
-            ids = torch.tensor(pr.ids).view(1, -1)
-            for c0 in range(0, ids.shape[1], PREFILL_CHUNK):
-                logits = _forward(model, ctx, ids[:, c0 : c0 + PREFILL_CHUNK], c0)
-            answers = _decode(model, tokenizer, ctx, logits.argmax(-1), pr, cfg)
-            for m, ans in zip(methods, answers):
-                rows.append(result_row(pr, m.name, ans, tokenizer))
-            if progress:
-                progress(f"{pr.task} L={pr.length} #{pr.index}")
+    for pr in prompts:
+        ctx = EvalContext(list(methods), "prefill", store_dtype)
+        first = prefill(model, ctx, torch.tensor(pr.ids).view(1, -1))
+        with evaluating(model):
+            answers = _decode(model, tokenizer, ctx, first, pr, cfg)
+        for m, ans in zip(methods, answers):
+            rows.append(result_row(pr, m.name, ans, tokenizer))
+        if progress:
+            progress(f"{pr.task} L={pr.length} #{pr.index}")
     return rows
+
+
+@torch.no_grad()
+def prefill(model, ctx: EvalContext, ids: torch.Tensor) -> torch.Tensor:
+    """Full-precision prefill of ``ids [1, T]`` with the model's own attention; its post-RoPE keys and values
+    (``DynamicCache``) become the context's shared prefix. Returns the first answer token ``[1]``."""
+    dev = next(model.parameters()).device
+    out = model(input_ids=ids.to(dev), use_cache=True, **last_logits_only(model))
+    cache = out.past_key_values
+    for i, layer in enumerate(cache.layers):
+        ctx.prefix_k[i], ctx.prefix_v[i] = layer.keys, layer.values  # [1, H_kv, T, D]
+    return out.logits[:, -1].float().argmax(-1)
+
+
+def last_logits_only(model) -> dict:
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def result_row(pr: NiahPrompt, method: str, answer: str, tokenizer=None) -> dict:
@@ -318,5 +335,5 @@ def summarize(rows: list[dict]) -> dict:
 
 
 __all__ = ["HEADER", "KEYS", "NEEDLE", "QUESTION", "QUESTION_ALL", "SPLITS", "TASKS", "NiahConfig", "NiahPrompt",
-           "build_prompts", "check_lengths", "haystack_lines", "judge", "numbers", "result_row", "run_niah",
+           "build_prompts", "check_lengths", "haystack_lines", "judge", "last_logits_only", "numbers", "result_row", "run_niah",
            "summarize", "wilson"]

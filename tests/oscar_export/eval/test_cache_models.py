@@ -188,9 +188,9 @@ def test_decode_mode_matches_score_mode_across_demotions_and_flushes():
         full = _one_row(one, m, 0, 0, q, k, v, D ** -0.5)
         recomputed = 0
         for a in range(n0, T):
-            before = ctx.memo.get((0, 0))
-            o = _one_row(ctx, m, 0, 0, q[:, a : a + 1], k[:, : a + 1], v[:, : a + 1], D ** -0.5)
-            recomputed += before is not None and ctx.memo[(0, 0)] is not before
+            before = ctx.memo[(0, 0)].segs if (0, 0) in ctx.memo else None
+            o = _one_row(ctx, m, 0, 0, q[:, a : a + 1], k[:, n0 : a + 1], v[:, n0 : a + 1], D ** -0.5)
+            recomputed += before is not None and ctx.memo[(0, 0)].segs is not before
             err = (o[:, 0] - full[:, a]).abs().max().item()
             assert err < 1e-5, f"{m.name} position {a}: {err:.3e}"
         assert recomputed >= 1, f"{m.name}: the decode path never re-quantized (valid_until unused)"

@@ -1,21 +1,20 @@
-"""The evaluation end to end: agreement with the real OSCAR HF cache fed token by token, NIAH mechanics,
-reports, the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
+"""The evaluation end to end: agreement with the real OSCAR HF cache fed token by token, the research recipe,
+the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
-from oscar_export.eval_methods import Method
-from oscar_export.eval_metrics import compare_hidden, evaluation_text, final_hidden, text_windows
-from oscar_export.eval_recipes import attention_shape, research_recipe
+from eval_helpers import D, random_transform, tiny_llama
+from oscar_export.eval.cache_models import BF16Cache, PagedInt2
+from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths
+from oscar_export.eval.recipes import attention_shape, research_recipe
+from oscar_export.eval.text import evaluation_text, final_hidden, text_windows
 from oscar_export.kernels.layout import KVCacheLayout
-
-from test_eval_methods import D, random_transform, tiny_llama
 
 
 @pytest.mark.parametrize("granularity", ["token", pytest.param("channel", marks=pytest.mark.slow)])
@@ -23,7 +22,7 @@ def test_fake_quant_agrees_with_real_hf_cache_token_by_token(granularity):
     """One fake-quantized pass == the plugins/hf OscarCache fed one token at a time (same artifact)."""
     pytest.importorskip("oscar_export.plugins.hf")
     from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
-    from oscar_export.plugins.hf import enable_oscar
+    from oscar_export.eval.deployed import oscar_logits
 
     model = tiny_llama()
     lay = KVCacheLayout.default(2, D, granularity, sink=16, window=32, page_size=16)
@@ -32,21 +31,17 @@ def test_fake_quant_agrees_with_real_hf_cache_token_by_token(granularity):
     art = OscarArtifact(lay, ts, model_fingerprint(model.config))
     T = 100  # 3 pages at the end
     ids = torch.randint(0, 96, (T,))
-    h = final_hidden(model, ids, Method("oscar", "pages", layout=lay, transforms=ts), torch.float32)
+    h = final_hidden(model, ids, PagedInt2("oscar", layout=lay, transforms=ts), torch.float32)
     fake = model.get_output_embeddings()(h)
-    with enable_oscar(model, art) as oscar:
-        cache = oscar.make_cache(batch_size=1, max_length=T)
-        real = []
-        with torch.no_grad():
-            for a in range(T):
-                out = model(input_ids=ids[None, a : a + 1], past_key_values=cache, use_cache=True)
-                real.append(out.logits[0, -1])
-    real = torch.stack(real)
+    real, quantized = oscar_logits(model, art, "torch", ids[None], chunk=1)
+    real = real[0]
     err = (real - fake).abs().max(-1).values
     worst = int(err.argmax())
     assert err.max() < 1e-3 * fake.abs().max(), f"worst position {worst}: {err[worst]:.3e}"
-    base = model.get_output_embeddings()(final_hidden(model, ids, Method("bf16", "full"), torch.float32))
+    base = model.get_output_embeddings()(final_hidden(model, ids, BF16Cache("bf16"), torch.float32))
     assert (base[-1] - fake[-1]).abs().max() > 100 * err.max(), "the quantized history must matter"
+    pos = torch.arange(T - 1)
+    assert torch.equal(quantized, PagedInt2("oscar", layout=lay, transforms=ts).reads_quantized(pos))
 
 
 def test_research_recipe_is_shared_u_h_with_global_clips():
@@ -61,86 +56,24 @@ def test_research_recipe_is_shared_u_h_with_global_clips():
     assert m.bits_per_element(10_000) > m.layout.effective_bits_per_element(10_000)  # fp32 params cost more
 
 
-@pytest.mark.model
-def test_niah_haystack_layout_and_answers():
-    from oscar_export.niah import NiahConfig, _leading_number, build_haystack
-    from oscar_export.models import load_tokenizer
-
-    tok = load_tokenizer()
-    cfg = NiahConfig(lengths=(512, 1024), needles_per_length=3, single_haystacks=1)
-    h = build_haystack(tok, cfg, "multi", 0, reserve=60)
-    assert len(h.needles) == 6 and len({k for k, _, _ in h.needles}) == 6
-    assert h.cuts[512] <= 512 - 60 and h.cuts[1024] <= 1024 - 60 and len(h.ids) == h.cuts[1024]
-    assert sum(at < h.cuts[512] for _, _, at in h.needles) == 3
-    for key, value, at in h.needles:
-        assert value in tok.decode(h.ids[at : at + 40]) and key in tok.decode(h.ids[at : at + 40])
-    s = build_haystack(tok, cfg, "single", 0, reserve=60)
-    assert len(s.needles) == 1 and s.needles[0][2] < s.cuts[512]
-    assert _leading_number(" 1234567.") == ("1234567", True)
-    assert _leading_number(" 123") == ("123", False)
-    assert _leading_number(" The") == ("", True)
-    with pytest.raises(ValueError, match="lengths"):
-        NiahConfig(lengths=(2048, 1024))
-
-
-def test_niah_runs_and_bf16_equals_disabled_quantization():
-    from oscar_export.niah import NiahConfig, run_niah, summarize
+def test_run_eval_on_a_tiny_model_scores_every_length_and_task(monkeypatch):
+    """The driver's fake-quantized path: every method scored at every text length (prefixes of one window),
+    BF16 exactly 0 KL, NIAH counted per task and length."""
+    from eval_helpers import CharTokenizer
+    from oscar_export.eval import driver, text
 
     model = tiny_llama()
-
-    class Tok:  # ids are characters mod 96: enough for the mechanics
-        def __call__(self, text, add_special_tokens=False, return_tensors=None):
-            ids = [ord(c) % 96 for c in text]
-            return type("E", (), {"input_ids": ids})()
-
-        def decode(self, ids):
-            return "".join(chr(48 + i % 10) for i in ids)
-
-    lay = KVCacheLayout.default(2, D, sink=16, window=32, page_size=16)
-    t = random_transform()
-    ms = [Method("bf16", "full"), Method("off", "pages", layout=lay, transforms=[t, t], quantize=False),
-          Method("on", "pages", layout=lay, transforms=[t, t])]
-    rows = run_niah(model, Tok(), ms, NiahConfig(lengths=(400,), needles_per_length=2, single_haystacks=0, digits=3),
-                    store_dtype=torch.float32)
-    assert len(rows) >= 3 and len(rows) % 3 == 0
-    by = {(r["key"], r["method"]): r["answer"] for r in rows}
-    for key in {r["key"] for r in rows}:
-        assert by[(key, "bf16")] == by[(key, "off")]
-    assert set(summarize(rows)) == {"bf16", "off", "on"}
-
-
-def test_report_writes_markdown_json_and_plots(tmp_path):
-    from oscar_export.eval_report import write_all
-
-    result = {
-        "methods": [{"name": n, "kind": "x", "description": n, "bits": {"1024": b, "2048": b}}
-                    for n, b in (("bf16", 16.0), ("a", 3.1))],
-        "text": {"length": 1024, "scores": {"bf16": {"ppl": 10.0, "kl": 0.0, "top1": 1.0, "kl_beyond_windows": 0.0},
-                                            "a": {"ppl": 11.0, "kl": 0.1, "top1": 0.9, "kl_beyond_windows": 0.2}}},
-        "niah": {"config": {"lengths": [1024, 2048]},
-                 "summary": {"bf16": {"multi": {"1024": {"acc": 1.0, "n": 2}}}, "a": {"multi": {"1024": {"acc": 0.5, "n": 2}}}}},
-    }
-    paths = write_all(result, tmp_path)
-    md = paths["markdown"].read_text()
-    assert "| a | 3.100 | 3.100 | 11.000 | 1.000 | 10.00 |" in md and "1/2" in md
-    assert json.loads(paths["json"].read_text())["methods"][1]["name"] == "a"
-    assert paths["kl_vs_bits"].stat().st_size > 1000 and paths["niah_vs_bits"].stat().st_size > 1000
-
-
-def test_merge_adds_methods_and_refuses_incomparable_runs():
-    from oscar_export.eval_report import merge
-
-    def res(names, ppl=10.0, length=1024):
-        return {"methods": [{"name": n, "bits": {}} for n in names], "command": "x",
-                "text": {"length": length, "windows": 1, "source": "s",
-                         "scores": {n: {"ppl": ppl if n == "bf16" else 11.0} for n in names}}}
-
-    m = merge(res(["bf16", "a"]), res(["bf16", "b"]))
-    assert [x["name"] for x in m["methods"]] == ["bf16", "b", "a"] and set(m["text"]["scores"]) == {"bf16", "a", "b"}
-    with pytest.raises(ValueError, match="BF16 perplexity differs"):
-        merge(res(["bf16", "a"]), res(["bf16", "b"], ppl=10.5))
-    with pytest.raises(ValueError, match="text length differs"):
-        merge(res(["bf16", "a"]), res(["bf16", "b"], length=2048))
+    tok = CharTokenizer()
+    monkeypatch.setattr(text, "evaluation_text", lambda: "x y z. " * 400)
+    preset = Preset((400, 600), 1, (640,), 1, 1, 1, hf=("hf-hqq-int2",))
+    res = driver.run_eval(model, tok, preset, None, ["bf16", "int2-naive", "kivi2", "hf-hqq-int2"], niah=False)
+    assert set(res["text"]["lengths"]) == {"400", "600"}
+    for L in ("400", "600"):
+        s = res["text"]["lengths"][L]["scores"]
+        assert s["bf16"]["kl"] == 0 and s["bf16"]["top1"] == 1 and s["bf16"]["positions"] == int(L) - 1
+        assert s["int2-naive"]["kl"] > 0 and s["int2-naive"]["positions_q"] == int(L) - 1 - 384  # pages from 384
+        assert s["kivi2"]["positions_q"] == int(L) - 1 - 127  # KIVI: the first key flush is read from position 127
+    assert {m["name"] for m in res["methods"]} == {"bf16", "int2-naive", "kivi2", "hf-hqq-int2"}
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -152,7 +85,7 @@ def test_unsupported_model_is_a_clear_error():
         attention_shape(transformers.GPT2LMHeadModel(cfg))
 
 
-def test_text_shorter_than_the_window_is_a_clear_error():
+def test_text_shorter_than_the_windows_is_a_clear_error():
     class Tok:
         def __call__(self, text, return_tensors=None, add_special_tokens=False):
             return type("E", (), {"input_ids": torch.arange(len(text.split())).view(1, -1)})()
@@ -161,20 +94,58 @@ def test_text_shorter_than_the_window_is_a_clear_error():
     assert text_windows(Tok(), 100, 2).shape == (2, 100)
     with pytest.raises(ValueError, match=f"need {n + 1} tokens, the text has {n}"):
         text_windows(Tok(), n + 1, 1)
+    with pytest.raises(ValueError, match="exceed the model's limit of 50 positions"):
+        text_windows(Tok(), 100, 1, max_positions=50)
+
+
+def test_length_over_the_model_limit_is_a_clear_error():
+    model = tiny_llama(max_positions=1024)
+    with pytest.raises(ValueError, match="NIAH length 2048 exceeds the model's limit of 1024 positions"):
+        check_lengths(model, Preset((512,), 1, (1024, 2048), 1, 1, 1), text=True, niah=True)
+    with pytest.raises(ValueError, match="text length 4096 exceeds the model's limit of 1024"):
+        check_lengths(model, Preset((4096,), 1, (1024,), 1, 1, 1), text=True, niah=False)
+    check_lengths(model, Preset((4096,), 1, (1024,), 1, 1, 1), text=False, niah=True)  # text not asked for
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device is available here"):
+        check_device("cuda")
+    from oscar_export.cli import main
+
+    assert main(["eval", "--device", "cuda", "--out", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is available" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.model
+def test_cli_bad_lengths_fail_before_calibrating(capsys, tmp_path):
+    """Over the model's 8192 positions, or more windows than the text holds: one line each, exit code 2."""
+    from oscar_export.cli import main
+
+    def error_lines():
+        return [x for x in capsys.readouterr().err.splitlines() if x.startswith("oscar-export eval: error:")]
+
+    assert main(["eval", "--text-lengths", "16384", "--out", str(tmp_path)]) == 2
+    (line,) = error_lines()
+    assert "text length 16384 exceeds the model's limit of 8192 positions" in line
+    assert main(["eval", "--text-lengths", "8192", "--text-windows", "5", "--out", str(tmp_path)]) == 2
+    (line,) = error_lines()
+    assert "5 windows of 8192 tokens need 40960 tokens, the text has" in line
 
 
 def test_artifact_for_another_model_is_a_clear_error(tmp_path):
-    from oscar_export.calibration.artifact import OscarArtifact
-    from oscar_export.evaluate import _load_artifact
+    from oscar_export.calibration.artifact import OscarArtifact, load_artifact
 
     other = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=128, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=D)
     OscarArtifact.identity(other).save(tmp_path / "art")
     with pytest.raises(ValueError, match="does not match this model"):
-        _load_artifact(str(tmp_path / "art"), tiny_llama())
+        load_artifact(str(tmp_path / "art"), tiny_llama().config)
 
 
-def test_cli_rejects_unknown_method_and_bad_preset(tmp_path, capsys):
+def test_cli_rejects_bad_preset(capsys):
     from oscar_export.cli import main
 
     with pytest.raises(SystemExit):
@@ -182,8 +153,14 @@ def test_cli_rejects_unknown_method_and_bad_preset(tmp_path, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_presets_meet_the_protocol():
+    full = PRESETS["full"]
+    assert full.text_lengths == (2048, 4096, 8192) and full.niah_lengths == (1024, 2048, 4096, 8192)
+    assert full.needles >= 20 and len(full.hf) == 4
+
+
 def test_calibration_and_evaluation_text_are_disjoint():
-    from oscar_export.eval_metrics import calibration_text
+    from oscar_export.eval.text import calibration_text
 
     cal, ev = calibration_text(), evaluation_text()
     from pydoc_data.topics import topics
@@ -202,15 +179,14 @@ def test_calibration_and_evaluation_text_are_disjoint():
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_quick_eval_on_smollm2_without_calibration(smollm2, tmp_path):
+def test_quick_eval_on_smollm2_without_calibration(smollm2):
     """The CLI's evaluation path on SmolLM2 (no calibration): quantized methods score worse than BF16, in order."""
-    from oscar_export.evaluate import Preset, run_eval
+    from oscar_export.eval.driver import run_eval
 
     model, tok = smollm2
-    preset = Preset(768, 1, (1024,), 1, 0, 1, 512)
-    res = run_eval(model, tok, preset, None, ["bf16", "int2-naive", "quarot-int2", "oscar-research"], niah=True,
-                   text=True)
-    s = res["text"]["scores"]
+    preset = Preset((768,), 1, (1024,), 1, 1, 512)
+    res = run_eval(model, tok, preset, None, ["bf16", "int2-naive", "quarot-int2", "oscar-research"])
+    s = res["text"]["lengths"]["768"]["scores"]
     assert s["bf16"]["kl"] == 0 and s["bf16"]["top1"] == 1
     assert 0 < s["quarot-int2"]["kl"] < s["int2-naive"]["kl"], s
-    assert res["niah"]["summary"]["bf16"]["multi"]["1024"]["n"] == 1
+    assert res["niah"]["summary"]["bf16"]["single"]["1024"]["n"] == 1
