@@ -53,7 +53,7 @@ PRESETS = {
     "quick": Preset((1024,), 1, (1024,), 2, 4096, 1024),
     # The README's main job (a few minutes on a 2-core CPU); HQQ re-optimises the whole history at every
     # flush (minutes here): it runs in "full" or when named in --methods.
-    "default": Preset((1024,), 1, (1024,), 4, 8192, 2048, hf=("hf-quanto-int2", "hf-quanto-int4")),
+    "default": Preset((1024,), 1, (1024,), 2, 8192, 2048, hf=("hf-quanto-int2", "hf-quanto-int4")),
     # The GPU protocol (DESIGN §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length.
     "full": Preset((2048, 4096, 8192), 2, (1024, 2048, 4096, 8192), 20, 20_000, 4096, hf=HF_ALL),
 }
@@ -120,9 +120,13 @@ def build_methods(model, tok, preset: Preset, artifact, names: list[str] | None,
         if unknown:
             raise ValueError(f"--methods: unknown {sorted(unknown)}; available: {[m.name for m in methods]}")
         methods = [m for m in methods if m.name in want or m.name == "bf16"]
-    else:
-        methods = [m for m in methods if m.kind != "hf" or m.name in preset.hf]
     skipped = {}
+    if want is None:
+        for m in methods:
+            if m.kind == "hf" and m.name not in preset.hf:
+                skipped[m.name] = ("not in this preset (the QuantizedCache replay is slow on a CPU); "
+                                   "--preset full or --methods runs it")
+        methods = [m for m in methods if m.name not in skipped]
     for m in [m for m in methods if m.kind == "hf"]:
         why = hf_backend_missing(m.backend)
         if why:
@@ -188,7 +192,7 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
         timings["text_s"] = round(time.perf_counter() - t0, 1)
     if niah:
         t0 = time.perf_counter()
-        niah_methods = [m for m in methods if m.kind != "hf" or names]  # HF replay: only when named (slow)
+        niah_methods = methods
         with _bar(len(prompts), f"NIAH ({len(prompts)} prompts x {len(niah_methods)} methods)") as b:
             rows = run_niah(model, tok, niah_methods, prompts, cfg,
                             progress=lambda s: (b.set_postfix_str(s), b.update(1)))
@@ -212,8 +216,9 @@ def _bar(total: int, desc: str):
 
 
 def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool, niah: bool, split: str,
-                 log=print) -> dict:
-    """Ours through the real cache on CUDA: the BF16 model with Triton and the fp32 model with the reference."""
+                 log=print, bf16_backend: str = "triton") -> dict:
+    """Ours through the real cache: the BF16 model with ``bf16_backend`` (Triton, as deployed on CUDA) and the
+    fp32 model with the reference ops (the cross-check)."""
     import copy
 
     from .deployed import deployed_niah, deployed_text
@@ -222,7 +227,7 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
 
     if artifact is None:
         raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
-    models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), "triton"), "reference": (model, "torch")}
+    models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), bf16_backend), "reference": (model, "torch")}
     dep: dict = {"timings": {}}
     if text:
         windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
@@ -234,6 +239,7 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
         part = deployed_niah(models, artifact, tok, build_prompts(tok, cfg), cfg, log=log)
         dep["niah"] = part
         dep["timings"].update(part["timings"])
+    dep["backends"] = {run: backend for run, (_, backend) in models.items()}
     del models["triton"]
     result["deployed"] = dep
     return result

@@ -229,7 +229,14 @@ def judge(prompt: NiahPrompt, text: str, finished: bool = True) -> tuple[bool, b
         return bool(stripped) or finished, False  # an answer that does not start with a number is wrong
     got = set(done_nums + ([open_run] if finished and open_run else []))
     ok = all(v in got for v in prompt.values)
-    return ok or finished or "\n\n" in text, ok
+    return ok or finished or "\n\n" in text or len(done_nums) >= len(prompt.values), ok
+
+
+def values_found(prompt: NiahPrompt, text: str) -> int:
+    """How many of the asked values appear among the answer's numbers (RULER's ``string_match_all`` counts)."""
+    done_nums, open_run = numbers(text)
+    got = set(done_nums + ([open_run] if open_run else []))
+    return sum(v in got for v in prompt.values)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
@@ -292,7 +299,7 @@ def result_row(pr: NiahPrompt, method: str, answer: str, tokenizer=None) -> dict
     _, ok = judge(pr, answer, finished=True)
     return {"task": pr.task, "length": pr.length, "index": pr.index, "depth": round(pr.depth, 4),
             "prompt_tokens": len(pr.ids), "needle_at": pr.needle_at, "values": pr.values, "method": method,
-            "answer": answer, "ok": ok}
+            "answer": answer, "ok": ok, "found": values_found(pr, answer)}
 
 
 def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, pr: NiahPrompt, cfg: NiahConfig) -> list[str]:
@@ -319,21 +326,31 @@ def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, pr: NiahPro
 
 
 def summarize(rows: list[dict]) -> dict:
-    """``{method: {task: {length: {ok, n, acc, lo, hi}}}}`` (``lo``/``hi``: 95 % Wilson interval)."""
+    """``{method: {task: {length: {ok, n, acc, lo, hi, found, asked, recall, recall_lo, recall_hi}}}}``.
+
+    ``ok``/``n``: exact answers (every value, for multivalue) with the 95 % Wilson interval ``lo``/``hi``;
+    ``found``/``asked``: values recalled (RULER's multivalue score), Wilson over values (values of one prompt
+    are correlated: that interval is narrower than the truth).
+    """
     counts: dict = {}
     for r in rows:
-        c = counts.setdefault(r["method"], {}).setdefault(r["task"], {}).setdefault(str(r["length"]), [0, 0])
+        c = counts.setdefault(r["method"], {}).setdefault(r["task"], {}).setdefault(str(r["length"]), [0, 0, 0, 0])
         c[0] += int(r["ok"])
         c[1] += 1
+        c[2] += int(r.get("found", int(r["ok"])))
+        c[3] += len(r.get("values", [None]))
     out: dict = {}
     for m, tasks in counts.items():
         for t, lens in tasks.items():
-            for L, (k, n) in lens.items():
+            for L, (k, n, f, a) in lens.items():
                 lo, hi = wilson(k, n)
-                out.setdefault(m, {}).setdefault(t, {})[L] = {"ok": k, "n": n, "acc": k / n, "lo": lo, "hi": hi}
+                rlo, rhi = wilson(f, a)
+                out.setdefault(m, {}).setdefault(t, {})[L] = {"ok": k, "n": n, "acc": k / n, "lo": lo, "hi": hi,
+                                                             "found": f, "asked": a, "recall": f / a,
+                                                             "recall_lo": rlo, "recall_hi": rhi}
     return out
 
 
 __all__ = ["HEADER", "KEYS", "NEEDLE", "QUESTION", "QUESTION_ALL", "SPLITS", "TASKS", "NiahConfig", "NiahPrompt",
-           "build_prompts", "check_lengths", "haystack_lines", "judge", "last_logits_only", "numbers", "result_row", "run_niah",
+           "build_prompts", "check_lengths", "haystack_lines", "judge", "last_logits_only", "values_found", "numbers", "result_row", "run_niah",
            "summarize", "wilson"]

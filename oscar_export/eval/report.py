@@ -25,10 +25,13 @@ def _f(x: Any, nd: int = 3) -> str:
     return str(x)
 
 
-def _count(c: dict | None) -> str:
+def _count(c: dict | None, task: str = "") -> str:
     if not c:
         return "–"
-    return f"{c['ok']}/{c['n']} ({100 * c['lo']:.0f}–{100 * c['hi']:.0f})"
+    cell = f"{c['ok']}/{c['n']} ({100 * c['lo']:.0f}–{100 * c['hi']:.0f})"
+    if task == "multivalue" and "found" in c:
+        cell += f"; values {c['found']}/{c['asked']}"
+    return cell
 
 
 def text_table(scores: dict, bits: dict, length: int) -> list[str]:
@@ -51,13 +54,13 @@ def niah_table(niah: dict, names: list[str]) -> list[str]:
     head = ["method"] + [f"{t} @{L}" for t, L in cols]
     lines = [
         f"NIAH (split {cfg['split']!r}): {cfg['needles']} needles per task and length, "
-        f"{len(cfg['tasks']) * len(cfg['lengths']) * cfg['needles']} questions per method; correct/asked "
-        "(95 % Wilson interval, %):", "",
+        f"{len(cfg['tasks']) * len(cfg['lengths']) * cfg['needles']} questions per method; exact answers "
+        "correct/asked (95 % Wilson interval, %); multivalue also values recalled/asked (RULER's score):", "",
         "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
     ]
     for name in names:
         if name in summ:
-            lines.append("| " + " | ".join([name] + [_count(summ[name].get(t, {}).get(str(L))) for t, L in cols]) + " |")
+            lines.append("| " + " | ".join([name] + [_count(summ[name].get(t, {}).get(str(L)), t) for t, L in cols]) + " |")
     return lines
 
 
@@ -65,6 +68,8 @@ def markdown(result: dict) -> str:
     """Every table of the result (text per length, NIAH, the deployed GPU runs) and the method list."""
     methods = result["methods"]
     bits = {m["name"]: m["bits"] for m in methods}
+    if "oscar" in bits:  # the deployed runs store what ours stores
+        bits.update({f"oscar-{run}": bits["oscar"] for run in ("triton", "reference")})
     lines: list[str] = []
     text = result.get("text") or {}
     for L, part in (text.get("lengths") or {}).items():

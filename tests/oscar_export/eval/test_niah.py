@@ -9,7 +9,7 @@ import torch
 from eval_helpers import LAY, CharTokenizer, random_transform, tiny_llama
 from oscar_export.eval.cache_models import BF16Cache, PagedInt2
 from oscar_export.eval.niah import (
-    NEEDLE, NiahConfig, NiahPrompt, build_prompts, judge, numbers, run_niah, summarize, wilson,
+    NEEDLE, NiahConfig, NiahPrompt, build_prompts, judge, numbers, run_niah, summarize, values_found, wilson,
 )
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
@@ -35,6 +35,8 @@ def test_judge_multivalue_needs_every_value():
     assert judge(p, " 1111111, 3333333, 2222222.") == (True, True)
     assert judge(p, " 1111111, 3333333 and", finished=False) == (False, False)
     assert judge(p, " 1111111, 3333333.") == (True, False)
+    assert judge(p, " 1111111, 3333333, 4444444, ", finished=False)[0]  # as many numbers as values: stop
+    assert values_found(p, " 1111111, 3333333, 4444444.") == 2
     assert numbers(" 12, 345") == (["12"], "345")
 
 
