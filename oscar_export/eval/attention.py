@@ -9,9 +9,11 @@ INT2, full-precision rows elsewhere). Runs on the model's device (CPU or CUDA). 
 
 ``score``    the keys in the call are the whole sequence (no HF cache); batch row ``b`` uses ``methods[b]``.
 ``prefill``  full precision; the call's keys are appended to the shared prefix kept in the context.
-``decode``   batch row ``b`` (method ``methods[b]``) reads the shared prefix + its own generated tokens +
-             the new ones; new tokens are kept per row. ``prefill_len`` is the prompt length the HF
-             ``QuantizedCache`` replay treats as its first update.
+``decode``   batch row ``b`` (method ``methods[b // fold]``, prompt ``b % fold``) reads its prompt's prefix +
+             its own generated tokens + the new ones; new tokens are kept per row. The ``fold`` prompts of
+             one method (equal lengths) are folded into the KV-head axis, so one method costs the same
+             number of ops for 1 or 20 prompts (``CacheModel.fold``). ``prefill_len`` is the prompt
+             length the HF ``QuantizedCache`` replay treats as its first update.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class EvalContext:
     mode: str = "score"
     store_dtype: torch.dtype = torch.bfloat16
     prefill_len: int = 1
-    prefix_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [1, H_kv, n, D] model basis
+    fold: int = 1  # decode: prompts per method, folded into the KV-head axis (batch row = method * fold + prompt)
+    prefix_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [1, fold * H_kv, n, D] model basis
     prefix_v: dict[int, torch.Tensor] = field(default_factory=dict)
     gen_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, H_kv, t, D]
     gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -119,15 +122,21 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
         ctx.prefix_k[layer], ctx.prefix_v[layer] = k, v
         outs.append(_one_row(ctx, FULL, -1, layer, query[0], k[0], v[0], scale))
     else:
-        if b != len(ctx.methods):
-            raise ValueError(f"oscar_eval: batch {b} but {len(ctx.methods)} methods")
+        f = ctx.fold if ctx.mode == "decode" else 1
+        if b != len(ctx.methods) * f:
+            raise ValueError(f"oscar_eval: batch {b} but {len(ctx.methods)} methods x {f} prompts")
         if ctx.mode == "decode":
             gk = torch.cat([ctx.gen_k[layer], key], 2) if layer in ctx.gen_k else key
             gv = torch.cat([ctx.gen_v[layer], value], 2) if layer in ctx.gen_v else value
             ctx.gen_k[layer], ctx.gen_v[layer] = gk, gv
         for i, m in enumerate(ctx.methods):
-            k, v = (gk[i], gv[i]) if ctx.mode == "decode" else (key[i], value[i])
-            outs.append(_one_row(ctx, m, i, layer, query[i], k, v, scale))
+            if ctx.mode == "decode":  # rows i*f .. i*f+f-1: this method's prompts, folded into the heads
+                rows = slice(i * f, (i + 1) * f)
+                fold = lambda x: x[rows].reshape(-1, *x.shape[2:])  # noqa: E731  [f, H, T, D] -> [f*H, T, D]
+                o = _one_row(ctx, m, i, layer, fold(query), fold(gk), fold(gv), scale)
+                outs += list(o.view(f, -1, *o.shape[1:]))
+            else:
+                outs.append(_one_row(ctx, m, i, layer, query[i], key[i], value[i], scale))
     out = torch.stack(outs, 0).to(query.dtype)  # [B, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None
 

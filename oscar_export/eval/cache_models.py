@@ -96,6 +96,12 @@ class CacheModel(ABC):
         """This method with its tensors on ``device``."""
         return self
 
+    def fold(self, prompts: int) -> "CacheModel":
+        """The same cache for ``prompts`` sequences of equal length folded into the KV-head axis (rows
+        ``[prompts * H_kv, T, D]``, prompt-major): per-head parameters are tiled, and nothing is shared
+        between prompts. A method without per-head parameters or cross-head quantization is its own fold."""
+        return self
+
     # ---- shared behaviour --------------------------------------------------------------------------------
     def segments(self, layer: int, ks: torch.Tensor, vs: torch.Tensor, q_start: int, q_end: int,
                  prefill_len: int = 1) -> list[Segment]:
@@ -183,6 +189,15 @@ class PagedInt2(CacheModel):
 
     def to(self, device) -> "PagedInt2":
         return replace(self, transforms=tuple(t.to(device) for t in self.transforms))
+
+    def fold(self, prompts: int) -> "PagedInt2":
+        if prompts == 1:
+            return self
+        tile = lambda x: x.repeat(prompts, *([1] * (x.dim() - 1)))  # noqa: E731  [H_kv, ...] -> [P*H_kv, ...]
+        ts = tuple(replace(t, **{f: tile(getattr(t, f)) for f in t.__dataclass_fields__ if f != "values_prerotated"})
+                   for t in self.transforms)
+        return replace(self, layout=replace(self.layout, num_kv_heads=prompts * self.layout.num_kv_heads),
+                       transforms=ts)
 
     def int2_ranges(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(lo, k_hi, v_hi)`` long ``[T]``: rows ``[lo, hi)`` are INT2 for the query at ``pos``."""
@@ -272,6 +287,7 @@ class HFQuantized(CacheModel):
     nbits: int = 2
     group: int = 64
     residual: int = 128
+    prompts: int = 1  # folded prompts (see ``fold``): each is replayed alone, as a batch-1 cache would be
 
     kind: ClassVar[str] = "hf"
 
@@ -289,7 +305,23 @@ class HFQuantized(CacheModel):
         q = hf_quantized_count(1, length, self.residual)
         return (q * per + (length - q) * 16.0) / length
 
+    def fold(self, prompts: int) -> "HFQuantized":
+        return replace(self, prompts=prompts)
+
     def _segments(self, layer, ks, vs, q_start, q_end, prefill_len):
+        if self.prompts == 1:
+            return self._replay(layer, ks, vs, q_start, q_end, prefill_len)
+        parts = [self._replay(layer, k, v, q_start, q_end, prefill_len)
+                 for k, v in zip(ks.chunk(self.prompts, 0), vs.chunk(self.prompts, 0))]
+        out = []
+        for segs in zip(*parts):  # equal lengths: the same states for every prompt
+            s0 = segs[0]
+            alt = s0.k_alt is not None
+            out.append(Segment(s0.start, s0.end, s0.c0, torch.cat([s.k_alt for s in segs]) if alt else None,
+                               torch.cat([s.v_alt for s in segs]) if alt else None, s0.ranges, s0.valid_until))
+        return out
+
+    def _replay(self, layer, ks, vs, q_start, q_end, prefill_len):
         x_k, x_v = ks.unsqueeze(0), vs.unsqueeze(0)  # [1, H_kv, Tk, D], the layout HF's layers quantize
         hl = hf_backend_layer(self.backend, self.nbits, self.group, self.residual, x_k[:, :, :1])
         segs = [Segment(q_start, min(prefill_len, q_end), valid_until=prefill_len)] if q_start < prefill_len else []

@@ -261,66 +261,87 @@ def check_lengths(model, cfg: NiahConfig) -> None:
 
 @torch.no_grad()
 def run_niah(model, tokenizer, methods: list[CacheModel], prompts: list[NiahPrompt], cfg: NiahConfig,
-             store_dtype=torch.bfloat16, progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Every prompt for every method (fake-quantized caches): ``[{task, length, index, depth, method, answer, ok}]``."""
+             store_dtype=torch.bfloat16, progress: Callable[[str], None] | None = None,
+             batch: int = 20) -> list[dict]:
+    """Every prompt for every method (fake-quantized caches): ``[{task, length, index, depth, method, answer,
+    ok, found}]``. Prompts of one task and length (same token count) go up to ``batch`` at a time: one
+    prefill, and every method decodes all of them at once (folded into the KV heads, ``CacheModel.fold``)."""
     check_lengths(model, cfg)
     rows: list[dict] = []
-    for pr in prompts:
-        ctx = EvalContext(list(methods), "prefill", store_dtype)
-        first = prefill(model, ctx, torch.tensor(pr.ids).view(1, -1))
+    for group in same_length_batches(prompts, batch):
+        ctx = EvalContext([m.fold(len(group)) for m in methods], "prefill", store_dtype, fold=len(group))
+        first = prefill(model, ctx, torch.tensor([p.ids for p in group]))
         with evaluating(model):
-            answers = _decode(model, tokenizer, ctx, first, pr, cfg)
-        for m, ans in zip(methods, answers):
-            rows.append(result_row(pr, m.name, ans, tokenizer))
+            answers = _decode(model, tokenizer, ctx, first, group, cfg)
+        for mi, m in enumerate(methods):
+            for pi, pr in enumerate(group):
+                rows.append(result_row(pr, m.name, answers[mi * len(group) + pi]))
         if progress:
-            progress(f"{pr.task} L={pr.length} #{pr.index}")
+            for pr in group:
+                progress(f"{pr.task} L={pr.length} #{pr.index}")
     return rows
+
+
+def same_length_batches(prompts: list[NiahPrompt], batch: int) -> list[list[NiahPrompt]]:
+    """Prompts grouped by (task, token count), in order, at most ``batch`` per group."""
+    groups: dict = {}
+    for p in prompts:
+        groups.setdefault((p.task, len(p.ids)), []).append(p)
+    return [g[i : i + batch] for g in groups.values() for i in range(0, len(g), batch)]
 
 
 @torch.no_grad()
 def prefill(model, ctx: EvalContext, ids: torch.Tensor) -> torch.Tensor:
-    """Full-precision prefill of ``ids [1, T]`` with the model's own attention; its post-RoPE keys and values
-    (``DynamicCache``) become the context's shared prefix. Returns the first answer token ``[1]``."""
+    """Full-precision prefill of ``ids [P, T]`` (equal-length prompts) with the model's own attention; its
+    post-RoPE keys and values (``DynamicCache``) become the context's prefix, the P prompts folded into the
+    KV-head axis ``[1, P * H_kv, T, D]``. Returns the first answer token of each prompt ``[P]``."""
     dev = next(model.parameters()).device
     out = model(input_ids=ids.to(dev), use_cache=True, **last_logits_only(model))
-    cache = out.past_key_values
-    for i, layer in enumerate(cache.layers):
-        ctx.prefix_k[i], ctx.prefix_v[i] = layer.keys, layer.values  # [1, H_kv, T, D]
+    for i, layer in enumerate(out.past_key_values.layers):
+        k, v = layer.keys, layer.values  # [P, H_kv, T, D]
+        ctx.prefix_k[i] = k.reshape(1, -1, *k.shape[2:])
+        ctx.prefix_v[i] = v.reshape(1, -1, *v.shape[2:])
     return out.logits[:, -1].float().argmax(-1)
 
 
 def last_logits_only(model) -> dict:
+    """``{"logits_to_keep": 1}`` where the model's forward takes it (a long prefill needs one logit row)."""
     import inspect
 
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
-def result_row(pr: NiahPrompt, method: str, answer: str, tokenizer=None) -> dict:
+def result_row(pr: NiahPrompt, method: str, answer: str) -> dict:
     _, ok = judge(pr, answer, finished=True)
     return {"task": pr.task, "length": pr.length, "index": pr.index, "depth": round(pr.depth, 4),
             "prompt_tokens": len(pr.ids), "needle_at": pr.needle_at, "values": pr.values, "method": method,
             "answer": answer, "ok": ok, "found": values_found(pr, answer)}
 
 
-def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, pr: NiahPrompt, cfg: NiahConfig) -> list[str]:
-    """The answer of every method: the first token from the full-precision prefill, the rest from the caches."""
-    n0 = ctx.prefix_len
+def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, group: list[NiahPrompt], cfg: NiahConfig
+            ) -> list[str]:
+    """Every (method, prompt)'s answer, row ``method * P + prompt``: the first token from the full-precision
+    prefill, the rest decoded from each method's cache."""
+    n0, f = ctx.prefix_len, ctx.fold
     ctx.mode, ctx.prefill_len = "decode", n0
-    b = len(ctx.methods)
-    toks = [[int(first[0])] for _ in range(b)]
+    b = len(ctx.methods) * f
+    prompt_of = [group[r % f] for r in range(b)]
+    firsts = first.tolist()
+    toks = [[firsts[r % f]] for r in range(b)]
     done = [False] * b
-    cur = first.view(1, 1).expand(b, 1).contiguous()
-    budget = cfg.answer_budget(pr.task)
+    cur = first.view(1, f).expand(len(ctx.methods), f).reshape(b, 1).contiguous()
+    budget = max(cfg.answer_budget(p.task) for p in group)
     eos = getattr(tokenizer, "eos_token_id", None)
     for step in range(budget - 1):
         for i in range(b):
-            done[i] = done[i] or toks[i][-1] == eos or judge(pr, tokenizer.decode(toks[i]), finished=False)[0]
+            done[i] = done[i] or toks[i][-1] == eos or judge(prompt_of[i], tokenizer.decode(toks[i]), finished=False)[0]
         if all(done):
             break
         nxt = _forward(model, ctx, cur, n0 + step).argmax(-1)  # [B]
+        host = nxt.tolist()
         for i in range(b):
             if not done[i]:
-                toks[i].append(int(nxt[i]))
+                toks[i].append(host[i])
         cur = nxt.view(b, 1)
     return [tokenizer.decode([t for t in tk if t != eos]) for tk in toks]
 

@@ -102,17 +102,15 @@ def hf_backend_layer(backend: str, nbits: int, group: int, residual: int, like: 
 
 
 def hf_backend_missing(backend: str) -> str | None:
-    """Why transformers' ``QuantizedCache(backend=...)`` cannot run here, or None when it can."""
-    import importlib.util
+    """Why transformers' ``QuantizedCache(backend=...)`` cannot run here, or None when it can (the module the
+    backend layer uses must import: a package present without its own dependencies counts as missing)."""
+    import importlib
 
-    pkg = {"hqq": "hqq", "quanto": "optimum.quanto"}[backend]
+    module, extra = {"hqq": ("hqq.core.quantize", "hqq"), "quanto": ("optimum.quanto", "optimum-quanto")}[backend]
     try:
-        found = importlib.util.find_spec(pkg) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        extra = "hqq" if backend == "hqq" else "optimum-quanto"
-        return f"QuantizedCache(backend={backend!r}) needs the package {extra} (pip install {extra})"
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a broken install failing on import
+        return f"QuantizedCache(backend={backend!r}) needs the package {extra} (pip install {extra}): {e}"
     return None
 
 

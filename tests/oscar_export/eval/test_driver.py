@@ -190,3 +190,16 @@ def test_quick_eval_on_smollm2_without_calibration(smollm2):
     assert s["bf16"]["kl"] == 0 and s["bf16"]["top1"] == 1
     assert 0 < s["quarot-int2"]["kl"] < s["int2-naive"]["kl"], s
     assert res["niah"]["summary"]["bf16"]["single"]["1024"]["n"] == 1
+
+
+def test_missing_hf_backend_is_skipped_with_its_reason(monkeypatch):
+    from oscar_export.eval import driver, quantizers
+
+    monkeypatch.setattr(quantizers, "hf_backend_missing", lambda b: "no hqq here" if b == "hqq" else None)
+    model = tiny_llama(1)
+    preset = Preset((512,), 1, (512,), 1, 1, 1, hf=("hf-hqq-int2", "hf-quanto-int4"))
+    methods, skipped = driver.build_methods(model, None, preset, None, ["bf16", "hf-hqq-int2", "hf-quanto-int4"],
+                                            log=lambda s: None)
+    assert [m.name for m in methods] == ["bf16", "hf-quanto-int4"] and skipped == {"hf-hqq-int2": "no hqq here"}
+    methods, skipped = driver.build_methods(model, None, preset, None, ["bf16", "kivi2"], log=lambda s: None)
+    assert [m.name for m in methods] == ["bf16", "kivi2"] and skipped == {}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eval_helpers import LAY, CharTokenizer, random_transform, tiny_llama
-from oscar_export.eval.cache_models import BF16Cache, PagedInt2
+from oscar_export.eval.cache_models import BF16Cache, HFQuantized, Kivi2, PagedInt2
 from oscar_export.eval.niah import (
     NEEDLE, NiahConfig, NiahPrompt, build_prompts, judge, numbers, run_niah, summarize, values_found, wilson,
 )
@@ -77,21 +77,26 @@ def test_prompts_have_the_length_depth_and_needles_asked_for():
     assert [p.ids for p in again] == [p.ids for p in dev], "the sets are seeded"
 
 
-def test_niah_runs_and_bf16_equals_disabled_quantization():
+def test_niah_runs_bf16_equals_disabled_quantization_and_batching_changes_nothing():
+    """Prompts decoded together (folded into the KV heads) give each prompt's answers alone, for every kind of
+    cache (per-head transforms tiled, KIVI, the HF replay per prompt)."""
     model = tiny_llama()
     t = random_transform()
     ms = [BF16Cache("bf16"), PagedInt2("off", layout=LAY, transforms=(t, t), quantize=False),
-          PagedInt2("on", layout=LAY, transforms=(t, t))]
-    cfg = NiahConfig(lengths=(640,), needles=2, tasks=("single", "multivalue"), digits=3, values=2)
+          PagedInt2("on", layout=LAY, transforms=(t, t)), Kivi2("kivi", group=16, residual=32),
+          HFQuantized("hf", backend="hqq", residual=16)]
+    cfg = NiahConfig(lengths=(640,), needles=3, tasks=("single", "multivalue"), digits=3, values=2)
     lines = [[i % 96 for i in range(j, j + 12)] for j in range(60)]
     tok = CharTokenizer()
     prompts = build_prompts(tok, cfg, lines)
-    rows = run_niah(model, tok, ms, prompts, cfg, store_dtype=torch.float32)
-    assert len(rows) == 3 * len(prompts) == 12
+    rows = run_niah(model, tok, ms, prompts, cfg, store_dtype=torch.float32, batch=3)
+    assert len(rows) == 5 * len(prompts) == 30
     by = {(r["task"], r["index"], r["method"]): r["answer"] for r in rows}
     for task, i, _ in by:
         assert by[(task, i, "bf16")] == by[(task, i, "off")]
-    assert set(summarize(rows)) == {"bf16", "off", "on"}
+    alone = run_niah(model, tok, ms, prompts, cfg, store_dtype=torch.float32, batch=1)
+    assert {(r["task"], r["index"], r["method"]): r["answer"] for r in alone} == by
+    assert set(summarize(rows)) == {"bf16", "off", "on", "kivi", "hf"}
 
 
 def test_niah_length_over_the_model_limit_is_a_clear_error():
