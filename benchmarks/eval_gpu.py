@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     log(f"preset {preset}")
     model, tok = load_gguf(args.gguf, device)
     check_lengths(model, preset, text=True, niah=True)
-    log(f"model loaded on {device}: {model.config.num_hidden_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    log(f"model loaded on {device}: {model.config.num_hidden_layers} layers, {params:.0f}M parameters")
     out = Path(args.out)
     if args.artifact:
         from oscar_export.calibration.artifact import load_artifact
@@ -97,16 +98,24 @@ def main(argv=None) -> int:
         log(f"calibrated; artifact saved to {out / 'artifact'}")
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
     result = run_eval(model, tok, preset, artifact, names, split=args.split, log=log)
-    log(f"fake-quantized protocol done: {result['timings']}")
-    if not args.no_deployed:
-        bf16_backend = "triton" if device.type == "cuda" else "torch"
-        result = run_deployed(model, tok, preset, artifact, result, True, True, args.split, log=log,
-                              bf16_backend=bf16_backend)
-        log(f"deployed runs done: {result['deployed']['timings']}")
     result["command"] = "python benchmarks/eval_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
     result["environment"]["git_sha"] = git_sha()
     result["environment"]["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    write_all(result, out)  # the fake-quantized results are kept whatever happens next
+    log(f"fake-quantized protocol done: {result['timings']}; written to {out}")
+    if not args.no_deployed:
+        bf16_backend = "triton" if device.type == "cuda" else "torch"
+        try:
+            result = run_deployed(model, tok, preset, artifact, result, True, True, args.split, log=log,
+                                  bf16_backend=bf16_backend)
+            log(f"deployed runs done: {result['deployed']['timings']}")
+        except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed
+            import traceback
+
+            traceback.print_exc()
+            result["deployed_error"] = f"{type(e).__name__}: {e}"
+            log(f"deployed runs FAILED: {result['deployed_error']}")
     result["timings"]["wall_s"] = round(time.perf_counter() - t_start, 1)
     paths = write_all(result, out)
     print(markdown(result))

@@ -2,7 +2,8 @@
 
 One forward pass scores a whole text decode-as-deployed: inside every attention call each query row reads
 what the method's cache would hold at that position (``cache_models``: quantized rows where the cache holds
-INT2, full-precision rows elsewhere). Runs on the model's device (CPU or CUDA). The per-call state travels in the forward kwargs
+INT2, full-precision rows elsewhere). Runs on the model's device (CPU or CUDA). The per-call state travels in
+the forward kwargs
 (``model(ids, oscar_eval=ctx)``), never in module globals.
 
 ``EvalContext`` modes:
@@ -207,7 +208,8 @@ def _decode_rows(ctx: EvalContext, m: CacheModel, mi: int, layer: int, gk, gv):
 
 
 def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.Tensor:
-    """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]`` -> ``[H_kv, g, n, D]``."""
+    """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]``
+    -> ``[H_kv, g, n, D]``."""
     hkv, g, n, d = qs.shape
     dev = qs.device
     q2 = qs.reshape(hkv, g * n, d)

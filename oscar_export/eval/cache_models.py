@@ -32,7 +32,9 @@ import torch
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
-from .quantizers import HF_BACKENDS, PARAM_DTYPES, add_noise_like, hf_backend_layer, kivi_keys, kivi_values, page_roundtrip
+from .quantizers import (
+    HF_BACKENDS, PARAM_DTYPES, add_noise_like, hf_backend_layer, kivi_keys, kivi_values, page_roundtrip,
+)
 
 NEVER = 1 << 62  # a segment valid for every later query position
 Ranges = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]

@@ -50,9 +50,9 @@ def oscar_logits(model, artifact, backend: str, ids: torch.Tensor, chunk: int) -
     dev = next(model.parameters()).device
     ids = ids.to(dev)
     b, t = ids.shape
+    lay = artifact.layout  # the artifact's layout (not the setup's: only the plugin's public API is used)
     setup = enable_oscar(model, artifact, backend=backend)
     try:
-        lay = setup.layout
         cache = setup.make_cache(batch_size=b, max_length=t)
         kw = cache_kwargs(model, cache)
         first = min(t, lay.sink + lay.window)

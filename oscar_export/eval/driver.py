@@ -127,12 +127,12 @@ def build_methods(model, tok, preset: Preset, artifact, names: list[str] | None,
                 skipped[m.name] = ("not in this preset (the QuantizedCache replay is slow on a CPU); "
                                    "--preset full or --methods runs it")
         methods = [m for m in methods if m.name not in skipped]
+    dev = next(model.parameters()).device
     for m in [m for m in methods if m.kind == "hf"]:
-        why = hf_backend_missing(m.backend)
+        why = hf_backend_missing(m.backend, dev)
         if why:
             skipped[m.name] = why
             log(f"skipping {m.name}: {why}")
-    dev = next(model.parameters()).device
     return [m.to(dev) for m in methods if m.name not in skipped], skipped
 
 

@@ -373,5 +373,6 @@ def summarize(rows: list[dict]) -> dict:
 
 
 __all__ = ["HEADER", "KEYS", "NEEDLE", "QUESTION", "QUESTION_ALL", "SPLITS", "TASKS", "NiahConfig", "NiahPrompt",
-           "build_prompts", "check_lengths", "haystack_lines", "judge", "last_logits_only", "values_found", "numbers", "result_row", "run_niah",
+           "build_prompts", "check_lengths", "haystack_lines", "judge", "last_logits_only", "numbers", "result_row",
+           "run_niah", "same_length_batches", "values_found",
            "summarize", "wilson"]

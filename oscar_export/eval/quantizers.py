@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_export.kernels.layout import ONE_THIRD_F32, KVCacheLayout, RowFormat
+from oscar_export.kernels.layout import ONE_THIRD_F32, KVCacheLayout
 from oscar_export.kernels.reference import dequantize_groups, dequantize_pages, quantize_groups, quantize_pages
 from oscar_export.kernels.transform import LayerTransform, clip_rank
 
@@ -101,9 +101,10 @@ def hf_backend_layer(backend: str, nbits: int, group: int, residual: int, like: 
     return layer
 
 
-def hf_backend_missing(backend: str) -> str | None:
-    """Why transformers' ``QuantizedCache(backend=...)`` cannot run here, or None when it can (the module the
-    backend layer uses must import: a package present without its own dependencies counts as missing)."""
+def hf_backend_missing(backend: str, device: torch.device | str | None = None) -> str | None:
+    """Why transformers' ``QuantizedCache(backend=...)`` cannot run here, or None when it can: the module the
+    backend layer uses must import, and with ``device`` one small quantize/dequantize must run there (a
+    package present without its own dependencies, or without kernels for the device, counts as missing)."""
     import importlib
 
     module, extra = {"hqq": ("hqq.core.quantize", "hqq"), "quanto": ("optimum.quanto", "optimum-quanto")}[backend]
@@ -111,6 +112,13 @@ def hf_backend_missing(backend: str) -> str | None:
         importlib.import_module(module)
     except Exception as e:  # ImportError, or a broken install failing on import
         return f"QuantizedCache(backend={backend!r}) needs the package {extra} (pip install {extra}): {e}"
+    if device is not None:
+        try:
+            x = torch.randn(1, 2, 16, 64, device=device)
+            layer = hf_backend_layer(backend, 2, 64, 8, x[:, :, :1])
+            layer._dequantize(layer._quantize(x, axis=layer.axis_key))
+        except Exception as e:  # noqa: BLE001 - any failure here would stop the whole run later
+            return f"QuantizedCache(backend={backend!r}) fails on {device}: {type(e).__name__}: {e}"
     return None
 
 

@@ -60,7 +60,8 @@ def niah_table(niah: dict, names: list[str]) -> list[str]:
     ]
     for name in names:
         if name in summ:
-            lines.append("| " + " | ".join([name] + [_count(summ[name].get(t, {}).get(str(L)), t) for t, L in cols]) + " |")
+            cells = [_count(summ[name].get(t, {}).get(str(L)), t) for t, L in cols]
+            lines.append("| " + " | ".join([name] + cells) + " |")
     return lines
 
 
@@ -149,7 +150,8 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
                 if not xs:
                     continue
                 acc = [100 * c["acc"] for c in cells if c]
-                err = [[100 * (c["acc"] - c["lo"]) for c in cells if c], [100 * (c["hi"] - c["acc"]) for c in cells if c]]
+                err = [[100 * (c["acc"] - c["lo"]) for c in cells if c],
+                       [100 * (c["hi"] - c["acc"]) for c in cells if c]]
                 ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name)
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(L) for L in lengths])

@@ -72,7 +72,8 @@ def max_positions(model) -> int | None:
 
 
 @torch.no_grad()
-def final_hidden(model, ids: torch.Tensor, method: CacheModel, store_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def final_hidden(model, ids: torch.Tensor, method: CacheModel,
+                 store_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``ids [T]`` -> final hidden states ``[T, hidden]`` with ``method``'s cache, decode-as-deployed."""
     ctx = EvalContext([method], "score", store_dtype, prefill_len=1)
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -128,7 +129,8 @@ class TextScore:
 
 
 @torch.no_grad()
-def compare_hidden(model, ref: torch.Tensor, got: torch.Tensor, ids: torch.Tensor, quantized: torch.Tensor) -> TextScore:
+def compare_hidden(model, ref: torch.Tensor, got: torch.Tensor, ids: torch.Tensor,
+                   quantized: torch.Tensor) -> TextScore:
     """Score ``got`` against the reference ``ref`` (both ``[T, hidden]``) on targets ``ids[1:]``.
 
     ``quantized [T - 1]`` bool: the positions that read quantized history (the ``*_q`` sums).
@@ -179,5 +181,5 @@ def score_prefixes(ref, got, ids: torch.Tensor, quantized: torch.Tensor, lengths
     return out
 
 
-__all__ = ["CALIBRATION_FRACTION", "TextScore", "calibration_text", "compare_hidden", "compare_logits", "evaluation_text",
-           "final_hidden", "max_positions", "score_prefixes", "text_windows"]
+__all__ = ["CALIBRATION_FRACTION", "TextScore", "calibration_text", "compare_hidden", "compare_logits",
+           "evaluation_text", "final_hidden", "max_positions", "score_prefixes", "text_windows"]

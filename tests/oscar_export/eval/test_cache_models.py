@@ -11,7 +11,9 @@ import torch
 
 from eval_helpers import D, LAY, random_transform, tiny_llama
 from oscar_export.eval.attention import EvalContext, _one_row
-from oscar_export.eval.cache_models import BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2, hf_flushes, hf_quantized_count
+from oscar_export.eval.cache_models import (
+    BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2, hf_flushes, hf_quantized_count,
+)
 from oscar_export.eval.recipes import baseline_methods
 from oscar_export.eval.text import compare_hidden, final_hidden
 from oscar_export.kernels import reference as ref
@@ -74,7 +76,8 @@ def test_short_sequences_inside_the_windows_match_bf16():
     b2 = final_hidden(model, longer, ms["bf16"])
     g2 = final_hidden(model, longer, ms["int2-naive"])
     assert torch.equal(g2[:-1], b2[:-1]) and not torch.equal(g2[-1], b2[-1]), "first page must change the last row"
-    assert ms["int2-naive"].reads_quantized(torch.arange(longer.numel())).tolist() == [False] * (longer.numel() - 1) + [True]
+    reads = ms["int2-naive"].reads_quantized(torch.arange(longer.numel())).tolist()
+    assert reads == [False] * (longer.numel() - 1) + [True]
 
 
 def test_noise_in_place_of_dequantized_values_scores_far_worse():

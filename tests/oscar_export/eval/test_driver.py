@@ -195,7 +195,7 @@ def test_quick_eval_on_smollm2_without_calibration(smollm2):
 def test_missing_hf_backend_is_skipped_with_its_reason(monkeypatch):
     from oscar_export.eval import driver, quantizers
 
-    monkeypatch.setattr(quantizers, "hf_backend_missing", lambda b: "no hqq here" if b == "hqq" else None)
+    monkeypatch.setattr(quantizers, "hf_backend_missing", lambda b, dev=None: "no hqq here" if b == "hqq" else None)
     model = tiny_llama(1)
     preset = Preset((512,), 1, (512,), 1, 1, 1, hf=("hf-hqq-int2", "hf-quanto-int4"))
     methods, skipped = driver.build_methods(model, None, preset, None, ["bf16", "hf-hqq-int2", "hf-quanto-int4"],

@@ -124,5 +124,6 @@ def test_scorer_tells_bf16_from_noise_on_smollm2(smollm2):
     ok = {m: sum(c["ok"] for t in s[m].values() for c in t.values()) for m in s}
     answers = {(r["task"], r["index"], r["method"]): r["answer"] for r in rows}
     assert all(answers[(t, i, "bf16")] == answers[(t, i, "covering")] for t, i, _ in answers)
-    assert ok["bf16"] >= 5, f"BF16 found {ok['bf16']}/6: {[(r['values'], r['answer']) for r in rows if r['method'] == 'bf16']}"
+    bf16 = [(r["values"], r["answer"]) for r in rows if r["method"] == "bf16"]
+    assert ok["bf16"] >= 5, f"BF16 found {ok['bf16']}/6: {bf16}"
     assert ok["noise"] <= 1, f"noise found {ok['noise']}/6: {[r['answer'] for r in rows if r['method'] == 'noise']}"

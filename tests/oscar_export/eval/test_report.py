@@ -17,8 +17,10 @@ def result():
     score = {"ppl": 11.0, "dppl_pct": 10.0, "kl": 0.1, "top1": 0.9, "positions": 1023, "ppl_q": 12.0,
              "dppl_pct_q": 20.0, "kl_q": 0.2, "top1_q": 0.8, "positions_q": 639}
     return {
-        "methods": [{"name": n, "kind": "x", "description": n, "bits": {"1024": b}} for n, b in (("bf16", 16.0), ("a", 3.1))],
-        "text": {"lengths": {"1024": {"windows": 1, "scores": {"bf16": {**score, "kl": 0.0, "dppl_pct": 0.0}, "a": score}}}},
+        "methods": [{"name": n, "kind": "x", "description": n, "bits": {"1024": b}}
+                    for n, b in (("bf16", 16.0), ("a", 3.1))],
+        "text": {"lengths": {"1024": {"windows": 1,
+                                      "scores": {"bf16": {**score, "kl": 0.0, "dppl_pct": 0.0}, "a": score}}}},
         "niah": {"config": {"lengths": [1024], "tasks": ["single", "multikey", "multivalue"], "needles": 4,
                             "split": "report"}, "summary": summarize(rows), "rows": rows, "methods": ["bf16", "a"]},
         "skipped": {"hf-hqq-int2": "QuantizedCache(backend='hqq') needs the package hqq"},
