@@ -53,7 +53,7 @@ PRESETS = {
     "quick": Preset((1024,), 1, (1024,), 2, 4096, 1024),
     # The README's main job (a few minutes on a 2-core CPU); HQQ re-optimises the whole history at every
     # flush (minutes here): it runs in "full" or when named in --methods.
-    "default": Preset((1024,), 1, (1024,), 4, 8192, 2048, hf=("hf-quanto-int2", "hf-quanto-int4")),
+    "default": Preset((1024,), 1, (1024,), 2, 8192, 2048, hf=("hf-quanto-int2", "hf-quanto-int4")),
     # The GPU protocol (DESIGN §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length.
     "full": Preset((2048, 4096, 8192), 2, (1024, 2048, 4096, 8192), 20, 20_000, 4096, hf=HF_ALL),
 }
