@@ -111,9 +111,9 @@ def test_scorer_tells_bf16_from_noise_on_smollm2(smollm2):
     """If the builder or the scorer were wrong, these could not both hold: windows covering the whole prompt
     give exactly BF16's answers and BF16 finds the needles; INT2 rows replaced by noise find (almost) none."""
     model, tok = smollm2
-    cfg = NiahConfig(lengths=(768,), needles=3, tasks=("single", "multikey"))
+    cfg = NiahConfig(lengths=(1024,), needles=3, tasks=("single", "multikey"))
     prompts = build_prompts(tok, cfg)
-    lay_all = KVCacheLayout.default(3, 64, "channel", sink=64, window=1024, page_size=64)  # windows hold 768+
+    lay_all = KVCacheLayout.default(3, 64, "channel", sink=64, window=1024, page_size=64)  # windows hold 1024+
     lay_small = KVCacheLayout.default(3, 64, "channel", sink=16, window=32, page_size=16)
     n = model.config.num_hidden_layers
     ident = tuple(LayerTransform.identity(3, 64) for _ in range(n))
