@@ -262,13 +262,13 @@ def check_lengths(model, cfg: NiahConfig) -> None:
 @torch.no_grad()
 def run_niah(model, tokenizer, methods: list[CacheModel], prompts: list[NiahPrompt], cfg: NiahConfig,
              store_dtype=torch.bfloat16, progress: Callable[[str], None] | None = None,
-             batch: int = 20) -> list[dict]:
+             batch: int = 20, max_tokens: int = 65536) -> list[dict]:
     """Every prompt for every method (fake-quantized caches): ``[{task, length, index, depth, method, answer,
     ok, found}]``. Prompts of one task and length (same token count) go up to ``batch`` at a time: one
     prefill, and every method decodes all of them at once (folded into the KV heads, ``CacheModel.fold``)."""
     check_lengths(model, cfg)
     rows: list[dict] = []
-    for group in same_length_batches(prompts, batch):
+    for group in same_length_batches(prompts, batch, max_tokens):
         ctx = EvalContext([m.fold(len(group)) for m in methods], "prefill", store_dtype, fold=len(group))
         first = prefill(model, ctx, torch.tensor([p.ids for p in group]))
         with evaluating(model):
@@ -282,12 +282,16 @@ def run_niah(model, tokenizer, methods: list[CacheModel], prompts: list[NiahProm
     return rows
 
 
-def same_length_batches(prompts: list[NiahPrompt], batch: int) -> list[list[NiahPrompt]]:
-    """Prompts grouped by (task, token count), in order, at most ``batch`` per group."""
+def same_length_batches(prompts: list[NiahPrompt], batch: int, max_tokens: int | None = None) -> list[list[NiahPrompt]]:
+    """Prompts grouped by (task, token count), in order, at most ``batch`` (and ``max_tokens`` tokens) per group."""
     groups: dict = {}
     for p in prompts:
         groups.setdefault((p.task, len(p.ids)), []).append(p)
-    return [g[i : i + batch] for g in groups.values() for i in range(0, len(g), batch)]
+    out = []
+    for (_, n), g in groups.items():
+        size = max(1, min(batch, max_tokens // max(1, n))) if max_tokens else batch
+        out += [g[i : i + size] for i in range(0, len(g), size)]
+    return out
 
 
 @torch.no_grad()

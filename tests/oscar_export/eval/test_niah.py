@@ -127,3 +127,16 @@ def test_scorer_tells_bf16_from_noise_on_smollm2(smollm2):
     bf16 = [(r["values"], r["answer"]) for r in rows if r["method"] == "bf16"]
     assert ok["bf16"] >= 5, f"BF16 found {ok['bf16']}/6: {bf16}"
     assert ok["noise"] <= 1, f"noise found {ok['noise']}/6: {[r['answer'] for r in rows if r['method'] == 'noise']}"
+
+
+def test_same_length_batches_bound_the_tokens_per_group():
+    """20 prompts of 8K for 12 methods ran out of the H200's memory: groups hold at most max_tokens tokens."""
+    from types import SimpleNamespace
+
+    from oscar_export.eval.niah import same_length_batches
+
+    prompts = [SimpleNamespace(task="single", ids=[0] * 8192) for _ in range(20)]
+    prompts += [SimpleNamespace(task="single", ids=[0] * 1024) for _ in range(20)]
+    groups = same_length_batches(prompts, 20, 65536)
+    assert [len(g) for g in groups] == [8, 8, 4, 20]
+    assert [len(g) for g in same_length_batches(prompts, 20)] == [20, 20]
