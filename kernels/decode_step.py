@@ -15,9 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import launch_plan as _plan
 from .layout import KVCacheLayout, PagedKV
 from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state, removal_counts
 from .transform import LayerTransform
+
+#: warps of the two launches: stated once, in the launch plan (kernels/aot/launch_plan.py).
+DEMOTE_WARPS = _plan.DEMOTE_DUE.num_warps
+APPEND_WARPS = _plan.APPEND.num_warps
 
 
 @triton.jit

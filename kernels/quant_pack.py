@@ -25,12 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import launch_plan as _plan
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
 from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
 from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
+#: warps of the page quantizer, plain and with the rotation fused: stated once, in kernels/aot/launch_plan.py.
+QUANT_WARPS = _plan.QUANT_PACK.num_warps
+QUANT_ROT_WARPS = _plan.QUANT_PACK_ROT.num_warps
 
 # ---- kernel -------------------------------------------------------------------------------------------------
 
