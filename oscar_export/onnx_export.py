@@ -23,13 +23,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from oscar_export.kernels.aot.launch_plan import TRT_DECODE_SPLIT, trt_io
+
 DOMAIN = "oscar"
 OP = "OscarDecodeAttention"
 OPSET = 18
-INPUTS = (
-    "q", "k_rotation", "k_scale", "sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes",
-    "v_params", "k_levels", "v_levels", "block_table", "sink_len", "num_pages", "recent_len",
-)
+#: the decode layer's inputs, in the kernels' order (the launch plan's split-plugin inputs).
+INPUTS = tuple(trt_io(TRT_DECODE_SPLIT)[0])
+#: Triton pointer type -> ONNX element type name (``TensorProto``).
+ONNX_TYPES = {"*fp32": "FLOAT", "*fp16": "FLOAT16", "*bf16": "BFLOAT16", "*i32": "INT32", "*u8": "UINT8"}
 
 
 def _onnx():
@@ -51,7 +53,9 @@ def node_attributes(layout, num_heads: int, sm_scale: float) -> dict[str, Any]:
     }
 
 
-def _io(layout, num_heads: int):
+def _io(layout, num_heads: int, types: dict[str, str] | None = None):
+    """Graph inputs and the output ``out``. ``types`` (plugin tensor name -> the kernel's pointer type) gives
+    the dtypes of the TensorRT form; without it ``q`` and ``out`` are FLOAT (the semantic node)."""
     _, T, helper = _onnx()
     h, hkv, d, p = num_heads, layout.num_kv_heads, layout.head_dim, layout.page_size
     kp = ["N", hkv, p, layout.key.groups, 2] if layout.key.granularity == "token" else ["N", hkv, 2, d]
@@ -64,9 +68,13 @@ def _io(layout, num_heads: int):
         "v_codes": (T.UINT8, ["N", hkv, p, d // 4]), "v_params": (T.FLOAT16, ["N", hkv, p, layout.value.groups, 2]),
         "k_levels": (T.FLOAT, [hkv, 4]), "v_levels": (T.FLOAT, [hkv, 4]), "block_table": (T.INT32, ["B", "M"]),
         "sink_len": (T.INT32, ["B"]), "num_pages": (T.INT32, ["B"]), "recent_len": (T.INT32, ["B"]),
+        "out": (T.FLOAT, ["B", h, d]),
     }
+    if types is not None:
+        spec = {n: (getattr(T, ONNX_TYPES[types[n]]), shape) if n in types else (t, shape)
+                for n, (t, shape) in spec.items()}
     inputs = [helper.make_tensor_value_info(n, *spec[n]) for n in INPUTS]
-    output = helper.make_tensor_value_info("out", T.FLOAT, ["B", h, d])
+    output = helper.make_tensor_value_info("out", *spec["out"])
     return inputs, output
 
 
@@ -195,22 +203,30 @@ def decode_attention_trt_model(layout, num_heads: int, sm_scale: float, pages_pe
     """The TensorRT form: the same inputs through ``oscar::OscarDecodeSplit`` -> ``oscar::OscarDecodeMerge``.
 
     A TensorRT AOT plugin launches one kernel, and decode attention is two (split-K, then the LSE merge),
-    so the layer is two plugin nodes (``plugins/trt``); ``out`` is BF16 ``[B, H, D]``. Not executable by
-    onnxruntime (no reference body): the semantic one-node model above is what runs here.
+    so the layer is two plugin nodes (``plugins/trt``). TensorRT's node rules: the op type is the plugin name,
+    ``plugin_namespace`` names the namespace, ``aot=1`` selects the AOT implementation, and no attribute the
+    plugin does not declare (ours declare none: the layout and ``pages_per_split`` are fixed when
+    ``register_plugins`` is called, so the same values must be used there). Every tensor has the dtype of the
+    kernel's pointer (launch plan): ``q`` and ``out`` are BF16. Not executable by onnxruntime (no reference
+    body): the semantic one-node model above is what runs here.
     """
     onnx, T, helper = _onnx()
-    from oscar_export.plugins.trt.shapes import MERGE_PLUGIN, SPLIT_PLUGIN, DecodeShapes
+    from oscar_export.kernels.aot.launch_plan import TRT_DECODE_MERGE
+    from oscar_export.plugins.trt.shapes import MERGE_PLUGIN, PLUGIN_NAMESPACE, SPLIT_PLUGIN, DecodeShapes, tensor_types
 
-    shapes = DecodeShapes.from_layout(layout, num_heads, pages_per_split)
-    inputs, _ = _io(layout, num_heads)
-    attrs = dict(node_attributes(layout, num_heads, sm_scale), pages_per_split=pages_per_split)
-    split = helper.make_node(SPLIT_PLUGIN, list(INPUTS), ["part_o", "part_lse"], domain=DOMAIN, name="oscar_split", **attrs)
-    merge = helper.make_node(MERGE_PLUGIN, ["part_o", "part_lse"], ["out"], domain=DOMAIN, name="oscar_merge",
-                             num_heads=num_heads, head_dim=layout.head_dim)
-    out = helper.make_tensor_value_info("out", T.BFLOAT16, list(shapes.merge_output("B")))
+    DecodeShapes.from_layout(layout, num_heads, pages_per_split)  # validates heads and pages_per_split
+    split_types, merge_types = tensor_types(TRT_DECODE_SPLIT), tensor_types(TRT_DECODE_MERGE)
+    inputs, out = _io(layout, num_heads, {**split_types, **merge_types})
+    rules = dict(plugin_namespace=PLUGIN_NAMESPACE, aot=1)
+    split_in, _, split_out = trt_io(TRT_DECODE_SPLIT)
+    merge_in, _, merge_out = trt_io(TRT_DECODE_MERGE)
+    split = helper.make_node(SPLIT_PLUGIN, split_in, split_out, domain=DOMAIN, name="oscar_split", **rules)
+    merge = helper.make_node(MERGE_PLUGIN, merge_in, merge_out, domain=DOMAIN, name="oscar_merge", **rules)
     h, d = num_heads, layout.head_dim  # n_splits = shapes.n_splits(M), symbolic here
-    value_info = [helper.make_tensor_value_info("part_o", T.FLOAT, ["B", h, "n_splits", d]),
-                  helper.make_tensor_value_info("part_lse", T.FLOAT, ["B", h, "n_splits"])]
+    value_info = [helper.make_tensor_value_info("part_o", getattr(T, ONNX_TYPES[split_types["part_o"]]),
+                                                ["B", h, "n_splits", d]),
+                  helper.make_tensor_value_info("part_lse", getattr(T, ONNX_TYPES[split_types["part_lse"]]),
+                                                ["B", h, "n_splits"])]
     graph = helper.make_graph([split, merge], "oscar_decode_attention_layer_trt", inputs, [out], value_info=value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
                               producer_name="oscar-export")
@@ -232,5 +248,5 @@ def export_decode_attention_onnx(layout, num_heads: int, sm_scale: float, out_di
     return [ref, trt]
 
 
-__all__ = ["DOMAIN", "INPUTS", "OP", "decode_attention_model", "decode_attention_trt_model",
+__all__ = ["DOMAIN", "INPUTS", "ONNX_TYPES", "OP", "decode_attention_model", "decode_attention_trt_model",
            "export_decode_attention_onnx", "node_attributes", "reference_function"]
