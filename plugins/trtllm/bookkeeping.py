@@ -1,4 +1,6 @@
-"""Host-side bookkeeping of the OSCAR cache inside a TensorRT-LLM executor, in plain Python (tested here).
+"""SUPERSEDED by book.py + device-side demotion (kept only for tests/gpu/test_aot_gpu.py until it moves).
+
+Host-side bookkeeping of the OSCAR cache inside a TensorRT-LLM executor, in plain Python (tested here).
 
 TensorRT-LLM's PyTorch executor calls a resource manager once per scheduled batch: ``prepare_resources``
 before the forward (room for the tokens about to be written) and ``update_resources`` after it (here:

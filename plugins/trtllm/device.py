@@ -1,9 +1,13 @@
-"""Device-side cache operations through the bundle's AOT kernels: what the TensorRT-LLM module launches.
+"""Device-side cache operations through the bundle's AOT kernels: what the TensorRT-LLM adapter launches.
 
 Host-runtime agnostic (plain torch tensors + ``AotKernel`` driver-API launches on the current stream), so
-the same code runs in the GPU test without TensorRT-LLM (tests/gpu/test_aot_gpu.py compares it with the
-reference and the Triton JIT). No device value is read on the host: the page count a demotion needs comes
-from the host-side book (``bookkeeping.py``), so a decode step stays capturable in a CUDA graph.
+the same code runs in the GPU tests without TensorRT-LLM (tests/gpu/test_trtllm_gpu.py compares it with the
+Triton JIT; tests/gpu/test_aot_gpu.py with the reference). Argument order, warps and grid of every launch
+are the launch plan's (``kernels/aot/launch_plan.py``: each ``AotKernel`` checks the binary against the
+manifest, whose specs the plan built). :meth:`AotCacheOps.decode_step` and :meth:`AotCacheOps.decode` read
+no device value on the host: the demotion is decided by the kernel from the device lengths, so a decode step
+is capturable in a CUDA graph and cannot be one step late under TensorRT-LLM's overlap executor loop.
+:class:`.reference_ops.TorchCacheOps` is the same interface on the PyTorch reference (the CPU contract tests).
 
 Shapes (one layer, ``PagedKV`` of kernels/layout.py): windows BF16 ``[B, H_kv, S0 | W+P, D]``, pools
 ``[N, H_kv, P, D/4]`` uint8 + fp16 params, ``block_table [B, M]`` int32, lengths ``[B]`` int32.
@@ -31,6 +35,7 @@ class AotCacheOps:
         load = lambda name: AotKernel(manifest, f"{name}_{tag}", source=source)  # noqa: E731
         self.quant_k, self.quant_v = load("quant_pack_k"), load("quant_pack_v")
         self.split, self.merge = load("decode_split"), load("decode_merge")
+        self.demote_due, self.append_one = load("demote_due"), load("append")
 
     # ---- demotion ------------------------------------------------------------------------------------------
     def _quantize(self, kernel, fmt, rows, page_ids, clip, levels, codes, params) -> None:
@@ -69,6 +74,35 @@ class AotCacheOps:
         state.block_table[slot, pages_before] = page
         state.num_pages[slot] += 1
         state.recent_len[slot] -= p
+
+    # ---- the decode step (device-decided demotion + append, every row) ------------------------------------
+    def decode_step(self, state, k, v, transform) -> None:
+        """Append one token per row (``k, v [B, H_kv, D]`` bf16 stored basis), demoting first where the recent
+        window is full, into the page ``block_table[b, num_pages[b]]`` names (the caller reserved it). Two
+        launches, no host read: ``decode_step.decode_step_update`` through the bundle."""
+        import torch
+
+        lay = self.layout
+        k_group = lay.page_size if lay.key.granularity == "channel" else lay.key.group_size
+        rk = (k_group - 1 - clip_rank(transform.k_clip, k_group)).to(device=k.device, dtype=torch.int32)
+        rv = (lay.value.group_size - 1 - clip_rank(transform.v_clip, lay.value.group_size)).to(
+            device=k.device, dtype=torch.int32)
+        b = k.shape[0]
+        self.demote_due.launch(
+            state.recent_k, state.recent_v, state.k_codes, state.k_params, state.v_codes, state.v_params, rk, rv,
+            transform.k_levels, transform.v_levels, state.block_table, state.num_pages, state.recent_len,
+            state.block_table.shape[1], grid_inputs={"B": b},
+        )
+        self.append_one.launch(
+            k.contiguous(), v.contiguous(), state.sink_k, state.sink_v, state.recent_k, state.recent_v,
+            state.sink_len, state.num_pages, state.recent_len, grid_inputs={"B": b},
+        )
+
+    def prefill_chunk(self, state, slot, q, k, v, page_ids, transform):
+        raise NotImplementedError(
+            "chunked prefill / prefix reuse (a context chunk with cached tokens) has no AOT kernel yet: serve with "
+            "enable_chunked_prefill: false and kv_cache_config.enable_block_reuse: false (deploy/extra_llm_api_options.yaml)"
+        )
 
     # ---- writing tokens ------------------------------------------------------------------------------------
     def prefill(self, state, slot: int, k, v, page_ids, transform) -> None:

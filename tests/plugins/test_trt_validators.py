@@ -5,9 +5,8 @@ answer ``get_output_data_types`` / ``get_output_shapes`` / ``get_launch_params``
 builder that computes on integers, and the results are compared with the launch plan. The ONNX export's
 plugin nodes are fed through upstream's ``create_plugin`` attribute check and our dtype check.
 
-The bundle here is a manifest over stand-in binaries (the PTX only declares the entry with the right
-parameter count): registration reads the PTX as text and never runs it. The real binaries are tested in
-tests/kernels/test_aot_bundle.py (compile) and tests/gpu/test_aot_gpu.py (launch).
+The bundle here is a manifest over stand-in binaries (``fake_bundle.py``): registration reads the PTX as text
+and never runs it. The real binaries are tested in tests/kernels/test_aot_bundle.py and tests/gpu/.
 """
 
 from __future__ import annotations
@@ -18,12 +17,12 @@ import pytest
 
 from oscar_export.kernels.aot import launch_plan as lp
 from oscar_export.kernels.aot.bundle import layout_tag, trt_specs
-from oscar_export.kernels.aot.manifest import FORMAT_VERSION, HIDDEN_PARAMS, KernelEntry, write_manifest
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.plugins.trt.shapes import (
     MERGE_PLUGIN, PLUGIN_NAMESPACE, SPLIT_EXTRAS, SPLIT_INPUTS, SPLIT_PLUGIN, DecodeShapes, tensor_types,
 )
 
+from fake_bundle import fake_bundle
 from tensorrt_stub import FakeExpr, FakeExprBuilder, LaunchParamsOut, SymExprSetter, load_tensorrt_plugin, plugin_sources
 
 SOURCES = plugin_sources()
@@ -33,23 +32,11 @@ HEADS, PPS, SCALE = 9, 4, 0.125
 
 
 def _fake_bundle(root, num_warps=None):
-    """A manifest for the two TensorRT-order kernels (sm_80) over stand-in binaries (see the module doc)."""
-    root.mkdir()
-    kernels = []
-    for spec in trt_specs(LAYOUT, HEADS, SCALE, layout_tag(LAYOUT, HEADS)):
-        if num_warps is not None:
-            d = spec.to_dict()
-            d["num_warps"] = num_warps
-            spec = type(spec).from_dict(d)
-        sym = f"{spec.name}_0d1d"
-        params = ", ".join(f".param .u64 p{i}" for i in range(len(spec.params) + HIDDEN_PARAMS))
-        ptx, cubin = f".visible .entry {sym}({params})\n{{ ret; }}\n".encode(), b"\x7fELF" + sym.encode() + b"\0"
-        entry = KernelEntry(spec, 80, sym, 1024, f"{spec.name}.sm_80.cubin", "", f"{spec.name}.sm_80.ptx", "")
-        (root / entry.cubin_file).write_bytes(cubin)
-        (root / entry.ptx_file).write_bytes(ptx)
-        kernels.append(entry.to_dict(cubin, ptx))
-    write_manifest(root, {"format": FORMAT_VERSION, "triton_version": "stand-in", "kernels": kernels})
-    return root
+    """The two TensorRT-order kernels over stand-in binaries (``fake_bundle.py``), optionally with other warps."""
+    specs = trt_specs(LAYOUT, HEADS, SCALE, layout_tag(LAYOUT, HEADS))
+    if num_warps is not None:
+        specs = [type(s).from_dict({**s.to_dict(), "num_warps": num_warps}) for s in specs]
+    return fake_bundle(root, specs, archs=("sm_80",))
 
 
 @pytest.fixture

@@ -1,12 +1,7 @@
-"""TensorRT-LLM module: its plain-Python bookkeeping against the layout and the reference cache writer.
-
-TensorRT-LLM itself cannot be installed here: the classes in plugins/trtllm/module.py were not executed;
-``test_module_import_guard`` checks they fail with an ImportError that says what to install.
-"""
+"""plugins/trtllm/bookkeeping.py (the previous host-side book, kept for tests/gpu/test_aot_gpu.py only) against
+the layout and the reference cache writer. The adapter itself: test_trtllm_contract.py."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -14,7 +9,7 @@ import torch
 from oscar_export.kernels import reference
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform
-from oscar_export.plugins.trtllm import OscarCacheBook, PagePool, PoolExhausted, pages_per_seq_for, pool_pages_for
+from oscar_export.plugins.trtllm.bookkeeping import OscarCacheBook, PagePool, PoolExhausted, pages_per_seq_for, pool_pages_for
 
 from conftest import BOUNDARY_LENGTHS
 
@@ -125,14 +120,3 @@ def test_pool_sizing():
     assert pages_per_seq_for(LAYOUT, 8192) == LAYOUT.pages_for(8192)
     assert pool_pages_for(LAYOUT, 4, 8192) == 4 * LAYOUT.pages_for(8192)
     assert pool_pages_for(LAYOUT, 4, 10) == 1
-
-
-@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="TensorRT-LLM is installed")
-def test_module_import_guard(tmp_path):
-    from oscar_export.plugins.trtllm import register
-    from oscar_export.plugins.trtllm.module import make_classes
-
-    with pytest.raises(ImportError, match="needs TensorRT-LLM"):
-        register(tmp_path, tmp_path)
-    with pytest.raises(ImportError, match="nvcr.io/nvidia/tensorrt-llm/release"):
-        make_classes(None)
