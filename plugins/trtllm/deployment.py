@@ -30,6 +30,24 @@ SUPPORTED_FAMILIES = {
 REQUIRED_KERNELS = ("decode_split", "decode_merge", "quant_pack_k", "quant_pack_v", "demote_due", "append")
 
 
+#: ``trtllm-serve --extra_llm_api_options`` of a deployment (``oscar-export build`` writes it, ``{page_size}`` filled).
+EXTRA_LLM_API_OPTIONS = """\
+# trtllm-serve --extra_llm_api_options for the OSCAR cache (written into the deployment by `oscar-export build`,
+# with tokens_per_block set to the artifact's page size). NOT EXECUTED: TensorRT-LLM could not be installed where
+# this was written. Every feature the adapter was not run under inside TensorRT-LLM is off; see README.md there.
+disable_overlap_scheduler: true  # designed safe (demotion on the device, in the forward) and replayed in the contract tests; not run in TensorRT-LLM
+cuda_graph_config: null          # the decode step is written to be captured (GPU test tests/gpu/test_trtllm_gpu.py); TensorRT-LLM's graph runner + padding was not run
+enable_chunked_prefill: false    # a later prompt chunk has no AOT kernel yet (the adapter raises NotImplementedError on the GPU path)
+kv_cache_config:
+  enable_block_reuse: false      # reused prefix blocks would hold BF16 data the OSCAR cache never wrote
+  tokens_per_block: {page_size}  # C++ block = INT2 page; the cache manager refuses any other value at startup
+"""
+
+
+def extra_llm_api_options(layout) -> str:
+    return EXTRA_LLM_API_OPTIONS.replace("{page_size}", str(layout.page_size))
+
+
 def family_of(config: dict[str, Any]) -> tuple[str, str, str]:
     mt = config.get("model_type")
     if mt not in SUPPORTED_FAMILIES:
@@ -141,4 +159,4 @@ def _current_arch() -> str | None:
     return f"sm_{10 * major + minor}"
 
 
-__all__ = ["REQUIRED_KERNELS", "SUPPORTED_FAMILIES", "OscarDeployment", "family_of", "softmax_scale", "trtllm_config"]
+__all__ = ["EXTRA_LLM_API_OPTIONS", "REQUIRED_KERNELS", "extra_llm_api_options", "SUPPORTED_FAMILIES", "OscarDeployment", "family_of", "softmax_scale", "trtllm_config"]
