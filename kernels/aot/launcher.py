@@ -2,7 +2,9 @@
 
 ``cuModuleLoadData`` (cubin, or NUL-terminated PTX that the driver JIT-compiles), ``cuModuleGetFunction``,
 a parameter check with ``cuFuncGetParamInfo`` against the manifest (count = user params + 2 hidden
-scratch pointers, and every size), then ``cuLaunchKernel`` on the caller's stream with two trailing NULLs.
+scratch pointers, and every size), then ``cuLaunchKernel`` on the caller's stream with two trailing NULLs,
+``32 * num_warps`` threads and the manifest's shared memory (parameter order, warps and grid rule: the launch
+plan, ``launch_plan.py``, recorded in the manifest's spec).
 
 Argument packing (:func:`pack_arguments`) is plain Python/ctypes and is tested on the CPU: pointers may be
 CUDA tensors (dtype, contiguity, alignment and device checked) or raw ``int`` device addresses (what a

@@ -66,3 +66,11 @@ def test_decode_kernels_compile_for_sm90():
     for spec in (bundle.decode_split_spec(layout, heads, 0.125, tag), bundle.decode_merge_spec(layout, tag)):
         ck = compile_kernel(spec, "sm_90")  # gates: scratch 0, params + 2, shared memory
         assert ck.entry.symbol in ck.ptx.decode()
+
+
+def test_decode_step_kernels_compile_for_sm90():
+    """The decode step's demote_due / append (new in the bundle) pass the AOT gates: scratch 0, params + 2."""
+    layout, heads = LAYOUTS["smollm2"]
+    for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
+        ck = compile_kernel(spec, "sm_90")
+        assert ck.entry.symbol in ck.ptx.decode() and ck.entry.shared <= SHARED_LIMIT[90]

@@ -72,8 +72,14 @@ def _bundle(root: Path, layout=LAYOUT, heads=HEADS, scale=64 ** -0.5, archs=("sm
 @pytest.fixture(params=LAYOUTS)
 def ns(request, monkeypatch):
     if request.param == "real":
-        return None
+        return trtllm_standins.real_namespace()
     return trtllm_standins.install(monkeypatch, request.param)
+
+
+def standins_only(ns):
+    """The executor replays drive the stand-in C++ block manager and configs; the real one needs a GPU."""
+    if getattr(ns, "real", False):
+        pytest.skip("replays the stand-in C++ block manager (the real package: run it under trtllm-serve)")
 
 
 @pytest.fixture
@@ -94,6 +100,7 @@ def _pretrained(dep):
 
 def _driver(deploy, max_batch=3):
     ns, dep = deploy
+    standins_only(ns)
     return Driver(ns, dep, max_batch, MAX_SEQ, _pretrained(dep))
 
 
@@ -101,8 +108,8 @@ def _driver(deploy, max_batch=3):
 
 
 def test_standins_mirror_the_recorded_signatures(ns):
-    if ns is None:
-        pytest.skip("the real package: see test_real_package_has_the_recorded_signatures")
+    """Stand-ins: exactly the recorded upstream signatures. The real package (where it imports): every recorded
+    parameter the adapter relies on is there."""
     objs = {"AttentionBackend": ns.interface.AttentionBackend, "KVCacheManager": ns.resource_manager.KVCacheManager,
             "get_kv_cache_manager_cls": ns.util.get_kv_cache_manager_cls,
             "register_auto_model": ns.modeling_utils.register_auto_model}
@@ -110,7 +117,11 @@ def test_standins_mirror_the_recorded_signatures(ns):
         for name, want in entry["signatures"].items():
             owner, _, attr = name.partition(".")
             fn = getattr(objs[owner], attr) if attr else objs[owner]
-            assert _sig(fn) == want, f"{path}: {name} stand-in {_sig(fn)} != recorded {want}"
+            if getattr(ns, "real", False):
+                missing = [p for p in want if p.rstrip("=") not in {x.rstrip("=") for x in _sig(fn)}]
+                assert not missing, f"{path}: {name} has no {missing}"
+            else:
+                assert _sig(fn) == want, f"{path}: {name} stand-in {_sig(fn)} != recorded {want}"
 
 
 def _sig(fn) -> list[str]:
@@ -151,8 +162,7 @@ def test_worker_import_reinstalls_the_cache(ns, tmp_path, monkeypatch):
     """Bug: custom-module imports run in the driver process only. The registered model class lives in the
     deployment's trtllm_module, so a worker that re-imports it (upstream re-imports the module of every
     out-of-tree model class) installs the OSCAR cache manager in its own process."""
-    if ns is None:
-        pytest.skip("stand-ins only")
+    standins_only(ns)
     import importlib
     import sys
 
@@ -270,8 +280,7 @@ def test_finished_request_pages_are_reused(deploy):
 
 
 def test_bad_deployments_fail_at_startup(ns, tmp_path):
-    if ns is None:
-        pytest.skip("stand-ins only")
+    standins_only(ns)
     from oscar_export.kernels.aot.manifest import BundleError
     from oscar_export.plugins.trtllm import register
 

@@ -25,7 +25,7 @@ import math
 import sys
 import types
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Generic, Optional, TypeVar
 
 import torch
 
@@ -102,8 +102,11 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
-class _Backend12:
-    """``AttentionBackend`` of the 1.2 layout."""
+TMetadata = TypeVar("TMetadata", bound=AttentionMetadata)
+
+
+class _Backend12(Generic[TMetadata]):
+    """``AttentionBackend(Generic[TMetadata])`` of the 1.2 layout."""
 
     Metadata = AttentionMetadata
 
@@ -357,3 +360,16 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
     for short, dotted in names.items():
         setattr(ns, short, made[dotted])
     return ns
+
+
+def real_namespace() -> types.SimpleNamespace:
+    """The installed TensorRT-LLM's modules by the same short names (only where it imports)."""
+    import importlib
+
+    from oscar_export.plugins.trtllm.upstream import resolve
+
+    layout = resolve().layout
+    names = {**MODULES[layout], **COMMON}
+    return types.SimpleNamespace(layout=layout, real=True,
+                                 **{k: importlib.import_module(v) for k, v in names.items() if k in (
+                                     "interface", "resource_manager", "util", "modeling_utils")})
