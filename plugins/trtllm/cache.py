@@ -79,12 +79,15 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.ops = ops_factory()
 
         # ---- per step ----------------------------------------------------------------------------------------
-        def _admit(self, req) -> int:
+        def _admit(self, req, context: bool) -> int:
             if req.py_request_id in self.dummy_ids:
                 return self.book.scratch
-            slot, new = self.book.admit(req.py_request_id, req.prompt_len + req.max_new_tokens)
-            if new:
-                reset_lengths(self.layers, slot)
+            if not context:  # a generation request must already own a slot (KeyError names it otherwise)
+                slot = self.book.slot_of(req.py_request_id)
+            else:
+                slot, new = self.book.admit(req.py_request_id, req.prompt_len + req.max_new_tokens)
+                if new:
+                    reset_lengths(self.layers, slot)
             self.book.set_row(slot, self.get_cache_indices(req), self.block_table)
             return slot
 
@@ -96,7 +99,9 @@ def make_cache_manager_class(up, deployment, ops_factory):
 
         def prepare_resources(self, scheduled_batch):
             super().prepare_resources(scheduled_batch)
-            self._write_step_slots([self._admit(r) for r in scheduled_batch.all_requests()])
+            slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
+            slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
+            self._write_step_slots(slots)
 
         def add_dummy_requests(self, request_ids, *args, **kwargs):
             reqs = super().add_dummy_requests(request_ids, *args, **kwargs)
