@@ -69,6 +69,15 @@ def _bundle(root: Path, layout=LAYOUT, heads=HEADS, scale=64 ** -0.5, archs=("sm
     return fake_bundle(root, serving_specs(layout, heads, scale, probes=False, trt=False), archs=archs)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The replays are thousands of tiny CPU ops: one intra-op thread is several times faster than many."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(params=LAYOUTS)
 def ns(request, monkeypatch):
     if request.param == "real":
