@@ -2,9 +2,9 @@
 
 Host-runtime agnostic (plain torch tensors + ``AotKernel`` driver-API launches on the current stream), so
 the same code runs in the GPU tests without TensorRT-LLM (tests/gpu/test_trtllm_gpu.py compares it with the
-Triton JIT; tests/gpu/test_aot_gpu.py with the reference). Argument order, warps and grid of every launch
-are the launch plan's (``kernels/aot/launch_plan.py``: each ``AotKernel`` checks the binary against the
-manifest, whose specs the plan built). :meth:`AotCacheOps.decode_step` and :meth:`AotCacheOps.decode` read
+Triton JIT; tests/gpu/test_aot_gpu.py with the reference). Every launch passes its arguments by parameter
+name: their order, the warps and the grid are the launch plan's (``kernels/aot/launch_plan.py``; each
+``AotKernel`` checks the binary against the manifest, whose specs the plan built). :meth:`AotCacheOps.decode_step` and :meth:`AotCacheOps.decode` read
 no device value on the host: the demotion is decided by the kernel from the device lengths, so a decode step
 is capturable in a CUDA graph and cannot be one step late under TensorRT-LLM's overlap executor loop.
 :class:`.reference_ops.TorchCacheOps` is the same interface on the PyTorch reference (the CPU contract tests).
@@ -46,10 +46,11 @@ class AotCacheOps:
         removals = (group - 1 - clip_rank(clip, group)).to(device=rows.device, dtype=torch.int32)  # [H_kv]
         if rows.stride(-1) != 1:
             raise ValueError(f"rows: the last dim must be contiguous, got strides {rows.stride()}")
-        kernel.launch(
-            rows.data_ptr(), page_ids, removals, levels, levels, levels, levels, codes, params,
-            rows.stride(0), rows.stride(1), rows.stride(2), grid_inputs={"N": rows.shape[0]},
-        )
+        kernel.launch(named=dict(
+            x_ptr=rows.data_ptr(), page_ids_ptr=page_ids, rank_ptr=removals, levels_ptr=levels, rot_ptr=levels,
+            dscale_ptr=levels, mean_ptr=levels, codes_ptr=codes, params_ptr=params,  # rot/dscale/mean: unread
+            stride_xn=rows.stride(0), stride_xh=rows.stride(1), stride_xp=rows.stride(2),
+        ), grid_inputs={"N": rows.shape[0]})
 
     def demote(self, state, slot: int, page: int, pages_before: int, transform) -> None:
         """Quantize the oldest ``P`` recent tokens of ``slot`` into pool page ``page``; shift recent left.
@@ -88,15 +89,18 @@ class AotCacheOps:
         rv = (lay.value.group_size - 1 - clip_rank(transform.v_clip, lay.value.group_size)).to(
             device=k.device, dtype=torch.int32)
         b = k.shape[0]
-        self.demote_due.launch(
-            state.recent_k, state.recent_v, state.k_codes, state.k_params, state.v_codes, state.v_params, rk, rv,
-            transform.k_levels, transform.v_levels, state.block_table, state.num_pages, state.recent_len,
-            state.block_table.shape[1], grid_inputs={"B": b},
-        )
-        self.append_one.launch(
-            k.contiguous(), v.contiguous(), state.sink_k, state.sink_v, state.recent_k, state.recent_v,
-            state.sink_len, state.num_pages, state.recent_len, grid_inputs={"B": b},
-        )
+        self.demote_due.launch(named=dict(
+            recent_k_ptr=state.recent_k, recent_v_ptr=state.recent_v, k_codes_ptr=state.k_codes,
+            k_params_ptr=state.k_params, v_codes_ptr=state.v_codes, v_params_ptr=state.v_params, k_rank_ptr=rk,
+            v_rank_ptr=rv, k_levels_ptr=transform.k_levels, v_levels_ptr=transform.v_levels,
+            block_table_ptr=state.block_table, num_pages_ptr=state.num_pages, recent_len_ptr=state.recent_len,
+            max_pages=state.block_table.shape[1],
+        ), grid_inputs={"B": b})
+        self.append_one.launch(named=dict(
+            k_ptr=k.contiguous(), v_ptr=v.contiguous(), sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v,
+            recent_k_ptr=state.recent_k, recent_v_ptr=state.recent_v, sink_len_ptr=state.sink_len,
+            num_pages_ptr=state.num_pages, recent_len_ptr=state.recent_len,
+        ), grid_inputs={"B": b})
 
     def prefill_chunk(self, state, slot, q, k, v, page_ids, transform):
         raise NotImplementedError(
@@ -169,13 +173,16 @@ class AotCacheOps:
             out = torch.empty(b, self.num_heads, d, dtype=torch.bfloat16, device=q.device)
         a = plan.split_args()
         rot, dsc = transform.k_rotation.contiguous(), transform.k_scale.contiguous()  # the AOT ABI: dense
-        self.split.launch(
-            q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v,
-            state.k_codes, state.k_params, state.v_codes, state.v_params, transform.k_levels, transform.v_levels,
-            state.block_table, state.sink_len, state.num_pages, state.recent_len, part_o, part_lse,
-            a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"], grid_inputs={"B": b},
-        )
-        self.merge.launch(part_o, part_lse, out, plan.n_splits, grid_inputs={"rows": b * self.num_heads})
+        self.split.launch(named=dict(
+            q_ptr=q, rot_ptr=rot, dscale_ptr=dsc, sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v,
+            recent_k_ptr=state.recent_k, recent_v_ptr=state.recent_v, k_codes_ptr=state.k_codes,
+            k_params_ptr=state.k_params, v_codes_ptr=state.v_codes, v_params_ptr=state.v_params,
+            k_levels_ptr=transform.k_levels, v_levels_ptr=transform.v_levels, block_table_ptr=state.block_table,
+            sink_len_ptr=state.sink_len, num_pages_ptr=state.num_pages, recent_len_ptr=state.recent_len,
+            part_o_ptr=part_o, part_lse_ptr=part_lse, **a,
+        ), grid_inputs={"B": b})
+        self.merge.launch(named=dict(part_o_ptr=part_o, part_lse_ptr=part_lse, out_ptr=out, n_splits=plan.n_splits),
+                          grid_inputs={"rows": b * self.num_heads})
         return out
 
 
