@@ -16,7 +16,8 @@ the generation rows take one device-only decode step over every slot (``book.mas
 ``ops.decode_step``: demotion decided by the kernel, append; ``ops.decode``: split-K attention + merge), reading
 their slots from the cache manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it
 replays with the current batch's slots. The output is in the stored value basis plus the value mean: the
-exported ``o_proj`` undoes the value rotation.
+exported ``o_proj`` undoes the value rotation. Cost: the step runs over every slot (the kernels index rows by
+batch position), so idle slots are attended too; a row -> slot index inside the kernels would remove that.
 
 ``q_scaling`` is honoured by checking it against the softmax scale the bundle was compiled with (a
 constexpr of the decode kernel): a mismatch is an error at model build time, never a silently wrong scale.
