@@ -32,10 +32,21 @@ class AotCacheOps:
     def __init__(self, manifest, layout, num_heads: int, source: str = "cubin") -> None:
         self.layout, self.num_heads = layout, num_heads
         tag = layout_tag(layout, num_heads)
-        load = lambda name: AotKernel(manifest, f"{name}_{tag}", source=source)  # noqa: E731
-        self.quant_k, self.quant_v = load("quant_pack_k"), load("quant_pack_v")
-        self.split, self.merge = load("decode_split"), load("decode_merge")
-        self.demote_due, self.append_one = load("demote_due"), load("append")
+        self._load = lambda name: AotKernel(manifest, f"{name}_{tag}", source=source)  # noqa: E731
+        self.quant_k, self.quant_v = self._load("quant_pack_k"), self._load("quant_pack_v")
+        self.split, self.merge = self._load("decode_split"), self._load("decode_merge")
+        self._step = None  # (demote_due, append): loaded on first use, so older bundles still serve the rest
+
+    @property
+    def demote_due(self):
+        if self._step is None:
+            self._step = (self._load("demote_due"), self._load("append"))
+        return self._step[0]
+
+    @property
+    def append_one(self):
+        self.demote_due  # noqa: B018 - loads both
+        return self._step[1]
 
     # ---- demotion ------------------------------------------------------------------------------------------
     def _quantize(self, kernel, fmt, rows, page_ids, clip, levels, codes, params) -> None:

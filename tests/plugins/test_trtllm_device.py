@@ -38,7 +38,7 @@ def _ops():
     ops.layout, ops.num_heads = LAYOUT, 4
     ops.quant_k, ops.quant_v = _Kernel(lp.QUANT_PACK), _Kernel(lp.QUANT_PACK)
     ops.split, ops.merge = _Kernel(lp.DECODE_SPLIT), _Kernel(lp.DECODE_MERGE)
-    ops.demote_due, ops.append_one = _Kernel(lp.DEMOTE_DUE), _Kernel(lp.APPEND)
+    ops._step = (_Kernel(lp.DEMOTE_DUE), _Kernel(lp.APPEND))
     return ops
 
 
