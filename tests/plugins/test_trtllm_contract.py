@@ -8,6 +8,19 @@ AOT kernels, which tests/gpu/test_trtllm_gpu.py compares with the JIT on an H200
 
 Where TensorRT-LLM itself imports, ``LAYOUTS`` gains ``"real"`` and the registration tests run on it
 unchanged (UNTESTED here: it never imports on these machines).
+
+The adapter before issue 12 (commit 7e9cb80), driven through the same stand-ins (1.2 layout) with its device
+ops replaced by the reference, failed each bug's test (2026-12-01):
+
+    test_registration_selects_the_oscar_model_and_cache   nothing registered; the dispatch returns the stock
+                                                           KVCacheManager (plain BF16, no error)
+    test_worker_import_reinstalls_the_cache               (same: no registration to re-import)
+    test_forward_refuses_the_stock_kv_cache_manager       AttributeError: 'KVCacheManager' ... 'layers'
+    test_overlap_executor_loop_matches_reference          lengths (16, 0, 25) at token 42, layout.split (16, 0, 26)
+    test_cuda_graph_warmup_capture_replay_with_dummy_...  no add_dummy_requests; KeyError: 1000000
+    test_chunked_prefill_is_context_by_num_contexts       chunk 2 taken for decode: "recent window is full"
+    test_q_scaling_is_honoured                            q_scaling=2.0 accepted silently
+    test_startup_check_refuses_a_stock_attention_layer    no startup check existed
 """
 
 from __future__ import annotations
