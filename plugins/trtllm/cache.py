@@ -11,8 +11,8 @@ ids; with ``tokens_per_block = P`` each block id is also an INT2 page id (``book
 * in ``prepare_resources`` gives each request a slot, resets a new sequence's device lengths, copies its C++
   block ids into the block table and writes the batch's slots, in batch order, into the device buffer
   ``step_slots`` the attention reads; dummy requests (``add_dummy_requests``: CUDA-graph warmup, capture and
-  batch padding) own no slot: their rows point at the book's scratch row, which never stores a token. All of it is stream-ordered
-  device writes, so under the overlap executor loop (``prepare_resources(N+1)`` before
+  batch padding) own no slot: their rows point at the book's scratch row, which never stores a token. All of it
+  is stream-ordered device writes, so under the overlap executor loop (``prepare_resources(N+1)`` before
   ``update_resources(N)``) nothing the forward of step N reads changes under it, and demotion happens inside
   the forward (``AotCacheOps.decode_step``), never one step late;
 * ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them).

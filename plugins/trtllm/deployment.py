@@ -35,9 +35,13 @@ EXTRA_LLM_API_OPTIONS = """\
 # trtllm-serve --extra_llm_api_options for the OSCAR cache (written into the deployment by `oscar-export build`,
 # with tokens_per_block set to the artifact's page size). NOT EXECUTED: TensorRT-LLM could not be installed where
 # this was written. Every feature the adapter was not run under inside TensorRT-LLM is off; see README.md there.
-disable_overlap_scheduler: true  # designed safe (demotion on the device, in the forward) and replayed in the contract tests; not run in TensorRT-LLM
-cuda_graph_config: null          # the decode step is written to be captured (GPU test tests/gpu/test_trtllm_gpu.py); TensorRT-LLM's graph runner + padding was not run
-enable_chunked_prefill: false    # a later prompt chunk has no AOT kernel yet (the adapter raises NotImplementedError on the GPU path)
+# overlap scheduler: designed safe (demotion on the device, inside the forward), replayed in the contract tests
+disable_overlap_scheduler: true
+# CUDA graphs: the decode step is written to be captured (tests/gpu/test_trtllm_gpu.py); the graph runner and
+# its batch padding inside TensorRT-LLM were not run
+cuda_graph_config: null
+# a later prompt chunk has no AOT kernel yet (the adapter raises NotImplementedError on the GPU path)
+enable_chunked_prefill: false
 kv_cache_config:
   enable_block_reuse: false      # reused prefix blocks would hold BF16 data the OSCAR cache never wrote
   tokens_per_block: {page_size}  # C++ block = INT2 page; the cache manager refuses any other value at startup
@@ -118,7 +122,8 @@ class OscarDeployment:
         if arch is None:
             arch = _current_arch()
         if arch is not None and arch not in self.manifest.archs():
-            raise BundleError(f"{bundle}: built for {self.manifest.archs()}, this GPU is {arch}: rebuild with --arch {arch}")
+            raise BundleError(
+                f"{bundle}: built for {self.manifest.archs()}, this GPU is {arch}: rebuild with --arch {arch}")
         self.arch = arch
         self._ops: Any = None
         self._transforms: dict[Any, list] = {}
@@ -159,4 +164,5 @@ def _current_arch() -> str | None:
     return f"sm_{10 * major + minor}"
 
 
-__all__ = ["EXTRA_LLM_API_OPTIONS", "REQUIRED_KERNELS", "extra_llm_api_options", "SUPPORTED_FAMILIES", "OscarDeployment", "family_of", "softmax_scale", "trtllm_config"]
+__all__ = ["EXTRA_LLM_API_OPTIONS", "REQUIRED_KERNELS", "SUPPORTED_FAMILIES", "OscarDeployment",
+           "extra_llm_api_options", "family_of", "softmax_scale", "trtllm_config"]

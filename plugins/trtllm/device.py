@@ -4,7 +4,8 @@ Host-runtime agnostic (plain torch tensors + ``AotKernel`` driver-API launches o
 the same code runs in the GPU tests without TensorRT-LLM (tests/gpu/test_trtllm_gpu.py compares it with the
 Triton JIT; tests/gpu/test_aot_gpu.py with the reference). Every launch passes its arguments by parameter
 name: their order, the warps and the grid are the launch plan's (``kernels/aot/launch_plan.py``; each
-``AotKernel`` checks the binary against the manifest, whose specs the plan built). :meth:`AotCacheOps.decode_step` and :meth:`AotCacheOps.decode` read
+``AotKernel`` checks the binary against the manifest, whose specs the plan built).
+:meth:`AotCacheOps.decode_step` and :meth:`AotCacheOps.decode` read
 no device value on the host: the demotion is decided by the kernel from the device lengths, so a decode step
 is capturable in a CUDA graph and cannot be one step late under TensorRT-LLM's overlap executor loop.
 :class:`.reference_ops.TorchCacheOps` is the same interface on the PyTorch reference (the CPU contract tests).
@@ -116,7 +117,8 @@ class AotCacheOps:
     def prefill_chunk(self, state, slot, q, k, v, page_ids, transform):
         raise NotImplementedError(
             "chunked prefill / prefix reuse (a context chunk with cached tokens) has no AOT kernel yet: serve with "
-            "enable_chunked_prefill: false and kv_cache_config.enable_block_reuse: false (deploy/extra_llm_api_options.yaml)"
+            "enable_chunked_prefill: false and kv_cache_config.enable_block_reuse: false "
+            "(deploy/extra_llm_api_options.yaml)"
         )
 
     # ---- writing tokens ------------------------------------------------------------------------------------

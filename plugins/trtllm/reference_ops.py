@@ -9,7 +9,6 @@ Host reads (``int(...)``) are allowed here: this path is the oracle, not the one
 
 from __future__ import annotations
 
-import torch
 
 from oscar_export.kernels import reference
 

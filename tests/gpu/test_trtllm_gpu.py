@@ -132,7 +132,8 @@ def test_adapter_decode_step_cuda_graph_replay_equals_eager(ops, cuda):
 
     class Backend:
         def __init__(self, layer_idx, num_heads, head_dim, num_kv_heads=None, quant_config=None, **kw):
-            self.layer_idx, self.num_heads, self.head_dim, self.num_kv_heads = layer_idx, num_heads, head_dim, num_kv_heads
+            self.layer_idx, self.num_heads, self.head_dim = layer_idx, num_heads, head_dim
+            self.num_kv_heads = num_kv_heads
 
     dep = SimpleNamespace(sm_scale=SCALE, layout=lay, num_layers=1, transform=lambda i, dev: t)
     attn = make_attention_class(SimpleNamespace(AttentionBackend=Backend), dep)(0, HEADS, 64, 2)

@@ -27,7 +27,9 @@ from oscar_export.plugins.trt.shapes import (
 )
 
 from fake_bundle import fake_bundle
-from tensorrt_stub import FakeExpr, FakeExprBuilder, LaunchParamsOut, SymExprSetter, load_tensorrt_plugin, plugin_sources
+from tensorrt_stub import (
+    FakeExpr, FakeExprBuilder, LaunchParamsOut, SymExprSetter, load_tensorrt_plugin, plugin_sources,
+)
 
 SOURCES = plugin_sources()
 pytestmark = pytest.mark.skipif(SOURCES is None, reason="needs the tensorrt-cu13-bindings wheel (install.sh)")

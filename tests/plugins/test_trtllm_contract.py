@@ -241,7 +241,8 @@ def test_q_scaling_is_honoured(deploy):
     """Bug: q_scaling was ignored. The kernel's scale is a compile-time constant: a q_scaling that changes it
     is refused at model build time; the prefill attention uses the same scale."""
     ns, dep = deploy
-    with pytest.raises(ValueError, match="q_scaling 2.0 gives softmax scale 0.0625; the kernel bundle was compiled for 0.125"):
+    with pytest.raises(ValueError, match="q_scaling 2.0 gives softmax scale 0.0625; the kernel bundle was compiled "
+                                         "for 0.125"):
         dep.attention_cls(0, HEADS, 64, 2, None, q_scaling=2.0)
     assert dep.attention_cls(0, HEADS, 64, 2, None, q_scaling=1.0).scale == 0.125
     mc = trtllm_standins.ModelConfig(pretrained_config=_pretrained(dep), q_scaling=2.0)
@@ -326,7 +327,8 @@ def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
     too_long = 10**5
     ok = dep.manager_cls(cfg(), "SELF", max_seq_len=256, **kw)
     assert ok.book.max_tokens() >= 256 and ok.book.max_pages == 16
-    with pytest.raises(ValueError, match="tokens_per_block 32: the OSCAR cache needs tokens_per_block = the page size 16"):
+    with pytest.raises(ValueError, match="tokens_per_block 32: the OSCAR cache needs tokens_per_block = the page "
+                                         "size 16"):
         dep.manager_cls(cfg(), "SELF", max_seq_len=256, **{**kw, "tokens_per_block": 32})
     with pytest.raises(ValueError, match=r"model: 3 layers"):
         dep.manager_cls(cfg(), "SELF", max_seq_len=256, **{**kw, "num_layers": 3})

@@ -93,7 +93,8 @@ class Driver:
                 if isinstance(r, Req):
                     q, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
                 else:  # a dummy request: garbage the adapter must not store
-                    q, k, v = (torch.full((n, w), 7.0) for w in (self.heads * self.d, self.kv * self.d, self.kv * self.d))
+                    widths = (self.heads * self.d, self.kv * self.d, self.kv * self.d)
+                    q, k, v = (torch.full((n, w), 7.0) for w in widths)
                 qs.append(q), ks.append(k), vs.append(v)
             q, k, v = (torch.cat(x).bfloat16() for x in (qs, ks, vs))
             if self.ns.layout == "main":
@@ -142,7 +143,8 @@ class Driver:
                 want = t.restore_output(want)[0].transpose(0, 1).reshape(n, self.heads * self.d)
                 got = out[off : off + n].float()
                 err = (got - want.bfloat16().float()).abs().max().item()
-                assert err <= 1e-2 * (1 + want.abs().max().item()), f"step {self.steps} request {r.rid} layer {layer}: output off by {err}"
+                where = f"step {self.steps} request {r.rid} layer {layer}"
+                assert err <= 1e-2 * (1 + want.abs().max().item()), f"{where}: output off by {err}"
                 self.checked_outputs += 1
             off += n
 
