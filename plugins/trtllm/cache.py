@@ -104,9 +104,12 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self._write_step_slots(slots)
 
         def add_dummy_requests(self, request_ids, *args, **kwargs):
+            """Upstream's, remembering the ids: their rows go to the scratch row. ``step_slots`` is left alone:
+            TensorRT-LLM makes its padding request inside the forward, after ``prepare_resources`` wrote the
+            batch (rows past it already point at the scratch row); an eager warmup batch is mapped by the
+            attention's check."""
             reqs = super().add_dummy_requests(request_ids, *args, **kwargs)
             self.dummy_ids.update(r.py_request_id for r in reqs)
-            self._write_step_slots([self.book.scratch] * len(reqs))
             return reqs
 
         def free_resources(self, request, *args, **kwargs):

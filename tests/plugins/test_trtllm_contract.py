@@ -252,9 +252,10 @@ def test_q_scaling_is_honoured(deploy):
 
 # ---- executor loops vs the reference -----------------------------------------------------------------------
 
-#: prompts around the windows (S0 16, W+P 32, P 16) and enough steps for demotions in every request.
+#: prompts around the windows (S0 16, W+P 32, P 16) and enough steps for demotions in every request; request 5
+#: ends its prefill with a full recent window while others decode in the same step (it must not demote then).
 def _requests():
-    return [Req(1, 5, 45), Req(2, 33, 35), Req(3, 49, 16), Req(4, 16, 40)]
+    return [Req(1, 5, 45), Req(2, 33, 35), Req(3, 49, 16), Req(4, 16, 40), Req(5, 48, 20)]
 
 
 def test_plain_executor_loop_matches_reference(deploy):
@@ -276,7 +277,10 @@ def test_cuda_graph_warmup_capture_replay_with_dummy_requests(deploy, monkeypatc
     """Bug: warmup/capture use dummy requests the host-side book never saw (KeyError); anything decided on the
     host at capture is frozen in the graph."""
     d = _driver(deploy)
-    reqs = _requests()
+    # request 6 comes first (C++ block 0 is its first INT2 page) and outlives the others: two padding rows per
+    # replay for ~60 steps, enough to fill a window. Padding rows must never be stored (they point at the
+    # scratch row, which never takes a token), else its demotion would land in page 0.
+    reqs = [Req(6, 5, 110)] + _requests()[:3]
     d.run_graph(reqs, batch_size=3, monkeypatch=monkeypatch)
     assert all(r.done for r in reqs) and d.checked_outputs > 150
     assert not d.mgr.dummy_ids and not d.mgr.book.slots  # dummies and requests all released

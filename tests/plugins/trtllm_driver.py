@@ -264,7 +264,7 @@ class Driver:
         from oscar_export.plugins.trtllm import attention
 
         captured = self.warmup_and_capture(batch_size, monkeypatch)
-        (pad,) = self.mgr.add_dummy_requests([2 * 10**6], is_gen=True)  # TensorRT-LLM's padding request
+        pad = None  # TensorRT-LLM's padding request, made on the first batch that needs it
         while any(not r.done for r in reqs):
             ctx, gen = self.schedule(reqs)
             b = self.batch(ctx, gen)
@@ -272,6 +272,8 @@ class Driver:
             if ctx or len(gen) > batch_size:
                 self.forward(ctx, gen)  # context steps run eagerly
             else:
+                if pad is None and len(gen) < batch_size:
+                    (pad,) = self.mgr.add_dummy_requests([2 * 10**6], is_gen=True)
                 padded = list(gen) + [pad] * (batch_size - len(gen))  # padded after prepare_resources
                 with monkeypatch.context() as m:
                     m.setattr(attention, "_capturing", lambda: True)
@@ -280,7 +282,8 @@ class Driver:
             self.check_cache(reqs)
             for r in self._progress(ctx, gen):
                 self.finish(r)
-        self.mgr.free_resources(pad)
+        if pad is not None:
+            self.mgr.free_resources(pad)
 
 
 def _clone_state(st):
