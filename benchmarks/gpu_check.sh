@@ -21,6 +21,16 @@ p = torch.cuda.get_device_properties(0)
 print(f"torch {torch.__version__}, triton {triton.__version__}, {p.name}, {p.multi_processor_count} SMs, L2 {p.L2_cache_size/2**20:.0f} MiB, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC")
 PY
 step() { local name=$1 t=$2; shift 2; echo "=== $name"; timeout "$t" "$@" >"$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc"; tail -n 25 "$OUT/$name.log"; return 0; }
+if [ "${1:-}" = e2e ]; then  # serving: HF + kernel GPU tests (TESTS=0 skips), then the end-to-end benchmark
+    if [ "${TESTS:-1}" = 1 ]; then
+        step hf_gpu_tests 300 python3 -m pytest tests/gpu/test_hf_gpu.py tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider
+        step kernel_tests 150 python3 -m pytest tests/kernels/test_decode_step.py tests/kernels/test_decode_attention.py -q -p no:cacheprovider
+    fi
+    step bench_e2e "${E2E_TIMEOUT:-400}" python3 benchmarks/bench_e2e.py --model "${MODEL:-llama3-8b}" --workloads "${WORKLOADS:-1x8192}" --caches "${CACHES:-oscar,bf16-static,bf16-dynamic}" --equal-kv-gib "${EQUAL_GIB:-0}" --steps "${STEPS:-20}" --json "$OUT/bench_e2e.json" ${COMMIT:+--commit $COMMIT}
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/hf_gpu_tests.log "$OUT"/kernel_tests.log 2>/dev/null | tail -n 6
+    tail -n 20 "$OUT/bench_e2e.log"
+    exit 0
+fi
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)
     step decode_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "decode_attention_real_shape"
     step bench_decode 420 python3 benchmarks/bench_decode.py --variants "${VARIANTS:-default,slots4,stages3}" --channel-variants "${CH_VARIANTS:-default}" --json "$OUT/bench_decode.json" ${COMMIT:+--commit $COMMIT}

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .covariance import LayerStats, NonFiniteActivations
+from .families import family_for
 
 CAPTURE_NAME = "oscar_capture"
 
@@ -60,6 +61,9 @@ class Collector:
         skip: positions ``< skip`` are left out of the statistics (the BF16 sink).
         mode: ``"stats"`` (stream statistics) or ``"heldout"`` (keep the tensors).
         weightings: value weightings to accumulate (``covariance.VALUE_WEIGHTINGS``).
+        model_scaling: the family table's softmax scale (``families.ModelAttention.scaling``), used when
+            transformers passes none and checked against the one it passes; None: ``head_dim ** -0.5``
+            where none is passed, no check. :meth:`for_model` fills all of these from the table.
     """
 
     num_layers: int
@@ -71,6 +75,13 @@ class Collector:
     stats: list[LayerStats | None] = field(default_factory=list)
     heldout: list[list[tuple[torch.Tensor, ...]]] = field(default_factory=list)
     scaling: list[float | None] = field(default_factory=list)
+    model_scaling: float | None = None
+
+    @classmethod
+    def for_model(cls, model, skip: int, **kw) -> Collector:
+        """A collector shaped by the family table for ``model`` (raises its ``NotImplementedError``)."""
+        f = family_for(model)
+        return cls(f.num_layers, f.num_kv_heads, f.head_dim, skip, model_scaling=f.scaling, **kw)
 
     def __post_init__(self) -> None:
         self.stats = [None] * self.num_layers
@@ -89,7 +100,7 @@ class Collector:
             )
         if k.shape[2] != q.shape[2]:
             raise ValueError(f"capture layer {i}: calibration runs without a cache (q {q.shape[2]} vs k {k.shape[2]} tokens)")
-        s = float(scaling) if scaling is not None else self.head_dim**-0.5
+        s = self._scale(i, scaling)
         self.scaling[i] = s
         if self.mode == "heldout":
             for name, x in (("queries", q), ("keys", k), ("values", v)):
@@ -103,6 +114,18 @@ class Collector:
             self.stats[i].update(q, k, v, s, self.skip)
         except NonFiniteActivations as e:
             _non_finite(i, e.what, {"queries": q, "keys": k, "values": v}[e.what])
+
+    def _scale(self, i: int, scaling: float | None) -> float:
+        """The scale transformers passed (checked against the table's), else the table's rule."""
+        if scaling is None:
+            return self.model_scaling if self.model_scaling is not None else self.head_dim**-0.5
+        s = float(scaling)
+        if self.model_scaling is not None and abs(s - self.model_scaling) > 1e-6 * self.model_scaling:
+            raise ValueError(
+                f"capture layer {i}: the model's attention scale {s:.6g} is not the family table's "
+                f"{self.model_scaling:.6g} (calibration/families.py would bake the wrong scale into the kernel bundle)"
+            )
+        return s
 
     def heldout_layer(self, i: int) -> HeldOut:
         parts = self.heldout[i]

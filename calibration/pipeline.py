@@ -32,6 +32,7 @@ from .clipping import GLOBAL_CLIP, clip_grid, fit_clip
 from .codebook import lloyd_levels, normalized_positions, uniform_levels
 from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
+from .families import family_for
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
@@ -253,12 +254,9 @@ def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_
 
 def capture(model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None) -> Collector:
     """Run the calibration text through ``model``: statistics from all but the held-out sequences."""
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    fp = model_fingerprint(c)
+    col = Collector.for_model(model, skip=cfg.sink, weightings=(cfg.value_weighting,))  # the family table
     text = load_sources(list(cfg.data), model, tokenizer)
     seqs = token_sequences(text, tokenizer, cfg.seq_len, cfg.num_sequences, cfg.seed)  # [S, T]
-    col = Collector(fp["num_hidden_layers"], fp["num_key_value_heads"], fp["head_dim"], skip=cfg.sink,
-                    weightings=(cfg.value_weighting,))
     col.mode = "heldout"
     run_batches(model, col, seqs[: cfg.heldout].split(cfg.batch_size), progress)
     col.mode = "stats"
@@ -337,9 +335,9 @@ def calibrate(
     shared machine several threads oversubscribe badly); restored afterwards. None leaves them alone.
     """
     t0 = time.perf_counter()
-    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    fp = model_fingerprint(c)
-    h, d = fp["num_key_value_heads"], fp["head_dim"]
+    facts = family_for(model)  # refuses unsupported architectures and features before any capture
+    fp = model_fingerprint(model)
+    h, d = facts.num_kv_heads, facts.head_dim
     col = capture(model, tokenizer, cfg, progress)
     t_capture = time.perf_counter() - t0
     layout = cfg.layout(h, d)
@@ -347,7 +345,7 @@ def calibrate(
     if fit_threads is not None:
         torch.set_num_threads(fit_threads)
     try:
-        fits, per_layer = _fit_all(col, layout, cfg, fp["num_hidden_layers"], on_layer)
+        fits, per_layer = _fit_all(col, layout, cfg, facts.num_layers, on_layer)
     finally:
         torch.set_num_threads(threads)
     t_fit = time.perf_counter() - t0 - t_capture
@@ -363,7 +361,7 @@ def calibrate(
         for k, v in fits
     ]
     stats = {
-        "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(fp["num_hidden_layers"], 1)),
+        "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(facts.num_layers, 1)),
         "heldout_sequences": cfg.heldout,
         "objective_window": cfg.objective_window,
         "seconds_capture": round(t_capture, 2),

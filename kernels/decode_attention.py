@@ -153,7 +153,7 @@ def _decode_split_kernel(
         q_ptr         ``[B, H, D]`` queries (fp32/bf16/fp16, contiguous), stored key basis unless ROTATE_Q
         rot_ptr, dscale_ptr  fp32 ``[H_kv, D, D]`` R_K and ``[H_kv, D]`` d_K (read iff ROTATE_Q: q_s = (q @ R) / d)
         sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
-        recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` (RC = W + P)
+        recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` rings (RC = layout.recent_slots = W + 2P)
         k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D // 4]``
         k_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
         v_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]``
@@ -321,18 +321,20 @@ def _decode_split_kernel(
     else:
         NSINK: tl.constexpr = (S0 + BN - 1) // BN
         c = s - n_page_splits
+        tb = tl.arange(0, BN)
         if c < NSINK:
             kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
             kb = sink_k_ptr + kv_off
             vb = sink_v_ptr + kv_off
-            valid = tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
+            tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
         else:
             kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
             kb = recent_k_ptr + kv_off
             vb = recent_v_ptr + kv_off
-            valid = tl.minimum(tl.load(recent_len_ptr + b), RC) - (c - NSINK) * BN
-        tb = tl.arange(0, BN)
-        tmask = tb < valid
+            # the recent ring (layout.py): slots (start + j) mod RC, j < recent_len, start = (num_pages * P) mod RC
+            slot = (c - NSINK) * BN + tb
+            start = (tl.load(num_pages_ptr + b) * P) % RC
+            tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
         rows = tb[:, None] * D + c4[None, :]
         kk = kb + rows
         scb = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
@@ -466,7 +468,7 @@ def decode_attention(
     return launch_decode(
         q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
-        state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_capacity, float(scale),
+        state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
         out_dtype, num_warps, num_stages, page_slots=page_slots,
     )
@@ -520,7 +522,7 @@ def check_decode_inputs(
 def launch_decode(
     q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
-    recent_capacity: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
+    recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES,
     wrap=lambda k: k, page_slots: int = PAGE_SLOTS,
 ) -> torch.Tensor:
@@ -528,13 +530,13 @@ def launch_decode(
 
     ``wrap`` wraps each kernel before launch (``torch.library.wrap_triton`` in :mod:`.triton_ops`).
     Grid rules: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages,
-    pages_per_split)``, ``n_bf16 = cdiv(S0, BN) + cdiv(W + P, BN)``; merge ``(B * H,)``.
+    pages_per_split)``, ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``.
     """
     bsz, hq, d = q.shape
     max_pages = block_table.shape[1]
     gq = hq // num_kv_heads
     n_page_splits = -(-max_pages // pages_per_split)
-    n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_capacity // BF16_CHUNK)
+    n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_slots // BF16_CHUNK)
     n_splits = n_page_splits + n_bf16
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
@@ -543,11 +545,11 @@ def launch_decode(
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, P=page_size, S0=sink, RC=recent_capacity,
+        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
         ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, num_warps=num_warps, num_stages=num_stages,
     )
-    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
+    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
     return out
 
 

@@ -36,7 +36,15 @@ The page pool of one layer holds, per page ``n`` and KV head ``h``:
     v_params float16 [N_pages, H_kv, P, D // G, 2]
 
 and sequence ``b`` addresses its pages through ``block_table[b, :pages_b]`` (int32). Sink and recent
-buffers are BF16 ``[B, H_kv, S0, D]`` and ``[B, H_kv, W + P, D]``. Bytes of one 1000-token sequence in one
+buffers are BF16 ``[B, H_kv, S0, D]`` and ``[B, H_kv, C, D]``.
+
+The recent window is a *ring* of ``C = W + 2P`` slots: the token at position ``t >= S0`` (recent index
+``i = t - S0``) lives in slot ``i mod C``, so a demotion quantizes page ``n``'s slots ``(nP + j) mod C`` in
+place and moves nothing. ``C`` is one page larger than the ``W + P`` tokens recent ever holds: a decode step
+writes its new token into a free slot and its demoted page into a page no committed length reaches, so
+every write of a step is invisible until the step's lengths are committed (``pages.PageBook``); a step
+that fails (NaN, a full cache, an exception in any layer) leaves the cache exactly as it was. In the
+example: recent indices 640..935 sit in slots 640 mod 384 = 256 .. 935 mod 384 = 167 (wrapping). Bytes of one 1000-token sequence in one
 layer (K and V, all heads): BF16 (64 + 296) * 3 * 64 * 2 * 2 = 276,480; INT2 10 pages * 64 tokens * 3
 heads * (K 16 + 4, V 16 + 4 bytes) = 76,800; total 353,280 vs 768,000 for a BF16 cache.
 """
@@ -191,14 +199,31 @@ class KVCacheLayout:
         """BF16 recent slots per sequence: W + P (demotion keeps W..W+P tokens)."""
         return self.window + self.page_size
 
-    def split(self, length: int) -> tuple[int, int, int]:
-        """``(sink_len, num_pages, recent_len)`` of a sequence of ``length`` tokens (see module doc)."""
-        if length < 0:
+    @property
+    def recent_slots(self) -> int:
+        """C = W + 2P: slots of the recent ring buffer. One page more than the window ever holds, so a decode
+        step writes its token and demotes a page without touching anything the committed state reads."""
+        return self.window + 2 * self.page_size
+
+    def split(self, length):
+        """``(sink_len, num_pages, recent_len)`` of a sequence of ``length`` tokens (see module doc).
+
+        ``length`` is a Python int or an integer tensor (``[B]``, elementwise, no host read): the one formula
+        the reference, the caches and the page book all use.
+        """
+        if isinstance(length, int) and length < 0:
             raise ValueError(f"length: expected >= 0, got {length}")
-        sink = min(length, self.sink)
+        over = length - self.sink
+        sink = length - over * (over > 0)  # min(length, S0)
         rest = length - sink
-        pages = max(0, -(-(rest - self.recent_capacity) // self.page_size))
+        excess = rest - self.recent_capacity
+        pages = -(-(excess * (excess > 0)) // self.page_size)  # max(0, ceil(excess / P))
         return sink, pages, rest - pages * self.page_size
+
+    def recent_slot(self, index):
+        """Ring slot of recent index ``index`` (= token position - S0): ``index mod C``. Page ``n`` holds the
+        recent indices ``[nP, nP + P)``; while they are recent they sit in slots ``(nP + t) mod C``."""
+        return index % self.recent_slots
 
     def pages_for(self, length: int) -> int:
         return self.split(length)[1]
@@ -224,7 +249,8 @@ class KVCacheLayout:
         return (batch, self.num_kv_heads, self.sink, self.head_dim)
 
     def recent_shape(self, batch: int) -> tuple[int, ...]:
-        return (batch, self.num_kv_heads, self.recent_capacity, self.head_dim)
+        """The recent ring ``[B, H_kv, C, D]``, ``C = recent_slots = W + 2P``."""
+        return (batch, self.num_kv_heads, self.recent_slots, self.head_dim)
 
     # ---- bytes --------------------------------------------------------------------------------------------
     def page_bytes(self) -> int:
@@ -274,7 +300,7 @@ class PagedKV:
 
     Args:
         sink_k, sink_v: ``[B, H_kv, S0, D]`` BF16 (any float dtype works for the reference).
-        recent_k, recent_v: ``[B, H_kv, W + P, D]``; slot 0 holds the oldest recent token.
+        recent_k, recent_v: ``[B, H_kv, C, D]`` rings, ``C = W + 2P`` (recent index ``i`` in slot ``i mod C``).
         k_codes, v_codes: ``[N_pages, H_kv, P, D // 4]`` uint8.
         k_params, v_params: fp16, ``layout.key_params_shape(N)`` / ``layout.value_params_shape(N)``.
         block_table: ``[B, max_pages]`` int32 page ids (entries past ``num_pages[b]`` are ignored).

@@ -504,9 +504,9 @@ def write_pages(
     group = p if fmt.granularity == "channel" else fmt.group_size
     removals = removal_counts(clip, group)
     fuse = rotation is not None and fused_rotation
-    # launch widths mirrored by the AOT bundle (aot.bundle.QUANT_WARPS, QUANT_ROT_WARPS): the fused
-    # rotation's [P, D] fp32 tile spills far less on 8 warps
-    warps = dict(num_warps=8) if fuse else dict(num_warps=4)
+    # launch widths of the launch plan (QUANT_ROT_WARPS, QUANT_WARPS): the fused rotation's [P, D] fp32 tile
+    # spills far less on 8 warps
+    warps = dict(num_warps=QUANT_ROT_WARPS) if fuse else dict(num_warps=QUANT_WARPS)
     if num_warps is not None:
         warps = dict(num_warps=num_warps)
     if rotation is not None and not fused_rotation:

@@ -3,7 +3,8 @@
 This is the test oracle for the Triton kernels and the ``torch.compile`` path of the Hugging Face
 integration. The pure functions (pack, quantize, dequantize, attention) are static-shape and free of
 ``.item()`` and value-dependent branching, so they compile with ``torch.compile(fullgraph=True)``. The
-cache writers (``append_tokens``, ``demote``) are host-side bookkeeping around them.
+decode step's writer (``decode_append``) is device-only too; ``write_tokens`` (prompts, chunks) reads
+host ints.
 
 Quantization of one group ``x`` (DESIGN §3.1), bit-exact in every implementation:
 
@@ -148,10 +149,11 @@ def dequantize_pages(
 def gather_context(
     state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every sequence's cache as dense float32 ``[B, H_kv, S0 + M*P + W + P, D]`` K and V and a ``[B, T]`` mask.
+    """Every sequence's cache as dense float32 ``[B, H_kv, S0 + M*P + C, D]`` K and V and a ``[B, T]`` mask.
 
-    Order along T: sink slots, then the ``M = block_table.shape[1]`` page slots, then the recent slots;
-    the mask marks the slots a sequence actually holds.
+    Order along T: sink slots, then the ``M = block_table.shape[1]`` page slots, then the recent ring's
+    ``C`` slots (ring order, not token order: attention does not care); the mask marks the slots a
+    sequence actually holds.
     """
     b, m = state.block_table.shape
     p = layout.page_size
@@ -169,11 +171,28 @@ def gather_context(
         [
             torch.arange(layout.sink, device=dev)[None, :] < state.sink_len[:, None],
             torch.arange(m * p, device=dev)[None, :] < (state.num_pages[:, None] * p),
-            torch.arange(layout.recent_capacity, device=dev)[None, :] < state.recent_len[:, None],
+            recent_valid(layout, state.num_pages, state.recent_len),
         ],
         dim=1,
     )
     return k, v, valid
+
+
+def read_sequence(
+    state: PagedKV, layout: KVCacheLayout, b: int, k_levels: torch.Tensor, v_levels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What sequence ``b`` holds in token order (sink, pages, recent): ``[H_kv, L, D]`` fp32 K and V, stored
+    basis, ``L`` its length (read on the host from the state's lengths)."""
+    sink, pages = int(state.sink_len[b]), int(state.num_pages[b])
+    recent = int(state.recent_len[b])
+    ids = state.block_table[b, :pages].long()
+    k_pg = dequantize_pages(state.k_codes[ids], state.k_params[ids], layout.key, k_levels)  # [n, H, P, D]
+    v_pg = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels)
+    h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
+    slots = layout.recent_slot(torch.arange(pages * p, pages * p + recent, device=state.recent_k.device))
+    parts_k = [state.sink_k[b, :, :sink].float(), k_pg.transpose(0, 1).reshape(h, -1, d), state.recent_k[b][:, slots].float()]
+    parts_v = [state.sink_v[b, :, :sink].float(), v_pg.transpose(0, 1).reshape(h, -1, d), state.recent_v[b][:, slots].float()]
+    return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 
 def masked_attention(
@@ -232,16 +251,33 @@ def chunk_attention(
         q: ``[B, H, Tq, D]`` stored basis; k_new, v_new: ``[B, H_kv, Tq, D]`` stored basis (full precision).
         state: the cache before this chunk is written.
     Returns:
-        ``[B, H, Tq, D]`` float32, stored value basis.
+        ``[B, H, Tq, D]`` float32, stored value basis. Scores are formed a block of queries at a time.
     """
     k, v, valid = gather_context(state, layout, k_levels, v_levels)
-    tq = q.shape[2]
-    causal = torch.ones(tq, tq, dtype=torch.bool, device=q.device).tril()
-    mask = torch.cat([valid[:, None, :].expand(-1, tq, -1), causal[None].expand(q.shape[0], -1, -1)], dim=2)
-    return masked_attention(q, torch.cat([k, k_new.float()], 2), torch.cat([v, v_new.float()], 2), mask, scale)
+    b, h, tq, _ = q.shape
+    k, v = torch.cat([k, k_new.float()], 2), torch.cat([v, v_new.float()], 2)
+    tk = k.shape[2]
+    # query blocks keep the scores at most ~2^26 elements: memory linear in the history, not [Tq, Tk]
+    block = max(1, min(tq, (1 << 26) // max(1, b * h * tk)))
+    out = []
+    for t0 in range(0, tq, block):
+        t1 = min(tq, t0 + block)
+        causal = torch.arange(tq, device=q.device)[None, :] <= torch.arange(t0, t1, device=q.device)[:, None]
+        mask = torch.cat([valid[:, None, :].expand(-1, t1 - t0, -1), causal[None].expand(b, -1, -1)], dim=2)
+        out.append(masked_attention(q[:, :, t0:t1], k, v, mask, scale))
+    return torch.cat(out, dim=2)
 
 
-# ---- cache writers (host-side bookkeeping around the pure ops) --------------------------------------------
+# ---- cache writers --------------------------------------------------------------------------------------
+
+
+def recent_valid(layout: KVCacheLayout, num_pages: torch.Tensor, recent_len: torch.Tensor) -> torch.Tensor:
+    """``[B, C]`` bool: which recent ring slots hold a token. The ring starts at slot ``(num_pages * P) mod C``
+    and holds ``recent_len`` tokens from there (``layout.py``)."""
+    c = layout.recent_slots
+    start = (num_pages.long() * layout.page_size) % c
+    slot = torch.arange(c, device=num_pages.device)
+    return (slot[None, :] - start[:, None]) % c < recent_len[:, None]
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:
@@ -249,30 +285,6 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(x).all()):
         bad = (~torch.isfinite(x)).sum().item()
         raise ValueError(f"{what}: {bad} non-finite values (NaN/Inf) would enter the cache")
-
-
-def demote(
-    state: PagedKV, b: int, page_id: int, layout: KVCacheLayout, transform: LayerTransform,
-    write: Callable | None = None,
-) -> None:
-    """Quantize the oldest ``P`` recent tokens of sequence ``b`` into page ``page_id`` and shift recent left.
-
-    ``write`` has :func:`write_pages`' signature (the default); a backend passes its own page quantizer.
-    """
-    write = write or write_pages
-    p = layout.page_size
-    n = int(state.num_pages[b])
-    if int(state.recent_len[b]) < p:
-        raise RuntimeError(f"demote: sequence {b} holds {int(state.recent_len[b])} recent tokens, needs {p}")
-    if n >= state.block_table.shape[1]:
-        raise ValueError(f"demote: sequence {b} already uses all {n} block-table slots")
-    # [1, H_kv, P, D] in the window's dtype (the quantizer computes in fp32)
-    write(state, [page_id], state.recent_k[b : b + 1, :, :p], state.recent_v[b : b + 1, :, :p], layout, transform)
-    state.block_table[b, n] = page_id
-    state.num_pages[b] = n + 1
-    state.recent_k[b, :, :-p] = state.recent_k[b, :, p:].clone()
-    state.recent_v[b, :, :-p] = state.recent_v[b, :, p:].clone()
-    state.recent_len[b] -= p
 
 
 def write_pages(
@@ -289,6 +301,64 @@ def write_pages(
     state.v_params.index_copy_(0, idx, vp)
 
 
+def write_tokens(
+    state: PagedKV,
+    b: int,
+    start: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: KVCacheLayout,
+    transform: LayerTransform,
+    write: Callable | None = None,
+) -> None:
+    """Write ``T`` tokens at positions ``start .. start + T - 1`` of sequence ``b`` (a prompt or a chunk).
+
+    Args:
+        state: the cache; its lengths are not read or changed (the caller's page book commits them):
+            ``start`` is the committed length of ``b``.
+        k, v: ``[H_kv, T, D]`` in the stored basis.
+        write: page quantizer with :func:`write_pages`' signature (default); backends pass their kernel.
+    Positions below ``S0`` go to the sink; every page that ``layout.split(start + T)`` has and
+    ``layout.split(start)`` has not is quantized whole from the recent tokens it takes (those already in
+    the ring, then the new ones) into ``block_table[b, n]``; the new tokens that stay recent go to their
+    ring slots. A T-token write and T single-token decode appends leave identical bytes.
+    """
+    write = write or write_pages
+    t = k.shape[1]
+    s0 = layout.sink
+    n_sink = max(0, min(s0 - start, t))
+    if n_sink:
+        state.sink_k[b, :, start : start + n_sink] = k[:, :n_sink].to(state.sink_k.dtype)
+        state.sink_v[b, :, start : start + n_sink] = v[:, :n_sink].to(state.sink_v.dtype)
+    k, v = k[:, n_sink:].to(state.recent_k.dtype), v[:, n_sink:].to(state.recent_v.dtype)
+    _, pages0, recent0 = layout.split(start)
+    _, pages1, _ = layout.split(start + t)
+    p = layout.page_size
+    first = pages0 * p  # recent index of the oldest recent token before the write
+    dev = state.recent_k.device
+    n_new = 0  # new tokens that go straight into pages
+    if pages1 > pages0:
+        if pages1 > state.block_table.shape[1]:
+            raise ValueError(f"write_tokens: sequence {b} needs {pages1} pages, its block table has "
+                             f"{state.block_table.shape[1]}")
+        n_page_rows = (pages1 - pages0) * p
+        held = min(recent0, n_page_rows)  # the oldest recent tokens fill the new pages first
+        n_new = n_page_rows - held
+        slots = layout.recent_slot(torch.arange(first, first + held, device=dev))
+        kk = torch.cat([state.recent_k[b][:, slots], k[:, :n_new]], dim=1)  # [H_kv, n_pages * P, D]
+        vv = torch.cat([state.recent_v[b][:, slots], v[:, :n_new]], dim=1)
+        h, d = kk.shape[0], kk.shape[2]
+        kk = kk.reshape(h, pages1 - pages0, p, d).transpose(0, 1).contiguous()  # [n_pages, H_kv, P, D]
+        vv = vv.reshape(h, pages1 - pages0, p, d).transpose(0, 1).contiguous()
+        write(state, state.block_table[b, pages0:pages1].tolist(), kk, vv, layout, transform)
+    # the other new tokens stay recent: new token j has recent index first + recent0 + j
+    if k.shape[1] > n_new:
+        idx0 = first + recent0 + n_new
+        slots = layout.recent_slot(torch.arange(idx0, idx0 + k.shape[1] - n_new, device=dev))
+        state.recent_k[b][:, slots] = k[:, n_new:]
+        state.recent_v[b][:, slots] = v[:, n_new:]
+
+
 def append_tokens(
     state: PagedKV,
     b: int,
@@ -296,77 +366,84 @@ def append_tokens(
     v: torch.Tensor,
     layout: KVCacheLayout,
     transform: LayerTransform,
-    allocate: Callable[[], int],
+    allocate: Callable[[], int] | None = None,
     write: Callable | None = None,
 ) -> None:
-    """Append ``T`` tokens to sequence ``b``: sink first, then recent, demoting ``P`` at a time when full.
+    """Host-side convenience around :func:`write_tokens`: append ``k, v [H_kv, T, D]`` (stored basis) at the end
+    of sequence ``b`` and advance its lengths in ``state`` (for tests and hosts that keep their own lengths;
+    the caches commit through a page book instead).
 
-    Args:
-        k, v: ``[H_kv, T, D]`` already in the stored basis.
-        allocate: returns a free page id (raises when the pool is full).
-        write: page quantizer with :func:`write_pages`' signature (default); backends pass their kernel.
-    Sequences are written whole pages at a time when the history is known up front (prefill), so a
-    T-token prefill and T single-token appends leave identical caches.
+    ``allocate`` (optional) returns a free pool page id for each new page, written into the block table
+    first; without it the block table already names the pages. Raises on NaN/Inf before writing.
     """
-    write = write or write_pages
     check_finite(k, "keys")
     check_finite(v, "values")
-    t = k.shape[1]
-    i = 0
-    s0 = int(state.sink_len[b])
-    if s0 < layout.sink and int(state.recent_len[b]) == 0 and int(state.num_pages[b]) == 0:
-        n = min(layout.sink - s0, t)
-        state.sink_k[b, :, s0 : s0 + n] = k[:, :n].to(state.sink_k.dtype)
-        state.sink_v[b, :, s0 : s0 + n] = v[:, :n].to(state.sink_v.dtype)
-        state.sink_len[b] = s0 + n
-        i = n
-    cap, p = layout.recent_capacity, layout.page_size
-    while i < t:
-        r = int(state.recent_len[b])
-        if r == cap:
-            demote(state, b, allocate(), layout, transform, write)
-            continue
-        # Bulk path: whole pages that will certainly be demoted go straight to INT2 (same bytes as the loop).
-        if r == 0 and t - i > cap:
-            full = -(-(t - i - cap) // p)  # = layout.split: recent ends with W+1..W+P tokens
-            n_pg = int(state.num_pages[b])
-            if n_pg + full > state.block_table.shape[1]:
-                raise ValueError(f"append: sequence {b} needs more than {state.block_table.shape[1]} pages")
-            ids = [allocate() for _ in range(full)]
-            h, d = k.shape[0], k.shape[2]
-            # Rows pass through the recent buffer's dtype first, exactly as the one-by-one path does.
-            kk = k[:, i : i + full * p].to(state.recent_k.dtype).reshape(h, full, p, d).transpose(0, 1).contiguous()
-            vv = v[:, i : i + full * p].to(state.recent_v.dtype).reshape(h, full, p, d).transpose(0, 1).contiguous()
-            write(state, ids, kk, vv, layout, transform)
-            state.block_table[b, n_pg : n_pg + full] = torch.tensor(ids, dtype=torch.int32)
-            state.num_pages[b] = n_pg + full
-            i += full * p
-            continue
-        n = min(cap - r, t - i)
-        state.recent_k[b, :, r : r + n] = k[:, i : i + n].to(state.recent_k.dtype)
-        state.recent_v[b, :, r : r + n] = v[:, i : i + n].to(state.recent_v.dtype)
-        state.recent_len[b] = r + n
-        i += n
+    length = int(state.sink_len[b]) + int(state.num_pages[b]) * layout.page_size + int(state.recent_len[b])
+    sink, pages, recent = layout.split(length + k.shape[1])
+    if pages > state.block_table.shape[1]:
+        raise ValueError(f"append: sequence {b} needs {pages} pages, its block table has {state.block_table.shape[1]}")
+    if allocate is not None:
+        for n in range(int(state.num_pages[b]), pages):
+            state.block_table[b, n] = allocate()
+    write_tokens(state, b, length, k, v, layout, transform, write)
+    state.sink_len[b], state.num_pages[b], state.recent_len[b] = sink, pages, recent
 
 
-def sequence_pages(state: PagedKV, b: int) -> list[int]:
-    """Page ids held by sequence ``b`` (to free them)."""
-    return state.block_table[b, : int(state.num_pages[b])].tolist()
+def decode_append(
+    state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor, layout: KVCacheLayout,
+    transform: LayerTransform,
+) -> None:
+    """Append one token to every sequence, demoting a page where the recent window is full: the decode step's
+    write, all on the device (no host read, no value-dependent branch; compiles with ``fullgraph=True``).
 
+    Args:
+        state: the cache with its *committed* lengths (the page book's ``committed``), unchanged here.
+        k, v: ``[B, H_kv, D]`` new rows in the stored basis.
+        status: ``[B]`` int32 step status (``pages.STATUS_*``); a slot whose status is nonzero, or whose rows
+            hold NaN/Inf (then ``STATUS_NONFINITE`` is set here), writes nothing.
+    Where ``recent_len == W + P`` the oldest ``P`` recent tokens (ring slots ``(nP + j) mod C``) are quantized
+    into ``block_table[b, n]``, ``n = num_pages``; the token goes to sink slot ``sink_len`` while the sink is
+    not full, else to ring slot ``(nP + recent_len) mod C``. Both targets lie beyond the committed lengths.
+    """
+    from .pages import STATUS_NONFINITE
 
-def reset_sequence(state: PagedKV, b: int) -> None:
-    """Forget sequence ``b`` (its pages must be returned to the allocator by the caller)."""
-    state.sink_len[b] = 0
-    state.num_pages[b] = 0
-    state.recent_len[b] = 0
+    bsz = k.shape[0]
+    p, c, s0 = layout.page_size, layout.recent_slots, layout.sink
+    finite = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
+    status.bitwise_or_((~finite).to(torch.int32) * STATUS_NONFINITE)
+    ok = status == 0
+    bi = torch.arange(bsz, device=k.device)
+    to_sink = state.sink_len < s0
+    n = state.num_pages.long()
+    # demotion: every slot computes its candidate page, only due slots store it
+    due = ok & ~to_sink & (state.recent_len == layout.recent_capacity)
+    rows = layout.recent_slot(n[:, None] * p + torch.arange(p, device=k.device))  # [B, P]
+    page = state.block_table[bi, n.clamp(max=state.block_table.shape[1] - 1)].long()  # [B]
+    for x, fmt, clip, levels, codes, params in (
+        (state.recent_k, layout.key, transform.k_clip, transform.k_levels, state.k_codes, state.k_params),
+        (state.recent_v, layout.value, transform.v_clip, transform.v_levels, state.v_codes, state.v_params),
+    ):
+        rows_x = x[bi[:, None], :, rows].permute(0, 2, 1, 3)  # [B, H_kv, P, D]
+        qc, qp = quantize_pages(rows_x, fmt, clip, levels)
+        codes[page] = torch.where(due.view(-1, 1, 1, 1), qc, codes[page])
+        params[page] = torch.where(due.view(-1, *([1] * (qp.dim() - 1))), qp, params[page])
+    # the token
+    sink_pos = state.sink_len.long().clamp(max=max(s0 - 1, 0))
+    slot = layout.recent_slot(n * p + state.recent_len.long())
+    for buf_s, buf_r, x in ((state.sink_k, state.recent_k, k), (state.sink_v, state.recent_v, v)):
+        if s0 > 0:
+            old = buf_s[bi, :, sink_pos]  # [B, H_kv, D]
+            buf_s[bi, :, sink_pos] = torch.where((ok & to_sink).view(-1, 1, 1), x.to(buf_s.dtype), old)
+        old = buf_r[bi, :, slot]
+        buf_r[bi, :, slot] = torch.where((ok & ~to_sink).view(-1, 1, 1), x.to(buf_r.dtype), old)
 
 
 __all__ = [
     "append_tokens",
     "check_finite",
     "chunk_attention",
+    "decode_append",
     "decode_attention",
-    "demote",
     "dequantize_groups",
     "dequantize_pages",
     "gather_context",
@@ -374,8 +451,9 @@ __all__ = [
     "pack_codes",
     "quantize_groups",
     "quantize_pages",
-    "reset_sequence",
-    "sequence_pages",
+    "read_sequence",
+    "recent_valid",
     "unpack_codes",
     "write_pages",
+    "write_tokens",
 ]

@@ -1,6 +1,6 @@
 """Build the deployable directory: exported checkpoint, AOT kernel bundle, TensorRT-LLM module, README.
 
-Layout of ``--out`` (written to a temp dir beside it and renamed at the end)::
+Layout of ``--out`` (written to a temp dir beside it and renamed at the end: ``oscar_export.atomic_dir``)::
 
     checkpoint/        the exported HF checkpoint (``oscar-export export``), artifact inside
     kernels/           the AOT bundle: <kernel>.<sm_XX>.cubin / .ptx + manifest.json (kernels/aot/)
@@ -18,6 +18,7 @@ installed there); the kernel bundle itself was loaded and checked on an H200 (te
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,18 +47,73 @@ register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels", module=__nam
 
 
 def model_shape(ckpt: Path) -> dict[str, Any]:
-    """Heads, head_dim, layers and the softmax scale of an exported checkpoint's config."""
-    cfg = json.loads((ckpt / "config.json").read_text())
-    h = int(cfg["num_attention_heads"])
-    d = int(cfg.get("head_dim") or cfg["hidden_size"] // h)
+    """Heads, head_dim, layers and the softmax scale of an exported checkpoint, from the family table.
+
+    ``config.json`` is first read with the artifact loader's bounds (``export.read_config_json``); ``sm_scale``
+    is the model's own attention scale (``ModelAttention.scaling``: ``query_pre_attn_scalar ** -0.5`` for
+    Gemma 3, ``head_dim ** -0.5`` otherwise), baked into the decode kernels of the bundle.
+
+    Raises:
+        NotImplementedError: the table's error (the one ``enable_oscar`` gives) for what serving cannot run.
+    """
+    from oscar_export.calibration.artifact import LIMITS, json_int, printable
+    from oscar_export.calibration.families import family_for_pretrained
+    from oscar_export.export import read_config_json
+
+    cfg = read_config_json(ckpt)  # bounded, and the fields typed: a hostile config.json fails with one clear line
+    where = printable(Path(ckpt) / "config.json")
+    for key, hi in (("num_attention_heads", LIMITS.max_heads), ("hidden_size", LIMITS.max_hidden_size),
+                    ("num_hidden_layers", LIMITS.max_layers), ("num_key_value_heads", LIMITS.max_kv_heads),
+                    ("head_dim", LIMITS.max_head_dim)):
+        if cfg.get(key) is not None:
+            json_int(cfg[key], f"{where}: {key}", 1, hi)
+    f = family_for_pretrained(ckpt)
     return {
-        "model_type": cfg.get("model_type"),
-        "num_layers": int(cfg["num_hidden_layers"]),
-        "num_heads": h,
-        "num_kv_heads": int(cfg.get("num_key_value_heads") or h),
-        "head_dim": d,
-        "sm_scale": d ** -0.5,
+        "model_type": f.model_type,
+        "num_layers": f.num_layers,
+        "num_heads": f.num_heads,
+        "num_kv_heads": f.num_kv_heads,
+        "head_dim": f.head_dim,
+        "sm_scale": f.scaling,
     }
+
+
+def check_inside(root: Path) -> None:
+    """Refuse a checkpoint with a symbolic link leading out of it (``build`` copies what the links point to)."""
+    base = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink() and not p.resolve().is_relative_to(base):
+                raise ValueError(f"{p}: a symbolic link to {p.resolve()}, outside the checkpoint {root}")
+
+
+def load_packaged_artifact(export_dir: Path, section: dict[str, Any], shape: dict[str, Any]):
+    """The checkpoint's artifact, fully loaded and verified, and checked against ``config.json`` and the section."""
+    from oscar_export.calibration.artifact import load_artifact
+    from oscar_export.export import artifact_path
+
+    art = load_artifact(artifact_path(export_dir, section))
+    if not all(t.values_prerotated for t in art.transforms):
+        raise ValueError(f"{export_dir}: the bundled artifact is not marked values_prerotated (not an export?)")
+    fp, lay = art.fingerprint, art.layout
+    if shape["num_layers"] != art.num_layers:
+        raise ValueError(f"{export_dir}: config has {shape['num_layers']} layers, its artifact {art.num_layers}")
+    if shape["num_heads"] != fp["num_attention_heads"]:
+        raise ValueError(f"{export_dir}: config has {shape['num_heads']} query heads, its artifact "
+                         f"{fp['num_attention_heads']}")
+    if (shape["num_kv_heads"], shape["head_dim"]) != (lay.num_kv_heads, lay.head_dim):
+        raise ValueError(
+            f"{export_dir}: config has {shape['num_kv_heads']} KV heads x head_dim {shape['head_dim']}, "
+            f"its artifact layout {lay.num_kv_heads} x {lay.head_dim}"
+        )
+    if shape["model_type"] != fp["model_type"]:
+        raise ValueError(f"{export_dir}: config has model_type {shape['model_type']!r}, its artifact "
+                         f"{fp['model_type']!r}")
+    if section.get("layout") != lay.to_dict():
+        raise ValueError(f"{export_dir}: the 'oscar' section's layout disagrees with the artifact's "
+                         f"({section.get('layout')!r:.200} vs {lay.to_dict()!r:.200})")
+    return art
 
 
 def readme(shape: dict[str, Any], archs: list[str], onnx: bool) -> str:
@@ -118,26 +174,35 @@ def write_trtllm_files(tmp: Path, layout) -> None:
     (tmp / "extra_llm_api_options.yaml").write_text(extra_llm_api_options(layout))
 
 
-def build_deployment(export_dir: str | Path, out: str | Path, archs: list[str], onnx: bool = False, progress=None) -> Path:
-    from oscar_export.export import atomic_output_dir, read_export
+def build_deployment(
+    export_dir: str | Path, out: str | Path, archs: list[str], onnx: bool = False, progress=None, force: bool = False,
+) -> Path:
+    """Write the deployment directory ``out`` (module doc) from the exported checkpoint ``export_dir``.
+
+    Everything is checked before the bundle compiles: the checkpoint's config and ``oscar`` section, the
+    artifact (loaded and verified in full, inside the checkpoint, agreeing with ``config.json`` on layers,
+    heads and head_dim and with the section's layout), no symbolic link out of the checkpoint, the archs and
+    ``out`` (absent, empty, or with ``force`` an earlier deployment).
+    """
+    from oscar_export.atomic_dir import atomic_dir, check_out_dir
+    from oscar_export.export import read_export
     from oscar_export.kernels.aot.bundle import serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
-    from oscar_export.kernels.layout import KVCacheLayout
 
     export_dir = Path(export_dir)
     section = read_export(export_dir)
     for a in archs:
         parse_arch(a)
-    layout = KVCacheLayout.from_dict(section["layout"])
+    check_out_dir(out, force, looks_like="deploy.json")
+    o, e = Path(out).resolve(), export_dir.resolve()
+    if o.is_relative_to(e) or e.is_relative_to(o):  # copying into itself, or replacing what is being copied
+        raise ValueError(f"--out {out}: overlaps the checkpoint {export_dir}; choose a directory beside it")
+    check_inside(export_dir)
     shape = model_shape(export_dir)
-    if (shape["num_kv_heads"], shape["head_dim"]) != (layout.num_kv_heads, layout.head_dim):
-        raise ValueError(
-            f"{export_dir}: config has {shape['num_kv_heads']} KV heads x head_dim {shape['head_dim']}, "
-            f"its artifact layout {layout.num_kv_heads} x {layout.head_dim}"
-        )
+    layout = load_packaged_artifact(export_dir, section, shape).layout
     specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"])
-    with atomic_output_dir(out) as tmp:
+    with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress)
         write_trtllm_files(tmp, layout)
@@ -164,23 +229,23 @@ def build_deployment(export_dir: str | Path, out: str | Path, archs: list[str], 
 
 def add_arguments(p) -> None:
     p.add_argument("--export", required=True, help="checkpoint directory written by `oscar-export export`")
-    p.add_argument("--out", required=True, help="new deployment directory (must not exist)")
+    p.add_argument("--out", required=True, help="new deployment directory (absent or empty; see --force)")
+    p.add_argument("--force", action="store_true", help="replace an earlier deployment at --out (atomically)")
     p.add_argument("--arch", action="append", default=None, metavar="SM",
                    help="GPU target, repeatable: sm_80, sm_86, sm_89, sm_90 (default: sm_80 sm_89 sm_90)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX form of one decode-attention layer")
 
 
 def run(args) -> int:
-    from oscar_export.cli import UserError
+    from oscar_export.atomic_dir import check_out_dir
     from oscar_export.kernels.aot.compile import DEFAULT_ARCHS
 
-    if Path(args.out).exists():
-        raise UserError(f"--out {args.out} already exists; choose a new output directory")
+    check_out_dir(args.out, args.force, looks_like="deploy.json")
     archs = args.arch or list(DEFAULT_ARCHS)
-    out = build_deployment(args.export, args.out, archs, onnx=args.onnx,
+    out = build_deployment(args.export, args.out, archs, onnx=args.onnx, force=args.force,
                            progress=lambda i, n, name: print(f"[{i}/{n}] compiled {name}", flush=True))
     print(f"wrote {out}: see {out / 'README.md'} for the trtllm-serve command (TensorRT-LLM not executed here)")
     return 0
 
 
-__all__ = ["build_deployment", "model_shape"]
+__all__ = ["build_deployment", "check_inside", "load_packaged_artifact", "model_shape"]

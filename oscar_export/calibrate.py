@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 EPILOG = """examples:
   oscar-export calibrate --model default --out artifacts/smollm2 --tokens 20000
   oscar-export calibrate --model ./my-llama --out art --data notes.txt chats.jsonl --seq-len 1024 --shared
   oscar-export calibrate --model default --out art --key-granularity token --clip global --rotation oscar
+  oscar-export calibrate --model default --out art --force     # replace the artifact in art/ (atomically)
 """
 
 
@@ -27,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = CalibrationConfig()
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a local HF model directory")
-    p.add_argument("--out", required=True, help="artifact directory to write")
+    p.add_argument("--out", required=True, help="artifact directory to write (new or empty; see --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing artifact directory at --out")
     p.add_argument("--data", nargs="+", default=list(d.data), metavar="SRC",
                    help="'pydoc' (built-in), 'generate' (the model's own answers to seed prompts), .txt or .jsonl files")
     p.add_argument("--tokens", type=int, default=d.tokens, help=f"calibration token budget (default {d.tokens})")
@@ -56,6 +59,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-layer table")
 
 
+#: bounds of the numeric options that the artifact's LIMITS do not already state (sink, window, page size).
+MAX_TOKENS = 1 << 31
+MAX_SEQ_LEN = 1 << 20
+MAX_BATCH_SIZE = 4096
+MAX_SEED = 2**63 - 1
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every option and ``--out``, checked before the model loads (minutes before the artifact is written)."""
+    from oscar_export.atomic_dir import check_out_dir
+    from oscar_export.calibration.artifact import LIMITS, META_FILE
+    from oscar_export.cli import UserError, check_int
+
+    check_int(args.tokens, "--tokens", 1, MAX_TOKENS)
+    check_int(args.seq_len, "--seq-len", 1, MAX_SEQ_LEN)
+    check_int(args.batch_size, "--batch-size", 1, MAX_BATCH_SIZE)
+    check_int(args.sink, "--sink", 0, LIMITS.max_sink)
+    check_int(args.window, "--window", 0, LIMITS.max_window)
+    check_int(args.page_size, "--page-size", LIMITS.min_page_size, LIMITS.max_page_size, multiple_of=16)
+    check_int(args.seed, "--seed", 0, MAX_SEED)
+    for src in args.data:
+        if src not in ("pydoc", "generate") and not Path(src).is_file():
+            raise UserError(f"--data {src}: no such file (expected 'pydoc', 'generate', or a .txt/.jsonl file)")
+    check_out_dir(args.out, args.force, looks_like=META_FILE)
+
+
 def config_from_args(args: argparse.Namespace):
     from oscar_export.calibration.pipeline import CalibrationConfig
 
@@ -74,13 +103,21 @@ def _r(x: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
     from tqdm import tqdm
 
+    from oscar_export.atomic_dir import atomic_dir
+    from oscar_export.calibration.artifact import META_FILE
+    from oscar_export.calibration.families import family_for_pretrained
     from oscar_export.calibration.pipeline import calibrate
     from oscar_export.models import load_model
 
-    cfg = config_from_args(args)  # validate before the slow model load
+    check_args(args)  # validate before the slow model load
+    cfg = config_from_args(args)
+    if (Path(args.model) / "config.json").is_file():
+        family_for_pretrained(args.model)  # refuse what serving cannot run (enable_oscar's message) before loading
     t0 = time.perf_counter()
     kw = {"device_map": args.device_map} if args.device_map else {}
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), **kw)
@@ -106,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     art = calibrate(model, tok, cfg, progress=bar.update, on_layer=on_layer)
     art.stats["seconds_load"] = round(t_load, 2)
-    art.save(args.out)
+    with atomic_dir(args.out, force=args.force, looks_like=META_FILE) as tmp:
+        art.save(tmp)
     layers = art.stats["layers"]
     def mean(side: str, key: str) -> str:
         vals = [layer[side][key] for layer in layers if layer[side][key] is not None]

@@ -28,6 +28,37 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: printed as one line, exit code 2."""
 
 
+#: What a user can cause (bad input, a full disk, a missing permission, a size that does not fit, Ctrl-C or
+#: SIGTERM): one line and exit code 2. TypeError, AttributeError and the like mean a bug here: they keep
+#: their traceback. ``--debug`` shows the traceback of these too.
+USER_ERRORS = (UserError, ValueError, OSError, RuntimeError, ImportError, MemoryError, KeyboardInterrupt)
+
+
+def check_int(value: int, option: str, lo: int, hi: int, multiple_of: int = 1) -> int:
+    """``value`` if it is an int in ``[lo, hi]`` (and a multiple of ``multiple_of``), else :class:`UserError`."""
+    if type(value) is not int or not lo <= value <= hi or value % multiple_of:
+        what = f"a multiple of {multiple_of} in" if multiple_of > 1 else "an int in"
+        raise UserError(f"{option}: expected {what} [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def error_line(e: BaseException) -> str:
+    """One terminal-safe line describing ``e`` (whitespace collapsed, control characters escaped)."""
+    try:
+        from oscar_export.calibration.artifact import printable
+    except ImportError:  # the error may be that the project itself cannot import (torch missing)
+        def printable(s: str, limit: int) -> str:
+            return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
+
+    if isinstance(e, KeyboardInterrupt):
+        text = str(e) or "interrupted"
+    elif isinstance(e, MemoryError):
+        text = f"out of memory (MemoryError){': ' + str(e) if str(e) else ''}"
+    else:
+        text = str(e) or type(e).__name__
+    return printable(" ".join(text.split()), limit=2000)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oscar-export",
@@ -64,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         return int(args._run(args) or 0)
-    except (UserError, ValueError, FileNotFoundError, NotImplementedError, ImportError) as e:
+    except USER_ERRORS as e:
         if args.debug:
             raise
-        print(f"oscar-export {args.command}: error: {e}", file=sys.stderr)
+        print(f"oscar-export {args.command}: error: {error_line(e)}", file=sys.stderr)
         return 2
 
 

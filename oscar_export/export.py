@@ -10,8 +10,8 @@ so attention over the exported values, followed by the exported ``o_proj``, equa
 rotation cannot be folded (RoPE sits between ``k_proj`` and the cache), and means, clips and codebooks
 act on stored rows: they stay in the artifact, saved inside the checkpoint with ``values_prerotated=True``.
 
-Output (written to a temp dir next to ``--out`` and renamed at the end, so a failure leaves nothing
-that looks complete)::
+Output (written to a temp dir next to ``--out`` and renamed at the end by ``oscar_export.atomic_dir``, so a
+failure, Ctrl-C or SIGTERM leaves nothing that looks complete)::
 
     out/config.json          the model config plus an "oscar" section (see ``oscar_section``)
     out/model.safetensors    folded weights
@@ -22,12 +22,12 @@ that looks complete)::
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+
+from oscar_export.calibration.families import family_for, family_for_pretrained
 
 EPILOG = """example:
   oscar-export calibrate --model default --out art/
@@ -35,8 +35,6 @@ EPILOG = """example:
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('ckpt/')"
 """
 
-#: HF model types whose decoder layers hold ``self_attn.{v_proj,o_proj}`` with the Llama head layout.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 OSCAR_SECTION_VERSION = 1
 ARTIFACT_DIR = "oscar_artifact"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,30 +44,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def attention_modules(model) -> list[Any]:
-    """The ``self_attn`` module of every decoder layer; raises for architectures we cannot fold."""
-    config = model.config
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"export: unknown architecture {mt!r} ({getattr(config, 'architectures', None)}); "
-            f"supported model types: {list(SUPPORTED_MODEL_TYPES)}"
-        )
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    """The attention module of every decoder layer, where the family table says it is.
+
+    Raises:
+        NotImplementedError: the table's error for an architecture or feature the cache cannot serve, or a
+            model whose modules are not where its family puts them.
+    """
+    fold = family_for(model).family.fold
+    layers: Any = model
+    for part in fold.layers.split("."):
+        layers = getattr(layers, part, None)
     if layers is None:
-        raise NotImplementedError(f"export: {type(model).__name__} has no .model.layers")
-    attns = [layer.self_attn for layer in layers]
+        raise NotImplementedError(f"export: {type(model).__name__} has no .{fold.layers} (expected by its family)")
+    attns = [getattr(layer, fold.attention, None) for layer in layers]
     for i, a in enumerate(attns):
-        if not (hasattr(a, "v_proj") and hasattr(a, "o_proj")):
-            raise NotImplementedError(f"export: layer {i} attention has no v_proj/o_proj")
+        if not (hasattr(a, fold.v_proj) and hasattr(a, fold.o_proj)):
+            raise NotImplementedError(
+                f"export: layer {i}: expected .{fold.attention}.{fold.v_proj} and .{fold.o_proj}, "
+                f"got {type(a).__name__}"
+            )
     return attns
 
 
 def head_counts(config) -> tuple[int, int, int]:
-    """``(H, H_kv, D)`` from a HF config."""
-    h = int(config.num_attention_heads)
-    hkv = int(getattr(config, "num_key_value_heads", None) or h)
-    d = int(getattr(config, "head_dim", None) or config.hidden_size // h)
-    return h, hkv, d
+    """``(H, H_kv, D)`` of a HF config or model, from the family table."""
+    f = family_for(config)
+    return f.num_heads, f.num_kv_heads, f.head_dim
 
 
 @torch.no_grad()
@@ -82,11 +82,13 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
             not yet ``values_prerotated``.
     """
     attns = attention_modules(model)
-    h, hkv, d = head_counts(model.config)
+    facts = family_for(model)
+    fold = facts.family.fold
+    h, hkv, d, group = facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.group_size
     if len(transforms) != len(attns):
         raise ValueError(f"export: artifact has {len(transforms)} layers, model has {len(attns)}")
-    group = h // hkv
-    for i, (attn, t) in enumerate(zip(attns, transforms)):
+    projections = []
+    for i, (attn, t) in enumerate(zip(attns, transforms)):  # every check before the first write
         if t.values_prerotated:
             raise ValueError(f"export: layer {i} transform is already values_prerotated (exporting twice?)")
         if (t.num_kv_heads, t.head_dim) != (hkv, d):
@@ -94,19 +96,27 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
                 f"export: layer {i}: artifact has {t.num_kv_heads} KV heads x head_dim {t.head_dim}, "
                 f"model has {hkv} x {d}"
             )
-        r = t.v_rotation.double().to(attn.v_proj.weight.device)  # [H_kv, D, D]
+        v_proj, o_proj = getattr(attn, fold.v_proj), getattr(attn, fold.o_proj)
+        if v_proj.weight.shape[0] != hkv * d or o_proj.weight.shape[1] != h * d:
+            raise ValueError(
+                f"export: layer {i}: expected {fold.v_proj} [{hkv * d}, hidden] and {fold.o_proj} "
+                f"[hidden, {h * d}], got {list(v_proj.weight.shape)} and {list(o_proj.weight.shape)}"
+            )
+        projections.append((v_proj, o_proj))
+    for (v_proj, o_proj), t in zip(projections, transforms):
+        r = t.v_rotation.double().to(v_proj.weight.device)  # [H_kv, D, D]
         s = t.v_scale.double().to(r.device)  # [H_kv, D]
         m = r * s[:, None, :]  # R diag(d): [H_kv, D, D]
         m_inv_t = r / s[:, None, :]  # (diag(1/d) R^T)^T = R diag(1/d)
 
-        wv = attn.v_proj.weight  # [H_kv * D, hidden]
+        wv = v_proj.weight  # [H_kv * D, hidden]
         wv64 = wv.double().view(hkv, d, -1)
         wv.copy_(torch.matmul(m.transpose(-1, -2), wv64).reshape(wv.shape).to(wv.dtype))
-        if attn.v_proj.bias is not None:
-            bv = attn.v_proj.bias  # [H_kv * D]
+        if v_proj.bias is not None:
+            bv = v_proj.bias  # [H_kv * D]
             bv.copy_(torch.matmul(bv.double().view(hkv, 1, d), m).reshape(bv.shape).to(bv.dtype))
 
-        wo = attn.o_proj.weight  # [hidden, H * D]
+        wo = o_proj.weight  # [hidden, H * D], head-major: query head j = KV head j // g (FoldSpec.o_proj_layout)
         wo64 = wo.double().view(-1, hkv, group, d).permute(1, 2, 0, 3)  # [H_kv, g, hidden, D]
         folded = torch.matmul(wo64, m_inv_t[:, None])  # [H_kv, g, hidden, D]
         wo.copy_(folded.permute(2, 0, 1, 3).reshape(wo.shape).to(wo.dtype))
@@ -125,23 +135,6 @@ def oscar_section(artifact, source: str) -> dict[str, Any]:
         "fingerprint": artifact.fingerprint,
         "source_model": source,
     }
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: str | Path) -> Iterator[Path]:
-    """Yield a temp dir beside ``out``; rename it to ``out`` on success, delete it on any failure."""
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new output directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _gguf_dequantized(model) -> bool:
@@ -173,15 +166,25 @@ def _plain_float_model(model) -> Iterator[None]:
             model.config.quantization_config = qc
 
 
-def export_checkpoint(model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None) -> Path:
-    """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically."""
+def export_checkpoint(
+    model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None,
+    force: bool = False,
+) -> Path:
+    """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically.
+
+    ``out`` must be absent or empty; with ``force`` an earlier checkpoint (a directory with a ``config.json``)
+    is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
+    """
+    from oscar_export.atomic_dir import atomic_dir, check_out_dir
+
     if getattr(model.config, "oscar", None):
         raise ValueError("export: this model is already an OSCAR export (its config has an 'oscar' section)")
     artifact.check_model(model.config)
+    check_out_dir(out, force, looks_like="config.json")
     fold_value_transforms(model, artifact.transforms)
     if dtype is not None:
         model.to(dtype)
-    with atomic_output_dir(out) as tmp:
+    with atomic_dir(out, force=force, looks_like="config.json") as tmp:
         model.config.oscar = oscar_section(artifact, source)
         try:
             with _plain_float_model(model):
@@ -194,18 +197,47 @@ def export_checkpoint(model, tokenizer, artifact, out: str | Path, source: str =
     return Path(out)
 
 
-def read_export(ckpt: str | Path) -> dict[str, Any]:
-    """The ``oscar`` section of an exported checkpoint's config (raises if ``ckpt`` is not one)."""
-    import json
+def read_config_json(ckpt: str | Path) -> dict[str, Any]:
+    """``ckpt/config.json`` as a dict, read with the artifact loader's bounds (size, strict JSON, nesting)."""
+    from oscar_export.calibration.artifact import LIMITS, parse_json, printable
+
+    cfg = Path(ckpt) / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{printable(ckpt)}: not a Hugging Face checkpoint (no config.json)")
+    size = cfg.stat().st_size
+    if size > LIMITS.max_meta_bytes:
+        raise ValueError(f"{printable(cfg)}: expected at most {LIMITS.max_meta_bytes:,} bytes, got {size:,}")
+    data = parse_json(cfg.read_bytes(), printable(cfg))
+    if not isinstance(data, dict):
+        raise ValueError(f"{printable(cfg)}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def artifact_path(ckpt: str | Path, section: dict[str, Any]) -> Path:
+    """The bundled artifact's directory, refused unless it lies inside ``ckpt`` (after resolving links)."""
+    from oscar_export.calibration.artifact import printable
 
     ckpt = Path(ckpt)
+    rel = section.get("artifact")
+    if not isinstance(rel, str) or not rel:
+        raise ValueError(f"{printable(ckpt / 'config.json')}: oscar.artifact: expected a relative directory name, "
+                         f"got {printable(repr(rel), 80)}")
+    path = ckpt / rel
+    real, base = path.resolve(), ckpt.resolve()
+    if Path(rel).is_absolute() or not real.is_relative_to(base) or real == base:
+        raise ValueError(f"{printable(ckpt / 'config.json')}: the artifact {printable(rel, 120)!r} is outside the "
+                         f"checkpoint (resolves to {printable(real)}); it must be a directory inside {printable(base)}")
+    return path
+
+
+def read_export(ckpt: str | Path) -> dict[str, Any]:
+    """The ``oscar`` section of an exported checkpoint's config (raises if ``ckpt`` is not one)."""
+    ckpt = Path(ckpt)
+    section = read_config_json(ckpt).get("oscar")
     cfg = ckpt / "config.json"
-    if not cfg.is_file():
-        raise FileNotFoundError(f"{ckpt}: not a Hugging Face checkpoint (no config.json)")
-    section = json.loads(cfg.read_text()).get("oscar")
     if not isinstance(section, dict) or section.get("format_version") != OSCAR_SECTION_VERSION:
         raise ValueError(f"{cfg}: no 'oscar' section of format {OSCAR_SECTION_VERSION}; run `oscar-export export` first")
-    if not (ckpt / section["artifact"] / "oscar.json").is_file():
+    if not (artifact_path(ckpt, section) / "oscar.json").is_file():
         raise FileNotFoundError(f"{ckpt}: the OSCAR artifact {section['artifact']}/ is missing")
     return section
 
@@ -218,7 +250,7 @@ def load_exported(ckpt: str | Path, dtype: torch.dtype = torch.float32):
 
     section = read_export(ckpt)
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
-    artifact = load_artifact(Path(ckpt) / section["artifact"], model.config)
+    artifact = load_artifact(artifact_path(ckpt, section), model.config)
     if not all(t.values_prerotated for t in artifact.transforms):
         raise ValueError(f"{ckpt}: the bundled artifact is not marked values_prerotated")
     return model, AutoTokenizer.from_pretrained(str(ckpt)), artifact
@@ -230,27 +262,30 @@ def load_exported(ckpt: str | Path, dtype: torch.dtype = torch.float32):
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2) or a local HF model directory")
     p.add_argument("--artifact", required=True, help="OSCAR artifact directory from `oscar-export calibrate`")
-    p.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
+    p.add_argument("--out", required=True, help="new checkpoint directory (absent or empty; see --force)")
+    p.add_argument("--force", action="store_true", help="replace an earlier checkpoint at --out (atomically)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
 
 
 def run(args) -> int:
+    from oscar_export.atomic_dir import check_out_dir
     from oscar_export.calibration.artifact import load_artifact
-    from oscar_export.cli import UserError
     from oscar_export.models import load_model
 
+    check_out_dir(args.out, args.force, looks_like="config.json")  # everything checked before the model loads
     if not Path(args.artifact).is_dir():
         raise FileNotFoundError(f"--artifact {args.artifact}: no such directory")
-    if Path(args.out).exists():
-        raise UserError(f"--out {args.out} already exists; choose a new output directory")
+    if (Path(args.model) / "config.json").is_file():
+        family_for_pretrained(args.model)  # refuse what serving cannot run before loading any weights
+    artifact = load_artifact(args.artifact)
     model, tok = load_model(args.model, dtype=torch.float32)
-    artifact = load_artifact(args.artifact, model.config)
-    out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype])
+    out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype],
+                            force=args.force)
     print(f"wrote {out} ({len(artifact.transforms)} layers folded, artifact in {out / ARTIFACT_DIR})")
     return 0
 
 
 __all__ = [
-    "ARTIFACT_DIR", "SUPPORTED_MODEL_TYPES", "atomic_output_dir", "attention_modules", "export_checkpoint",
-    "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_export",
+    "ARTIFACT_DIR", "artifact_path", "attention_modules", "export_checkpoint",
+    "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_config_json", "read_export",
 ]

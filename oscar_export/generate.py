@@ -9,7 +9,9 @@ bytes of both, computed from the cache layout.
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 EPILOG = """examples:
   oscar-export generate --prompt "Explain the Python assert statement." --max-new-tokens 64
@@ -19,6 +21,49 @@ EPILOG = """examples:
 
 #: prompt used when neither --prompt nor --prompt-topic is given (703 SmolLM2 tokens).
 DEFAULT_TOPIC = "class"
+#: the most --max-new-tokens accepted before the model loads (the model's own length and memory decide after).
+MAX_NEW_TOKENS = 1 << 20
+
+
+def available_memory(device: str) -> int:
+    """Bytes free for new tensors on ``device``: the CUDA free memory, or the host's MemAvailable."""
+    import torch
+
+    if device.startswith("cuda"):
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -> None:
+    """Refuse, before anything is allocated, a length the model cannot encode or whose KV cache cannot fit.
+
+    The estimate is a full cache at the model dtype (what the reference run keeps; the OSCAR cache is
+    smaller), ``L * T * 2 * H_kv * D`` elements.
+    """
+    import torch
+
+    from .cli import UserError
+    from .export import head_counts
+
+    c = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    length = n_prompt + max_new_tokens
+    max_pos = getattr(c, "max_position_embeddings", None)
+    if isinstance(max_pos, int) and length > max_pos:
+        raise UserError(f"--max-new-tokens: {n_prompt} prompt + {max_new_tokens} new tokens exceed the model's "
+                        f"max_position_embeddings {max_pos}")
+    _, hkv, d = head_counts(c)
+    layers = int(c.num_hidden_layers)
+    need = layers * length * 2 * hkv * d * torch.empty((), dtype=dtype).element_size()
+    free = available_memory(device)
+    if need > free:
+        raise UserError(f"--max-new-tokens: a KV cache of {length} tokens needs {need:,} bytes at {dtype} ({layers} "
+                        f"layers, {hkv} KV heads x head_dim {d}, K and V); {free:,} bytes available on {device}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,10 +123,14 @@ def run(args: argparse.Namespace) -> int:
     from oscar_export.models import load_model
     from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
-    from .cli import UserError
+    from .cli import check_int
 
-    if args.max_new_tokens <= 0:
-        raise UserError(f"--max-new-tokens: expected > 0, got {args.max_new_tokens}")
+    check_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
+    artifact = None
+    if args.artifact is not None:  # verified in full before the model loads
+        from oscar_export.calibration.artifact import load_artifact
+
+        artifact = load_artifact(args.artifact)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     text = _prompt_text(args)
@@ -90,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     ids = tok(text, return_tensors="pt").input_ids.to(device)
     n_prompt = ids.shape[1]
+    check_fits(model.config, n_prompt, args.max_new_tokens, dtype, device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dtype}")
 
@@ -100,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             ref = model.generate(ids, streamer=_Progress(args.max_new_tokens, "bf16 "), **gen)[0, n_prompt:]
         print(f"bf16 cache: {len(ref)} tokens in {time.perf_counter() - t0:.1f} s")
 
-    with enable_oscar(model, artifact=args.artifact, backend=args.backend) as oscar:
+    with enable_oscar(model, artifact=artifact, backend=args.backend) as oscar:
         cache = oscar.make_cache(1, n_prompt + args.max_new_tokens)
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -1,7 +1,9 @@
 """Show an OSCAR artifact: fingerprint, cache layout, bits per element, calibration config and per-layer fits.
 
 The artifact is fully validated first (the same checks every consumer runs), so a clean ``inspect`` also
-means the artifact loads.
+means the artifact loads. Strings from the artifact are printed with control characters escaped (an
+artifact from a stranger cannot send terminal escape sequences), and calibration stats of unexpected types
+are shown as absent.
 """
 
 from __future__ import annotations
@@ -23,26 +25,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", action="store_true", help="print the per-layer table (default: summary only)")
 
 
+def _number(x):
+    """``x`` if it is a JSON number (not a bool), else None: calibration stats are read, never trusted."""
+    return x if type(x) in (int, float) else None
+
+
+def _side_stats(layer_stats, side: str) -> dict:
+    """The typed parts of one side's calibration stats (rotation names, held-out ratios); None where absent."""
+    from oscar_export.calibration.artifact import printable
+
+    s = layer_stats.get(side) if isinstance(layer_stats, dict) else None
+    s = s if isinstance(s, dict) else {}
+    rot = s.get("rotation")
+    rot = [printable(r, 24) for r in rot if isinstance(r, str)] if isinstance(rot, list) else None
+    return {"rotation": rot or None, "vs_identity": _number(s.get("vs_identity")),
+            "vs_hadamard": _number(s.get("vs_hadamard"))}
+
+
 def summarize(art) -> dict:
     """A JSON-ready description of ``art`` (an :class:`OscarArtifact`)."""
     from oscar_export.calibration.rotation import orthogonality_error
 
     lay = art.layout
     ortho = max(max(orthogonality_error(t.k_rotation), orthogonality_error(t.v_rotation)) for t in art.transforms)
+    per_layer = art.stats.get("layers")
+    if not isinstance(per_layer, list) or len(per_layer) != art.num_layers:
+        per_layer = [None] * art.num_layers
     layers = []
     for i, t in enumerate(art.transforms):
-        st = (art.stats.get("layers") or [None] * art.num_layers)[i] or {}
         row = {"layer": i}
         for side in "kv":
-            s = st.get(side, {})
             row[side] = {
                 "clip": [round(x, 4) for x in getattr(t, f"{side}_clip").tolist()],
                 "scaled": bool((getattr(t, f"{side}_scale") != 1).any()),
                 "mean": bool((getattr(t, f"{side}_mean") != 0).any()),
                 "levels": [[round(x, 3) for x in lv] for lv in getattr(t, f"{side}_levels").tolist()],
-                "rotation": s.get("rotation"),
-                "vs_identity": s.get("vs_identity"),
-                "vs_hadamard": s.get("vs_hadamard"),
+                **_side_stats(per_layer[i], side),
             }
         layers.append(row)
     return {
@@ -56,6 +74,13 @@ def summarize(art) -> dict:
         "stats": {k: v for k, v in art.stats.items() if k != "layers"},
         "layers": layers,
     }
+
+
+def _text(x, limit: int = 120) -> str:
+    """A JSON value from the artifact as one terminal-safe string (strings as they are, the rest as JSON)."""
+    from oscar_export.calibration.artifact import printable
+
+    return printable(x if isinstance(x, str) else json.dumps(x, sort_keys=True), limit)
 
 
 def _fmt_side(s: dict) -> str:
@@ -76,10 +101,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=1))
         return 0
     fp, lay = info["fingerprint"], art.layout
-    print(f"artifact   {args.artifact}")
-    print(f"model      {fp.get('name')!r} {fp['model_type']}: {fp['num_hidden_layers']} layers, "
-          f"{fp['num_attention_heads']} query / {fp['num_key_value_heads']} KV heads, head_dim {fp['head_dim']}, "
-          f"rope {fp['rope']}")
+    print(f"artifact   {_text(args.artifact, 400)}")
+    print(f"model      {_text(fp.get('name') or '?', 80)} {_text(fp['model_type'], 40)}: {fp['num_hidden_layers']} "
+          f"layers, {fp['num_attention_heads']} query / {fp['num_key_value_heads']} KV heads, head_dim "
+          f"{fp['head_dim']}, rope {_text(fp['rope'], 200)}")
     print(f"layout     keys {lay.key.granularity} (G={lay.key.group_size}, codebook {lay.key.codebook}), values "
           f"{lay.value.granularity} (G={lay.value.group_size}, codebook {lay.value.codebook}); sink {lay.sink}, "
           f"window {lay.window}, page {lay.page_size}")
@@ -88,9 +113,8 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{n} tok {bits[str(n)]:.3f}" for n in LENGTHS))
     print(f"rotations  max |R^T R - I| = {info['max_orthogonality_error_fp32']:.2e} (fp32 storage)"
           f"{'; values pre-rotated (exported checkpoint)' if info['values_prerotated'] else ''}")
-    cfg = {k: v for k, v in art.config.items()}
-    print("config     " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
-    print("stats      " + ", ".join(f"{k}={v}" for k, v in info["stats"].items()))
+    print("config     " + ", ".join(f"{_text(k, 40)}={_text(v)}" for k, v in art.config.items()))
+    print("stats      " + ", ".join(f"{_text(k, 40)}={_text(v)}" for k, v in info["stats"].items()))
     rows = info["layers"]
     for side in "kv":
         vi = [r[side]["vs_identity"] for r in rows if r[side]["vs_identity"] is not None]

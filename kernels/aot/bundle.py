@@ -9,8 +9,9 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * ``decode_split`` — ``kernels/decode_attention.py:_decode_split_kernel`` with the query rotation fused
   (``ROTATE_Q``), BF16 queries. Grid ``(B * H_kv, n_splits)``.
 * ``decode_merge`` — ``_merge_kernel``, BF16 output. Grid ``(B * H,)``.
-* ``demote_due`` / ``append`` — ``kernels/decode_step.py``: the decode step's cache update on the device
-  (demotion decided by the kernel from the device lengths, then the append). Grids ``(B, H_kv)``, ``(B,)``.
+* ``decode_append`` — ``kernels/decode_step.py:_decode_append_kernel``: the decode step's cache write on the
+  device (the token into the recent ring, a demotion decided by the kernel from the committed lengths; keys
+  and values already in the stored basis, ``TRANSFORM`` off). Grid ``(B, H_kv)``.
 * ``trt_decode_split`` / ``trt_decode_merge`` — the same two kernels in TensorRT's AOT-plugin parameter
   order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
@@ -59,9 +60,8 @@ def decode_merge_spec(layout: KVCacheLayout, tag: str) -> KernelSpec:
 
 
 def decode_step_specs(layout: KVCacheLayout, tag: str) -> list[KernelSpec]:
-    """The decode step's cache update (``decode_step.py``): demotion where due, then the append."""
-    return [KernelSpec.from_plan(lp.DEMOTE_DUE, f"demote_due_{tag}", lp.demote_due_constexprs(layout)),
-            KernelSpec.from_plan(lp.APPEND, f"append_{tag}", lp.append_constexprs(layout))]
+    """The decode step's cache write (``decode_step.py``): token + demotion where due, one launch."""
+    return [KernelSpec.from_plan(lp.DECODE_APPEND, f"decode_append_{tag}", lp.decode_append_constexprs(layout))]
 
 
 def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> list[KernelSpec]:

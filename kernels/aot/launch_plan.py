@@ -38,6 +38,8 @@ BF16_CHUNK = 64
 PAGE_SLOTS = 2
 #: splits the merge kernel combines per loop step (``CH``).
 MERGE_CHUNK = 16
+#: rows of R_K per step of the decode-step writer's in-kernel key rotation (``RB = min(ROT_BLOCK, D)``).
+ROT_BLOCK = 32
 #: Triton's default num_stages (what the JIT uses when a wrapper passes none).
 TRITON_DEFAULT_STAGES = 3
 #: plugin tensor names that are not the kernel parameter name minus ``_ptr``.
@@ -160,24 +162,19 @@ QUANT_PACK_ROT = KernelPlan(
     num_warps=8, num_stages=TRITON_DEFAULT_STAGES, grid=QUANT_PACK.grid, sizes=QUANT_PACK.sizes,
     doc="quantize model-basis pages into the INT2 pool, rotation fused",
 )
-DEMOTE_DUE = KernelPlan(
-    name="demote_due", kernel=f"{_DS}:_demote_due_kernel",
-    params=(("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"), ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"),
+DECODE_APPEND = KernelPlan(
+    name="decode_append", kernel=f"{_DS}:_decode_append_kernel",
+    params=(("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("rot_ptr", "*fp32"), ("kscale_ptr", "*fp32"),
+            ("kmean_ptr", "*fp32"), ("vmean_ptr", "*fp32"), ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"),
+            ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"), ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"),
             ("v_codes_ptr", "*u8"), ("v_params_ptr", "*fp16"), ("k_rank_ptr", "*i32"), ("v_rank_ptr", "*i32"),
             ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
-            ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("max_pages", "i32")),
-    constexprs=("H_KV", "P", "D", "G", "RC", "K_CHANNEL"), num_warps=4, num_stages=TRITON_DEFAULT_STAGES,
-    grid=("B", "H_KV", "1"), sizes=("B",),
-    doc="decode step: demote the oldest P recent tokens where the window is full (decided on the device)",
-)
-APPEND = KernelPlan(
-    name="append", kernel=f"{_DS}:_append_kernel",
-    params=(("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"),
-            ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"), ("sink_len_ptr", "*i32"),
-            ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32")),
-    constexprs=("H_KV", "H_PAD", "D", "P", "S0", "RC"), num_warps=4, num_stages=TRITON_DEFAULT_STAGES,
-    grid=("B", "1", "1"), sizes=("B",),
-    doc="decode step: append one token per sequence and update the device lengths",
+            ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
+            ("max_pages", "i32")),
+    constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE"),
+    num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
+    doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
+        "full (decided on the device; lengths are read, the page book commits them)",
 )
 #: TensorRT's AOT-plugin order: input tensors, int32 extras, output tensors (``trt_order.py``).
 TRT_DECODE_SPLIT = KernelPlan(
@@ -192,7 +189,7 @@ TRT_DECODE_MERGE = KernelPlan(
     constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
     grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
 )
-PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DEMOTE_DUE, APPEND,
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
                              TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
 
 
@@ -224,7 +221,7 @@ def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack
     codebook = bool(layout.key.codebook or layout.value.codebook)
     return {
         "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad(gq), "D": layout.head_dim, "P": layout.page_size, "S0": layout.sink,
-        "RC": layout.recent_capacity, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
+        "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
         "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS,
     }
@@ -239,15 +236,15 @@ def quant_pack_constexprs(layout, fmt, rotate: bool) -> dict[str, Any]:
             "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False}
 
 
-def demote_due_constexprs(layout) -> dict[str, Any]:
+def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str, Any]:
+    """Constexprs of the decode-step writer: ``C`` the ring's slots (``W + 2P``), ``RCAP`` the window's most
+    recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``)."""
+    from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
+
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": layout.value.group_size,
-            "RC": layout.recent_capacity, "K_CHANNEL": layout.key.granularity == "channel"}
-
-
-def append_constexprs(layout) -> dict[str, Any]:
-    h = layout.num_kv_heads
-    return {"H_KV": h, "H_PAD": 1 << max(0, (h - 1).bit_length()), "D": layout.head_dim, "P": layout.page_size,
-            "S0": layout.sink, "RC": layout.recent_capacity}
+            "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
+            "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
+            "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE}
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------
@@ -311,8 +308,8 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "APPEND", "BF16_CHUNK", "DECODE_MERGE", "DECODE_SPLIT", "DEMOTE_DUE", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
-    "QUANT_PACK", "QUANT_PACK_ROT", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT",
-    "KernelPlan", "append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
-    "demote_due_constexprs", "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
+    "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT",
+    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
+    "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
 ]

@@ -9,11 +9,11 @@ Usage::
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
     oscar.restore()                                   # back to the model's previous attention
 
-Files: ``support.py`` (model checks, ``enable_oscar``), ``cache.py`` (``OscarCache``, pages, windows),
+Files: ``support.py`` (model checks, ``enable_oscar``), ``cache.py`` (``OscarCache``: windows, pools, one page book),
 ``attention.py`` (the attention and mask functions), ``ops.py`` (the backend seam).
 """
 
-from .cache import LayerStep, OscarCache, OscarLayer, PageAllocator, PoolExhausted
+from .cache import LayerStep, OscarCache, OscarLayer
 from .ops import BACKENDS, CacheOps, get_ops
 from .support import SUPPORTED_MODEL_TYPES, OscarSetup, cache_kwargs, enable_oscar, model_attention_shape, register_attention
 
@@ -25,8 +25,6 @@ __all__ = [
     "OscarCache",
     "OscarLayer",
     "OscarSetup",
-    "PageAllocator",
-    "PoolExhausted",
     "cache_kwargs",
     "enable_oscar",
     "get_ops",

@@ -2,26 +2,27 @@
 
 transformers calls, per layer: ``cache.update(k, v)`` (our :class:`~.cache.OscarLayer` returns a
 :class:`~.cache.LayerStep`), then ``oscar_attention(module, q, step, v, mask)``. What happens depends on the
-chunk:
+forward:
 
-* **prefill** (``T > 1``, cache empty): plain causal attention at full precision over the real tokens
-  (model basis), then the chunk is written: sink, INT2 pages, recent (``ops.append_tokens``).
-* **chunk** (``T > 1``, cache not empty): the chunk reads the history as stored (INT2 pages, windows) and
-  itself causally at full precision (``ops.chunk_attention``, stored basis), then is written.
-* **decode** (``T == 1``): the token is appended first (demoting P tokens when recent is full), then
-  ``ops.decode_attention`` reads sink + INT2 + recent.
+* **decode** (``T == 1`` for every slot): device-only. The first layer begins the step on the page book;
+  each layer appends its token (``ops.decode_append``: key transform, NaN/Inf check, demotion when due)
+  and attends over sink + INT2 pages + recent (``ops.decode_attention``, query transform fused); the last
+  layer commits. No host read: the whole model step is capturable in one CUDA graph.
+* **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend causally at full precision
+  through ``scaled_dot_product_attention`` in the model dtype (flash / memory-efficient: O(T) memory, no
+  ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages, recent ring).
+* **chunk** (``T > 1``, a slot that holds tokens): the chunk reads the history as stored and itself causally
+  (``ops.chunk_attention``, stored basis, in query blocks), then is written.
 
-Queries and keys enter the stored basis with ``LayerTransform.transform_queries/keys`` (post-RoPE), values
-with ``transform_values``; the output returns to the model basis with ``restore_output``.
-
-Padding: the mask function hands the attention the 2D padding mask ``[B, past + T]`` (True = real token)
-unchanged. Prefill and chunks strip pad tokens per sequence; a decode step treats every new token as real
-(``generate`` always appends real tokens) and so never reads the mask back from the device.
+Padding: the mask function hands prompts the 2D padding mask ``[B, past + T]`` (True = real token); a prompt
+keeps only each row's real tokens. A decode step treats every new token as real (``generate`` appends real
+tokens) and gets no mask.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from oscar_export.kernels import reference
 
@@ -32,8 +33,8 @@ ATTENTION_NAME = "oscar"
 
 
 def oscar_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, **kwargs):
-    """Mask function: the 2D padding mask ``[B, kv_length]`` bool (or None); the cache builds the rest."""
-    return attention_mask
+    """Mask function: the 2D padding mask ``[B, kv_length]`` bool for prompts; None for a decode step."""
+    return None if q_length == 1 else attention_mask
 
 
 def oscar_attention(
@@ -83,90 +84,102 @@ def attend(
         q: ``[B, H, T, D]``; k, v: ``[B, H_kv, T, D]`` post-RoPE, model basis.
         padding: ``[B, >= T]`` True = real token (its last ``T`` columns are the new tokens), or None.
     Returns:
-        ``[B, H, T, D]`` float32, model basis.
+        ``[B, H, T, D]`` model basis (model dtype for a decode step).
     """
     b, h, t, d = q.shape
-    lay, tr, ops = layer.layout, layer.transform, layer.ops
-    if h % lay.num_kv_heads or d != lay.head_dim or q.shape[0] != layer.batch_size:
+    lay = layer.layout
+    if h % lay.num_kv_heads or d != lay.head_dim or b != len(layer.cache.active_slots):
         raise ValueError(
-            f"query: expected [{layer.batch_size}, a multiple of {lay.num_kv_heads}, T, {lay.head_dim}], "
-            f"got {list(q.shape)}"
+            f"query: expected [{len(layer.cache.active_slots)}, a multiple of {lay.num_kv_heads}, T, "
+            f"{lay.head_dim}], got {list(q.shape)}"
         )
-    scale = d**-0.5 if scale is None else scale
-    k_s, v_s = tr.transform_keys(k), tr.transform_values(v)  # [B, H_kv, T, D] fp32
-    if t == 1:
-        layer.append_decode(k_s, v_s)
-        q_s = tr.transform_queries(q)[:, :, 0]  # [B, H, D]
-        o = ops.decode_attention(q_s, layer.context(), lay, tr.k_levels, tr.v_levels, scale)
-        return tr.restore_output(o.unsqueeze(2))
+    scale = d**-0.5 if scale is None else float(scale)
+    if t == 1 and b == layer.cache.book.batch:  # a decode step (a 1-token prompt into selected slots is a prompt)
+        return _decode(layer, q, k, v, scale)
+    return _prompt(layer, q, k, v, padding, scale)
 
-    real = _real_token_indices(padding, b, t, q.device)  # None: every token is real
-    if layer.is_empty():
-        out = _prefill_attention(q, k, v, padding, scale)
-    else:
-        out = _chunk_attention(layer, tr.transform_queries(q), k_s, v_s, real, scale)
-    if real is None:
-        layer.write({i: (k_s[i], v_s[i]) for i in range(b)})
-    else:
-        layer.write({i: (k_s[i][:, idx], v_s[i][:, idx]) for i, idx in enumerate(real)})
+
+def _decode(layer: OscarLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    cache, ops = layer.cache, layer.ops
+    if layer.index == 0:
+        cache.begin_decode()
+    ops.decode_append(layer, layer.state, k[:, :, 0].contiguous(), rotate_values(layer, v[:, :, 0]),
+                      cache.book.status)
+    if layer.index == cache.num_layers - 1:
+        cache.commit_decode()
+    o = ops.decode_attention(layer, q[:, :, 0].contiguous(), layer.step_state, scale)  # [B, H, D]
+    return restore_output(layer, o.unsqueeze(2))
+
+
+def rotate_values(layer: OscarLayer, v: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, D]`` values -> ``v @ R_V * d_V`` (no-op for pre-rotated or identity values); contiguous.
+    The mean ``mu_V`` is removed by the writer."""
+    if layer.flags.values_identity:
+        return v.contiguous()
+    tr = layer.transform
+    return (torch.matmul(v.float().unsqueeze(2), tr.v_rotation).squeeze(2) * tr.v_scale).contiguous()
+
+
+def restore_output(layer: OscarLayer, o: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` output in the stored value basis -> model basis (``LayerTransform.restore_output``,
+    skipped where it is the identity)."""
+    if layer.flags.values_identity and layer.flags.values_centered:
+        return o
+    return layer.transform.restore_output(o)
+
+
+def _prompt(layer: OscarLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    cache, tr, ops = layer.cache, layer.transform, layer.ops
+    t = q.shape[2]
+    plan = cache.begin_prompt(t, padding) if layer.index == 0 else cache.plan
+    if plan is None:
+        raise RuntimeError("OscarCache: a prompt reached a layer after the first without a plan (layer skipped?)")
+    batched = all(s == 0 for s in plan.starts) and all(r is None for r in plan.real)
+    out = causal_sdpa(q, k, v, scale) if batched else torch.zeros_like(q)  # one call when no row is special
+    writes = []
+    for row, (slot, idx, start) in enumerate(zip(plan.slots, plan.real, plan.starts)):
+        qr, kr, vr = (x[row : row + 1] if idx is None else x[row : row + 1, :, idx] for x in (q, k, v))
+        k_s, v_s = tr.transform_keys(kr)[0], tr.transform_values(vr)[0]  # [H_kv, n, D] fp32 stored basis
+        reference.check_finite(k_s, f"keys of sequence slot {slot} (layer {layer.index})")
+        reference.check_finite(v_s, f"values of sequence slot {slot} (layer {layer.index})")
+        if not batched:
+            if start == 0:
+                o = causal_sdpa(qr, kr, vr, scale)
+            else:  # a chunk over what the slot holds
+                o_s = ops.chunk_attention(layer, tr.transform_queries(qr), k_s[None], v_s[None],
+                                          _one_slot(layer, slot), scale)
+                o = tr.restore_output(o_s)
+            if idx is None:
+                out[row] = o[0].to(out.dtype)
+            else:
+                out[row][:, idx] = o[0].to(out.dtype)
+        writes.append((slot, start, k_s, v_s))
+    for slot, start, k_s, v_s in writes:  # every row checked before the first write of this layer
+        ops.write_tokens(layer, layer.state, slot, start, k_s, v_s)
+    if layer.index == cache.num_layers - 1:
+        cache.commit_prompt(t)
     return out
 
 
-def _real_token_indices(
-    padding: torch.Tensor | None, b: int, t: int, device: torch.device
-) -> list[torch.Tensor] | None:
-    """Per sequence, the indices of the real tokens among the last ``t`` columns (None: all real)."""
-    if padding is None:
-        return None
-    if padding.ndim != 2 or padding.shape[0] != b or padding.shape[1] < t:
-        raise ValueError(f"attention_mask: expected a 2D padding mask [{b}, >= {t}], got {list(padding.shape)}")
-    valid = padding[:, -t:].to(device=device, dtype=torch.bool)
-    if bool(valid.all()):
-        return None
-    return [row.nonzero().squeeze(1) for row in valid]
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of ``q [B, H, T, D]`` over ``k, v [B, H_kv, T, D]`` in their dtype, through
+    ``scaled_dot_product_attention`` (flash / memory-efficient on CUDA: no ``[T, T]`` tensor)."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale)
 
 
-def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """Plain causal attention at full precision, pad keys masked: ``[B, H, T, D]`` fp32, model basis."""
-    b, _, t, _ = q.shape
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()[None].expand(b, t, t)  # [B, Tq, Tk]
-    if padding is not None:
-        mask = mask & padding[:, -t:].to(device=q.device, dtype=torch.bool)[:, None, :]
-    return reference.masked_attention(q, k, v, mask, scale)
+def _one_slot(layer: OscarLayer, slot: int):
+    """The committed state of one slot as a batch-1 ``PagedKV`` (views)."""
+    from dataclasses import fields, replace
+
+    st = layer.state
+    sl = slice(slot, slot + 1)
+    per_seq = ("sink_k", "sink_v", "recent_k", "recent_v", "block_table", "sink_len", "num_pages", "recent_len")
+    return replace(st, **{f.name: getattr(st, f.name)[sl] for f in fields(st) if f.name in per_seq})
 
 
-def _chunk_attention(
-    layer: OscarLayer, q_s: torch.Tensor, k_s: torch.Tensor, v_s: torch.Tensor,
-    real: list[torch.Tensor] | None, scale: float,
-) -> torch.Tensor:
-    """A chunk over the stored history and itself; pads are squeezed out (real tokens moved left) first.
-
-    Args:
-        q_s: ``[B, H, T, D]``; k_s, v_s: ``[B, H_kv, T, D]`` stored basis.
-    Returns:
-        ``[B, H, T, D]`` fp32, model basis (zeros at pad positions).
-    """
-    lay, tr, ops = layer.layout, layer.transform, layer.ops
-    ctx = layer.context()
-    if real is None:
-        o = ops.chunk_attention(q_s, k_s, v_s, ctx, lay, tr.k_levels, tr.v_levels, scale)
-        return tr.restore_output(o)
-    b, h, t, d = q_s.shape
-    n = max(1, max(len(idx) for idx in real))
-    qc = q_s.new_zeros(b, h, n, d)
-    kc = k_s.new_zeros(b, k_s.shape[1], n, d)
-    vc = v_s.new_zeros(b, v_s.shape[1], n, d)
-    for i, idx in enumerate(real):  # right padding: causality keeps real queries off the pads
-        qc[i, :, : len(idx)] = q_s[i][:, idx]
-        kc[i, :, : len(idx)] = k_s[i][:, idx]
-        vc[i, :, : len(idx)] = v_s[i][:, idx]
-    oc = tr.restore_output(ops.chunk_attention(qc, kc, vc, ctx, lay, tr.k_levels, tr.v_levels, scale))
-    out = oc.new_zeros(b, h, t, d)
-    for i, idx in enumerate(real):
-        out[i][:, idx] = oc[i, :, : len(idx)]
-    return out
-
-
-__all__ = ["ATTENTION_NAME", "attend", "oscar_attention", "oscar_mask"]
+__all__ = ["ATTENTION_NAME", "attend", "causal_sdpa", "oscar_attention", "oscar_mask", "restore_output",
+           "rotate_values"]

@@ -1,69 +1,45 @@
-"""The OSCAR KV cache as a transformers ``Cache``: one pre-allocated paged layer per attention layer.
+"""The OSCAR KV cache as a transformers ``Cache``: static, device-side, compileable.
 
-Each :class:`OscarLayer` owns one ``PagedKV`` (``oscar_export.kernels.layout``): per-sequence BF16 (model
-dtype) sink and recent windows ``[B, H_kv, S0 | W + P, D]`` and a pool of INT2 pages shared by the ``B``
-sequences, handed out by a :class:`PageAllocator` (free list). Everything stored is in the transformed
-basis of the layer's ``LayerTransform``.
-
-The layer keeps host-side mirrors of each sequence's length and page ids, so the decode step decides
-every slot, demotion and page on the host and never reads a length back from the device (demotion itself
-runs the reference quantizer, which checks for NaN/Inf, once every P tokens).
+One :class:`OscarLayer` per attention layer owns one ``PagedKV`` (``oscar_export.kernels.layout``): BF16
+(model dtype) sink and recent-ring windows ``[B, H_kv, S0 | C, D]`` and a pool of INT2 pages. All layers
+share one :class:`~oscar_export.kernels.pages.PageBook`: the pages reserved for each of the ``B`` sequence
+slots (``max_length`` tokens each, reserved when the cache is made) and the per-slot lengths, on the device.
+Everything stored is in the transformed basis of the layer's ``LayerTransform``.
 
 transformers calls ``cache.update(k, v, layer_idx)`` right before the attention function. ``update`` writes
 nothing: it returns a :class:`LayerStep` in place of the key tensor, and the ``"oscar"`` attention function
-(``attention.py``) reads the history, attends and then writes the new tokens. A model must therefore run
-with ``attn_implementation="oscar"`` (``enable_oscar`` sets it) to use this cache.
+(``attention.py``) attends and writes. A model must therefore run with ``attn_implementation="oscar"``
+(``enable_oscar`` sets it).
 
-``get_seq_length`` is transformers' view: the number of input columns (padding included) seen so far,
-equal for every sequence. Each sequence's real length (pads stripped) is :meth:`OscarCache.sequence_lengths`.
+**A step is all or nothing.** The first layer begins the step on the book, every layer writes beyond the
+committed lengths, the last layer commits. A decode step (one token per slot) does all of it on the device:
+no host read, no allocation, no Python decision on a length, so ``torch.compile(mode="reduce-overhead")``
+captures the whole model step in one CUDA graph. A slot whose new key or value is NaN/Inf in any layer, or
+that would pass ``max_length``, is not committed: its cache is left exactly as it was, and its bit is set
+in :meth:`OscarCache.step_status` (read it after the step, e.g. ``cache.step_status().any()``; that read
+synchronises, the step itself never does). A prompt or chunk (``T > 1``) is checked on the host first and
+raises one clear error before anything is committed.
+
+``get_seq_length`` is transformers' view: input columns seen so far (padding included), a device scalar.
+Each slot's real length is :meth:`OscarCache.sequence_lengths`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from oscar_export.kernels import reference
-from oscar_export.kernels.layout import KVCacheLayout, PagedKV, check_pages_fit
+from oscar_export.kernels.decode_attention import default_pages_per_split
+from oscar_export.kernels.decode_step import removals
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV
+from oscar_export.kernels.pages import PageBook
+from oscar_export.kernels.reference import recent_valid
 from oscar_export.kernels.transform import LayerTransform
 
 from .ops import CacheOps, get_ops
-
-
-class PoolExhausted(ValueError):
-    """The page pool has no free page for a write; raised before anything is written."""
-
-
-class PageAllocator:
-    """Free list of the page ids ``0 .. num_pages - 1`` of one layer's pool."""
-
-    def __init__(self, num_pages: int) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"num_pages: expected > 0, got {num_pages}")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._used: set[int] = set()
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise PoolExhausted(f"page pool full: all {self.num_pages} pages are in use")
-        page = self._free.pop()
-        self._used.add(page)
-        return page
-
-    def release(self, pages: Sequence[int]) -> None:
-        for page in pages:
-            if page not in self._used:
-                raise ValueError(f"release: page {page} is not allocated")
-            self._used.remove(page)
-            self._free.append(page)
 
 
 @dataclass
@@ -80,57 +56,64 @@ class LayerStep:
     value: torch.Tensor
 
 
+@dataclass(frozen=True)
+class TransformFlags:
+    """Which parts of a ``LayerTransform`` are the identity (decided once, on the host, at cache creation)."""
+
+    keys_identity: bool  # R_K = I, d_K = 1, mu_K = 0
+    values_identity: bool  # R_V = I and d_V = 1, or values pre-rotated by the exported checkpoint
+    values_centered: bool  # mu_V = 0
+
+    @classmethod
+    def of(cls, t: LayerTransform) -> "TransformFlags":
+        eye = torch.eye(t.head_dim, device=t.k_rotation.device)
+        k_id = bool((t.k_rotation == eye).all() and (t.k_scale == 1).all() and (t.k_mean == 0).all())
+        v_id = t.values_prerotated or bool((t.v_rotation == eye).all() and (t.v_scale == 1).all())
+        return cls(k_id, v_id, bool((t.v_mean == 0).all()))
+
+
 class OscarLayer(CacheLayerMixin):
     """One attention layer's mixed-precision paged cache (see the module doc).
 
     Args:
-        layout: windows, page size and row formats.
-        transform: the layer's ``LayerTransform`` (moved to ``device``).
-        batch_size: B sequences.
-        max_length: most tokens one sequence may hold.
-        pool_pages: pages in the pool (default: enough for B sequences of ``max_length``).
-        overcommit: allow a pool smaller than B * pages(max_length) (sequences share it; a write that finds
-            no free page raises :class:`PoolExhausted`).
-        device, dtype: where and in which float dtype the windows live (fp32 on CPU, BF16 on GPU).
+        cache: the :class:`OscarCache` this layer belongs to (its book, step plan and layer count).
+        index: the layer's index.
+        layout, transform: windows, page size and row formats; the layer's transform (moved to the device).
+        dtype: float dtype of the windows (the model's).
         ops: the backend (``ops.py``).
     """
 
-    is_compileable = False
+    is_compileable = True
     is_sliding = False
     is_croppable = False
 
-    def __init__(
-        self, layout: KVCacheLayout, transform: LayerTransform, batch_size: int, max_length: int,
-        pool_pages: int | None = None, overcommit: bool = False, device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32, ops: CacheOps | None = None,
-    ) -> None:
+    def __init__(self, cache: "OscarCache", index: int, layout: KVCacheLayout, transform: LayerTransform,
+                 dtype: torch.dtype, ops: CacheOps) -> None:
         super().__init__()
-        if batch_size <= 0 or max_length <= 0:
-            raise ValueError(f"batch_size and max_length: expected > 0, got {batch_size}, {max_length}")
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype: expected a float dtype for the windows, got {dtype}")
         if (transform.num_kv_heads, transform.head_dim) != (layout.num_kv_heads, layout.head_dim):
             raise ValueError(
                 f"transform: expected H_kv={layout.num_kv_heads}, D={layout.head_dim}, "
                 f"got H_kv={transform.num_kv_heads}, D={transform.head_dim}"
             )
-        max_pages = max(1, layout.pages_for(max_length))
-        if pool_pages is None:
-            pool_pages = max(1, batch_size * layout.pages_for(max_length))
-        elif not overcommit:
-            check_pages_fit(layout, pool_pages, batch_size, max_length)
+        book = cache.book
+        self.cache = cache
+        self.index = index
         self.layout = layout
-        self.transform = transform.to(device)
-        self.batch_size = batch_size
-        self.max_length = max_length
+        self.ops = ops
         self.dtype = dtype
-        self.ops = ops if ops is not None else get_ops("torch")
-        self.state = PagedKV.allocate(layout, batch_size, pool_pages, max_pages, device=device, dtype=dtype)
-        self.device = self.state.sink_k.device
-        self.allocator = PageAllocator(pool_pages)
-        self.lengths = [0] * batch_size  # host mirror: real tokens per sequence
-        self.pages: list[list[int]] = [[] for _ in range(batch_size)]  # host mirror of the block table
-        self.seen = 0  # input columns seen (transformers' view, padding included)
+        self.device = book.device
+        self.batch_size = book.batch
+        self.transform = _contiguous(transform.to(book.device))
+        self.flags = TransformFlags.of(self.transform)
+        self.group_removals = removals(layout, self.transform)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
+        self.pages_per_split = default_pages_per_split(book.batch, layout.num_kv_heads, book.max_pages, sms)
+        state = PagedKV.allocate(layout, book.batch, book.num_pool_pages, book.max_pages, device=book.device,
+                                 dtype=dtype)
+        #: the state as the committed lengths describe it (what a reader between steps sees)
+        self.state = book.state_view(state, book.committed)
+        #: the state as the step in flight will leave it (what that step's attention reads)
+        self.step_state = book.state_view(state, book.in_step)
         self.is_initialized = True
 
     # ---- transformers' CacheLayerMixin interface ------------------------------------------------------------
@@ -139,7 +122,7 @@ class OscarLayer(CacheLayerMixin):
         self.check_new(key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Record ``T`` new columns and hand the new tokens to the attention function (nothing is written yet).
+        """Hand the new tokens to the attention function (nothing is written here).
 
         Args:
             key_states, value_states: ``[B, H_kv, T, D]`` post-RoPE keys and values, model dtype.
@@ -147,25 +130,22 @@ class OscarLayer(CacheLayerMixin):
             ``(LayerStep, value_states)``: the ``"oscar"`` attention function expects the step as its key.
         """
         self.check_new(key_states, value_states)
-        self.seen += key_states.shape[-2]
         return LayerStep(self, key_states, value_states), value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        return self.cache.book.max_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.seen
+    def get_seq_length(self) -> torch.Tensor:
+        return self.cache.seen
 
     def get_max_length(self) -> int:
-        return self.max_length
+        return self.cache.book.max_length
 
     def get_max_cache_shape(self) -> int:  # transformers 5.17 name
-        return self.max_length
+        return self.cache.book.max_length
 
     def reset(self) -> None:
-        for b in range(self.batch_size):
-            self.free(b)
-        self.seen = 0
+        self.cache.reset()
 
     def offload(self) -> None:  # windows and pool stay where they are
         pass
@@ -188,14 +168,16 @@ class OscarLayer(CacheLayerMixin):
 
     # ---- checks ---------------------------------------------------------------------------------------------
     def check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New keys/values must be ``[B, H_kv, T, D]`` float tensors on the cache's device."""
-        shape = (self.batch_size, self.layout.num_kv_heads, None, self.layout.head_dim)
+        """New keys/values must be ``[B', H_kv, T, D]`` float tensors on the cache's device, ``B'`` the number
+        of slots this forward writes (all ``B``, or those of :meth:`OscarCache.select`)."""
+        rows = len(self.cache.active_slots)
+        shape = (rows, self.layout.num_kv_heads, None, self.layout.head_dim)
         for name, t in (("key_states", k), ("value_states", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             if t.ndim != 4 or any(e is not None and e != g for e, g in zip(shape, t.shape)):
                 want = f"[{shape[0]}, {shape[1]}, T, {shape[3]}]"
-                raise ValueError(f"{name}: expected {want}, got {list(t.shape)}")
+                raise ValueError(f"{name}: expected {want}, got {list(t.shape)} (batch = the cache's active slots)")
             if not t.dtype.is_floating_point:
                 raise ValueError(f"{name}: expected a float dtype, got {t.dtype}")
             if t.device != self.device:
@@ -203,159 +185,182 @@ class OscarLayer(CacheLayerMixin):
         if k.shape != v.shape:
             raise ValueError(f"value_states: expected {list(k.shape)} like the keys, got {list(v.shape)}")
 
-    def _check_room(self, grow: dict[int, int]) -> None:
-        """Raise before writing if any sequence would pass ``max_length`` or the pool lacks pages."""
-        need = 0
-        for b, n in grow.items():
-            old, new = self.lengths[b], self.lengths[b] + n
-            if new > self.max_length:
-                raise ValueError(
-                    f"sequence {b}: {new} tokens exceed the cache's max_length={self.max_length}"
-                )
-            need += self.layout.pages_for(new) - self.layout.pages_for(old)
-        if need > self.allocator.free_count:
-            raise PoolExhausted(
-                f"page pool full: this write needs {need} pages, {self.allocator.free_count} of "
-                f"{self.allocator.num_pages} are free"
-            )
-
-    def _allocate(self, b: int) -> int:
-        page = self.allocator.allocate()
-        self.pages[b].append(page)
-        return page
-
-    # ---- writes ---------------------------------------------------------------------------------------------
-    def write(self, rows: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Append tokens to several sequences (prefill or a chunk); all checks run before any write.
-
-        Args:
-            rows: ``{b: (k [H_kv, n_b, D], v [H_kv, n_b, D])}`` in the stored basis (fp32).
-        """
-        rows = {b: kv for b, kv in rows.items() if kv[0].shape[1] > 0}
-        for b, (k, v) in rows.items():
-            reference.check_finite(k, f"keys of sequence {b}")
-            reference.check_finite(v, f"values of sequence {b}")
-        self._check_room({b: k.shape[1] for b, (k, _) in rows.items()})
-        for b, (k, v) in rows.items():
-            self.ops.append_tokens(
-                self.state, b, k, v, self.layout, self.transform, lambda b=b: self._allocate(b)
-            )
-            self.lengths[b] += k.shape[1]
-
-    def append_decode(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append one token to every sequence, deciding slots on the host (no device read-back).
-
-        Args:
-            k, v: ``[B, H_kv, 1, D]`` stored basis.
-        """
-        lay = self.layout
-        self._check_room({b: 1 for b in range(self.batch_size)})
-        sink_b, sink_t, rec_b, rec_t, demote = [], [], [], [], []
-        for b, length in enumerate(self.lengths):
-            if length < lay.sink:
-                sink_b.append(b)
-                sink_t.append(length)
-                continue
-            _, _, recent = lay.split(length)
-            if recent == lay.recent_capacity:
-                demote.append(b)
-                recent -= lay.page_size
-            rec_b.append(b)
-            rec_t.append(recent)
-        st, p = self.state, lay.page_size
-        for b in sink_b:  # sink tokens stay for the whole sequence and are never quantized: check them here
-            reference.check_finite(k[b, :, 0], f"keys of sequence {b} (sink)")
-            reference.check_finite(v[b, :, 0], f"values of sequence {b} (sink)")
-        for b in demote:  # every check before the first write: a failure leaves all sequences as they were
-            reference.check_finite(st.recent_k[b, :, :p], f"keys of sequence {b} (demotion)")
-            reference.check_finite(st.recent_v[b, :, :p], f"values of sequence {b} (demotion)")
-        for b in demote:
-            self.ops.demote(st, b, self._allocate(b), lay, self.transform)
-        dev = st.sink_k.device
-        for buf_k, buf_v, bs, ts in ((st.sink_k, st.sink_v, sink_b, sink_t), (st.recent_k, st.recent_v, rec_b, rec_t)):
-            if bs:
-                bi = torch.tensor(bs, device=dev)
-                ti = torch.tensor(ts, device=dev)
-                buf_k[bi, :, ti] = k[bi, :, 0].to(buf_k.dtype)  # [n, H_kv, D]
-                buf_v[bi, :, ti] = v[bi, :, 0].to(buf_v.dtype)
-        for b in range(self.batch_size):
-            self.lengths[b] += 1
-        self._sync_lengths()
-
-    def _sync_lengths(self) -> None:
-        """Copy the host mirrors of the lengths to the device (host -> device only)."""
-        split = [self.layout.split(n) for n in self.lengths]
-        for name, i in (("sink_len", 0), ("num_pages", 1), ("recent_len", 2)):
-            getattr(self.state, name).copy_(torch.tensor([s[i] for s in split], dtype=torch.int32))
-
-    def free(self, b: int) -> None:
-        """Forget sequence ``b`` and return its pages to the pool."""
-        if not 0 <= b < self.batch_size:
-            raise IndexError(f"sequence index: expected 0..{self.batch_size - 1}, got {b}")
-        self.allocator.release(self.pages[b])
-        self.pages[b] = []
-        self.lengths[b] = 0
-        reference.reset_sequence(self.state, b)
-
     # ---- reads ----------------------------------------------------------------------------------------------
     def is_empty(self) -> bool:
-        return not any(self.lengths)
-
-    def context(self) -> PagedKV:
-        """The state with the block table cut to the most pages any sequence holds (a view, no copy)."""
-        m = max(1, max(len(p) for p in self.pages))
-        return replace(self.state, block_table=self.state.block_table[:, :m])
+        return not any(self.cache.sequence_lengths())
 
     def read_sequence(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What sequence ``b`` holds, in order (sink, pages, recent): ``[H_kv, L, D]`` fp32 K and V, stored basis."""
-        t = self.transform
-        k, v, valid = reference.gather_context(self.context(), self.layout, t.k_levels, t.v_levels)
-        keep = valid[b]
-        return k[b][:, keep], v[b][:, keep]
+        """What slot ``b`` holds, in token order (sink, pages, recent): ``[H_kv, L, D]`` fp32 K and V, stored basis."""
+        from oscar_export.kernels import reference
+
+        return reference.read_sequence(self.state, self.layout, b, self.transform.k_levels, self.transform.v_levels)
+
+    def recent_mask(self) -> torch.Tensor:
+        """``[B, C]`` bool: the recent ring slots each sequence holds (committed state)."""
+        return recent_valid(self.layout, self.state.num_pages, self.state.recent_len)
+
+
+@dataclass
+class PromptPlan:
+    """What a ``T > 1`` forward writes, decided on the host by the first layer: for each input row, its slot,
+    the indices of its real (non-pad) tokens among the ``T`` columns (None: all) and its committed length."""
+
+    slots: list[int]
+    real: list[torch.Tensor | None]
+    starts: list[int]
+    counts: list[int]
 
 
 class OscarCache(Cache):
-    """The whole model's OSCAR cache: one :class:`OscarLayer` per attention layer.
+    """The whole model's OSCAR cache: one :class:`OscarLayer` per attention layer, one page book.
 
     Args:
         layout: the layout every layer shares.
         transforms: one ``LayerTransform`` per layer.
-        batch_size, max_length, pool_pages, overcommit, device, dtype: see :class:`OscarLayer`.
-        backend: ``"torch"`` (reference), ``"torch.compile"`` or a ``CacheOps`` (``ops.py``).
+        batch_size: B sequence slots.
+        max_length: most tokens one slot may hold (prompt + generated); its pages are reserved up front.
+        device, dtype: where and in which float dtype the windows live (fp32 on CPU, BF16 on GPU).
+        backend: ``"torch"`` (reference), ``"torch.compile"``, ``"triton"`` or a ``CacheOps`` (``ops.py``).
     """
 
+    is_compileable = True
+
     def __init__(
-        self, layout: KVCacheLayout, transforms: Sequence[LayerTransform], batch_size: int, max_length: int,
-        *, pool_pages: int | None = None, overcommit: bool = False, device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
+        self, layout: KVCacheLayout, transforms, batch_size: int, max_length: int, *,
+        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
+        if not isinstance(batch_size, int) or not isinstance(max_length, int) or batch_size <= 0 or max_length <= 0:
+            raise ValueError(f"batch_size and max_length: expected ints > 0, got {batch_size!r}, {max_length!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a float dtype for the windows, got {dtype}")
         ops = get_ops(backend)
-        layers = [
-            OscarLayer(layout, t, batch_size, max_length, pool_pages, overcommit, device, dtype, ops)
-            for t in transforms
-        ]
-        super().__init__(layers=layers)
+        self.book = PageBook(layout, batch_size, max_length, device)
         self.layout = layout
         self.max_length = max_length
+        self.active_slots: list[int] = list(range(batch_size))
+        self.plan: PromptPlan | None = None
+        self.seen = torch.zeros((), dtype=torch.int64, device=self.book.device)
+        layers = [OscarLayer(self, i, layout, t, dtype, ops) for i, t in enumerate(transforms)]
+        super().__init__(layers=layers)
+        self.num_layers = len(layers)
+        if not torch.compiler.is_compiling():
+            for t in self.static_tensors():
+                torch._dynamo.mark_static_address(t)
 
-    def free(self, b: int) -> None:
-        """Forget sequence ``b`` in every layer."""
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""
+        out = self.book.tensors() + [self.seen]
         for layer in self.layers:
-            layer.free(b)
+            st = layer.state
+            out += [st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes, st.v_params]
+        return out
+
+    # ---- slots ------------------------------------------------------------------------------------------------
+    @contextmanager
+    def select(self, slots):
+        """Within the block, forwards write only the sequence slots ``slots`` (input row i -> slots[i]).
+
+        For serving: ``cache.reset_sequence(b)``, then ``with cache.select([b]): model(prompt, ...)`` prefills a
+        new prompt into slot ``b`` while the other slots keep their sequences; decode steps run on all slots.
+        """
+        slots = list(slots)
+        for s in slots:
+            self.book.check_slot(s)
+        if len(set(slots)) != len(slots) or not slots:
+            raise ValueError(f"slots: expected distinct slot indices, got {slots}")
+        previous, self.active_slots = self.active_slots, slots
+        try:
+            yield self
+        finally:
+            self.active_slots = previous
+
+    def reset_sequence(self, b: int) -> None:
+        """Forget slot ``b`` (its reserved pages are reused by the next sequence put there)."""
+        self.book.reset(b)
+
+    def free(self, b: int) -> None:  # the name the earlier API used
+        self.reset_sequence(b)
+
+    def reset(self) -> None:
+        self.book.reset_all()
+        self.seen.zero_()
+
+    # ---- the step (called by attention.py) ---------------------------------------------------------------------
+    def begin_prompt(self, t: int, padding: torch.Tensor | None) -> PromptPlan:
+        """Plan a ``T > 1`` forward (first layer; reads lengths on the host): raise before anything is written."""
+        rows = len(self.active_slots)
+        if padding is not None and (padding.ndim != 2 or padding.shape[0] != rows or padding.shape[1] < t):
+            raise ValueError(f"attention_mask: expected a 2D padding mask [{rows}, >= {t}], got {list(padding.shape)}")
+        real: list[torch.Tensor | None] = [None] * rows
+        counts = [t] * rows
+        if padding is not None:
+            valid = padding[:, -t:].to(device=self.book.device, dtype=torch.bool)
+            if not bool(valid.all()):
+                real = [row.nonzero().squeeze(1) for row in valid]
+                counts = [int(r.numel()) for r in real]
+        lengths = self.book.seq_len.tolist()
+        starts = [lengths[s] for s in self.active_slots]
+        for s, start, n in zip(self.active_slots, starts, counts):
+            if start + n > self.max_length:
+                raise ValueError(
+                    f"sequence slot {s}: {start} + {n} tokens exceed the cache's max_length={self.max_length}"
+                )
+        self.book.status.zero_()
+        self.plan = PromptPlan(list(self.active_slots), real, starts, counts)
+        return self.plan
+
+    def commit_prompt(self, t: int) -> None:
+        """Last layer of a ``T > 1`` forward: the planned slots now hold their new tokens."""
+        plan, self.plan = self.plan, None
+        grow = torch.zeros(self.book.batch, dtype=torch.int32)
+        for s, n in zip(plan.slots, plan.counts):
+            grow[s] = n
+        self.book.commit(grow.to(self.book.device))
+        self.seen.add_(t)
+
+    def begin_decode(self) -> None:
+        if len(self.active_slots) != self.book.batch:
+            raise ValueError(
+                f"a decode step writes every slot: expected a batch of {self.book.batch}, the cache's, "
+                f"got {len(self.active_slots)} selected slots"
+            )
+        self.book.begin(1)
+
+    def commit_decode(self) -> None:
+        self.book.commit(1)
+        self.seen.add_(1)
+
+    # ---- reads ------------------------------------------------------------------------------------------------
+    def step_status(self) -> torch.Tensor:
+        """``[B]`` int32 of the last step: 0 = committed; else ``pages.STATUS_NONFINITE`` (a NaN/Inf key or value)
+        and/or ``pages.STATUS_FULL`` (``max_length`` reached): that slot's token was not stored. A device tensor:
+        reading its values synchronises."""
+        return self.book.status
 
     def sequence_lengths(self) -> list[int]:
-        """Real tokens (pads stripped) held by each sequence."""
-        return list(self.layers[0].lengths)
+        """Real tokens (pads stripped) held by each slot (reads the device)."""
+        return self.book.seq_len.tolist()
 
     def kv_bytes(self) -> int:
         """Bytes the cached tokens occupy now, all layers (windows at BF16, pages INT2), from the layout."""
-        return len(self.layers) * sum(self.layout.sequence_bytes(n) for n in self.sequence_lengths())
+        return self.num_layers * sum(self.layout.sequence_bytes(n) for n in self.sequence_lengths())
 
     def bf16_bytes(self) -> int:
         """Bytes the same tokens would occupy in a BF16 cache."""
-        return len(self.layers) * sum(n * self.layout.bf16_token_bytes() for n in self.sequence_lengths())
+        return self.num_layers * sum(n * self.layout.bf16_token_bytes() for n in self.sequence_lengths())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of every buffer the cache reserved (all layers, all slots, the book)."""
+        return sum(t.numel() * t.element_size() for t in self.static_tensors())
 
 
-__all__ = ["LayerStep", "OscarCache", "OscarLayer", "PageAllocator", "PoolExhausted"]
+def _contiguous(t: LayerTransform) -> LayerTransform:
+    from dataclasses import replace
+
+    fields = {n: getattr(t, n).contiguous() for n in t.__dataclass_fields__ if n != "values_prerotated"}
+    return replace(t, **fields)
+
+
+__all__ = ["LayerStep", "OscarCache", "OscarLayer", "PromptPlan", "TransformFlags"]

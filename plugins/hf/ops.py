@@ -1,20 +1,21 @@
-"""The backend seam: the few cache ops the Hugging Face path calls, gathered in one small object.
+"""The backend seam: the four cache ops the Hugging Face path calls, gathered in one small object.
 
-The HF cache and attention function never call a kernel directly; they call ``ops.<name>`` with the
-reference signatures of ``oscar_export.kernels.reference``:
+The HF cache and attention function never call a kernel directly; they call ``ops.<name>(layer, ...)``,
+where ``layer`` (an ``OscarLayer``) carries the layout, the transform on the device, its identity flags and
+precomputed kernel arguments:
 
 =====================  ==========================================================================================
-``append_tokens``      ``(state, b, k [H_kv, T, D], v, layout, transform, allocate)``: prefill / chunk write
-``demote``             ``(state, b, page_id, layout, transform)``: oldest P recent tokens -> one INT2 page
-``decode_attention``   ``(q [B, H, D], state, layout, k_levels, v_levels, scale) -> [B, H, D]``
-``chunk_attention``    ``(q [B, H, T, D], k_new, v_new, state, layout, k_levels, v_levels, scale) -> [B, H, T, D]``
+``write_tokens``       ``(layer, state, b, start, k_s [H_kv, T, D], v_s)``: a prompt / chunk, stored basis (host)
+``decode_append``      ``(layer, state, k [B, H_kv, D], v, status)``: the decode step's write; keys post-RoPE in
+                       the model basis, values rotated (``attention.rotate_values``), device only
+``decode_attention``   ``(layer, q [B, H, D], state, scale) -> [B, H, D]`` stored value basis; q post-RoPE,
+                       model basis
+``chunk_attention``    ``(layer, q_s [1, H, T, D], k_s, v_s, state, scale) -> [1, H, T, D]`` stored basis
 =====================  ==========================================================================================
 
-Backends: ``"torch"`` (the reference functions, eager), ``"torch.compile"`` (the two attention functions
-wrapped in ``torch.compile``; the writers stay eager, they are host-side bookkeeping), ``"triton"`` (the
-Triton kernels, ``triton_backend.py``; BF16 windows, i.e. a BF16 model on a GPU). A new backend is one more
-entry in :data:`BACKENDS`: a function returning a :class:`CacheOps` whose functions keep the reference
-signatures, so the HF path and its tests need no change.
+Backends: ``"torch"`` (the reference, eager), ``"torch.compile"`` (the reference with the two decode ops
+compiled), ``"triton"`` (the Triton kernels, ``triton_backend.py``; BF16 windows, i.e. a BF16 model on a
+GPU). A new backend is one more entry in :data:`BACKENDS`.
 """
 
 from __future__ import annotations
@@ -22,40 +23,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from oscar_export.kernels import reference
 
 
 @dataclass(frozen=True)
 class CacheOps:
-    """One backend's implementation of the four cache ops (reference signatures, see the module doc)."""
+    """One backend's implementation of the four cache ops (signatures in the module doc)."""
 
     name: str
-    append_tokens: Callable
-    demote: Callable
+    write_tokens: Callable
+    decode_append: Callable
     decode_attention: Callable
     chunk_attention: Callable
 
 
+def ref_write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch.Tensor) -> None:
+    reference.write_tokens(state, b, start, k_s, v_s, layer.layout, layer.transform)
+
+
+def ref_decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor) -> None:
+    tr = layer.transform
+    k_s = tr.transform_keys(k.unsqueeze(2)).squeeze(2)  # [B, H_kv, D] fp32
+    v_s = v.float() - tr.v_mean
+    reference.decode_append(state, k_s, v_s, status, layer.layout, tr)
+
+
+def ref_decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
+    tr = layer.transform
+    q_s = tr.transform_queries(q.unsqueeze(2)).squeeze(2)
+    return reference.decode_attention(q_s, state, layer.layout, tr.k_levels, tr.v_levels, scale)
+
+
+def ref_chunk_attention(layer, q_s, k_s, v_s, state, scale: float) -> torch.Tensor:
+    tr = layer.transform
+    return reference.chunk_attention(q_s, k_s, v_s, state, layer.layout, tr.k_levels, tr.v_levels, scale)
+
+
 def _torch_ops() -> CacheOps:
-    return CacheOps(
-        name="torch",
-        append_tokens=reference.append_tokens,
-        demote=reference.demote,
-        decode_attention=reference.decode_attention,
-        chunk_attention=reference.chunk_attention,
-    )
+    return CacheOps("torch", ref_write_tokens, ref_decode_append, ref_decode_attention, ref_chunk_attention)
 
 
 def _compiled_ops() -> CacheOps:
-    import torch
-
-    return CacheOps(
-        name="torch.compile",
-        append_tokens=reference.append_tokens,
-        demote=reference.demote,
-        decode_attention=torch.compile(reference.decode_attention, dynamic=True),
-        chunk_attention=torch.compile(reference.chunk_attention, dynamic=True),
-    )
+    return CacheOps("torch.compile", ref_write_tokens, torch.compile(ref_decode_append),
+                    torch.compile(ref_decode_attention), ref_chunk_attention)
 
 
 def _triton_ops() -> CacheOps:
@@ -81,4 +93,5 @@ def get_ops(backend: str | CacheOps = "torch") -> CacheOps:
     return BACKENDS[backend]()
 
 
-__all__ = ["BACKENDS", "CacheOps", "get_ops"]
+__all__ = ["BACKENDS", "CacheOps", "get_ops", "ref_chunk_attention", "ref_decode_append", "ref_decode_attention",
+           "ref_write_tokens"]

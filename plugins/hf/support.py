@@ -1,9 +1,10 @@
 """Which Hugging Face models the OSCAR cache supports, and ``enable_oscar``: the one entry point.
 
-Supported: the Llama family (SmolLM2 included), Qwen2 (q/k/v biases) and Qwen3 (q_norm/k_norm) with full
-attention in every layer. Their attention modules apply RoPE (and Qwen3's norms) before ``cache.update``,
-so the cache and the attention function see exactly the post-RoPE keys and queries DESIGN §4 asks for.
-Anything else raises ``NotImplementedError`` naming the architecture.
+Supported: the families of the model-family table (``calibration/families.py``: Llama, Mistral, Mixtral,
+Qwen2, Qwen3, Qwen3-MoE, GLM-4, GLM-4-MoE, Gemma 3 text) with full attention in every layer. Their attention
+modules apply RoPE (and q/k norms) before ``cache.update``, so the cache and the attention function see exactly
+the post-RoPE keys and queries DESIGN §4 asks for. Anything else raises the table's ``NotImplementedError``
+naming the architecture or the feature.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from oscar_export.calibration.families import FAMILIES, ModelAttention, family_for
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
@@ -25,47 +27,21 @@ from .attention import ATTENTION_NAME, oscar_attention, oscar_mask
 from .cache import OscarCache
 from .ops import CacheOps, get_ops
 
-#: ``config.model_type`` values the cache supports.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+#: ``config.model_type`` values the cache supports (the family table's keys).
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """What the cache needs to know about a model's attention: L layers, H query heads, H_kv, D."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+#: What the cache needs to know about a model's attention (L, H, H_kv, D, scale, ...): the table's resolved facts.
+AttentionShape = ModelAttention
 
 
 def model_attention_shape(model_or_config: Any) -> AttentionShape:
-    """Validate a model (or its config) and return its attention shape.
+    """Validate a model (or its config) against the family table and return its attention facts.
 
     Raises:
-        NotImplementedError: an architecture other than Llama / Qwen2 / Qwen3, or sliding-window layers.
+        NotImplementedError: an architecture the table does not know, or an attention feature it does not
+            support (sliding-window layers, soft-capping, MLA, an unknown RoPE type); the message names it.
     """
-    config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        if config is not model_or_config:
-            arch = type(model_or_config).__name__
-        else:
-            arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-        raise NotImplementedError(
-            f"OSCAR cache: architecture {arch!r} (model_type {model_type!r}) is not supported; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or getattr(config, "use_sliding_window", False):
-        raise NotImplementedError(
-            f"OSCAR cache: only full-attention layers are supported, {model_type} config has {other or 'sliding window'}"
-        )
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return AttentionShape(config.num_hidden_layers, heads, kv_heads, head_dim)
+    return family_for(model_or_config)
 
 
 def register_attention() -> None:
@@ -102,18 +78,12 @@ class OscarSetup:
     ops: CacheOps
     previous_attn_implementation: str
 
-    def make_cache(
-        self, batch_size: int, max_length: int, pool_pages: int | None = None, overcommit: bool = False
-    ) -> OscarCache:
-        """A fresh cache for ``batch_size`` sequences of up to ``max_length`` tokens (prompt + generated).
-
-        Windows take the model's dtype and device; the pool defaults to B * pages(max_length) pages.
-        """
+    def make_cache(self, batch_size: int, max_length: int) -> OscarCache:
+        """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
+        generated); every page they can need is reserved now. Windows take the model's dtype and device."""
         p = next(self.model.parameters())
-        return OscarCache(
-            self.layout, self.transforms, batch_size, max_length, pool_pages=pool_pages, overcommit=overcommit,
-            device=p.device, dtype=p.dtype, backend=self.ops,
-        )
+        return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
+                          backend=self.ops)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""

@@ -1,22 +1,20 @@
-"""``backend="triton"``: the Hugging Face cache ops on the Triton kernels (reference signatures, ``ops.py``).
+"""``backend="triton"``: the Hugging Face cache ops on the Triton kernels (signatures in ``ops.py``).
 
 =====================  ====================================================================================
-``append_tokens``      same bookkeeping as ``reference.append_tokens``; whole pages quantized by
+``write_tokens``       ``reference.write_tokens``' bookkeeping with whole pages quantized by
                        ``kernels.quant_pack.write_pages`` (bit-exact with the reference quantizer)
-``demote``             the oldest P recent rows quantized in place by the same kernel, then the window shifts
-``decode_attention``   ``kernels.triton_ops.decode_attention`` (the ``oscar::decode_attention`` custom op,
-                       so ``torch.compile`` traces it without a graph break); fp32 output like the reference
+``decode_append``      ``oscar::decode_append``: one launch (key transform fused unless it is the identity,
+                       NaN/Inf check, demotion when due, the token)
+``decode_attention``   ``oscar::decode_attention``: split + merge, the query transform fused in the prologue,
+                       output in the model dtype
 ``chunk_attention``    the reference (no Triton chunked-prefill kernel yet)
 =====================  ====================================================================================
 
-The windows must be BF16 (the cache's GPU default). Writers read counters on the host, like the reference
-(the HF cache keeps host mirrors anyway); the graph-capturable per-step update is
-``kernels.decode_step.decode_step_update``.
+The windows must be BF16 (the cache's GPU default). Both decode ops are ``torch.library`` custom ops, so
+``torch.compile`` traces them without a graph break.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -24,7 +22,7 @@ from oscar_export.kernels import reference
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform
 
-from .ops import CacheOps
+from .ops import CacheOps, ref_chunk_attention
 
 
 def _write(state: PagedKV, page_ids: list[int], k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout,
@@ -37,28 +35,25 @@ def _write(state: PagedKV, page_ids: list[int], k: torch.Tensor, v: torch.Tensor
     write_pages(v, ids, state.v_codes, state.v_params, layout, layout.value, transform.v_clip, transform.v_levels)
 
 
-def demote(state: PagedKV, b: int, page_id: int, layout: KVCacheLayout, transform: LayerTransform) -> None:
-    """``reference.demote`` with the Triton quantizer reading the recent window in place."""
-    reference.demote(state, b, page_id, layout, transform, write=_write)
+def write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch.Tensor) -> None:
+    reference.write_tokens(state, b, start, k_s, v_s, layer.layout, layer.transform, write=_write)
 
 
-def append_tokens(state: PagedKV, b: int, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout,
-                  transform: LayerTransform, allocate: Callable[[], int]) -> None:
-    """``reference.append_tokens`` (same bookkeeping, same cache bit for bit) with the Triton page quantizer.
-
-    Args:
-        k, v: ``[H_kv, T, D]`` stored basis.
-    """
-    reference.append_tokens(state, b, k, v, layout, transform, allocate, write=_write)
-
-
-def decode_attention(q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor,
-                     v_levels: torch.Tensor, scale: float) -> torch.Tensor:
-    """``reference.decode_attention`` through the ``oscar::decode_attention`` op: ``[B, H, D]`` fp32."""
+def decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor) -> None:
     from oscar_export.kernels import triton_ops
 
-    return triton_ops.decode_attention(q.contiguous(), state, layout, k_levels.contiguous(),
-                                       v_levels.contiguous(), float(scale))
+    triton_ops.decode_append(state, k, v, status, layer.layout, layer.transform,
+                             fused_transform=not layer.flags.keys_identity or not layer.flags.values_centered,
+                             group_removals=layer.group_removals)
+
+
+def decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
+    from oscar_export.kernels import triton_ops
+
+    tr = layer.transform
+    rot = None if layer.flags.keys_identity else (tr.k_rotation, tr.k_scale)
+    return triton_ops.decode_attention(q, state, layer.layout, tr.k_levels, tr.v_levels, scale, q_rotation=rot,
+                                       out_dtype=q.dtype, pages_per_split=layer.pages_per_split)
 
 
 def triton_ops() -> CacheOps:
@@ -67,8 +62,7 @@ def triton_ops() -> CacheOps:
         import triton  # noqa: F401
     except ImportError as e:
         raise ImportError("backend 'triton' needs Triton: pip install 'oscar-export[triton]'") from e
-    return CacheOps(name="triton", append_tokens=append_tokens, demote=demote, decode_attention=decode_attention,
-                    chunk_attention=reference.chunk_attention)
+    return CacheOps("triton", write_tokens, decode_append, decode_attention, ref_chunk_attention)
 
 
-__all__ = ["append_tokens", "decode_attention", "demote", "triton_ops"]
+__all__ = ["decode_append", "decode_attention", "triton_ops", "write_tokens"]

@@ -27,7 +27,7 @@ SUPPORTED_FAMILIES = {
     "llama": ("OscarLlamaForCausalLM", "tensorrt_llm._torch.models.modeling_llama", "LlamaForCausalLM"),
 }
 #: the serving kernels a deployment needs from its bundle (``kernels/aot/bundle.py`` names, without the tag).
-REQUIRED_KERNELS = ("decode_split", "decode_merge", "quant_pack_k", "quant_pack_v", "demote_due", "append")
+REQUIRED_KERNELS = ("decode_split", "decode_merge", "quant_pack_k", "quant_pack_v", "decode_append")
 
 
 #: ``trtllm-serve --extra_llm_api_options`` of a deployment (``oscar-export build`` writes it, ``{page_size}`` filled).

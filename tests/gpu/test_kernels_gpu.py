@@ -23,7 +23,6 @@ triton = pytest.importorskip("triton")
 from oscar_export.kernels import reference as ref  # noqa: E402
 from oscar_export.kernels.decode_attention import decode_attention  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
-from oscar_export.kernels.decode_step import decode_step_update  # noqa: E402
 from oscar_export.kernels.quant_pack import quantize_pages  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
@@ -90,97 +89,136 @@ def test_decode_attention_real_shape(gran, variant):
     _budget(got, q, st, lay, tr, 128**-0.5)
 
 
+def _book_cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, max_length: int):
+    """A page book (pages reserved per slot) and its state filled through the reference writer on the GPU."""
+    from oscar_export.kernels.pages import PageBook
+
+    book = PageBook(lay, len(lengths), max_length, DEV)
+    st = book.state_view(PagedKV.allocate(lay, len(lengths), book.num_pool_pages, book.max_pages, device=DEV),
+                         book.committed)
+    for b, t in enumerate(lengths):
+        k = torch.randn(lay.num_kv_heads, t, lay.head_dim, device=DEV) * torch.linspace(0.2, 2, lay.head_dim, device=DEV)
+        ref.write_tokens(st, b, 0, k, torch.randn_like(k), lay, tr)
+    book.seq_len.copy_(torch.tensor(lengths, dtype=torch.int32))
+    book.commit(0)
+    return book, st
+
+
+def _rotated(h: int, d: int) -> LayerTransform:
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(0)
+    base = LayerTransform.identity(h, d, 0.96, 0.92)
+    return replace(base, k_rotation=torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].contiguous(),
+                   k_scale=0.5 + torch.rand(h, d, generator=g), k_mean=0.1 * torch.randn(h, d, generator=g),
+                   v_mean=0.1 * torch.randn(h, d, generator=g)).to(DEV)
+
+
 def test_decode_step_cuda_graph_equals_eager():
-    """append (+ demotion when due) + attention, captured once and replayed across a demotion boundary."""
+    """begin + append (key transform fused, demotion when due) + attention (query rotation fused) + commit,
+    captured once and replayed across a demotion boundary and a NaN step: outputs and every buffer == eager."""
+    from oscar_export.kernels.decode_step import decode_append
+
     lay = KVCacheLayout.default(8, 128, "channel")
-    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
-    lengths = [lay.sink + lay.recent_capacity - 2, 1000, 70]  # sequence 0 demotes at the third step
-    eager = _random_cache(lay, lengths, tr)
-    # reserve the next page ids in the block tables (the graph cannot allocate)
-    mp = eager.block_table.shape[1]
-    for b in range(len(lengths)):
-        n = int(eager.num_pages[b])
-        eager.block_table[b, n:] = torch.arange(1000 + b * mp, 1000 + b * mp + mp - n, dtype=torch.int32)
-    grow = lambda t: torch.cat([t, torch.zeros(2000 + 3 * mp - t.shape[0], *t.shape[1:], dtype=t.dtype, device=DEV)])  # noqa: E731
-    for f in ("k_codes", "k_params", "v_codes", "v_params"):
-        setattr(eager, f, grow(getattr(eager, f)))
-    graph_st = PagedKV(**{f: getattr(eager, f).clone() for f in eager.__dataclass_fields__})
-    steps = 5
-    ks = torch.randn(steps, 3, 8, 128, device=DEV)
-    vs = torch.randn(steps, 3, 8, 128, device=DEV)
+    tr = _rotated(8, 128)
+    lengths = [lay.sink + lay.recent_capacity - 2, 1000, 70]  # slot 0 demotes at the third step
+    torch.manual_seed(0)
+    eager_book, eager = _book_cache(lay, lengths, tr, 1200)
+    graph_book, graph_st = _book_cache(lay, [0, 0, 0], tr, 1200)
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        getattr(graph_st, f).copy_(getattr(eager, f))
+    graph_book.seq_len.copy_(eager_book.seq_len)
+    graph_book.commit(0)
+    steps = 6
+    ks, vs = torch.randn(steps, 3, 8, 128, device=DEV), torch.randn(steps, 3, 8, 128, device=DEV)
+    ks[4, 1, 3, 5] = float("nan")  # step 4: slot 1 is not committed
     qs = torch.randn(steps, 3, 32, 128, device=DEV)
     k_in, v_in, q_in = ks[0].clone(), vs[0].clone(), qs[0].clone()
 
-    def step(st):
-        decode_step_update(st, k_in, v_in, lay, tr)
-        return decode_attention(q_in, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, out_dtype=torch.bfloat16)
+    def step(book, st, k, v, q):
+        book.begin(1)
+        decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr, fused_transform=True)
+        book.commit(1)
+        return decode_attention(q, book.state_view(st, book.in_step), lay, tr.k_levels, tr.v_levels, 128**-0.5,
+                                q_rotation=(tr.k_rotation, tr.k_scale), out_dtype=torch.bfloat16)
 
-    snapshot = PagedKV(**{f: getattr(graph_st, f).clone() for f in graph_st.__dataclass_fields__})
+    g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(graph_st)  # warm-up (compiles), then undo it
+    with torch.cuda.stream(s):  # warm-up compiles the kernels; its effect is undone below
+        snap = [t.clone() for t in graph_book.tensors()]
+        step(graph_book, graph_st, k_in, v_in, q_in)
+        for t, c in zip(graph_book.tensors(), snap):
+            t.copy_(c)
     torch.cuda.current_stream().wait_stream(s)
-    for f in graph_st.__dataclass_fields__:
-        getattr(graph_st, f).copy_(getattr(snapshot, f))
-    g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out_static = step(graph_st)
-    for f in graph_st.__dataclass_fields__:  # capture does not run the kernels, but be explicit
-        getattr(graph_st, f).copy_(getattr(snapshot, f))
+        out_static = step(graph_book, graph_st, k_in, v_in, q_in)
     for i in range(steps):
         k_in.copy_(ks[i]); v_in.copy_(vs[i]); q_in.copy_(qs[i])  # noqa: E702
         g.replay()
-        want = step(eager)
+        want = step(eager_book, eager, ks[i], vs[i], qs[i])
         assert torch.equal(out_static, want), f"step {i}: graph output differs from eager"
-    assert int(eager.num_pages[0]) == int(snapshot.num_pages[0]) + 1, "the replay should have crossed a demotion"
-    for f in eager.__dataclass_fields__:
+        assert torch.equal(graph_book.status, eager_book.status), f"step {i}: status differs"
+    assert eager_book.seq_len.tolist() == [lengths[0] + steps, lengths[1] + steps - 1, lengths[2] + steps]
+    assert int(eager_book.committed.num_pages[0]) == lay.pages_for(lengths[0] + steps) >= 1, "no demotion crossed"
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         assert torch.equal(getattr(graph_st, f), getattr(eager, f)), f"state.{f} differs after graph replays"
+    assert torch.equal(graph_book.seq_len, eager_book.seq_len)
 
 
 def test_custom_ops_under_torch_compile():
-    """``oscar::decode_step_update`` + ``oscar::decode_attention`` in ``torch.compile(fullgraph=True)`` == eager."""
+    """``oscar::decode_append`` + ``oscar::decode_attention`` in ``torch.compile(fullgraph=True)`` == eager."""
     from oscar_export.kernels import triton_ops
 
     lay = KVCacheLayout.default(8, 128, "token")
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
-    eager = _random_cache(lay, [5000, lay.sink + lay.recent_capacity], tr)  # sequence 1 demotes at once
-    pool = eager.k_codes.shape[0]
-    for f in ("k_codes", "k_params", "v_codes", "v_params"):  # two spare pages, reserved in the block tables
-        t = getattr(eager, f)
-        setattr(eager, f, torch.cat([t, torch.zeros(2, *t.shape[1:], dtype=t.dtype, device=DEV)]))
-    for b in range(2):
-        eager.block_table[b, int(eager.num_pages[b])] = pool + b
-    comp = PagedKV(**{f: getattr(eager, f).clone() for f in eager.__dataclass_fields__})
+    torch.manual_seed(1)
+    lengths = [5000, lay.sink + lay.recent_capacity]  # slot 1 demotes at once
+    eb, eager = _book_cache(lay, lengths, tr, 6000)
+    cb, comp = _book_cache(lay, [0, 0], tr, 6000)
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        getattr(comp, f).copy_(getattr(eager, f))
+    cb.seq_len.copy_(eb.seq_len)
+    cb.commit(0)
     k, v = (torch.randn(2, 8, 128, device=DEV) for _ in range(2))
     q = torch.randn(2, 32, 128, device=DEV)
 
-    def step(st, k, v, q):
-        triton_ops.decode_step_update(st, k, v, lay, tr)
-        return triton_ops.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, pages_per_split=4)
+    def step(book, st, k, v, q):
+        book.begin(1)
+        triton_ops.decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr)
+        book.commit(1)
+        return triton_ops.decode_attention(q, book.state_view(st, book.in_step), lay, tr.k_levels, tr.v_levels,
+                                           128**-0.5, pages_per_split=4)
 
-    want = step(eager, k, v, q)
-    got = torch.compile(step, fullgraph=True)(comp, k, v, q)
+    want = step(eb, eager, k, v, q)
+    got = torch.compile(step, fullgraph=True)(cb, comp, k, v, q)
     assert torch.equal(got, want)
-    for f in eager.__dataclass_fields__:
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         assert torch.equal(getattr(comp, f), getattr(eager, f)), f"state.{f} differs"
+    assert int(eb.committed.num_pages[1]) == 1
 
 
 def test_hf_triton_backend_matches_reference_ops():
-    """``backend="triton"``: prefill writes bit-exact, decode within the error budget (windows BF16)."""
+    """``backend="triton"``: prompt writes bit-exact with the reference, decode within the error budget."""
+    from types import SimpleNamespace
+
+    from oscar_export.plugins.hf.cache import TransformFlags
     from oscar_export.plugins.hf.triton_backend import triton_ops
 
     ops = triton_ops()
     lay = KVCacheLayout.default(8, 128, "channel")
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
-    a = PagedKV.allocate(lay, 2, 64, 32, device=DEV)
-    g = PagedKV(**{f: getattr(a, f).clone() for f in a.__dataclass_fields__})
+    torch.manual_seed(2)
+    _, a = _book_cache(lay, [0, 0], tr, 4000)
+    _, g = _book_cache(lay, [0, 0], tr, 4000)
+    layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr), pages_per_split=None)
     for b, t in enumerate([3000, 700]):
         k, v = torch.randn(8, t, 128, device=DEV), torch.randn(8, t, 128, device=DEV)
-        ia, ig = iter(range(b * 32, b * 32 + 32)), iter(range(b * 32, b * 32 + 32))
-        ref.append_tokens(a, b, k, v, lay, tr, lambda: next(ia))
-        ops.append_tokens(g, b, k, v, lay, tr, lambda: next(ig))
-    for f in a.__dataclass_fields__:
+        ref.write_tokens(a, b, 0, k, v, lay, tr)
+        ops.write_tokens(layer, g, b, 0, k, v)
+        for st in (a, g):
+            st.sink_len[b], st.num_pages[b], st.recent_len[b] = lay.split(t)
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         assert torch.equal(getattr(g, f), getattr(a, f)), f"state.{f} differs"
     q = torch.randn(2, 32, 128, device=DEV)
-    _budget(ops.decode_attention(q, g, lay, tr.k_levels, tr.v_levels, 128**-0.5), q, a, lay, tr, 128**-0.5)
+    _budget(ops.decode_attention(layer, q, g, 128**-0.5), q, a, lay, tr, 128**-0.5)

@@ -33,7 +33,7 @@ def test_decode_plan(batch, max_pages, pps):
     layout, heads = LAYOUTS["smollm2"]
     plan = bundle.decode_plan(layout, batch, heads, max_pages, pps)
     assert plan.n_page_splits == -(-max_pages // pps)
-    assert plan.n_splits == plan.n_page_splits + 1 + 5  # sink 64 = 1 chunk, recent 320 = 5 chunks of 64
+    assert plan.n_splits == plan.n_page_splits + 1 + 6  # sink 64 = 1 chunk, the recent ring 384 = 6 chunks of 64
     with pytest.raises(ValueError, match="must be > 0"):
         bundle.decode_plan(layout, batch, heads, max_pages, 0)
 

@@ -213,4 +213,10 @@ def test_custom_op_matches_wrapper(da, device):
     want = da.decode_attention(q, dev_st, lay, *lv, 0.125)
     got = triton_ops.decode_attention(q, dev_st, lay, *lv, 0.125)
     assert torch.equal(got, want)
-    assert torch.equal(backend().decode_attention(q, dev_st, lay, *lv, 0.125), want)
+    from types import SimpleNamespace
+
+    from oscar_export.plugins.hf.cache import TransformFlags
+
+    trd = tr.to(device)
+    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd), pages_per_split=None)
+    assert torch.equal(backend().decode_attention(layer, q, dev_st, 0.125), want)

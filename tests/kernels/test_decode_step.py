@@ -1,7 +1,9 @@
-"""Triton decode-step cache update (append + demotion when due) against ``kernels/reference.py``.
+"""The decode step's cache write (``decode_append``: token + demotion when due) and the page book's commit.
 
-Every cache buffer must be ``torch.equal`` to ``reference.append_tokens`` of one token per sequence. On the
-CPU this runs through Triton's interpreter (tests/kernels/conftest.py), on the H200 compiled.
+The Triton kernel must leave every cache buffer ``torch.equal`` to ``reference.decode_append``, and the
+reference must leave the same cache as one bulk ``reference.append_tokens`` of the same tokens. A step that
+the book does not commit (NaN/Inf, a full slot) must leave what the committed lengths read unchanged. On
+the CPU the kernel runs through Triton's interpreter (tests/kernels/conftest.py), on the H200 compiled.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE, PageBook
 from oscar_export.kernels.transform import LayerTransform
 
 
@@ -21,48 +24,149 @@ def _assert_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
         raise AssertionError(f"{name}: {(got != want).sum().item()} mismatches, first (index, got, want): {pairs}")
 
 
-def test_decode_step_update_matches_reference_appends(ds, device):
-    """Ragged batch, both key granularities: every buffer equal to T single-token reference appends."""
-    for gran in ("token", "channel"):
-        lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
-        tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-        bsz, maxp, start = 3, 6, [0, 30, 47]  # 47 = S0 + W + P - 1: the first step demotes
-        a = PagedKV.allocate(lay, bsz, bsz * maxp, maxp)
-        for b, t in enumerate(start):
-            if t:
-                ids = iter(range(b * maxp, (b + 1) * maxp))
-                ref.append_tokens(a, b, torch.randn(2, t, 64), torch.randn(2, t, 64), lay, tr, lambda: next(ids))
-        g = PagedKV(**{f: getattr(a, f).clone().to(device) for f in a.__dataclass_fields__})
-        g.block_table.copy_(torch.arange(bsz * maxp, dtype=torch.int32).view(bsz, maxp))  # reserved ahead
-        for _ in range(20):
-            k, v = torch.randn(bsz, 2, 64), torch.randn(bsz, 2, 64)
-            for b in range(bsz):
-                ids = iter(range(b * maxp + int(a.num_pages[b]), (b + 1) * maxp))
-                ref.append_tokens(a, b, k[b, :, None], v[b, :, None], lay, tr, lambda: next(ids))
-            ds.decode_step_update(g, k.to(device), v.to(device), lay, tr.to(device))
-        assert a.num_pages.tolist() == [0, 1, 2], a.num_pages  # demotions happened on the way
-        for f in a.__dataclass_fields__:
-            got, want = getattr(g, f).cpu(), getattr(a, f)
-            if f == "block_table":
-                for b in range(bsz):
-                    n = int(a.num_pages[b])
-                    _assert_equal(f"{gran} block_table[{b}]", got[b, :n], want[b, :n])
-            else:
-                _assert_equal(f"{gran} {f}", got, want)
+def _layout(gran: str) -> KVCacheLayout:
+    return KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
 
 
-def test_decode_step_update_bad_inputs(ds, device):
-    lay = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=16, page_size=16)
-    st = PagedKV.allocate(lay, 2, 4, 2, device=device)
+def _book_state(lay: KVCacheLayout, bsz: int, max_length: int, device, dtype=torch.bfloat16):
+    book = PageBook(lay, bsz, max_length, device)
+    st = PagedKV.allocate(lay, bsz, book.num_pool_pages, book.max_pages, device=device, dtype=dtype)
+    return book, st
+
+
+def _random_transform(h: int, d: int, seed: int = 0) -> LayerTransform:
+    g = torch.Generator().manual_seed(seed)
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].contiguous()
+    base = LayerTransform.identity(h, d, k_clip=0.9, v_clip=0.95)
+    from dataclasses import replace
+
+    return replace(base, k_rotation=rot, k_scale=0.5 + torch.rand(h, d, generator=g),
+                   k_mean=0.1 * torch.randn(h, d, generator=g), v_mean=0.1 * torch.randn(h, d, generator=g))
+
+
+def _decode_steps(append, lay, tr, book, st, steps, bsz, seed, transform_in_kernel=False):
+    """``steps`` decode steps through ``append(state, k, v, status)``; returns the stored-basis rows fed."""
+    g = torch.Generator().manual_seed(seed)
+    fed_k, fed_v = [], []
+    for _ in range(steps):
+        k, v = torch.randn(bsz, 2, 64, generator=g), torch.randn(bsz, 2, 64, generator=g)
+        book.begin(1)
+        committed = book.state_view(st, book.committed)
+        append(committed, k.to(book.device), v.to(book.device), book.status)
+        book.commit(1)
+        if transform_in_kernel:
+            k = tr.transform_keys(k.unsqueeze(2)).squeeze(2)
+            v = v - tr.v_mean
+        fed_k.append(k)
+        fed_v.append(v)
+    return torch.stack(fed_k, 2), torch.stack(fed_v, 2)  # [B, H_kv, steps, D]
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_reference_decode_append_equals_bulk_append(gran):
+    """Token by token through the book == one bulk write of the same rows (ragged lengths, demotions)."""
+    lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    bsz, steps = 3, 70  # 70 > S0 + W + P: several demotions per slot
+    book, st = _book_state(lay, bsz, 200, "cpu")
+    k, v = _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book, st,
+                         steps, bsz, seed=1)
+    assert book.seq_len.tolist() == [steps] * bsz
+    _, bulk = _book_state(lay, bsz, 200, "cpu")
+    bulk.block_table.copy_(book.block_table)
+    for b in range(bsz):
+        ref.append_tokens(bulk, b, k[b].bfloat16().float(), v[b].bfloat16().float(), lay, tr)
+    committed = book.state_view(st, book.committed)
+    for b in range(bsz):
+        ka, va = ref.read_sequence(committed, lay, b, tr.k_levels, tr.v_levels)
+        kb, vb = ref.read_sequence(bulk, lay, b, tr.k_levels, tr.v_levels)
+        _assert_equal(f"{gran} keys of {b}", ka, kb)
+        _assert_equal(f"{gran} values of {b}", va, vb)
+
+
+def test_uncommitted_steps_leave_the_cache_as_it_was():
+    """A NaN in one slot, a full slot: those slots read back exactly as before; the others move on."""
+    lay, tr = _layout("channel"), LayerTransform.identity(2, 64)
+    book, st = _book_state(lay, 3, 60, "cpu", dtype=torch.float32)
+    append = lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr)  # noqa: E731
+    _decode_steps(append, lay, tr, book, st, 47, 3, seed=2)  # 47 = S0 + W + P - 1: the second step demotes
+    book.seq_len[2] = 60  # slot 2 is full
+    book.commit(0)
+    before = [ref.read_sequence(book.state_view(st, book.committed), lay, b, tr.k_levels, tr.v_levels)
+              for b in range(3)]
+    for step in range(2):  # the second step demotes in slot 0 and 1
+        k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+        k[1, 1, 7] = float("nan")
+        book.begin(1)
+        ref.decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr)
+        book.commit(1)
+        assert book.status.tolist() == [0, STATUS_NONFINITE, STATUS_FULL], book.status
+    assert book.seq_len.tolist() == [49, 47, 60]
+    assert book.committed.num_pages.tolist() == [1, 0, 1]
+    for b in (1, 2):
+        now = ref.read_sequence(book.state_view(st, book.committed), lay, b, tr.k_levels, tr.v_levels)
+        _assert_equal(f"keys of slot {b}", now[0], before[b][0])
+        _assert_equal(f"values of slot {b}", now[1], before[b][1])
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_triton_decode_append_matches_reference(ds, device, gran):
+    """Every buffer of the Triton write equal to the reference's, over demotions and the sink boundary."""
+    lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    bsz, steps = 2, 52
+    book_r, st_r = _book_state(lay, bsz, 100, "cpu")
+    book_g, st_g = _book_state(lay, bsz, 100, device)
+    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                  steps, bsz, seed=3)
+    trd = tr.to(device)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                  steps, bsz, seed=3)
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+    assert book_g.seq_len.tolist() == book_r.seq_len.tolist() == [steps, steps]
+
+
+def test_triton_fused_transform_and_nonfinite_flag(ds, device):
+    """Keys transformed in the kernel (R_K, d_K, mu_K) and mu_V removed: the windows within one BF16 rounding
+    of the reference's (fp32 FMA order differs from torch.matmul), and a NaN/Inf row flags and writes nothing."""
+    lay = _layout("token")
+    tr = _random_transform(2, 64)
+    book_r, st_r = _book_state(lay, 2, 100, "cpu")
+    book_g, st_g = _book_state(lay, 2, 100, device)
+    k_r, _ = _decode_steps(lambda s, k, v, status: ref.decode_append(
+        s, tr.transform_keys(k.unsqueeze(2)).squeeze(2), v - tr.v_mean, status, lay, tr), lay, tr, book_r, st_r,
+        20, 2, seed=4)
+    trd = tr.to(device)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd, fused_transform=True), lay, tr,
+                  book_g, st_g, 20, 2, seed=4)
+    for f in ("sink_k", "recent_k"):
+        got, want = getattr(st_g, f).cpu().float(), getattr(st_r, f).float()
+        ulp = want.abs().clamp(min=1e-3) * 2**-7
+        assert ((got - want).abs() <= ulp).all(), f"{f}: {(got - want).abs().max()}"
+    _assert_equal("sink_v", st_g.sink_v.cpu(), st_r.sink_v)
+    before = st_g.sink_k.clone()
+    k = torch.randn(2, 2, 64, device=device)
+    k[0, 0, 0] = float("inf")
+    book_g.begin(1)
+    ds.decode_append(book_g.state_view(st_g, book_g.committed), k, k.clone(), book_g.status, lay, trd,
+                     fused_transform=True)
+    assert book_g.status.tolist() == [STATUS_NONFINITE, 0]
+    _assert_equal("sink_k of the flagged slot", st_g.sink_k[0].cpu(), before[0].cpu())
+
+
+def test_decode_append_bad_inputs(ds, device):
+    lay = _layout("token")
+    book, st = _book_state(lay, 2, 64, device)
     tr = LayerTransform.identity(2, 64).to(device)
     k = torch.randn(2, 2, 64, device=device)
     with pytest.raises(ValueError, match=r"k: expected shape \[2, 2, 64\]"):
-        ds.decode_step_update(st, k[:, :1], k, lay, tr)
+        ds.decode_append(st, k[:, :1], k, book.status, lay, tr)
     with pytest.raises(ValueError, match="v: expected a contiguous"):
-        ds.decode_step_update(st, k, k.transpose(0, 1).contiguous().transpose(0, 1), lay, tr)
+        ds.decode_append(st, k, k.transpose(0, 1).contiguous().transpose(0, 1), book.status, lay, tr)
+    with pytest.raises(ValueError, match="status: expected dtype torch.int32"):
+        ds.decode_append(st, k, k, book.status.long(), lay, tr)
     st.recent_k = st.recent_k.float()
     with pytest.raises(ValueError, match="state.recent_k: expected dtype torch.bfloat16"):
-        ds.decode_step_update(st, k, k, lay, tr)
+        ds.decode_append(st, k, k, book.status, lay, tr)
     bad = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=24, page_size=16)
     with pytest.raises(NotImplementedError, match="multiple of P"):
-        ds.decode_step_update(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, bad, tr)
+        ds.decode_append(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, book.status, bad, tr)

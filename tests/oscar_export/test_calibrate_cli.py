@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +55,136 @@ def test_inspect_identity_artifact(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["bits_per_element"]["int2"] == round(art.bits_per_element(), 4) and len(info["layers"]) == 2
+
+
+# ---- issue 16: every option and --out checked before the model loads; atomic output; safe inspect --------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model means the checks came too late: fail the test if it happens."""
+    import oscar_export.models as models
+
+    def load_model(*a, **k):
+        raise AssertionError("the model was loaded before the command line was validated")
+
+    monkeypatch.setattr(models, "load_model", load_model)
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--sink", "-1"], "--sink: expected an int in \\[0, 16384\\], got -1"),
+        (["--window", "-5"], "--window: expected an int in \\[0, 65536\\], got -5"),
+        (["--page-size", "24"], "--page-size: expected a multiple of 16 in \\[16, 1024\\], got 24"),
+        (["--page-size", "4096"], "--page-size: expected a multiple of 16 in \\[16, 1024\\], got 4096"),
+        (["--seed", "-1"], "--seed: expected an int in \\[0, "),
+        (["--tokens", "10000000000000"], "--tokens: expected an int in \\[1, "),
+        (["--batch-size", "100000"], "--batch-size: expected an int in \\[1, 4096\\]"),
+        (["--data", "/nonexistent/notes.txt"], "--data /nonexistent/notes.txt: no such file"),
+    ],
+)
+def test_calibrate_options_checked_before_model_load(tmp_path, capsys, no_model_load, argv, msg):
+    rc = main(["calibrate", "--out", str(tmp_path / "a"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert re.search(msg, err), err
+
+
+def test_calibrate_refuses_non_empty_out_before_model_load(tmp_path, capsys, no_model_load):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["calibrate", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists and is not empty" in err and "--force" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def _tiny_artifact():
+    from transformers import LlamaConfig
+
+    from oscar_export.calibration.artifact import OscarArtifact
+
+    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             num_hidden_layers=2, head_dim=16, vocab_size=10))
+    side = {"vs_identity": 0.5, "vs_hadamard": 0.9}
+    art.stats["layers"] = [{"k": side, "v": side}] * 2
+    return art
+
+
+@pytest.fixture
+def fake_calibration(monkeypatch):
+    """calibrate without a model: load_model returns nothing, the pipeline returns a tiny artifact."""
+    import oscar_export.calibration.pipeline as pipeline
+    import oscar_export.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(pipeline, "calibrate", lambda *a, **k: _tiny_artifact())
+
+
+def test_calibrate_replaces_an_artifact_atomically(tmp_path, capsys, monkeypatch, fake_calibration):
+    import oscar_export.calibration.artifact as artifact_mod
+    from oscar_export.calibration.artifact import load_artifact
+
+    out = tmp_path / "art"
+    assert main(["calibrate", "--out", str(out), "--quiet"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["calibrate", "--out", str(out), "--quiet"]) == 2  # exists: refused without --force
+    assert "--force" in capsys.readouterr().err
+
+    real = artifact_mod.write_files
+
+    def dies_half_way(directory, meta, tensors):  # the tensor file is written, then the process "dies"
+        real(directory, meta, tensors)
+        (Path(directory) / "oscar.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifact_mod, "write_files", dies_half_way)
+    assert main(["calibrate", "--out", str(out), "--quiet", "--force"]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "the old artifact is intact"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"], "no temporary left"
+    load_artifact(out)
+    monkeypatch.setattr(artifact_mod, "write_files", real)
+    assert main(["calibrate", "--out", str(out), "--quiet", "--force", "--seed", "3"]) == 0
+    load_artifact(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def _inspect_artifact(tmp_path, **edits):
+    art = _tiny_artifact()
+    for k, v in edits.items():
+        getattr(art, k).clear()
+        getattr(art, k).update(v)
+    art.save(tmp_path)
+    return tmp_path
+
+
+def test_inspect_escapes_terminal_sequences(tmp_path, capsys):
+    evil = "\x1b[2J\x1b]0;owned\x07"
+    d = _inspect_artifact(tmp_path, config={"method": evil, evil: 1})
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out, out
+
+
+@pytest.mark.parametrize(
+    "stats",
+    [{"layers": [1, "x"]}, {"layers": [{"k": [], "v": None}, {"k": {"rotation": 5, "clip": "x"}}]},
+     {"layers": "all"}, {"layers": [{"k": {"vs_identity": "0.5", "vs_hadamard": [1]}, "v": {}}] * 2}],
+    ids=["ints", "wrong-sides", "string", "wrong-ratios"],
+)
+def test_inspect_survives_wrong_types(tmp_path, capsys, stats):
+    d = _inspect_artifact(tmp_path, stats=stats)
+    for flags in ([], ["--layers"], ["--json"]):
+        rc = main(["inspect", str(d), *flags])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        assert "Traceback" not in captured.err
+
+
+def test_inspect_deep_nesting_is_one_line(tmp_path, capsys):
+    d = _inspect_artifact(tmp_path)
+    meta = (d / "oscar.json").read_text().replace('"config": {', '"config": {"x": ' + "[" * 5000 + "]" * 5000 + ",", 1)
+    (d / "oscar.json").write_text(meta)
+    assert main(["inspect", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nested deeper than" in err, err

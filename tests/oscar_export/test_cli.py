@@ -79,3 +79,50 @@ def test_bench_needs_a_gpu(capsys):
         pytest.skip("a GPU is present: the benchmark would run")
     assert main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# ---- every error a user can cause: one line, exit 2; --debug shows the traceback ---------------------------
+
+
+@pytest.mark.parametrize(
+    "exc,msg",
+    [
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (PermissionError(13, "Permission denied", "/root/x"), "Permission denied: '/root/x'"),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate 16 GB"),
+         "can't allocate 16 GB"),
+        (MemoryError(), "out of memory (MemoryError)"),
+        (KeyboardInterrupt(), "interrupted"),
+        (RecursionError("maximum recursion depth exceeded"), "maximum recursion depth exceeded"),
+        (ValueError("line one\nline two"), "line one line two"),
+    ],
+    ids=["oserror", "permission", "alloc", "memory", "interrupt", "recursion", "multiline"],
+)
+def test_user_errors_are_one_line(monkeypatch, capsys, exc, msg):
+    import oscar_export.inspect_artifact as mod
+
+    def fail(args):
+        raise exc
+
+    monkeypatch.setattr(mod, "run", fail)
+    assert main(["inspect", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("oscar-export inspect: error: ") and msg in err, err
+    assert "Traceback" not in err
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    import oscar_export.inspect_artifact as mod
+
+    monkeypatch.setattr(mod, "run", lambda args: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(MemoryError):
+        main(["--debug", "inspect", "x"])
+
+
+def test_a_bug_is_not_hidden(monkeypatch):
+    """TypeError/AttributeError mean a bug in this program, not a user mistake: they keep their traceback."""
+    import oscar_export.inspect_artifact as mod
+
+    monkeypatch.setattr(mod, "run", lambda args: None.missing)
+    with pytest.raises(AttributeError):
+        main(["inspect", "x"])

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export import (  # noqa: E402
-    ARTIFACT_DIR, atomic_output_dir, export_checkpoint, fold_value_transforms, read_export,
+    ARTIFACT_DIR, export_checkpoint, fold_value_transforms, read_export,
 )
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
@@ -113,7 +113,7 @@ def test_fold_rejects_wrong_heads_and_prerotated():
 def test_unknown_architecture():
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50)
     model = transformers.GPT2LMHeadModel(cfg)
-    with pytest.raises(NotImplementedError, match="unknown architecture 'gpt2'"):
+    with pytest.raises(NotImplementedError, match=r"'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"):
         fold_value_transforms(model, [])
 
 
@@ -165,10 +165,18 @@ def test_failure_leaves_no_output(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_atomic_output_dir_refuses_existing(tmp_path):
-    with pytest.raises(FileExistsError, match="already exists"):
-        with atomic_output_dir(tmp_path):
-            pass
+def test_existing_output_refused_unless_force(tmp_path):
+    model = tiny_model()
+    (tmp_path / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        export_checkpoint(model, None, random_artifact(model), tmp_path)
+    assert (tmp_path / "keep.txt").exists()
+    out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
+    (out / "stale-extra-file").write_text("from the earlier export")
+    model2 = tiny_model()
+    export_checkpoint(model2, None, random_artifact(model2), out, force=True)
+    assert not (out / "stale-extra-file").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "keep.txt"]
 
 
 def test_read_export_errors(tmp_path):
@@ -199,3 +207,59 @@ def test_cli_existing_output(tmp_path, capsys):
     rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
     assert rc == 2
     assert "already exists" in capsys.readouterr().err
+
+
+# ---- issue 16: checks before the model loads, --force, stale temporaries ---------------------------------------
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import oscar_export.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded before the checks"))
+
+
+def test_cli_non_empty_out_refused_before_model_load(tmp_path, capsys, no_model_load):
+    model = tiny_model()
+    random_artifact(model).save(tmp_path / "art")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "already exists and is not empty" in err and "--force" in err, err
+
+
+def test_cli_bad_artifact_refused_before_model_load(tmp_path, capsys, no_model_load):
+    model = tiny_model()
+    art = tmp_path / "art"
+    random_artifact(model).save(art)
+    blob = bytearray((art / "rotations.safetensors").read_bytes())
+    blob[-5] ^= 1
+    (art / "rotations.safetensors").write_bytes(bytes(blob))
+    assert main(["export", "--artifact", str(art), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checksum mismatch" in err, err
+
+
+def test_export_removes_a_killed_runs_temporary(tmp_path):
+    stale = tmp_path / ".ckpt.oscar-tmp-999999999-1-0123abcd"  # the pattern of a run that was SIGKILLed
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 100)
+    model = tiny_model()
+    export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_fold_checks_the_modules_the_family_table_names():
+    """Projections of the wrong width, or no decoder layers where the family keeps them: one clear error."""
+    model = tiny_model()
+    art = random_artifact(model)
+    model.model.layers[1].self_attn.v_proj = torch.nn.Linear(48, 16, bias=False)
+    layer0 = model.model.layers[0].self_attn.v_proj.weight.clone()
+    with pytest.raises(ValueError, match=r"layer 1: expected v_proj \[32, hidden\] and o_proj \[hidden, 96\], "
+                                         r"got \[16, 48\] and \[48, 96\]"):
+        fold_value_transforms(model, art.transforms)
+    assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, layer0)  # nothing folded before the error
+    del model.model.layers
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM has no \.model\.layers"):
+        fold_value_transforms(model, art.transforms)

@@ -88,7 +88,127 @@ def test_missing_artifact_and_mismatched_heads(exported, tmp_path):
 
 
 def test_cli_errors(exported, tmp_path, capsys):
+    (tmp_path / "something").write_text("x")  # an empty --out is fine; a non-empty one needs --force
     assert main(["build", "--export", str(exported), "--out", str(tmp_path)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert main(["build", "--export", str(exported), "--out", str(tmp_path / "x"), "--arch", "sm_70"]) == 2
     assert "unknown GPU arch 'sm_70'" in capsys.readouterr().err
+
+
+# ---- issue 16: build verifies the artifact it packages --------------------------------------------------------
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Compiling the bundle means the checks came too late (and would take ~30 s)."""
+    import oscar_export.kernels.aot.compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "build_bundle", lambda *a, **k: pytest.fail("bundle compiled before the checks"))
+
+
+def _copy(exported, tmp_path, name="ck"):
+    d = tmp_path / name
+    shutil.copytree(exported, d)
+    return d
+
+
+def _edit_config(d, fn):
+    cfg = json.loads((d / "config.json").read_text())
+    fn(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def test_flipped_byte_in_the_artifact_refused(exported, tmp_path, no_compile):
+    d = _copy(exported, tmp_path)
+    f = d / "oscar_artifact" / "rotations.safetensors"
+    blob = bytearray(f.read_bytes())
+    blob[len(blob) // 2] ^= 4
+    f.write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        build_deployment(d, tmp_path / "out", ["sm_90"])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c: c.__setitem__("num_hidden_layers", 2), "config has 2 layers, its artifact 1"),
+        (lambda c: c.__setitem__("num_attention_heads", 4) or c.__setitem__("head_dim", 64),
+         "config has 4 query heads, its artifact 2"),
+        (lambda c: c.__setitem__("head_dim", 32), "config has 1 KV heads x head_dim 32, its artifact layout 1 x 64"),
+        (lambda c: c["oscar"]["layout"].__setitem__("window", 8), "the 'oscar' section's layout disagrees"),
+        (lambda c: c.__setitem__("num_hidden_layers", "1"), "num_hidden_layers: expected an int"),
+        (lambda c: c.__setitem__("num_attention_heads", [2]), "num_attention_heads: expected an int"),
+    ],
+    ids=["layers", "heads", "head_dim", "section-layout", "layers-str", "heads-list"],
+)
+def test_layout_against_config_json(exported, tmp_path, no_compile, edit, match):
+    d = _copy(exported, tmp_path)
+    _edit_config(d, edit)
+    with pytest.raises(ValueError, match=match):
+        build_deployment(d, tmp_path / "out", ["sm_90"])
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink"])
+def test_artifact_outside_the_checkpoint_refused(exported, tmp_path, no_compile, kind):
+    d = _copy(exported, tmp_path)
+    outside = tmp_path / "outside_art"
+    shutil.move(d / "oscar_artifact", outside)
+    if kind == "dotdot":
+        _edit_config(d, lambda c: c["oscar"].__setitem__("artifact", "../outside_art"))
+    elif kind == "absolute":
+        _edit_config(d, lambda c: c["oscar"].__setitem__("artifact", str(outside)))
+    else:
+        (d / "oscar_artifact").symlink_to(outside)
+    with pytest.raises(ValueError, match="artifact .* outside the checkpoint"):
+        build_deployment(d, tmp_path / "out", ["sm_90"])
+
+
+def test_cli_non_empty_out_needs_force(exported, tmp_path, capsys, no_compile):
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "deploy" / "x").write_text("x")
+    assert main(["build", "--export", str(exported), "--out", str(tmp_path / "deploy")]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["build", "--export", str(exported), "--out", str(tmp_path / "deploy"), "--force"]) == 2
+    assert "does not look like" in capsys.readouterr().err  # no deploy.json: not replaced even with --force
+    assert (tmp_path / "deploy" / "x").exists()
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_out_overlapping_the_checkpoint_refused(exported, tmp_path, no_compile, where):
+    """--out inside the checkpoint would copy the temporary into itself; --out around it would delete it."""
+    d = _copy(exported, tmp_path / "deploy" if where == "around" else tmp_path)
+    out = d / "deploy" if where == "inside" else tmp_path / "deploy"
+    if where == "around":
+        (out / "deploy.json").write_text("{}")  # an earlier deployment, replaced with --force
+    with pytest.raises(ValueError, match="--out .* overlaps the checkpoint"):
+        build_deployment(d, out, ["sm_90"], force=True)
+    assert (d / "config.json").is_file()
+
+
+def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
+    """Gemma 3 scales by query_pre_attn_scalar ** -0.5 (here 256 ** -0.5), not head_dim ** -0.5 (64 ** -0.5): the
+    decode kernels of the bundle, deploy.json and the ONNX node carry the model's scale. Compiling is replaced
+    by recording the specs (the compile itself is tested above)."""
+    import oscar_export.kernels.aot.compile as aot_compile
+    import oscar_export.onnx_export as onnx_export
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                        query_pre_attn_scalar=256, layer_types=["full_attention"])
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    ckpt = export_checkpoint(model, None, OscarArtifact.identity(model), tmp_path / "ckpt")
+    seen = {}
+
+    def record_bundle(specs, out, archs, progress=None):
+        seen["specs"] = specs
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
+
+    monkeypatch.setattr(aot_compile, "build_bundle", record_bundle)
+    monkeypatch.setattr(onnx_export, "export_decode_attention_onnx",
+                        lambda layout, heads, sm_scale, out: seen.setdefault("onnx_scale", sm_scale))
+    out = build_deployment(ckpt, tmp_path / "deploy", ["sm_90"], onnx=True)
+    scales = {dict(s.constexprs)["SM_SCALE"] for s in seen["specs"] if "SM_SCALE" in dict(s.constexprs)}
+    assert scales == {256**-0.5} and seen["onnx_scale"] == 256**-0.5
+    assert json.loads((out / "deploy.json").read_text())["model"]["sm_scale"] == 256**-0.5

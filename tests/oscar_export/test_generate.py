@@ -41,7 +41,7 @@ def test_generate_prints_both_outputs_and_bytes(tiny_dir, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--prompt", "w1", "--max-new-tokens", "0"], "--max-new-tokens: expected > 0, got 0"),
+        (["--prompt", "w1", "--max-new-tokens", "0"], "--max-new-tokens: expected an int in [1, 1048576], got 0"),
         (["--prompt-topic", "no-such-topic"], "--prompt-topic: unknown topic 'no-such-topic'"),
         (["--prompt", "w1", "--backend", "nope"], "backend: expected one of"),
         (["--prompt", "w1", "--artifact", "/nonexistent/artifact"], "artifact"),
@@ -56,3 +56,47 @@ def test_generate_user_errors_are_one_line(tiny_dir, capsys, argv, message):
 def test_generate_rejects_a_missing_model_dir(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "expected 'default' or a local Hugging Face model directory" in capsys.readouterr().err
+
+
+# ---- sizes that cannot fit are refused before anything is allocated (issue 16) -------------------------------
+
+
+@pytest.fixture
+def no_cache(monkeypatch):
+    """Building the OSCAR cache (or its hooks) means the size checks came too late."""
+    import oscar_export.plugins.hf as hf
+
+    def enable_oscar(*a, **k):
+        raise AssertionError("enable_oscar was reached: the size was not checked first")
+
+    monkeypatch.setattr(hf, "enable_oscar", enable_oscar)
+
+
+def test_max_new_tokens_1e9_refused_before_model_load(monkeypatch, capsys, no_cache):
+    import oscar_export.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    assert main(["generate", "--prompt", "w1", "--max-new-tokens", "1000000000", "--skip-bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-new-tokens: expected an int in [1, 1048576], got 1000000000" in err, err
+
+
+def test_longer_than_the_model_refused(tiny_dir, capsys, no_cache):
+    argv = ["generate", "--model", tiny_dir, "--device", "cpu", "--prompt", "w1 w2", "--max-new-tokens", "3000",
+            "--skip-bf16"]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "2 prompt + 3000 new tokens exceed the model's max_position_embeddings 2048" in last, last
+
+
+def test_cache_larger_than_memory_refused(tiny_dir, capsys, monkeypatch, no_cache):
+    import oscar_export.generate as gen
+
+    monkeypatch.setattr(gen, "available_memory", lambda device: 1 << 19)  # 512 KiB free
+    argv = ["generate", "--model", tiny_dir, "--device", "cpu", "--prompt", "w1 w2", "--max-new-tokens", "2000",
+            "--skip-bf16"]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    # 2 layers x 2002 tokens x (K, V) x 2 KV heads x 16 x 4 bytes (fp32 on the CPU) = 1,025,024
+    assert ("a KV cache of 2002 tokens needs 1,025,024 bytes at torch.float32 (2 layers, 2 KV heads x head_dim 16, "
+            "K and V); 524,288 bytes available on cpu") in last, last

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import (
     DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -114,7 +116,7 @@ def test_beyond_windows_runs_and_accounts_bytes():
     n = 50 + 60 - 1
     assert tokens.shape == (1, 60) and bool(torch.isfinite(scores).all())
     assert cache.sequence_lengths() == [n]
-    assert [len(layer.pages[0]) for layer in cache.layers] == [SMALL.pages_for(n)] * 2 == [5, 5]
+    assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [SMALL.pages_for(n)] * 2 == [5, 5]
     assert cache.kv_bytes() == 2 * SMALL.sequence_bytes(n) < cache.bf16_bytes() == 2 * n * SMALL.bf16_token_bytes()
 
 
@@ -175,7 +177,7 @@ def test_chunk_reads_quantized_history():
             with torch.no_grad():
                 model(ids[:, :60], **cache_kwargs(model, cache))
                 logits.append(model(ids[:, 60:], **cache_kwargs(model, cache)).logits)
-            assert SMALL.pages_for(60) == 2 and len(cache.layers[0].pages[0]) == SMALL.pages_for(70) == 3
+            assert SMALL.pages_for(60) == 2 and int(cache.layers[0].state.num_pages[0]) == SMALL.pages_for(70) == 3
         full = oscar.make_cache(1, 80)
         with torch.no_grad():
             one = model(ids, **cache_kwargs(model, full)).logits[:, 60:]
@@ -193,7 +195,7 @@ def test_1500_tokens_with_small_windows():
         cache = oscar.make_cache(1, 1520)
         tokens, scores = generate(model, ids, cache, max_new_tokens=1500, min_new_tokens=1500)
     assert tokens.shape == (1, 1500) and bool(torch.isfinite(scores).all())
-    assert cache.sequence_lengths() == [1519] and len(cache.layers[1].pages[0]) == SMALL.pages_for(1519) == 93
+    assert cache.sequence_lengths() == [1519] and int(cache.layers[1].state.num_pages[0]) == SMALL.pages_for(1519) == 93
 
 
 @pytest.mark.slow
@@ -212,15 +214,25 @@ def test_compiled_backend_matches_eager():
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 
-def test_unsupported_architectures_are_named():
+def test_unsupported_architectures_and_features_are_named():
+    """The family table's one message, at enable_oscar time (never at the first forward); the model is untouched."""
     torch.manual_seed(0)
-    mistral = MistralForCausalLM(MistralConfig(**COMMON)).eval()
-    with pytest.raises(NotImplementedError, match="'MistralForCausalLM'.*model_type 'mistral'"):
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=96)).eval()
+    with pytest.raises(NotImplementedError, match=r"'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"):
+        enable_oscar(gpt2)
+    mistral = MistralForCausalLM(MistralConfig(**COMMON)).eval()  # MistralConfig's default sliding_window is 4096
+    with pytest.raises(NotImplementedError, match=r"'MistralForCausalLM' \(model_type 'mistral'\) has sliding-window "
+                                                  r"attention in 2 of 2 layers \(0, 1; sliding_window=4096\)"):
         enable_oscar(mistral)
     sliding = Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1))
-    with pytest.raises(NotImplementedError, match="only full-attention layers"):
+    with pytest.raises(NotImplementedError, match=r"in 1 of 2 layers \(1; sliding_window=8\); only full-attention"):
         enable_oscar(sliding)
-    assert mistral.config._attn_implementation == "sdpa"
+    assert mistral.config._attn_implementation == sliding.config._attn_implementation == "sdpa"
+    full = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)).eval()
+    with enable_oscar(full) as oscar:
+        s = oscar.shape
+        assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (2, 4, 2, 16)
+        assert oscar.shape.scaling == 16**-0.5 and oscar.shape.family.name == "Mistral"
 
 
 def test_bad_arguments_give_clear_errors():
@@ -238,8 +250,8 @@ def test_bad_arguments_give_clear_errors():
             model(ids, **cache_kwargs(model, oscar.make_cache(1, 64)))
         with pytest.raises(TypeError, match="needs an OscarCache"):
             model(ids, **cache_kwargs(model, DynamicCache(config=model.config)))
-        with pytest.raises(ValueError, match="page pool too small"):
-            oscar.make_cache(2, 1000, pool_pages=3)
+        with pytest.raises(ValueError, match="batch_size and max_length: expected ints > 0"):
+            oscar.make_cache(2, 0)
         # 5.24 asks the cache to repeat its batch (refused); 5.17 feeds 2 rows to a 1-row cache (refused)
         with pytest.raises((NotImplementedError, ValueError), match=r"fixed batch|expected \[1, 2, T, 16\]"):
             model.generate(ids[:1], num_return_sequences=2, do_sample=True, max_new_tokens=2,

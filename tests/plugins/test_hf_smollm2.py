@@ -54,17 +54,20 @@ def noise_ops() -> CacheOps:
         for codes in (state.k_codes, state.v_codes):
             codes[idx] = torch.randint(0, 256, codes[idx].shape, generator=gen).to(torch.uint8)
 
-    def append_tokens(state, b, k, v, layout, transform, allocate):
-        new = []
-        base.append_tokens(state, b, k, v, layout, transform, lambda: new.append(allocate()) or new[-1])
-        if new:
-            scramble(state, new)
+    def write_tokens(layer, state, b, start, k_s, v_s):
+        base.write_tokens(layer, state, b, start, k_s, v_s)
+        lay = layer.layout
+        scramble(state, state.block_table[b, lay.pages_for(start) : lay.pages_for(start + k_s.shape[1])].tolist())
 
-    def demote(state, b, page, layout, transform):
-        base.demote(state, b, page, layout, transform)
-        scramble(state, [page])
+    def decode_append(layer, state, k, v, status):
+        lay = layer.layout
+        due = [b for b in range(k.shape[0]) if int(state.sink_len[b]) >= lay.sink
+               and int(state.recent_len[b]) == lay.recent_capacity]
+        pages = [int(state.block_table[b, int(state.num_pages[b])]) for b in due]
+        base.decode_append(layer, state, k, v, status)
+        scramble(state, [p for b, p in zip(due, pages) if int(status[b]) == 0])
 
-    return CacheOps("noise", append_tokens, demote, base.decode_attention, base.chunk_attention)
+    return CacheOps("noise", write_tokens, decode_append, base.decode_attention, base.chunk_attention)
 
 
 def test_inside_windows_identical_to_dynamic_cache(smollm2):
@@ -75,7 +78,7 @@ def test_inside_windows_identical_to_dynamic_cache(smollm2):
         cache = oscar.make_cache(1, 320)
         got = greedy(model, ids, cache, n=32)
     assert torch.equal(got, want), first_mismatch(got, want)
-    assert cache.layers[0].pages == [[]]
+    assert int(cache.layers[0].state.num_pages[0]) == 0
 
 
 @pytest.mark.slow
@@ -88,7 +91,7 @@ def test_whole_windows_identical_to_dynamic_cache(smollm2):
         cache = oscar.make_cache(1, 320)
         got = greedy(model, ids, cache, n=220, min_new_tokens=220)
     assert torch.equal(got, want), first_mismatch(got, want)
-    assert cache.sequence_lengths() == [319] and cache.layers[0].pages == [[]]
+    assert cache.sequence_lengths() == [319] and int(cache.layers[0].state.num_pages[0]) == 0
 
 
 def teacher_forced(model, ids: torch.Tensor, want: torch.Tensor, cache) -> torch.Tensor:
@@ -116,7 +119,7 @@ def test_int2_history_beats_same_scale_noise(smollm2):
             for name, backend in (("oscar", oscar.ops), ("noise", noise_ops())):
                 cache = OscarCache(oscar.layout, oscar.transforms, 1, ids.shape[1] + 32, backend=backend)
                 got = teacher_forced(model, ids, want, cache)
-                assert len(cache.layers[0].pages[0]) >= 6  # >= 6 pages of INT2 history
+                assert int(cache.layers[0].state.num_pages[0]) >= 6  # >= 6 pages of INT2 history
                 agree[name].append(int((got == want).sum()))
     print(f"greedy BF16 tokens matched (of 32, per prompt): {agree}")
     assert sum(agree["oscar"]) >= 72, agree  # >= 75 %
@@ -147,7 +150,7 @@ def test_chunked_prefill_reads_int2_history(smollm2):
         cache = oscar.make_cache(1, ids.shape[1] + 32)
         with torch.no_grad():
             model(ids[:, :700], **cache_kwargs(model, cache))
-        assert len(cache.layers[0].pages[0]) == oscar.layout.pages_for(700) == 5
+        assert int(cache.layers[0].state.num_pages[0]) == oscar.layout.pages_for(700) == 5
         got = teacher_forced(model, ids[:, 700:], want, cache)
     agree = int((got == want).sum())
     print(f"chunked prefill: {agree}/32 greedy BF16 tokens matched")
@@ -165,5 +168,5 @@ def test_1500_generated_tokens_beyond_the_windows(smollm2):
     assert out.shape == (1, 1500)
     n = 200 + 1499
     assert cache.sequence_lengths() == [n]
-    assert len(cache.layers[29].pages[0]) == oscar.layout.pages_for(n) == 21
+    assert int(cache.layers[29].state.num_pages[0]) == oscar.layout.pages_for(n) == 21
     assert cache.kv_bytes() < 0.5 * cache.bf16_bytes()

@@ -1,0 +1,179 @@
+"""The transactional output directory: all or nothing, signals, stale temporaries, --force."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from oscar_export.atomic_dir import atomic_dir, check_out_dir, is_temporary
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir())
+
+
+def test_success_renames_into_place(tmp_path):
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        assert tmp.parent == tmp_path and is_temporary(tmp) and not out.exists()
+        (tmp / "a.txt").write_text("a")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.txt").write_text("b")
+    assert (out / "a.txt").read_text() == "a" and (out / "sub" / "b.txt").read_text() == "b"
+    assert siblings(out) == ["out"]
+
+
+def test_failure_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_dir(out) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("boom")
+    assert siblings(out) == []
+
+
+def test_files_and_directories_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "f").write_text("x")
+    names = [Path(p).name for p in synced]
+    assert "f" in names and "sub" in names, synced
+    assert synced[-1] == str(tmp_path), "the parent directory is fsynced after the rename"
+
+
+def test_non_empty_out_refused_unless_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with atomic_dir(out) as tmp:  # an empty directory is fine
+        (tmp / "oscar.json").write_text("1")
+    with pytest.raises(FileExistsError, match=f"--out {out}: already exists and is not empty.*--force"):
+        check_out_dir(out, force=False, looks_like="oscar.json")
+    with pytest.raises(FileExistsError, match="not empty"):
+        with atomic_dir(out):
+            pytest.fail("entered")
+    with atomic_dir(out, force=True, looks_like="oscar.json") as tmp:
+        (tmp / "oscar.json").write_text("2")
+    assert (out / "oscar.json").read_text() == "2" and siblings(out) == ["out"]
+
+
+def test_force_refuses_a_directory_that_is_not_an_output(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match="does not look like .*no oscar.json.*refusing to replace it"):
+        check_out_dir(home, force=True, looks_like="oscar.json")
+    assert (home / "thesis.tex").exists()
+
+
+def test_out_is_a_file_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError, match="--out .*f: exists and is not a directory"):
+        check_out_dir(tmp_path / "f", force=True, looks_like="oscar.json")
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from oscar_export.atomic_dir import atomic_dir
+    with atomic_dir(Path(sys.argv[1])) as tmp:
+        (tmp / "partial").write_text("x")
+        print(tmp, flush=True)
+        time.sleep(60)
+""")
+
+
+def start_child(out: Path) -> tuple[subprocess.Popen, Path]:
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    tmp = Path(p.stdout.readline().strip())
+    assert tmp.is_dir(), tmp
+    return p, tmp
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_cleans_up(tmp_path, sig):
+    out = tmp_path / "out"
+    p, tmp = start_child(out)
+    p.send_signal(sig)
+    rc = p.wait(timeout=20)
+    assert rc != 0 and not tmp.exists() and not out.exists(), (rc, siblings(out))
+
+
+def test_stale_temporary_of_a_killed_run_is_removed(tmp_path):
+    out = tmp_path / "out"
+    p, tmp = start_child(out)
+    live = start_child(tmp_path / "other")  # a run still in progress for another output
+    try:
+        p.kill()  # SIGKILL: nothing can clean up
+        p.wait(timeout=20)
+        assert tmp.exists()
+        with atomic_dir(out) as new:
+            assert not tmp.exists(), "the killed run's temporary is removed on the next run"
+            (new / "done").write_text("1")
+        assert siblings(out) == sorted(["out", live[1].name])
+        with atomic_dir(tmp_path / "other2"):
+            pass
+        assert live[1].exists(), "a live process's temporary is never removed"
+    finally:
+        live[0].kill()
+        live[0].wait(timeout=20)
+
+
+def test_foreign_directories_are_not_temporaries(tmp_path):
+    """Only names of the exact pattern (pid, process start time, token) are ever candidates for removal."""
+    foreign = [".out.tmp-123", ".out.oscar-tmp-x", "out.oscar-tmp-999999999-1-abcd0123",
+               ".out.oscar-tmp-999999999-abcd0123", ".out.oscar-tmp-999999999-1-abcd0123-suffix"]
+    other = ".other.oscar-tmp-999999999-1-abcd0123"  # a dead run's temporary, but for another output
+    link = ".out.oscar-tmp-999999999-1-abcd0123"  # the right name, but a symlink: not a directory of ours
+    for name in (*foreign, other):
+        (tmp_path / name).mkdir()
+    (tmp_path / link).symlink_to(tmp_path / ".out.tmp-123")
+    assert not any(is_temporary(tmp_path / n) for n in foreign)
+    assert is_temporary(tmp_path / other) and is_temporary(tmp_path / link)
+    with atomic_dir(tmp_path / "out"):
+        pass
+    assert siblings(tmp_path / "out") == sorted(["out", link, other, *foreign])
+
+
+def test_interrupted_replace_is_recovered(tmp_path):
+    """A run killed between moving the old output aside and renaming the new one in: the old one comes back."""
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "oscar.json").write_text("old")
+    child = textwrap.dedent("""
+        import os, sys
+        from pathlib import Path
+        import oscar_export.atomic_dir as ad
+        real = os.rename
+        def rename(a, b):
+            real(a, b)
+            if Path(b).name.startswith(".out.oscar-old-"):
+                os.kill(os.getpid(), 9)
+        ad.os.rename = rename
+        with ad.atomic_dir(Path(sys.argv[1]), force=True, looks_like="oscar.json") as tmp:
+            (tmp / "oscar.json").write_text("new")
+    """)
+    p = subprocess.run([sys.executable, "-c", child, str(out)], cwd=ROOT, timeout=60)
+    assert p.returncode == -9 and not out.exists()
+    time.sleep(0.05)
+    with pytest.raises(FileExistsError):  # the next run first puts the old output back, then refuses to overwrite
+        with atomic_dir(out):
+            pass
+    assert (out / "oscar.json").read_text() == "old" and siblings(out) == ["out"]
