@@ -5,14 +5,13 @@ NOT EXECUTED in TensorRT-LLM: it cannot be installed on the machines this projec
 * ``deployment.py`` -- the deployment and its startup checks (bad checkpoint/bundle/family/limits);
 * ``model.py`` -- ``register()``: the out-of-tree model (``@register_auto_model``), the cache-manager
   installation and the startup check that every attention layer runs the OSCAR backend;
-* ``attention.py`` / ``cache.py`` -- the ``AttentionBackend`` and ``KVCacheManager`` subclasses;
-* ``book.py`` -- slots, block-table rows, device lengths (C++ block ids as INT2 page ids);
+* ``attention.py`` / ``cache.py`` -- the ``AttentionBackend`` and ``KVCacheManager`` subclasses (pages, lengths
+  and the step: ``kernels/pages.py``'s ``PageBook``, its rows the C++ block ids);
 * ``device.py`` / ``reference_ops.py`` -- the cache operations through the AOT bundle (GPU) / the reference;
 * ``upstream.py`` -- where TensorRT-LLM keeps those names (1.2 and main layouts).
 
 Tested against stand-ins of the upstream classes under their real module names (tests/plugins/
-test_trtllm_contract.py); the device ops on an H200 (tests/gpu/test_trtllm_gpu.py). ``bookkeeping.py`` is the
-previous host-side book, kept only for tests/gpu/test_aot_gpu.py until that test moves.
+test_trtllm_contract.py); the device ops on an H200 (tests/gpu/test_trtllm_gpu.py).
 """
 
 
@@ -24,11 +23,3 @@ def register(checkpoint, bundle, module=None, arch=None, ops_factory=None):
 
 
 __all__ = ["register"]
-
-
-def __getattr__(name):  # the previous book, for tests/gpu/test_aot_gpu.py only (see bookkeeping.py)
-    if name == "OscarCacheBook":
-        from .bookkeeping import OscarCacheBook
-
-        return OscarCacheBook
-    raise AttributeError(name)

@@ -8,14 +8,18 @@ model's attention module hands it post-RoPE ``q [tokens, H*D]``, ``k, v [tokens,
 Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests (never "no cached tokens"):
 
 * a first chunk (``num_cached_tokens_per_seq[i] == 0``) attends at full precision (causal SDPA, TensorRT-LLM's
-  scale ``1 / (q_scaling * sqrt(D))``) and is written with the quantize kernels (``ops.prefill``);
-* a later chunk / prefix-reused context goes to ``ops.prefill_chunk`` (the reference path has it; the AOT
-  bundle has no chunk kernel yet, so on the GPU it raises and the deployment turns chunked prefill off);
+  scale ``1 / (q_scaling * sqrt(D))``);
+* a later chunk / prefix-reused context attends to the slot's committed cache through ``ops.chunk_attention``
+  (the reference path has it; the AOT bundle has no chunk kernel yet, so on the GPU it raises and the
+  deployment turns chunked prefill off);
+* either is then written at its cached length (``ops.write``: ``reference.write_tokens``, sink, INT2 pages,
+  recent ring; the quantize kernels on the GPU);
 
-the generation rows take one device-only decode step over every slot (``book.mask_inactive``, then
-``ops.decode_step``: demotion decided by the kernel, append; ``ops.decode``: split-K attention + merge), reading
-their slots from the cache manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it
-replays with the current batch's slots. The output is in the stored value basis plus the value mean: the
+the generation rows take one device-only decode step over every slot (``ops.decode_step``: the decode-step
+writer, ``decode_append``, with every row that is not a generation row of this batch flagged so it writes
+nothing; ``ops.decode``: split-K attention + merge over the step's lengths), reading their slots from the cache
+manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it replays with the current
+batch's slots. The first layer begins the page book's step, the last commits it (``cache.py``). The output is in the stored value basis plus the value mean: the
 exported ``o_proj`` undoes the value rotation. Cost: the step runs over every slot (the kernels index rows by
 batch position), so idle slots are attended too; a row -> slot index inside the kernels would remove that.
 
@@ -27,7 +31,8 @@ from __future__ import annotations
 
 import math
 
-from .book import mask_inactive, restore_inactive
+from .cache import STATUS_IDLE
+from .reference_ops import one_slot
 
 #: INT2 pages per split program of the decode kernel (a deployment choice; any value > 0 is correct).
 PAGES_PER_SPLIT = 8
@@ -78,13 +83,15 @@ def make_attention_class(up, deployment):
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             if out is None:
                 out = torch.empty(q.shape[0], h * d, dtype=q.dtype, device=q.device)
-            state, ops = mgr.layers[self.layer_idx], mgr.ops
+            state, step_state, ops = mgr.layers[self.layer_idx], mgr.step_layers[self.layer_idx], mgr.ops
             t = deployment.transform(self.layer_idx, q.device)
             nc, ns = int(metadata.num_contexts), int(getattr(metadata, "num_seqs", len(metadata.seq_lens)))
             seq_lens = [int(x) for x in metadata.seq_lens[:ns].tolist()]  # pinned host tensor: no device sync
-            capturing = _capturing()
-            if not capturing:
+            if not _capturing():
                 self._check_step_slots(mgr, list(metadata.request_ids)[:ns])
+            if self.layer_idx == 0:
+                mgr.begin_step([(mgr.step_slots_host[i], seq_lens[i]) for i in range(nc)],
+                               mgr.step_slots[nc:ns].long())
             offset = 0
             if nc:
                 cached = metadata.kv_cache_params.num_cached_tokens_per_seq
@@ -97,25 +104,26 @@ def make_attention_class(up, deployment):
                     vi = v[sl].view(n, hkv, d).transpose(0, 1)
                     k_s = t.transform_keys(ki[None])[0].to(torch.bfloat16)  # stored basis
                     v_s = t.transform_values(vi[None])[0].to(torch.bfloat16)
-                    total = int(cached[i]) + n
-                    row = mgr.book.row(slot)
-                    if int(cached[i]) == 0 or slot == mgr.book.scratch:  # a dummy request: computed, not stored
+                    start = int(cached[i])
+                    if start == 0 or slot == mgr.scratch:  # a dummy request: computed, not stored
                         o = torch.nn.functional.scaled_dot_product_attention(
                             qi[None], ki[None], vi[None], is_causal=True, scale=self.scale, enable_gqa=True)[0]
-                        out[sl] = o.transpose(0, 1).reshape(n, h * d).to(out.dtype)
-                        if slot != mgr.book.scratch:
-                            ops.prefill(state, slot, k_s, v_s, row[: deployment.layout.pages_for(total)], t)
                     else:
-                        o = ops.prefill_chunk(state, slot, qi, k_s, v_s, row[: deployment.layout.pages_for(total)], t)
+                        o = ops.chunk_attention(one_slot(state, slot), qi, k_s, v_s, t)
                         o = t.restore_output(o[None])[0]
-                        out[sl] = o.transpose(0, 1).reshape(n, h * d).to(out.dtype)
+                    out[sl] = o.transpose(0, 1).reshape(n, h * d).to(out.dtype)
+                    if slot != mgr.scratch:
+                        ops.write(state, slot, start, k_s, v_s, t)
                     offset += n
             if ns > nc:
                 g = ns - nc
-                out[offset : offset + g] = self._decode(mgr, state, ops, t, q, k, v, offset, g, nc, ns).to(out.dtype)
+                out[offset : offset + g] = self._decode(mgr, state, step_state, ops, t, q, k, v, offset, g, nc,
+                                                        ns).to(out.dtype)
+            if self.layer_idx == deployment.num_layers - 1:
+                mgr.commit_step()
             return out
 
-        def _decode(self, mgr, state, ops, t, q, k, v, offset, g, nc, ns):
+        def _decode(self, mgr, state, step_state, ops, t, q, k, v, offset, g, nc, ns):
             """One device-only decode step for the ``g`` generation rows (CUDA-graph capturable)."""
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             rows = mgr.step_slots[nc:ns].long()
@@ -127,12 +135,13 @@ def make_attention_class(up, deployment):
             vb = torch.zeros_like(kb).index_copy_(0, rows, vs)
             qb = torch.zeros(n_slots, h, d, dtype=torch.bfloat16, device=q.device)
             qb.index_copy_(0, rows, q[sl].view(g, h, d).to(torch.bfloat16))
-            active = torch.zeros(n_slots, dtype=torch.bool, device=q.device).index_fill_(0, rows, True)
-            active[mgr.book.scratch] = False  # padding rows: computed, never stored
-            saved = mask_inactive(state, active)
-            ops.decode_step(state, kb, vb, t)
-            restore_inactive(state, active, saved)
-            ob = ops.decode(qb, state, t, PAGES_PER_SPLIT)  # [slots, H, D] stored value basis
+            gen = torch.zeros(n_slots, dtype=torch.bool, device=q.device).index_fill_(0, rows, True)
+            gen[mgr.scratch] = False  # padding rows: computed, never stored
+            # context rows (written above) and idle rows take no decode write; the book's flags hold for the rest
+            status = torch.where(gen, mgr.book.status, STATUS_IDLE).to(torch.int32)
+            ops.decode_step(state, kb, vb, status, t)
+            mgr.book.flag(torch.where(gen, status, 0).to(torch.int32))  # a NaN/Inf token: the slot is not committed
+            ob = ops.decode(qb, step_state, t, PAGES_PER_SPLIT)  # [slots, H, D] stored value basis
             og = t.restore_output(ob.index_select(0, rows)[:, :, None].float()).squeeze(2)  # + v_mean
             return og.reshape(g, h * d)
 

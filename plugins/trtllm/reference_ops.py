@@ -1,14 +1,14 @@
 """The TensorRT-LLM adapter's cache operations on the PyTorch reference (``kernels/reference.py``), any device.
 
 Same interface and same semantics as :class:`.device.AotCacheOps` (the bundle's kernels), so the adapter's
-contract tests run on a CPU: ``decode_step`` treats every row exactly as ``_demote_due_kernel`` +
-``_append_kernel`` do (demote where ``recent_len == W + P`` into ``block_table[b, num_pages[b]]``, then append),
+contract tests run on a CPU: ``write`` is ``reference.write_tokens``, ``decode_step`` is
+``reference.decode_append`` (what ``_decode_append_kernel`` does: the token into the sink or the recent ring,
+a demotion where ``recent_len == W + P`` into ``block_table[b, num_pages[b]]``, nothing for a flagged row),
 ``decode`` is ``reference.decode_attention`` with the query rotated as the fused kernel does.
 Host reads (``int(...)``) are allowed here: this path is the oracle, not the one captured in CUDA graphs.
 """
 
 from __future__ import annotations
-
 
 from oscar_export.kernels import reference
 
@@ -19,32 +19,28 @@ class TorchCacheOps:
     def __init__(self, layout, num_heads: int, sm_scale: float) -> None:
         self.layout, self.num_heads, self.sm_scale = layout, num_heads, sm_scale
 
-    def prefill(self, state, slot: int, k, v, page_ids, transform) -> None:
-        """Write a whole prompt ``k, v [H_kv, T, D]`` (stored basis) into the empty sequence ``slot``."""
-        t = k.shape[1]
-        if len(page_ids) != self.layout.pages_for(t):
-            raise ValueError(f"prefill: a {t}-token prompt fills {self.layout.pages_for(t)} pages, got {len(page_ids)}")
-        ids = iter(page_ids)
-        reference.append_tokens(state, slot, k, v, self.layout, transform, lambda: next(ids))
+    def write(self, state, slot: int, start: int, k, v, transform) -> None:
+        """Write ``k, v [H_kv, T, D]`` (stored basis) at positions ``start ..`` of sequence ``slot`` (a prompt or a
+        chunk; the pages are the ones its block-table row names). Lengths are the page book's to commit."""
+        reference.write_tokens(state, slot, start, k, v, self.layout, transform)
 
-    def prefill_chunk(self, state, slot: int, q, k, v, page_ids, transform):
-        """A later prompt chunk: ``q [H, n, D]`` (model basis), ``k, v [H_kv, n, D]`` stored basis. Attends to the
-        cache as stored and causally to itself, then is written. Returns ``[H, n, D]`` in the stored value basis."""
+    def chunk_attention(self, state, q, k, v, transform):
+        """A later prompt chunk of a batch-of-one ``state`` (committed lengths): ``q [H, n, D]`` (model basis),
+        ``k, v [H_kv, n, D]`` stored basis. Returns ``[H, n, D]`` in the stored value basis."""
         qs = transform.transform_queries(q[None])
-        out = reference.chunk_attention(qs, k[None], v[None], _row(state, slot), self.layout, transform.k_levels,
-                                        transform.v_levels, self.sm_scale)[0]
-        have = int(state.num_pages[slot])
-        ids = iter(page_ids[have:])
-        reference.append_tokens(state, slot, k, v, self.layout, transform, lambda: next(ids))
-        return out
+        return reference.chunk_attention(qs, k[None], v[None], state, self.layout, transform.k_levels,
+                                         transform.v_levels, self.sm_scale)[0]
 
-    def decode_step(self, state, k, v, transform) -> None:
-        """``k, v [B, H_kv, D]`` stored basis: per row, demote where the window is full, then append."""
+    def decode_step(self, state, k, v, status, transform) -> None:
+        """``k, v [B, H_kv, D]`` stored basis, ``status [B]`` int32 (rows with a bit set write nothing; NaN/Inf
+        rows get ``STATUS_NONFINITE``), ``state`` with the committed lengths.
+
+        One row at a time (views of ``state``): ``reference.decode_append`` stores every row's candidate page
+        with one indexed assignment, and here rows may name the same pool page (unassigned block-table
+        entries are 0), where an indexed assignment with repeated indices keeps an arbitrary one."""
         for b in range(k.shape[0]):
-            if int(state.recent_len[b]) == self.layout.recent_capacity:
-                page = int(state.block_table[b, int(state.num_pages[b])])
-                reference.demote(state, b, page, self.layout, transform)
-            reference.append_tokens(state, b, k[b, :, None], v[b, :, None], self.layout, transform, _no_page)
+            reference.decode_append(one_slot(state, b), k[b : b + 1], v[b : b + 1], status[b : b + 1], self.layout,
+                                    transform)
 
     def decode(self, q, state, transform, pages_per_split: int = 8):
         """``q [B, H, D]`` model basis -> ``[B, H, D]`` stored value basis (float32)."""
@@ -52,16 +48,13 @@ class TorchCacheOps:
         return reference.decode_attention(qs, state, self.layout, transform.k_levels, transform.v_levels, self.sm_scale)
 
 
-def _row(state, b: int):
-    """Sequence ``b`` of ``state`` as a batch of one (views)."""
+def one_slot(state, slot: int):
+    """Slot ``slot`` of ``state`` as a batch of one (views; the pools are shared)."""
     from dataclasses import fields
 
-    return type(state)(**{f.name: getattr(state, f.name)[b : b + 1] if f.name not in (
-        "k_codes", "k_params", "v_codes", "v_params") else getattr(state, f.name) for f in fields(state)})
+    pools = ("k_codes", "k_params", "v_codes", "v_params")
+    return type(state)(**{f.name: getattr(state, f.name) if f.name in pools else getattr(state, f.name)[slot : slot + 1]
+                          for f in fields(state)})
 
 
-def _no_page() -> int:
-    raise AssertionError("decode_step: a demotion page must come from the block table, not an allocator")
-
-
-__all__ = ["TorchCacheOps"]
+__all__ = ["TorchCacheOps", "one_slot"]

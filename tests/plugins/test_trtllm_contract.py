@@ -279,11 +279,11 @@ def test_cuda_graph_warmup_capture_replay_with_dummy_requests(deploy, monkeypatc
     d = _driver(deploy)
     # request 6 comes first (C++ block 0 is its first INT2 page) and outlives the others: two padding rows per
     # replay for ~60 steps, enough to fill a window. Padding rows must never be stored (they point at the
-    # scratch row, which never takes a token), else its demotion would land in page 0.
+    # scratch slot, which never takes a token), else its demotion would land in page 0.
     reqs = [Req(6, 5, 110)] + _requests()[:3]
     d.run_graph(reqs, batch_size=3, monkeypatch=monkeypatch)
     assert all(r.done for r in reqs) and d.checked_outputs > 150
-    assert not d.mgr.dummy_ids and not d.mgr.book.slots  # dummies and requests all released
+    assert not d.mgr.dummy_ids and not d.mgr.slots  # dummies and requests all released
 
 
 def test_chunked_prefill_is_context_by_num_contexts(deploy):
@@ -330,7 +330,7 @@ def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
     cfg = trtllm_standins.KvCacheConfig
     too_long = 10**5
     ok = dep.manager_cls(cfg(), "SELF", max_seq_len=256, **kw)
-    assert ok.book.max_tokens() >= 256 and ok.book.max_pages == 16
+    assert ok.book.max_length == 256 and ok.book.max_pages == LAYOUT.pages_for(256)
     with pytest.raises(ValueError, match="tokens_per_block 32: the OSCAR cache needs tokens_per_block = the page "
                                          "size 16"):
         dep.manager_cls(cfg(), "SELF", max_seq_len=256, **{**kw, "tokens_per_block": 32})
@@ -343,6 +343,9 @@ def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
 
     with pytest.raises(ValueError, match=r"max_batch_size 2 x max_seq_len 256 needs 26 INT2 pages; 5 are reserved"):
         Small(cfg(), "SELF", max_seq_len=256, **kw)
-    assert too_long  # (a too-long sequence for the block table: PageBook.reserve, below)
-    with pytest.raises(ValueError, match="needs .* INT2 pages; the block table holds 16 per sequence"):
-        ok.book.reserve(0, too_long)
+    # a request longer than the pages reserved per slot: refused on admission, before anything is written
+    req = ns.llm_request.LlmRequest(request_id=7, max_new_tokens=too_long, input_tokens=[1] * 8)
+    with pytest.raises(ValueError, match=f"request 7: prompt \\+ max_new_tokens = {too_long + 8} tokens; the OSCAR "
+                                         "cache reserved 256 per sequence"):
+        ok.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
+    assert not ok.slots

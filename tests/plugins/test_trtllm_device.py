@@ -38,7 +38,7 @@ def _ops():
     ops.layout, ops.num_heads = LAYOUT, 4
     ops.quant_k, ops.quant_v = _Kernel(lp.QUANT_PACK), _Kernel(lp.QUANT_PACK)
     ops.split, ops.merge = _Kernel(lp.DECODE_SPLIT), _Kernel(lp.DECODE_MERGE)
-    ops._step = (_Kernel(lp.DEMOTE_DUE), _Kernel(lp.APPEND))
+    ops._append = _Kernel(lp.DECODE_APPEND)
     return ops
 
 
@@ -47,10 +47,12 @@ def test_every_device_launch_is_the_launch_plan():
     st = PagedKV.allocate(LAYOUT, 3, 8, 4, dtype=torch.bfloat16)
     t = LayerTransform.identity(2, 64)
     k = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    ops.decode_step(st, k, k, t)
+    ops.decode_step(st, k, k, torch.zeros(3, dtype=torch.int32), t)
     ops.decode(torch.zeros(3, 4, 64, dtype=torch.bfloat16), st, t, 2)
     rows = torch.zeros(2, 70, 64, dtype=torch.bfloat16)  # 70 tokens: sink 16, 2 pages, recent 22
-    ops.prefill(st, 0, rows, rows, [5, 2], t)
-    for kern in (ops.demote_due, ops.append_one, ops.split, ops.merge, ops.quant_k, ops.quant_v):
+    st.block_table[0, :2] = torch.tensor([5, 2], dtype=torch.int32)
+    ops.write(st, 0, 0, rows, rows, t)
+    assert ops.quant_k.calls[0]["page_ids_ptr"].tolist() == [5, 2]
+    for kern in (ops.append_kernel, ops.split, ops.merge, ops.quant_k, ops.quant_v):
         assert kern.calls, f"{kern.plan.name} was not launched"
     assert ops.split.calls[0]["n_splits"] == ops.merge.calls[0]["n_splits"]

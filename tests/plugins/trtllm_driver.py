@@ -12,7 +12,8 @@ KV cache manager class from ``get_kv_cache_manager_cls``) and runs requests thro
   host at capture time is what the replay uses, as in a real graph.
 
 After every step each live request's cache (lengths, BF16 windows, the INT2 pages its block-table row names)
-is compared with a cache written token by token by ``kernels/reference.append_tokens`` from the same rows, and
+is compared with a cache written step by step by ``kernels/reference.append_tokens`` from the same rows (the
+recent ring's slots that hold the committed tokens), and
 every generated row's attention output with ``reference.decode_attention`` / ``chunk_attention`` on it.
 """
 
@@ -166,7 +167,7 @@ class Driver:
         for r in reqs:
             if r.done or r.written == 0:  # finished, or not admitted yet
                 continue
-            slot = self.mgr.book.slot_of(r.rid)
+            slot = self.mgr.slot_of(r.rid)
             for layer, st in enumerate(self.mgr.layers):
                 ref = r.ref[layer]
                 got = [int(st.sink_len[slot]), int(st.num_pages[slot]), int(st.recent_len[slot])]
@@ -174,11 +175,12 @@ class Driver:
                 where = f"step {self.steps} request {r.rid} (slot {slot}, {r.written} tokens) layer {layer}"
                 assert got == want == list(self.lay.split(r.written)), f"{where}: lengths {got}, reference {want}"
                 sl, npg, rl = want
+                ring = self.lay.recent_slot(torch.arange(npg * self.lay.page_size, npg * self.lay.page_size + rl))
                 assert torch.equal(st.sink_k[slot, :, :sl], ref.sink_k[0, :, :sl]), f"{where}: sink keys differ"
                 assert torch.equal(st.sink_v[slot, :, :sl], ref.sink_v[0, :, :sl]), f"{where}: sink values differ"
-                assert torch.equal(st.recent_k[slot, :, :rl], ref.recent_k[0, :, :rl]), f"{where}: recent keys differ"
-                assert torch.equal(st.recent_v[slot, :, :rl], ref.recent_v[0, :, :rl]), f"{where}: recent values differ"
-                row = self.mgr.book.row(slot)
+                assert torch.equal(st.recent_k[slot][:, ring], ref.recent_k[0][:, ring]), f"{where}: recent keys differ"
+                assert torch.equal(st.recent_v[slot][:, ring], ref.recent_v[0][:, ring]), f"{where}: recent values differ"
+                row = self.mgr.rows[slot]
                 assert st.block_table[slot, :npg].tolist() == row[:npg], f"{where}: block table is not the C++ row"
                 for i in range(npg):
                     a, b = int(st.block_table[slot, i]), int(ref.block_table[0, i])
@@ -203,8 +205,8 @@ class Driver:
     def batch(self, ctx, gen) -> ScheduledRequests:
         b = ScheduledRequests([self._llm_request(r) for r in ctx], [self._llm_request(r) for r in gen])
         for r in ctx + gen:
-            if self.mgr.book.slots.get(r.rid) is not None:
-                r.rows.append(list(self.mgr.book.row(self.mgr.book.slot_of(r.rid))))
+            if r.rid in self.mgr.slots:
+                r.rows.append(list(self.mgr.rows.get(self.mgr.slot_of(r.rid), [])))
         return b
 
     def finish(self, r: Req) -> None:
