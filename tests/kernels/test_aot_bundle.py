@@ -69,7 +69,8 @@ def test_decode_kernels_compile_for_sm90():
 
 
 def test_decode_step_kernels_compile_for_sm90():
-    """The decode step's demote_due / append (new in the bundle) pass the AOT gates: scratch 0, params + 2."""
+    """The decode step's decode_append (one launch: token + demotion into the ring) passes the AOT gates: scratch 0,
+    params + 2."""
     layout, heads = LAYOUTS["smollm2"]
     for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")

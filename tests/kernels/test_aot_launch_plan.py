@@ -51,8 +51,9 @@ def test_trt_plans_are_the_originals_reordered():
 def test_rules_evaluate_on_ints_and_reject_bad_rules():
     cx = lp.decode_split_constexprs(LAYOUT, HEADS, 0.125)
     a = lp.DECODE_SPLIT.scalars({"max_pages": 10, "pages_per_split": 4}, cx)
-    assert a == {"max_pages": 10, "pages_per_split": 4, "n_page_splits": 3, "n_splits": 3 + 1 + 5}
-    assert lp.DECODE_SPLIT.grid_for({"B": 2, **a}, cx) == (6, 9, 1)
+    # BF16 splits: cdiv(S0 64, 64) + cdiv(C, 64) with C = the recent ring's W + 2P = 384 slots
+    assert a == {"max_pages": 10, "pages_per_split": 4, "n_page_splits": 3, "n_splits": 3 + 1 + 6}
+    assert lp.DECODE_SPLIT.grid_for({"B": 2, **a}, cx) == (6, 10, 1)
     with pytest.raises(ValueError, match="needs a value for .pages_per_split."):
         lp.DECODE_SPLIT.scalars({"max_pages": 10}, cx)
     with pytest.raises(ValueError, match="is not allowed"):
@@ -142,21 +143,26 @@ def test_jit_write_pages_launches_the_plan(monkeypatch, fused):
     _check_launch(plan, rec.calls[0], lp.quant_pack_constexprs(LAYOUT, LAYOUT.key, fused), strides, {"N": 3}, known)
 
 
-def test_jit_decode_step_launches_the_plan(monkeypatch):
-    demote, append = _record(monkeypatch, ds._demote_due_kernel, ds._append_kernel)
+@pytest.mark.parametrize("fused", [False, True])
+def test_jit_decode_step_launches_the_plan(monkeypatch, fused):
+    (rec,) = _record(monkeypatch, ds._decode_append_kernel)
     st, t = _state()
     k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
-    ds.decode_step_update(st, k, v, LAYOUT, t)
-    known = {f"{n}_ptr": getattr(st, n) for n in ("recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params",
-                                                  "block_table", "num_pages", "recent_len")}
-    _check_launch(lp.DEMOTE_DUE, demote.calls[0], lp.demote_due_constexprs(LAYOUT), {"max_pages": 4}, {"B": 2}, known)
-    known = {f"{n}_ptr": getattr(st, n) for n in ("sink_k", "sink_v", "recent_k", "recent_v", "sink_len", "num_pages",
+    status = torch.zeros(2, dtype=torch.int32)
+    ds.decode_append(st, k, v, status, LAYOUT, t, fused_transform=fused)
+    known = {f"{n}_ptr": getattr(st, n) for n in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params",
+                                                  "v_codes", "v_params", "block_table", "sink_len", "num_pages",
                                                   "recent_len")}
-    known.update(k_ptr=k, v_ptr=v)
-    _check_launch(lp.APPEND, append.calls[0], lp.append_constexprs(LAYOUT), {}, {"B": 2}, known)
+    known.update(k_ptr=k, v_ptr=v, rot_ptr=t.k_rotation, kscale_ptr=t.k_scale, kmean_ptr=t.k_mean,
+                 vmean_ptr=t.v_mean, k_levels_ptr=t.k_levels, v_levels_ptr=t.v_levels, status_ptr=status)
+    _check_launch(lp.DECODE_APPEND, rec.calls[0], lp.decode_append_constexprs(LAYOUT, fused), {"max_pages": 4},
+                  {"B": 2}, known)
 
 
 def test_wrapper_constants_are_the_plan():
     assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS, da.BF16_CHUNK) == (
         lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS, lp.BF16_CHUNK)
+    assert (da.MERGE_WARPS, da.MERGE_CHUNK) == (lp.DECODE_MERGE.num_warps, lp.MERGE_CHUNK)
+    assert (qp.QUANT_WARPS, qp.QUANT_ROT_WARPS) == (lp.QUANT_PACK.num_warps, lp.QUANT_PACK_ROT.num_warps)
+    assert (ds.APPEND_WARPS, ds.ROT_BLOCK) == (lp.DECODE_APPEND.num_warps, lp.ROT_BLOCK)
     assert da.gq_pad(3) == lp.gq_pad(3) and da.gq_pad(8) == lp.gq_pad(8) and da.gq_pad(1) == lp.gq_pad(1)
