@@ -5,7 +5,7 @@ attributes (the TensorRT form, :func:`decode_attention_trt_model`, splits it int
 the two TensorRT plugins, ``OscarDecodeSplit`` and ``OscarDecodeMerge``: one kernel launch each)::
 
     inputs   q [B, H, D] f32 (model basis)   k_rotation [H_kv, D, D] f32   k_scale [H_kv, D] f32
-             sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, W+P, D] bf16
+             sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, C, D] bf16 (the ring, C = W + 2P)
              k_codes, v_codes [N, H_kv, P, D/4] u8   k_params, v_params f16 (layout.params_shape)
              k_levels, v_levels [H_kv, 4] f32   block_table [B, M] i32   sink_len, num_pages, recent_len [B] i32
     output   out [B, H, D] f32 (stored value basis: the exported o_proj undoes the value rotation)
@@ -62,8 +62,8 @@ def _io(layout, num_heads: int, types: dict[str, str] | None = None):
     spec = {
         "q": (T.FLOAT, ["B", h, d]), "k_rotation": (T.FLOAT, [hkv, d, d]), "k_scale": (T.FLOAT, [hkv, d]),
         "sink_k": (T.BFLOAT16, ["B", hkv, layout.sink, d]), "sink_v": (T.BFLOAT16, ["B", hkv, layout.sink, d]),
-        "recent_k": (T.BFLOAT16, ["B", hkv, layout.recent_capacity, d]),
-        "recent_v": (T.BFLOAT16, ["B", hkv, layout.recent_capacity, d]),
+        "recent_k": (T.BFLOAT16, ["B", hkv, layout.recent_slots, d]),
+        "recent_v": (T.BFLOAT16, ["B", hkv, layout.recent_slots, d]),
         "k_codes": (T.UINT8, ["N", hkv, p, d // 4]), "k_params": (T.FLOAT16, kp),
         "v_codes": (T.UINT8, ["N", hkv, p, d // 4]), "v_params": (T.FLOAT16, ["N", hkv, p, layout.value.groups, 2]),
         "k_levels": (T.FLOAT, [hkv, 4]), "v_levels": (T.FLOAT, [hkv, 4]), "block_table": (T.INT32, ["B", "M"]),
@@ -151,6 +151,16 @@ def _valid(b: _Body, n: int | str, length: str) -> str:
     return b.op("Less", b.op("Unsqueeze", ar, b.c([0])), b.op("Unsqueeze", b.op("Cast", length, to=b.T.INT64), b.c([1])))
 
 
+def _ring_valid(b: _Body, layout) -> str:
+    """``[B, C]`` bool: the recent ring slots a sequence holds (``reference.recent_valid``): slot ``j`` is held
+    iff ``(j - start) mod C < recent_len`` with ``start = (num_pages * P) mod C``."""
+    c = layout.recent_slots
+    start = b.op("Mod", b.op("Mul", b.op("Cast", "num_pages", to=b.T.INT64), b.c(layout.page_size)), b.c(c))
+    ar = b.op("Unsqueeze", b.op("Range", b.c(0), b.c(c), b.c(1)), b.c([0]))  # [1, C]
+    off = b.op("Mod", b.op("Add", b.op("Sub", ar, b.op("Unsqueeze", start, b.c([1]))), b.c(c)), b.c(c))  # [B, C]
+    return b.op("Less", off, b.op("Unsqueeze", b.op("Cast", "recent_len", to=b.T.INT64), b.c([1])))
+
+
 def reference_function(layout, num_heads: int, sm_scale: float):
     """The ONNX FunctionProto ``oscar.OscarDecodeAttention`` in standard operators (see the module doc)."""
     import numpy as np
@@ -169,7 +179,7 @@ def reference_function(layout, num_heads: int, sm_scale: float):
     m = b.op("Gather", b.op("Shape", "block_table"), b.c(1), axis=0)  # scalar M
     hist_len = b.op("Mul", b.op("Cast", "num_pages", to=T.INT64), b.c(p))
     valid = b.op("Concat", _valid(b, layout.sink, "sink_len"), _valid(b, b.op("Mul", m, b.c(p)), hist_len),
-                 _valid(b, layout.recent_capacity, "recent_len"), axis=1)  # [B, T]
+                 _ring_valid(b, layout), axis=1)  # [B, T]
     s = b.op("Mul", b.op("MatMul", qs, b.op("Transpose", k, perm=[0, 1, 3, 2])), b.c(np.float32(sm_scale), np.float32))
     mask = b.op("Unsqueeze", valid, b.c([1, 2]))  # [B, 1, 1, T]
     s = b.op("Where", mask, s, b.c(np.float32(-np.inf), np.float32))

@@ -44,7 +44,7 @@ class DecodeShapes:
 
     Args:
         num_heads, num_kv_heads, head_dim: H, H_kv, D.
-        sink, recent_capacity: S0 and W + P of the layout.
+        sink, recent_slots: S0 and the recent ring's slots C = W + 2P of the layout.
         pages_per_split: INT2 pages per split program.
     """
 
@@ -52,7 +52,7 @@ class DecodeShapes:
     num_kv_heads: int
     head_dim: int
     sink: int
-    recent_capacity: int
+    recent_slots: int
     pages_per_split: int
 
     def __post_init__(self) -> None:
@@ -63,12 +63,12 @@ class DecodeShapes:
 
     @classmethod
     def from_layout(cls, layout, num_heads: int, pages_per_split: int) -> "DecodeShapes":
-        return cls(num_heads, layout.num_kv_heads, layout.head_dim, layout.sink, layout.recent_capacity, pages_per_split)
+        return cls(num_heads, layout.num_kv_heads, layout.head_dim, layout.sink, layout.recent_slots, pages_per_split)
 
     @property
     def _constexprs(self) -> dict[str, int]:
         """The integer constexprs the plan's rules read."""
-        return {"H_KV": self.num_kv_heads, "S0": self.sink, "RC": self.recent_capacity, "BN": BF16_CHUNK}
+        return {"H_KV": self.num_kv_heads, "S0": self.sink, "RC": self.recent_slots, "BN": BF16_CHUNK}
 
     def split_scalars(self, max_pages: Any) -> dict[str, Any]:
         return TRT_DECODE_SPLIT.scalars({"max_pages": max_pages, "pages_per_split": self.pages_per_split},
@@ -116,8 +116,8 @@ def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[in
     hkv = shapes.num_kv_heads
     want = {
         "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, shapes.sink, d),
-        "sink_v": (b, hkv, shapes.sink, d), "recent_k": (b, hkv, shapes.recent_capacity, d),
-        "recent_v": (b, hkv, shapes.recent_capacity, d), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
+        "sink_v": (b, hkv, shapes.sink, d), "recent_k": (b, hkv, shapes.recent_slots, d),
+        "recent_v": (b, hkv, shapes.recent_slots, d), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
     for name, shape in want.items():

@@ -127,7 +127,7 @@ def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
     vi = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
     assert vi["part_o"] == ["B", 9, "n_splits", 64] and vi["part_lse"] == ["B", 9, "n_splits"]
     po, pl = shapes.split_outputs(2, 10)  # concrete: B = 2, M = 10 pages
-    assert po == (2, 9, 3 + 1 + 5, 64) and pl == po[:3]  # cdiv(10, 4) page splits + sink 1 + recent 5 chunks
+    assert po == (2, 9, 3 + 1 + 6, 64) and pl == po[:3]  # cdiv(10, 4) page splits + sink 1 + the ring's 6 chunks
     out = [d.dim_param or d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim]
     assert out == list(shapes.merge_output("B"))
 
