@@ -97,10 +97,11 @@ class AotCacheOps:
         names; a row whose ``status [B]`` int32 is nonzero writes nothing (NaN/Inf rows set
         ``STATUS_NONFINITE``). One launch, no host read: ``decode_step.decode_append`` through the bundle
         (``TRANSFORM`` off: the keys are already in the stored basis)."""
-        lay = self.layout
+        lay, tr = self.layout, transform
         self.append_kernel.launch(named=dict(
-            k_ptr=k.contiguous(), v_ptr=v.contiguous(), rot_ptr=transform.k_rotation, kscale_ptr=transform.k_scale,
-            kmean_ptr=transform.k_mean, vmean_ptr=transform.v_mean,  # read only with TRANSFORM
+            k_ptr=k.contiguous(), v_ptr=v.contiguous(), rot_ptr=tr.k_rotation.contiguous(),  # the AOT ABI: dense
+            kscale_ptr=tr.k_scale.contiguous(), kmean_ptr=tr.k_mean.contiguous(),
+            vmean_ptr=tr.v_mean.contiguous(),  # read only with TRANSFORM
             sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v, recent_k_ptr=state.recent_k,
             recent_v_ptr=state.recent_v, k_codes_ptr=state.k_codes, k_params_ptr=state.k_params,
             v_codes_ptr=state.v_codes, v_params_ptr=state.v_params,
