@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from oscar_export.kernels.layout import ONE_THIRD_F32, RowFormat
+from oscar_export.kernels.layout import RowFormat
+from oscar_export.kernels.reference import dequantize_groups, quantize_groups
 from oscar_export.kernels.transform import clip_rank
 
 from .capture import HeldOut
@@ -101,7 +102,7 @@ class LayerObjective:
         """``x [N, H_kv, T_q, D]`` stored basis -> ``[x_hat - x]`` (fp32) for each ``clip [H_kv]`` of ``clips``.
 
         ``x_hat`` is bit-identical to ``dequantize_pages(*quantize_pages(pages, fmt, clip, levels), fmt, levels)``
-        (tested); the ``|x|`` sort is shared by all clip ratios.
+        (tested).
         """
         n = x.shape[0]
         pages = self._pages(x)
@@ -160,37 +161,23 @@ def roundtrip(
 ) -> list[torch.Tensor]:
     """``x_hat`` (fp32) of ``pages [N, H_kv, P, D]`` for every ``clip [H_kv]``, through the reference quantizer.
 
-    The same arithmetic as ``kernels.reference.quantize_groups`` + ``dequantize_groups`` (same ops, same
-    order, fp16 params), with the ``|x|`` sort done once for all clip ratios; ``tests/calibration``
-    checks it against ``quantize_pages``/``dequantize_pages`` with ``torch.equal``.
+    ``kernels.reference.quantize_groups`` + ``dequantize_groups`` on the groups ``fmt`` defines (the codes are
+    not packed: packing is lossless), one call per clip ratio.
     """
     n, h, p, d = pages.shape
     if fmt.granularity == "token":
         g = fmt.group_size
         x = pages.float().reshape(n, h, p, d // g, g)
         lv = levels.float().view(1, h, 1, 1, 4)
-        view = (1, h, 1, 1, 1)
-        size = g
+        view, size = (1, h, 1, 1, 1), g
     else:
         x = pages.float().transpose(-1, -2)  # [N, H, D, P]
         lv = levels.float().view(1, h, 1, 4)
-        view = (1, h, 1, 1)
-        size = p
-    srt = x.abs().sort(dim=-1).values
-    t = (lv[..., :-1] + lv[..., 1:]) * 0.5
+        view, size = (1, h, 1, 1), p
     out = []
     for clip in clips:
-        rank = clip_rank(clip, size).view(view)
-        thr = torch.gather(srt, -1, rank.expand(*x.shape[:-1], 1))
-        xc = torch.minimum(torch.maximum(x, -thr), thr)
-        lo = xc.amin(dim=-1, keepdim=True)
-        hi = xc.amax(dim=-1, keepdim=True)
-        s = ((hi - lo) * ONE_THIRD_F32).to(torch.float16).float()
-        lo = lo.to(torch.float16).float()
-        dd = xc - lo
-        codes = (dd >= t[..., 0:1] * s).long() + (dd >= t[..., 1:2] * s).long() + (dd >= t[..., 2:3] * s).long()
-        val = torch.gather(lv.expand(*codes.shape[:-1], 4), -1, codes)
-        xh = lo + s * val
+        codes, scale, lo = quantize_groups(x, clip_rank(clip.to(x.device), size).view(view), lv)
+        xh = dequantize_groups(codes, scale, lo, lv)
         out.append(xh.reshape(n, h, p, d) if fmt.granularity == "token" else xh.transpose(-1, -2))
     return out
 

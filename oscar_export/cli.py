@@ -17,7 +17,7 @@ COMMANDS: dict[str, str] = {
     "generate": "oscar_export.generate",
     "calibrate": "oscar_export.calibrate",
     "inspect": "oscar_export.inspect_artifact",
-    "eval": "oscar_export.evaluate",
+    "eval": "oscar_export.eval.driver",
     "export": "oscar_export.export",
     "build": "oscar_export.build",
     "bench": "oscar_export.bench",

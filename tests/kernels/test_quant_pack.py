@@ -205,24 +205,26 @@ def test_bad_inputs_raise(qp, device):
 
 
 def test_hf_triton_backend_writes_equal_reference(qp, device):
-    """``backend="triton"`` writers (prefill with pages, then demotions) leave the reference's cache, bit for bit."""
+    """``backend="triton"`` prompt writes (pages quantized by the kernel), a whole prompt and then chunks that
+    demote, leave the reference's cache bit for bit."""
+    from types import SimpleNamespace
+
     from oscar_export.plugins.hf.triton_backend import triton_ops
 
     ops = triton_ops()
     lay = KVCacheLayout(2, 64, RowFormat(64, 64, "channel"), RowFormat(64, 64), sink=16, window=16, page_size=16)
     tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     a = PagedKV.allocate(lay, 2, 12, 6)
+    a.block_table.copy_(torch.arange(12, dtype=torch.int32).view(2, 6))
     g = PagedKV(**{f: getattr(a, f).clone().to(device) for f in a.__dataclass_fields__})
-    trd = tr.to(device)
+    layer = SimpleNamespace(layout=lay, transform=tr.to(device))
     for b, t in enumerate([100, 30]):
-        k, v = torch.randn(2, t, 64), torch.randn(2, t, 64)
-        ids_a, ids_g = iter(range(b * 6, b * 6 + 6)), iter(range(b * 6, b * 6 + 6))
-        ref.append_tokens(a, b, k, v, lay, tr, lambda: next(ids_a))
-        ops.append_tokens(g, b, k.to(device), v.to(device), lay, trd, lambda: next(ids_g))
-        for _ in range(20):  # single-token appends through the demotion path
-            k1, v1 = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
-            ref.append_tokens(a, b, k1, v1, lay, tr, lambda: next(ids_a))
-            ops.append_tokens(g, b, k1.to(device), v1.to(device), lay, trd, lambda: next(ids_g))
-    assert a.num_pages.tolist() == [5, 1], a.num_pages
-    for f in a.__dataclass_fields__:
+        pos = 0
+        for n in [t] + [1] * 5 + [7, 9]:  # a prompt, then chunks of 1, 7 and 9 tokens (demotions on the way)
+            k, v = torch.randn(2, n, 64), torch.randn(2, n, 64)
+            ref.write_tokens(a, b, pos, k, v, lay, tr)
+            ops.write_tokens(layer, g, b, pos, k.to(device), v.to(device))
+            pos += n
+        assert lay.pages_for(pos) >= 1
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         _assert_equal(f"backend {f}", getattr(g, f).cpu(), getattr(a, f))

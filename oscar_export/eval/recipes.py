@@ -17,8 +17,8 @@ import torch
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform, hadamard
 
-from .eval_attention import EvalContext, evaluating
-from .eval_methods import Method
+from .attention import EvalContext, evaluating
+from .cache_models import BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 RESEARCH_CLIPS = (0.96, 0.92)
@@ -45,8 +45,9 @@ def _with_rotation(t: LayerTransform, rk: torch.Tensor, rv: torch.Tensor) -> Lay
     return replace(t, k_rotation=rk.float().contiguous(), v_rotation=rv.float().contiguous())
 
 
-def baseline_methods(model, layout: KVCacheLayout | None = None) -> list[Method]:
-    """BF16, naive INT2, QuaRot-INT2, KIVI-2 (paper defaults and matched budget), HF QuantizedCache HQQ/quanto."""
+def baseline_methods(model, layout: KVCacheLayout | None = None) -> list[CacheModel]:
+    """BF16, naive INT2, QuaRot-INT2 (token and channel keys), KIVI-2 (paper defaults and matched budget),
+    HF QuantizedCache HQQ/quanto at 2 bits and, as a reference point above us, 4 bits."""
     n_layers, _, hkv, d = attention_shape(model)
     base = layout or KVCacheLayout.default(hkv, d)
     # baselines use per-token keys (the classic INT2 formats) with our windows, whatever the artifact chose;
@@ -58,32 +59,32 @@ def baseline_methods(model, layout: KVCacheLayout | None = None) -> list[Method]
     had = [_with_rotation(t, h, h) for t in ident]
     g = lay.key.group_size
     matched = -(-(lay.sink + lay.window) // g) * g  # S0 + W rounded up to whole key groups
+    hf = [HFQuantized(f"hf-{b}-int{n}", f"transformers QuantizedCache(backend={b!r}, nbits={n}), defaults",
+                      backend=b, nbits=n) for n in (2, 4) for b in ("hqq", "quanto")]
     return [
-        Method("bf16", "full", "BF16 cache (every row rounded to bfloat16)"),
-        Method("int2-naive", "pages", "our layout, no rotation, no clipping", lay, ident),
-        Method("quarot-int2", "pages", "our layout, Hadamard rotation, no clipping", lay, had),
-        Method("quarot-int2-channel", "pages", "as quarot-int2 but keys per channel within a page (our key format)",
-               lay_ch, had),
-        Method("kivi2", "kivi", "KIVI-2: keys per channel / values per token, group 32, residual 128", group=32,
-               residual=128),
-        Method("kivi2-matched", "kivi",
-               f"KIVI-2 at our budget: group {g} (same bits), residual {matched} (S0 + W full-precision tokens)",
-               group=g, residual=matched),
-        Method("hf-hqq-int2", "hf", "transformers QuantizedCache(backend='hqq', nbits=2), defaults", backend="hqq"),
-        Method("hf-quanto-int2", "hf", "transformers QuantizedCache(backend='quanto', nbits=2), defaults",
-               backend="quanto"),
+        BF16Cache("bf16", "BF16 cache (every row rounded to bfloat16)"),
+        PagedInt2("int2-naive", "our layout, no rotation, no clipping", layout=lay, transforms=ident),
+        PagedInt2("quarot-int2", "our layout, Hadamard rotation, no clipping", layout=lay, transforms=had),
+        PagedInt2("quarot-int2-channel", "as quarot-int2 but keys per channel within a page (our key format)",
+                  layout=lay_ch, transforms=had),
+        Kivi2("kivi2", "KIVI-2: keys per channel / values per token, group 32, residual 128", group=32, residual=128),
+        Kivi2("kivi2-matched",
+              f"KIVI-2 at our budget: group {g} (same bits), residual {matched} (S0 + W full-precision tokens)",
+              group=g, residual=matched),
+        *hf,
     ]
 
 
 @torch.no_grad()
 def capture_qkv(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Post-RoPE ``(q [H, T, D], k [H_kv, T, D], v [H_kv, T, D])`` per layer for ``ids [N, T]`` (concatenated)."""
-    ctx = EvalContext([Method("bf16", "full")], "score", torch.float32)
+    ctx = EvalContext([BF16Cache("bf16")], "score", torch.float32)
     ctx.capture = {}
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    dev = next(model.parameters()).device
     with evaluating(model):
         for row in ids:
-            base(input_ids=row.view(1, -1), use_cache=False, oscar_eval=ctx)
+            base(input_ids=row.view(1, -1).to(dev), use_cache=False, oscar_eval=ctx)
     return [tuple(torch.cat(parts, 1) for parts in zip(*ctx.capture[i])) for i in sorted(ctx.capture)]
 
 
@@ -92,7 +93,7 @@ def _eig_desc(c: torch.Tensor) -> torch.Tensor:
     return u.flip(-1)  # columns by descending eigenvalue
 
 
-def research_recipe(model, calib_ids: torch.Tensor, layout: KVCacheLayout | None = None) -> Method:
+def research_recipe(model, calib_ids: torch.Tensor, layout: KVCacheLayout | None = None) -> PagedInt2:
     """The OSCAR research recipe (module doc) from a capture of ``calib_ids [N, T]`` calibration tokens."""
     n_layers, _, hkv, d = attention_shape(model)
     lay = layout or KVCacheLayout.default(hkv, d)
@@ -106,22 +107,23 @@ def research_recipe(model, calib_ids: torch.Tensor, layout: KVCacheLayout | None
         w = w / w.mean()
         vd = v.double()
         c_v = torch.einsum("ht,hti,htj->ij", w, vd, vd) / w.sum()
-        rk = (_eig_desc(c_q) @ had).float().expand(hkv, d, d)
-        rv = (_eig_desc(c_v) @ had).float().expand(hkv, d, d)
+        had_d = had.to(c_q.device).double()
+        rk = (_eig_desc(c_q) @ had_d).float().expand(hkv, d, d)
+        rv = (_eig_desc(c_v) @ had_d).float().expand(hkv, d, d)
         base = LayerTransform.identity(hkv, d, *RESEARCH_CLIPS)
-        transforms.append(_with_rotation(base, rk, rv))
-    return Method("oscar-research", "pages", "research recipe: shared per-layer U·H, clips 0.96/0.92, fp32 params",
-                  lay, transforms, param_dtype="float32")
+        transforms.append(_with_rotation(base, rk, rv).to(q.device))
+    return PagedInt2("oscar-research", "research recipe: shared per-layer U·H, clips 0.96/0.92, fp32 params",
+                     layout=lay, transforms=tuple(transforms), param_dtype="float32")
 
 
-def ours_method(artifact, name: str = "oscar", description: str = "") -> Method:
+def ours_method(artifact, name: str = "oscar", description: str = "") -> PagedInt2:
     """Our calibrated cache from an ``OscarArtifact`` (layout, per-layer transforms, row formats)."""
     cfg = getattr(artifact, "config", {}) or {}
     desc = description or "ours: " + ", ".join(
         f"{k}={cfg[k]}" for k in ("per_head", "rotation", "clip", "key_granularity", "key_mean", "value_mean",
                                   "codebook") if k in cfg
     )
-    return Method(name, "pages", desc, artifact.layout, tuple(artifact.transforms))
+    return PagedInt2(name, desc, layout=artifact.layout, transforms=tuple(artifact.transforms))
 
 
 __all__ = ["RESEARCH_CLIPS", "SUPPORTED_MODEL_TYPES", "attention_shape", "baseline_methods", "capture_qkv",

@@ -1,17 +1,20 @@
 """Fake-quantized attention for the evaluation, registered with transformers' ``AttentionInterface``.
 
 One forward pass scores a whole text decode-as-deployed: inside every attention call each query row reads
-what the method's cache would hold at that position (``eval_methods``: quantized rows where the cache holds
-INT2, full-precision rows elsewhere). The per-call state travels in the forward kwargs
+what the method's cache would hold at that position (``cache_models``: quantized rows where the cache holds
+INT2, full-precision rows elsewhere). Runs on the model's device (CPU or CUDA). The per-call state travels in
+the forward kwargs
 (``model(ids, oscar_eval=ctx)``), never in module globals.
 
 ``EvalContext`` modes:
 
 ``score``    the keys in the call are the whole sequence (no HF cache); batch row ``b`` uses ``methods[b]``.
 ``prefill``  full precision; the call's keys are appended to the shared prefix kept in the context.
-``decode``   batch row ``b`` (method ``methods[b]``) reads the shared prefix + its own generated tokens +
-             the new ones; new tokens are kept per row. ``prefill_len`` is the prompt length the HF
-             ``QuantizedCache`` replay treats as its first update.
+``decode``   batch row ``b`` (method ``methods[b // fold]``, prompt ``b % fold``) reads its prompt's prefix +
+             its own generated tokens + the new ones; new tokens are kept per row. The ``fold`` prompts of
+             one method (equal lengths) are folded into the KV-head axis, so one method costs the same
+             number of ops for 1 or 20 prompts (``CacheModel.fold``). ``prefill_len`` is the prompt
+             length the HF ``QuantizedCache`` replay treats as its first update.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .eval_methods import Method, Segment, covers, prepare, stored_rows
+from .cache_models import BF16Cache, CacheModel, Segment
 
 ATTENTION_NAME = "oscar_eval"
+FULL = BF16Cache("full precision")
 MODES = ("score", "prefill", "decode")
 #: query rows per attention block (bounds the [H, rows, Tk] score buffer).
 QUERY_BLOCK = 256
@@ -40,11 +44,12 @@ class EvalContext:
         prefill_len: ``decode``: the prompt length (first ``QuantizedCache`` update); ``score``: 1.
     """
 
-    methods: list[Method]
+    methods: list[CacheModel]
     mode: str = "score"
     store_dtype: torch.dtype = torch.bfloat16
     prefill_len: int = 1
-    prefix_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [1, H_kv, n, D] model basis
+    fold: int = 1  # decode: prompts per method, folded into the KV-head axis (batch row = method * fold + prompt)
+    prefix_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [1, fold * H_kv, n, D] model basis
     prefix_v: dict[int, torch.Tensor] = field(default_factory=dict)
     gen_k: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, H_kv, t, D]
     gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -116,36 +121,42 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
         k = torch.cat([ctx.prefix_k[layer], key], 2) if layer in ctx.prefix_k else key
         v = torch.cat([ctx.prefix_v[layer], value], 2) if layer in ctx.prefix_v else value
         ctx.prefix_k[layer], ctx.prefix_v[layer] = k, v
-        full = Method("bf16", "full")
-        outs.append(_one_row(ctx, full, -1, layer, query[0], k[0], v[0], scale))
+        outs.append(_one_row(ctx, FULL, -1, layer, query[0], k[0], v[0], scale))
     else:
-        if b != len(ctx.methods):
-            raise ValueError(f"oscar_eval: batch {b} but {len(ctx.methods)} methods")
+        f = ctx.fold if ctx.mode == "decode" else 1
+        if b != len(ctx.methods) * f:
+            raise ValueError(f"oscar_eval: batch {b} but {len(ctx.methods)} methods x {f} prompts")
         if ctx.mode == "decode":
             gk = torch.cat([ctx.gen_k[layer], key], 2) if layer in ctx.gen_k else key
             gv = torch.cat([ctx.gen_v[layer], value], 2) if layer in ctx.gen_v else value
             ctx.gen_k[layer], ctx.gen_v[layer] = gk, gv
         for i, m in enumerate(ctx.methods):
-            if ctx.mode == "decode":
-                k = torch.cat([ctx.prefix_k[layer][0], gk[i]], 1)
-                v = torch.cat([ctx.prefix_v[layer][0], gv[i]], 1)
+            if ctx.mode == "decode":  # rows i*f .. i*f+f-1: this method's prompts, folded into the heads
+                rows = slice(i * f, (i + 1) * f)
+                fold = lambda x: x[rows].reshape(-1, *x.shape[2:])  # noqa: E731  [f, H, T, D] -> [f*H, T, D]
+                o = _one_row(ctx, m, i, layer, fold(query), fold(gk), fold(gv), scale)
+                outs += list(o.view(f, -1, *o.shape[1:]))
             else:
-                k, v = key[i], value[i]
-            outs.append(_one_row(ctx, m, i, layer, query[i], k, v, scale))
+                outs.append(_one_row(ctx, m, i, layer, query[i], key[i], value[i], scale))
     out = torch.stack(outs, 0).to(query.dtype)  # [B, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None
 
 
-def _one_row(ctx: EvalContext, m: Method, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
-    """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis) -> ``[H, Tq, D]`` float32."""
-    tk, tq = k.shape[1], q.shape[1]
-    q_start = tk - tq
-    t, ks, vs, segs = _rows_and_segments(ctx, m, mi, layer, k, v, q_start)
+def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis; in ``decode`` only the generated rows,
+    the prompt's are the context's prefix) -> ``[H, Tq, D]`` float32."""
+    tq = q.shape[1]
+    if ctx.mode == "decode" and mi >= 0:
+        t, ks, vs, segs = _decode_rows(ctx, m, mi, layer, k, v)
+    else:
+        t, ks, vs = m.stored_rows(layer, k, v, ctx.store_dtype)
+        segs = m.segments(layer, ks, vs, k.shape[1] - tq, k.shape[1], ctx.prefill_len)
+    q_start = ks.shape[1] - tq
     qs = t.transform_queries(q.unsqueeze(0).contiguous())[0] if t is not None else q.float()
     h, hkv, d = q.shape[0], k.shape[0], q.shape[2]
     g = h // hkv
     qs = qs.view(hkv, g, tq, d)
-    out = torch.empty(hkv, g, tq, d)
+    out = torch.empty(hkv, g, tq, d, device=q.device)
     for seg in segs:
         for a0 in range(max(seg.start, q_start), seg.end, QUERY_BLOCK):
             a1 = min(a0 + QUERY_BLOCK, seg.end)
@@ -157,44 +168,64 @@ def _one_row(ctx: EvalContext, m: Method, mi: int, layer: int, q, k, v, scale: f
     return out[0]
 
 
-def _rows_and_segments(ctx: EvalContext, m: Method, mi: int, layer: int, k, v, q_start: int):
-    """Stored rows and segments; in ``decode`` the prefix part is computed once per prompt (memoised)."""
-    tk = k.shape[1]
-    if ctx.mode != "decode" or mi < 0:
-        t, ks, vs = stored_rows(m, layer, k, v, ctx.store_dtype)
-        return t, ks, vs, prepare(m, layer, ks, vs, q_start, tk, ctx.prefill_len, t)
+@dataclass
+class _DecodeRows:
+    """Per method and layer in ``decode``: stored rows of prompt + generated tokens (a growing buffer) and
+    the segments built when the prompt was prefilled (reused until ``valid_until``)."""
+
+    transform: object
+    ks: torch.Tensor  # [H_kv, capacity, D]
+    vs: torch.Tensor
+    n: int
+    segs: list
+
+
+def _decode_rows(ctx: EvalContext, m: CacheModel, mi: int, layer: int, gk, gv):
+    """``gk, gv [H_kv, t, D]``: the generated rows so far (model basis). Returns ``(transform, ks, vs, segs)``
+    over the ``n0 + t`` rows; the prompt's rows and quantization are computed once per prompt."""
     n0 = ctx.prefix_len
-    hit = ctx.memo.get((mi, layer))
-    if hit is None:
-        t, ks0, vs0 = stored_rows(m, layer, k[:, :n0], v[:, :n0], ctx.store_dtype)
-        hit = (t, ks0, vs0, prepare(m, layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len, t))
-        ctx.memo[(mi, layer)] = hit
-    t, ks0, vs0, segs = hit
-    _, ks1, vs1 = stored_rows(m, layer, k[:, n0:], v[:, n0:], ctx.store_dtype)
-    ks, vs = torch.cat([ks0, ks1], 1), torch.cat([vs0, vs1], 1)
-    if not covers(m, segs, tk, ctx.prefill_len):
-        return t, ks, vs, prepare(m, layer, ks, vs, q_start, tk, ctx.prefill_len, t)
-    last = segs[-1]
-    return t, ks, vs, [Segment(q_start, tk, last.c0, last.k_alt, last.v_alt, last.ranges)]
+    tk = n0 + gk.shape[1]
+    st: _DecodeRows | None = ctx.memo.get((mi, layer))
+    if st is None:
+        t, ks0, vs0 = m.stored_rows(layer, ctx.prefix_k[layer][0], ctx.prefix_v[layer][0], ctx.store_dtype)
+        segs = m.segments(layer, ks0, vs0, n0, n0 + 1, ctx.prefill_len)
+        st = _DecodeRows(t, ks0, vs0, n0, segs)
+        ctx.memo[(mi, layer)] = st
+    if tk > st.ks.shape[1]:  # grow the buffer (amortised: by 64 rows at least)
+        grow = max(64, tk - st.ks.shape[1])
+        pad = st.ks.new_empty(st.ks.shape[0], grow, st.ks.shape[2])
+        st.ks, st.vs = torch.cat([st.ks, pad], 1), torch.cat([st.vs, pad.clone()], 1)
+    if tk > st.n:
+        _, ks1, vs1 = m.stored_rows(layer, gk[:, st.n - n0 :], gv[:, st.n - n0 :], ctx.store_dtype)
+        st.ks[:, st.n : tk], st.vs[:, st.n : tk] = ks1, vs1
+        st.n = tk
+    ks, vs = st.ks[:, :tk], st.vs[:, :tk]
+    last = st.segs[-1]
+    if tk - 1 >= last.valid_until:  # a page was demoted / a group flushed since the prompt: quantize again
+        st.segs = m.segments(layer, ks, vs, tk - 1, tk, ctx.prefill_len)
+        last = st.segs[-1]
+    return st.transform, ks, vs, [Segment(tk - 1, tk, last.c0, last.k_alt, last.v_alt, last.ranges, last.valid_until)]
 
 
 def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.Tensor:
-    """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]`` -> ``[H_kv, g, n, D]``."""
+    """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]``
+    -> ``[H_kv, g, n, D]``."""
     hkv, g, n, d = qs.shape
+    dev = qs.device
     q2 = qs.reshape(hkv, g * n, d)
     s = torch.matmul(q2, ks.transpose(-1, -2)).view(hkv, g, n, a1)
-    pos = torch.arange(a0, a1)
+    pos = torch.arange(a0, a1, device=dev)
     alt = seg.k_alt is not None
+    c1 = c0 = seg.c0
     if alt:
         lo, k_hi, v_hi = seg.ranges(pos)
-        c0 = seg.c0
         c1 = min(c0 + seg.k_alt.shape[1], a1)
-        cols = torch.arange(c0, c1)
+        cols = torch.arange(c0, c1, device=dev)
         if c1 > c0:
             mk = (cols[None] >= lo[:, None]) & (cols[None] < k_hi[:, None])  # [n, c]
             sq = torch.matmul(q2, seg.k_alt[:, : c1 - c0].transpose(-1, -2)).view(hkv, g, n, c1 - c0)
             s[..., c0:c1] = torch.where(mk, sq, s[..., c0:c1])
-    causal = torch.arange(a1)[None, :] > pos[:, None]  # [n, a1]
+    causal = torch.arange(a1, device=dev)[None, :] > pos[:, None]  # [n, a1]
     s = (s * scale).masked_fill(causal, float("-inf"))
     p = torch.softmax(s, dim=-1)
     o = torch.matmul(p.view(hkv, g * n, a1), vs)

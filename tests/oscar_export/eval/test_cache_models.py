@@ -1,5 +1,6 @@
-"""The evaluation's fake-quantized attention: BF16 identities, the per-position rule against the real
-reference cache fed token by token, the HF QuantizedCache replay against the real layer, noise and bypass."""
+"""The cache models behind the fake-quantized attention: BF16 identities, the per-position rule against the
+real reference cache fed token by token, the HF QuantizedCache replay against the real layer, decode reuse
+across demotions and flushes, bits, bad input."""
 
 from __future__ import annotations
 
@@ -7,47 +8,25 @@ from dataclasses import replace
 
 import pytest
 import torch
-import transformers
 
-from oscar_export.eval_attention import EvalContext, _one_row
-from oscar_export.eval_methods import Method, hf_flushes, hf_quantized_count, kivi_values
-from oscar_export.eval_metrics import compare_hidden, final_hidden
-from oscar_export.eval_recipes import baseline_methods
+from eval_helpers import D, LAY, random_transform, tiny_llama
+from oscar_export.eval.attention import EvalContext, _one_row
+from oscar_export.eval.cache_models import (
+    BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2, hf_flushes, hf_quantized_count,
+)
+from oscar_export.eval.recipes import baseline_methods
+from oscar_export.eval.text import compare_hidden, final_hidden
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform, hadamard
 
-D = 64
-LAY = KVCacheLayout.default(2, D, sink=16, window=32, page_size=16)
-
-
-def tiny_llama(layers: int = 2):
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=D,
-                                   max_position_embeddings=512)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def random_transform(h: int = 2, d: int = D, seed: int = 1) -> LayerTransform:
-    g = torch.Generator().manual_seed(seed)
-    rot = lambda: torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))[0].float()  # noqa: E731
-    lv = torch.tensor([0.0, 0.9, 2.1, 3.0]).expand(h, 4).contiguous()
-    return LayerTransform(
-        k_rotation=rot(), v_rotation=rot(), k_scale=0.5 + torch.rand(h, d, generator=g),
-        v_scale=0.5 + torch.rand(h, d, generator=g), k_mean=0.1 * torch.randn(h, d, generator=g),
-        v_mean=0.1 * torch.randn(h, d, generator=g), k_clip=torch.tensor([0.95, 1.0])[:h],
-        v_clip=torch.tensor([0.9, 0.97])[:h], k_levels=lv, v_levels=lv.clone(),
-    )
-
-
-class FakeModule:
-    def __init__(self, layer_idx: int = 0):
-        self.layer_idx = layer_idx
-
 
 def methods_for(model, lay=LAY):
     return {m.name: m for m in baseline_methods(model, lay)}
+
+
+def all_positions(ids):
+    return torch.ones(ids.numel() - 1, dtype=torch.bool)
 
 
 # ---- whole-model identities ----------------------------------------------------------------------------------
@@ -57,7 +36,7 @@ def test_quantization_disabled_reproduces_bf16_exactly():
     model = tiny_llama()
     ids = torch.randint(0, 96, (200,))
     ms = methods_for(model)
-    ms["kivi2-small"] = Method("kivi2-small", "kivi", group=16, residual=32)
+    ms["kivi2-small"] = Kivi2("kivi2-small", group=16, residual=32)
     base = final_hidden(model, ids, ms["bf16"])
     for name, m in ms.items():
         if name == "bf16" or name.startswith(("quarot", "hf-quanto")):  # rotations: see the next test
@@ -71,11 +50,11 @@ def test_orthogonal_rotation_without_quantization_matches_bf16_to_fp32_rounding(
     """Rotation, scaling and means are undone exactly in math; in fp32 the error is rounding (< 1e-4 here)."""
     model = tiny_llama()
     ids = torch.randint(0, 96, (150,))
-    base = final_hidden(model, ids, Method("bf16", "full"), torch.float32)
+    base = final_hidden(model, ids, BF16Cache("bf16"), torch.float32)
     h = hadamard(D).float().expand(2, D, D)
     for name, t in (("hadamard", replace(LayerTransform.identity(2, D), k_rotation=h, v_rotation=h)),
                     ("random", random_transform())):
-        m = Method(name, "pages", layout=LAY, transforms=[t, t], quantize=False)
+        m = PagedInt2(name, layout=LAY, transforms=(t, t), quantize=False)
         got = final_hidden(model, ids, m, torch.float32)
         err = (got - base).abs().max().item()
         assert err < 1e-4 * base.abs().max().item(), f"{name}: max abs error {err:.3e}"
@@ -92,20 +71,24 @@ def test_short_sequences_inside_the_windows_match_bf16():
         got = final_hidden(model, ids, ms[name])
         tol = 0 if name == "int2-naive" else 2e-2
         assert (got - base).abs().max().item() <= tol, name
+        assert not ms[name].reads_quantized(torch.arange(ids.numel())).any()
     longer = torch.randint(0, 96, (LAY.sink + LAY.recent_capacity + 1,))
     b2 = final_hidden(model, longer, ms["bf16"])
     g2 = final_hidden(model, longer, ms["int2-naive"])
     assert torch.equal(g2[:-1], b2[:-1]) and not torch.equal(g2[-1], b2[-1]), "first page must change the last row"
+    reads = ms["int2-naive"].reads_quantized(torch.arange(longer.numel())).tolist()
+    assert reads == [False] * (longer.numel() - 1) + [True]
 
 
 def test_noise_in_place_of_dequantized_values_scores_far_worse():
     model = tiny_llama()
     ids = torch.randint(0, 96, (256,))
     t = random_transform()
-    m = Method("x", "pages", layout=LAY, transforms=[t, t])
-    base = final_hidden(model, ids, Method("bf16", "full"))
-    kl_q = compare_hidden(model, base, final_hidden(model, ids, m), ids, 0).summary()["kl"]
-    kl_n = compare_hidden(model, base, final_hidden(model, ids, replace(m, noise=True)), ids, 0).summary()["kl"]
+    m = PagedInt2("x", layout=LAY, transforms=(t, t))
+    base = final_hidden(model, ids, BF16Cache("bf16"))
+    q = all_positions(ids)
+    kl_q = compare_hidden(model, base, final_hidden(model, ids, m), ids, q).summary()["kl"]
+    kl_n = compare_hidden(model, base, final_hidden(model, ids, replace(m, noise=True)), ids, q).summary()["kl"]
     assert kl_q > 0 and kl_n > 5 * kl_q, f"KL quantized {kl_q:.3e}, noise {kl_n:.3e}"
 
 
@@ -117,7 +100,7 @@ def test_fake_quant_rows_match_reference_cache_token_by_token(granularity):
     """Row ``a`` of the one-pass fake quantization == decode_attention over the reference cache after a+1 appends."""
     lay = KVCacheLayout.default(2, D, granularity, sink=16, window=32, page_size=16)
     t = random_transform()
-    m = Method("x", "pages", layout=lay, transforms=[t])
+    m = PagedInt2("x", layout=lay, transforms=(t,))
     T = lay.sink + lay.recent_capacity + 3 * lay.page_size + 5
     q = torch.randn(4, T, D)
     k = torch.randn(2, T, D)
@@ -140,14 +123,11 @@ def test_fake_quant_rows_match_reference_cache_token_by_token(granularity):
 
 
 def test_kivi_rule_and_bits():
-    m = Method("k", "kivi", group=32, residual=128)
+    m = Kivi2("k", group=32, residual=128)
     lo, k_hi, v_hi = m.int2_ranges(torch.tensor([0, 126, 127, 255, 300]))
     assert k_hi.tolist() == [0, 0, 128, 256, 256] and v_hi.tolist() == [0, 0, 0, 128, 173] and lo.tolist() == [0] * 5
     assert m.bits_per_element(128) == pytest.approx((128 * 16 + 128 * 3 + 0) / 256)
-    x = torch.randn(2, 5, 64)
-    assert (kivi_values(x, 32) - x).abs().max() > 0
-    with pytest.raises(ValueError, match="multiple of group"):
-        Method("k", "kivi", group=32, residual=100)
+    assert m.reads_quantized(torch.tensor([0, 126, 127])).tolist() == [False, False, True]
 
 
 def test_page_method_bits_follow_the_layout():
@@ -158,6 +138,10 @@ def test_page_method_bits_follow_the_layout():
     fp32 = replace(ms["int2-naive"], param_dtype="float32")
     assert fp32.bits_per_element(1000) > ms["int2-naive"].bits_per_element(1000)
     assert ms["bf16"].bits_per_element(10) == 16.0
+    # HF: 2-bit codes + 2 x 16-bit params per 64 = 2.5 bits, 4-bit: 4.5, the residual at 16
+    q = hf_quantized_count(1, 1000, 128)
+    assert ms["hf-quanto-int2"].bits_per_element(1000) == pytest.approx((q * 2.5 + (1000 - q) * 16) / 1000)
+    assert ms["hf-hqq-int4"].bits_per_element(1000) == pytest.approx((q * 4.5 + (1000 - q) * 16) / 1000)
 
 
 # ---- the HF QuantizedCache replay against the real layer fed token by token ---------------------------------------
@@ -170,18 +154,18 @@ def test_hf_flush_schedule():
     assert hf_flushes(5, 6, 4) == [(5, 5)]
 
 
-@pytest.mark.parametrize("backend", ["hqq", pytest.param("quanto", marks=pytest.mark.slow)])
-def test_hf_replay_matches_real_quantized_layer(backend):
+@pytest.mark.parametrize("backend,nbits", [("hqq", 2), ("hqq", 4), pytest.param("quanto", 2, marks=pytest.mark.slow)])
+def test_hf_replay_matches_real_quantized_layer(backend, nbits):
     from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
     cls = HQQQuantizedLayer if backend == "hqq" else QuantoQuantizedLayer
-    m = Method("hf", "hf", backend=backend, residual=8)
+    m = HFQuantized("hf", backend=backend, nbits=nbits, residual=8)
     T = 40
     q = torch.randn(4, T, D)
     k = torch.randn(2, T, D)
     v = torch.randn(2, T, D)
     got = _one_row(EvalContext([m], "score", torch.float32), m, 0, 0, q, k, v, D ** -0.5)
-    real = cls(nbits=2, q_group_size=64, residual_length=8)
+    real = cls(nbits=nbits, q_group_size=64, residual_length=8)
     worst = 0.0
     for a in range(T):
         kk, vv = real.update(k[None, :, a : a + 1], v[None, :, a : a + 1])
@@ -190,13 +174,13 @@ def test_hf_replay_matches_real_quantized_layer(backend):
     assert worst < 2e-5, f"worst |replay - real QuantizedLayer| = {worst:.3e}"
 
 
-def test_decode_mode_matches_score_mode():
-    """The NIAH decode path (shared prefix, memoised quantization) gives the one-pass rows."""
-    lay = LAY
+def test_decode_mode_matches_score_mode_across_demotions_and_flushes():
+    """The NIAH decode path (shared prefix, memoised quantization reused until ``valid_until``) gives the
+    one-pass rows, through a page demotion (pages), a key-group flush (KIVI) and a requantization (HF)."""
     t = random_transform()
-    ms = [Method("p", "pages", layout=lay, transforms=[t]), Method("k", "kivi", group=16, residual=32),
-          Method("h", "hf", backend="hqq", residual=16)]
-    T, n0 = 150, 140
+    ms = [PagedInt2("p", layout=LAY, transforms=(t,)), Kivi2("k", group=16, residual=32),
+          HFQuantized("h", backend="hqq", residual=16)]
+    T, n0 = 180, 140  # pages: demotion at a = 143, 159, 175; KIVI keys flush at a = 159; HF flush at 156
     q = torch.randn(4, T, D)
     k = torch.randn(2, T, D)
     v = torch.randn(2, T, D)
@@ -205,23 +189,50 @@ def test_decode_mode_matches_score_mode():
         ctx.prefix_k, ctx.prefix_v = {0: k[None, :, :n0]}, {0: v[None, :, :n0]}
         one = EvalContext([m], "score", torch.bfloat16, prefill_len=n0)
         full = _one_row(one, m, 0, 0, q, k, v, D ** -0.5)
+        recomputed = 0
         for a in range(n0, T):
-            o = _one_row(ctx, m, 0, 0, q[:, a : a + 1], k[:, : a + 1], v[:, : a + 1], D ** -0.5)
+            before = ctx.memo[(0, 0)].segs if (0, 0) in ctx.memo else None
+            o = _one_row(ctx, m, 0, 0, q[:, a : a + 1], k[:, n0 : a + 1], v[:, n0 : a + 1], D ** -0.5)
+            recomputed += before is not None and ctx.memo[(0, 0)].segs is not before
             err = (o[:, 0] - full[:, a]).abs().max().item()
             assert err < 1e-5, f"{m.name} position {a}: {err:.3e}"
+        assert recomputed >= 1, f"{m.name}: the decode path never re-quantized (valid_until unused)"
+
+
+def test_fp32_params_equal_the_reference_where_fp16_is_exact():
+    """Groups spanning exactly 3 with integer minimum: fp16 and fp32 params are the same numbers, so the fp32
+    variant must give the reference's output bit for bit; on generic data they differ."""
+    from oscar_export.eval.quantizers import page_roundtrip
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (2, 32, D), generator=g).float()
+    x[..., 0], x[..., 1] = 0.0, 3.0  # every 64-group spans 0..3
+    x = x + torch.randint(-5, 5, (2, 32, 1), generator=g).float()
+    t = LayerTransform.identity(2, D)
+    a = page_roundtrip(x, LAY, t, "k", "float16")
+    b = page_roundtrip(x, LAY, t, "k", "float32")
+    assert torch.equal(a, b) and torch.equal(a, x)
+    y = torch.randn(2, 32, D, generator=g)
+    assert not torch.equal(page_roundtrip(y, LAY, t, "k", "float16"), page_roundtrip(y, LAY, t, "k", "float32"))
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------
 
 
 def test_bad_methods_rejected():
-    with pytest.raises(ValueError, match="kind"):
-        Method("x", "nope")
+    with pytest.raises(TypeError):
+        CacheModel("x")  # the protocol itself is abstract
     with pytest.raises(ValueError, match="needs a layout"):
-        Method("x", "pages")
+        PagedInt2("x")
     with pytest.raises(ValueError, match="backend"):
-        Method("x", "hf", backend="gptq")
+        HFQuantized("x", backend="gptq")
+    with pytest.raises(ValueError, match="nbits"):
+        HFQuantized("x", nbits=3)
     with pytest.raises(ValueError, match="transform 0"):
-        Method("x", "pages", layout=LAY, transforms=[LayerTransform.identity(3, D)])
+        PagedInt2("x", layout=LAY, transforms=(LayerTransform.identity(3, D),))
+    with pytest.raises(ValueError, match="multiple of group"):
+        Kivi2("k", group=32, residual=100)
+    with pytest.raises(ValueError, match="param_dtype"):
+        PagedInt2("x", layout=LAY, transforms=(LayerTransform.identity(2, D),), param_dtype="float8")
     with pytest.raises(ValueError, match="mode"):
         EvalContext([], "train")

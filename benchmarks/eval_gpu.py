@@ -1,0 +1,129 @@
+"""The full evaluation protocol (DESIGN §5) on the H200, one command:
+
+    python benchmarks/eval_gpu.py /tmp/smol.gguf --out /tmp/eval_gpu [--artifact art/] [--quick]
+
+1. The embedded SmolLM2-135M (the GGUF given, dequantized) in fp32 on the GPU; every method fake-quantized
+   decode-as-deployed on the same text and needles (``oscar_export.eval.driver.run_eval``): text at 2K, 4K
+   and 8K (prefixes of 8K windows), NIAH single / multi-key / multi-value at 1K-8K, 20 needles per task and
+   length (the ``report`` split), bits per element at each length. The HF ``QuantizedCache`` methods run
+   only where ``hqq`` / ``optimum-quanto`` import; otherwise they are listed as not run, with the reason.
+2. Ours as deployed (``run_deployed``): the BF16 model with ``enable_oscar(model, artifact, backend="triton")``
+   and the real cache, and the fp32 model with the reference backend as the cross-check, on the same
+   windows and needles, each against its own model with a plain cache.
+3. ``results.json``, ``results.md`` and the PNG plots in ``--out``; progress and phase times on stdout.
+
+Without ``--artifact`` it calibrates on the GPU first (``CalibrationConfig(tokens=...)``) and saves the
+artifact to ``--out/artifact``. ``--quick`` is the same protocol small (a first run that also times it).
+``--device cpu --tiny`` runs every code path at toy sizes on the CPU (the BF16 run then uses the reference
+backend: Triton needs CUDA) so that nothing crashes on the GPU for want of a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, run_deployed, run_eval
+from oscar_export.eval.report import markdown, write_all
+
+QUICK = Preset((2048, 8192), 1, (1024, 8192), 4, 4096, 1024, hf=PRESETS["full"].hf)
+TINY = Preset((512,), 1, (512,), 1, 3072, 512, hf=("hf-quanto-int2",), text_chunk=64)
+
+
+def load_gguf(path: str, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file: {p} does not exist")
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+    return model.to(device).eval(), tok
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("gguf", help="path of SmolLM2-135M-Instruct.Q4_1.gguf (or any Llama-family GGUF)")
+    ap.add_argument("--out", default="eval_gpu_out", help="output directory")
+    ap.add_argument("--artifact", default=None, help="calibrated artifact directory (default: calibrate here)")
+    ap.add_argument("--quick", action="store_true", help="the protocol small: text 2K/8K, NIAH 1K/8K x 4 needles")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU profiling of every code path)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--needles", type=int, default=None, help="NIAH needles per task and length")
+    ap.add_argument("--text-windows", type=int, default=None, help="text windows (of the longest text length)")
+    ap.add_argument("--text-chunk", type=int, default=None, help="deployed text: tokens per chunk (1 = decode)")
+    ap.add_argument("--methods", default=None, help="comma-separated subset (default: all)")
+    ap.add_argument("--split", choices=("dev", "report"), default="report")
+    ap.add_argument("--no-deployed", action="store_true", help="skip the real-cache runs")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:7.1f} s] {msg}", flush=True)  # noqa: E731
+    device = check_device(args.device)
+    preset = TINY if args.tiny else QUICK if args.quick else PRESETS["full"]
+    over = {k: v for k, v in (("needles", args.needles), ("text_windows", args.text_windows),
+                              ("text_chunk", args.text_chunk)) if v is not None}
+    preset = replace(preset, **over)
+    log(f"preset {preset}")
+    model, tok = load_gguf(args.gguf, device)
+    check_lengths(model, preset, text=True, niah=True)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    log(f"model loaded on {device}: {model.config.num_hidden_layers} layers, {params:.0f}M parameters")
+    out = Path(args.out)
+    if args.artifact:
+        from oscar_export.calibration.artifact import load_artifact
+
+        artifact = load_artifact(args.artifact, model.config)
+    else:
+        from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+
+        log(f"calibrating on {preset.calib_tokens} tokens ...")
+        artifact = calibrate(model, tok, CalibrationConfig(tokens=preset.calib_tokens))
+        artifact.save(out / "artifact")
+        log(f"calibrated; artifact saved to {out / 'artifact'}")
+    names = [s.strip() for s in args.methods.split(",")] if args.methods else None
+    result = run_eval(model, tok, preset, artifact, names, split=args.split, log=log)
+    result["command"] = "python benchmarks/eval_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
+    result["environment"]["git_sha"] = git_sha()
+    result["environment"]["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    write_all(result, out)  # the fake-quantized results are kept whatever happens next
+    log(f"fake-quantized protocol done: {result['timings']}; written to {out}")
+    if not args.no_deployed:
+        bf16_backend = "triton" if device.type == "cuda" else "torch"
+        try:
+            result = run_deployed(model, tok, preset, artifact, result, True, True, args.split, log=log,
+                                  bf16_backend=bf16_backend)
+            log(f"deployed runs done: {result['deployed']['timings']}")
+        except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed
+            import traceback
+
+            traceback.print_exc()
+            result["deployed_error"] = f"{type(e).__name__}: {e}"
+            log(f"deployed runs FAILED: {result['deployed_error']}")
+    result["timings"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    paths = write_all(result, out)
+    print(markdown(result))
+    for k, p in paths.items():
+        print(f"{k}: {p}")
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

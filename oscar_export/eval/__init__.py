@@ -1,0 +1,7 @@
+"""The evaluation (DESIGN §5): KV-cache methods scored decode-as-deployed against BF16.
+
+One module per concern: ``cache_models`` (one class per cache method, one protocol), ``quantizers`` (their
+INT2 rules, through ``kernels.reference``), ``attention`` (the fake-quantized attention), ``recipes`` (the
+methods built for one model), ``text`` (PPL, KL, top-1), ``niah`` (needle tasks), ``deployed`` (the real
+cache on the GPU), ``report`` (tables, JSON, plots) and ``driver`` (``oscar-export eval``).
+"""

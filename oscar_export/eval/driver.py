@@ -1,0 +1,334 @@
+"""Evaluate KV-cache methods decode-as-deployed: PPL, KL, top-1, NIAH, bits per element.
+
+Calibrates OSCAR on the model (unless --artifact is given), builds the baselines (BF16, naive INT2,
+QuaRot-INT2, KIVI-2 at its defaults and at our budget, transformers' QuantizedCache with HQQ and quanto at 2
+and 4 bits, the OSCAR research recipe) and scores them all on the same text and needles. Every quality number
+comes from what decode sees: each position reads the BF16 windows relative to itself and INT2 everywhere
+else. With --device cuda it also runs ours through the real cache as deployed (BF16 model + Triton kernels,
+and the fp32 model + reference ops as a cross-check). Writes results.md, results.json and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import time
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+EPILOG = """examples:
+  oscar-export eval --model default                  # the main job: calibrate, evaluate, print the tables
+  oscar-export eval --model default --quick          # CI preset
+  oscar-export eval --model default --artifact art/ --methods bf16,oscar,kivi2 --no-niah
+  oscar-export eval --model default --artifact art/ --preset full --device cuda    # the GPU protocol
+"""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Args: text_lengths (scored as prefixes of windows of the longest), text_windows, niah_lengths, needles
+    (per task and length), calib_tokens, research_tokens (research-recipe capture), hf (run the HF
+    QuantizedCache methods unless named in --methods), text_chunk (deployed runs: tokens per chunk)."""
+
+    text_lengths: tuple[int, ...]
+    text_windows: int
+    niah_lengths: tuple[int, ...]
+    needles: int
+    calib_tokens: int
+    research_tokens: int
+    hf: tuple[str, ...] = ()
+    text_chunk: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text_lengths", tuple(sorted(int(x) for x in self.text_lengths)))
+        object.__setattr__(self, "niah_lengths", tuple(int(x) for x in self.niah_lengths))
+        if (not self.text_lengths or self.text_lengths[0] < 2 or self.text_windows < 1 or self.needles < 1
+                or self.calib_tokens < 1 or self.research_tokens < 1 or self.text_chunk < 1):
+            raise ValueError(f"Preset: invalid sizes {self}")
+
+
+HF_ALL = ("hf-hqq-int2", "hf-quanto-int2", "hf-hqq-int4", "hf-quanto-int4")
+PRESETS = {
+    "quick": Preset((1024,), 1, (1024,), 2, 4096, 1024),
+    # The README's main job (a few minutes on a 2-core CPU); HQQ re-optimises the whole history at every
+    # flush (minutes here): it runs in "full" or when named in --methods.
+    "default": Preset((1024,), 1, (1024,), 2, 8192, 2048, hf=("hf-quanto-int2", "hf-quanto-int4")),
+    # The GPU protocol (DESIGN §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length.
+    "full": Preset((2048, 4096, 8192), 2, (1024, 2048, 4096, 8192), 20, 20_000, 4096, hf=HF_ALL),
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a local HF model dir")
+    p.add_argument("--artifact", default=None, help="calibrated artifact directory (default: calibrate now)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    p.add_argument("--quick", action="store_true", help="same as --preset quick (CI)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model runs; cuda also runs ours through the real cache as deployed")
+    p.add_argument("--methods", default=None, help="comma-separated subset of method names (default: the preset's)")
+    p.add_argument("--text-lengths", default=None, help="comma-separated text lengths (overrides the preset)")
+    p.add_argument("--text-windows", type=int, default=None, help="text windows (overrides the preset)")
+    p.add_argument("--niah-lengths", default=None, help="comma-separated NIAH lengths (overrides the preset)")
+    p.add_argument("--needles", type=int, default=None, help="NIAH needles per task and length (overrides the preset)")
+    p.add_argument("--split", choices=("dev", "report"), default="report",
+                   help="NIAH needle set: 'dev' for tuning, 'report' (default) for reported numbers")
+    p.add_argument("--no-niah", action="store_true", help="skip needle-in-a-haystack")
+    p.add_argument("--no-text", action="store_true", help="skip PPL/KL/top-1")
+    p.add_argument("--no-deployed", action="store_true", help="with --device cuda: skip the real-cache runs")
+    p.add_argument("--out", default="eval_out", help="output directory (default: eval_out/)")
+    p.add_argument("--merge", default=None, metavar="RESULTS_JSON",
+                   help="add the methods of an earlier results.json (same text and NIAH settings) to this run's")
+
+
+def check_device(device: str) -> torch.device:
+    """``torch.device(device)``, or a clear error when CUDA is asked for and there is none."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is available here (torch {torch.__version__}, "
+                         f"CUDA build {torch.version.cuda or 'none'}); run without --device or on a GPU machine")
+    return torch.device(device)
+
+
+def check_lengths(model, preset: Preset, text: bool, niah: bool) -> None:
+    """A clear error when a requested length exceeds the model's position limit."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    asked = ([("text length", L) for L in preset.text_lengths] if text else []) + \
+            ([("NIAH length", L) for L in preset.niah_lengths] if niah else [])
+    for what, L in asked:
+        if limit is not None and L > limit:
+            raise ValueError(f"{what} {L} exceeds the model's limit of {limit} positions "
+                             f"(max_position_embeddings); ask for at most {limit}")
+
+
+def build_methods(model, tok, preset: Preset, artifact, names: list[str] | None, log=print):
+    """``(methods, skipped)``: the cache models to run and ``{name: why not}``."""
+    from .quantizers import hf_backend_missing
+    from .recipes import baseline_methods, ours_method, research_recipe
+    from .text import calibration_text
+
+    methods = baseline_methods(model, artifact.layout if artifact is not None else None)
+    want = set(names) if names else None
+    if want is None or "oscar-research" in want:
+        ids = tok(calibration_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
+        seq = 512
+        n = max(1, preset.research_tokens // seq)
+        methods.append(research_recipe(model, ids[: n * seq].view(n, seq)))
+    if artifact is not None:
+        methods.append(ours_method(artifact))
+    if want is not None:
+        unknown = want - {m.name for m in methods}
+        if unknown:
+            raise ValueError(f"--methods: unknown {sorted(unknown)}; available: {[m.name for m in methods]}")
+        methods = [m for m in methods if m.name in want or m.name == "bf16"]
+    skipped = {}
+    if want is None:
+        for m in methods:
+            if m.kind == "hf" and m.name not in preset.hf:
+                skipped[m.name] = ("not in this preset (the QuantizedCache replay is slow on a CPU); "
+                                   "--preset full or --methods runs it")
+        methods = [m for m in methods if m.name not in skipped]
+    dev = next(model.parameters()).device
+    for m in [m for m in methods if m.kind == "hf"]:
+        why = hf_backend_missing(m.backend, dev)
+        if why:
+            skipped[m.name] = why
+            log(f"skipping {m.name}: {why}")
+    return [m.to(dev) for m in methods if m.name not in skipped], skipped
+
+
+def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None = None, niah: bool = True,
+             text: bool = True, split: str = "report", log=print) -> dict:
+    """Build every method, score them (fake-quantized caches), return the JSON-able result dict."""
+    from .niah import NiahConfig, build_prompts, run_niah, summarize
+    from .recipes import attention_shape
+    from .text import TextScore, final_hidden, max_positions, score_prefixes, text_windows
+
+    t_start = time.perf_counter()
+    attention_shape(model)
+    check_lengths(model, preset, text, niah)
+    if text:  # fails early if the text is too short
+        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+    if niah:
+        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split)
+        prompts = build_prompts(tok, cfg)
+    t0 = time.perf_counter()
+    methods, skipped = build_methods(model, tok, preset, artifact, names, log)
+    timings = {"methods_s": round(time.perf_counter() - t0, 1)}
+    lengths = sorted({*preset.text_lengths, *preset.niah_lengths})
+    result = {
+        "methods": [{**m.summary(), "bits": {str(L): m.bits_per_element(L) for L in lengths}} for m in methods],
+        "skipped": skipped,
+        "environment": environment(model),
+        "protocol": "decode-as-deployed fake quantization inside attention (oscar_export.eval.attention); "
+                    "every row rounded to bfloat16 before storage/quantization; model computes in "
+                    f"{next(model.parameters()).dtype}",
+    }
+    if artifact is not None:
+        result["artifact"] = {"config": getattr(artifact, "config", {}), "layout": artifact.layout.to_dict()}
+    if text:
+        t0 = time.perf_counter()
+        T = windows.shape[1]
+        pos = torch.arange(T - 1)
+        scores = {L: {m.name: TextScore() for m in methods} for L in preset.text_lengths}
+        head = model.get_output_embeddings()
+        with _bar(len(methods) * windows.shape[0], "text (PPL/KL)") as b:
+            for w in windows:
+                ref = final_hidden(model, w, methods[0])
+                for m in methods:
+                    b.set_postfix_str(m.name)
+                    got = ref if m is methods[0] else final_hidden(model, w, m)
+                    part = score_prefixes(lambda c0, c1: head(ref[c0:c1]), lambda c0, c1, g=got: head(g[c0:c1]),
+                                          w, m.reads_quantized(pos), preset.text_lengths)
+                    for L in preset.text_lengths:
+                        scores[L][m.name].add(part[L])
+                    b.update(1)
+        result["text"] = {
+            "source": "pydoc_data.topics, sorted topics joined by blank lines, last 30% of the characters; "
+                      "length L = the first L tokens of each window",
+            "lengths": {str(L): {"windows": int(windows.shape[0]),
+                                 "scores": {k: {**v.summary(), "per_window_kl": v.per_window_kl}
+                                            for k, v in scores[L].items()}} for L in preset.text_lengths},
+        }
+        timings["text_s"] = round(time.perf_counter() - t0, 1)
+    if niah:
+        t0 = time.perf_counter()
+        niah_methods = methods
+        with _bar(len(prompts), f"NIAH ({len(prompts)} prompts x {len(niah_methods)} methods)") as b:
+            rows = run_niah(model, tok, niah_methods, prompts, cfg,
+                            progress=lambda s: (b.set_postfix_str(s), b.update(1)))
+        result["niah"] = {"config": cfg.to_dict(), "summary": summarize(rows), "rows": rows,
+                          "methods": [m.name for m in niah_methods], "prompts": len(prompts)}
+        timings["niah_s"] = round(time.perf_counter() - t0, 1)
+    timings["total_eval_s"] = round(time.perf_counter() - t_start, 1)
+    result["timings"] = timings
+    return result
+
+
+@contextlib.contextmanager
+def _bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    b = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool, niah: bool, split: str,
+                 log=print, bf16_backend: str = "triton") -> dict:
+    """Ours through the real cache: the BF16 model with ``bf16_backend`` (Triton, as deployed on CUDA) and the
+    fp32 model with the reference ops (the cross-check)."""
+    import copy
+
+    from .deployed import deployed_niah, deployed_text
+    from .niah import NiahConfig, build_prompts
+    from .text import max_positions, text_windows
+
+    if artifact is None:
+        raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
+    models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), bf16_backend), "reference": (model, "torch")}
+    dep: dict = {"timings": {}}
+    if text:
+        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+        part = deployed_text(models, artifact, windows, preset.text_lengths, preset.text_chunk, log)
+        dep.update(text=part["text"], cross=part["cross"], chunk=part["chunk"])
+        dep["timings"].update(part["timings"])
+    if niah:
+        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split)
+        part = deployed_niah(models, artifact, tok, build_prompts(tok, cfg), cfg, log=log)
+        dep["niah"] = part
+        dep["timings"].update(part["timings"])
+    dep["backends"] = {run: backend for run, (_, backend) in models.items()}
+    del models["triton"]
+    result["deployed"] = dep
+    return result
+
+
+def environment(model) -> dict:
+    import transformers
+
+    p = next(model.parameters())
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "machine": platform.machine(), "cpu_threads": torch.get_num_threads(), "device": str(p.device),
+           "dtype": str(p.dtype)}
+    if p.is_cuda:
+        env["gpu"] = torch.cuda.get_device_name(p.device)
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return env
+
+
+def preset_from_args(args) -> Preset:
+    preset = PRESETS["quick" if args.quick else args.preset]
+    over = {}
+    if args.text_lengths:
+        over["text_lengths"] = tuple(int(x) for x in args.text_lengths.split(","))
+    if args.text_windows is not None:
+        over["text_windows"] = args.text_windows
+    if args.needles is not None:
+        over["needles"] = args.needles
+    if args.niah_lengths:
+        over["niah_lengths"] = tuple(int(x) for x in args.niah_lengths.split(","))
+    return replace(preset, **over) if over else preset
+
+
+def run(args) -> int:
+    from .report import markdown, write_all
+    from .recipes import attention_shape
+    from oscar_export.models import load_model
+
+    preset = preset_from_args(args)
+    device = check_device(args.device)
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, device=str(device))
+    attention_shape(model)
+    check_lengths(model, preset, not args.no_text, not args.no_niah)
+    if not args.no_text:  # before calibrating: a text too short for the windows fails at once
+        from .text import max_positions, text_windows
+
+        text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+    names = [s.strip() for s in args.methods.split(",")] if args.methods else None
+    if args.artifact:
+        from oscar_export.calibration.artifact import load_artifact
+
+        artifact = load_artifact(args.artifact, model.config)
+    elif names is None or "oscar" in names:
+        try:
+            from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+        except ImportError as e:
+            raise ImportError(f"eval needs oscar_export.calibration to calibrate (or pass --artifact): {e}") from e
+        t1 = time.perf_counter()
+        print(f"calibrating OSCAR on {preset.calib_tokens} tokens of calibration text ...")
+        artifact = calibrate(model, tok, CalibrationConfig(tokens=preset.calib_tokens))
+        print(f"calibrated in {time.perf_counter() - t1:.0f} s")
+    else:
+        artifact = None
+    result = run_eval(model, tok, preset, artifact, names, niah=not args.no_niah, text=not args.no_text,
+                      split=args.split)
+    if device.type == "cuda" and not args.no_deployed and artifact is not None:
+        result = run_deployed(model, tok, preset, artifact, result, not args.no_text, not args.no_niah, args.split)
+    result["command"] = "oscar-export eval " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in
+                                                        sorted(vars(args).items()) if not k.startswith("_"))
+    result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
+    result["timings"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.merge:
+        import json
+        from pathlib import Path
+
+        from .report import merge
+
+        result = merge(json.loads(Path(args.merge).read_text()), result)
+    paths = write_all(result, args.out)
+    print(markdown(result))
+    for k, p in paths.items():
+        print(f"{k}: {p}")
+    return 0
+
+
+__all__ = ["EPILOG", "PRESETS", "Preset", "add_arguments", "build_methods", "check_device", "check_lengths",
+           "run", "run_deployed", "run_eval"]

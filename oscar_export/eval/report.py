@@ -1,0 +1,222 @@
+"""The evaluation's outputs: markdown tables, a JSON file and PNG plots (KL vs bits, NIAH accuracy vs length).
+
+The result dict (``driver.run_eval``, ``benchmarks/eval_gpu.py``)::
+
+    methods   [{name, kind, description, bits: {length: bits per element}}]
+    text      {source, lengths: {length: {windows, scores: {method: TextScore.summary()}}}}
+    niah      {config, methods, prompts, summary: {method: {task: {length: {ok, n, acc, lo, hi}}}}, rows}
+    deployed  (GPU) {text: {length: {run: scores}}, niah: {summary, rows}, notes}
+    skipped   {method: reason}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}" if abs(x) >= 10 ** -nd or x == 0 else f"{x:.2e}"
+    return str(x)
+
+
+def _count(c: dict | None, task: str = "") -> str:
+    if not c:
+        return "–"
+    cell = f"{c['ok']}/{c['n']} ({100 * c['lo']:.0f}–{100 * c['hi']:.0f})"
+    if task == "multivalue" and "found" in c:
+        cell += f"; values {c['found']}/{c['asked']}"
+    return cell
+
+
+def text_table(scores: dict, bits: dict, length: int) -> list[str]:
+    """One text length: every method's PPL change, KL and top-1 on all positions and on INT2-reading ones."""
+    head = ["method", f"bits@{length}", "PPL", "ΔPPL %", "KL", "top-1", "ΔPPL % (INT2)", "KL (INT2)",
+            "top-1 (INT2)", "positions (INT2)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, s in scores.items():
+        lines.append("| " + " | ".join([
+            name, _f(bits.get(name, {}).get(str(length))), _f(s.get("ppl")), _f(s.get("dppl_pct"), 2),
+            _f(s.get("kl"), 4), _f(s.get("top1"), 4), _f(s.get("dppl_pct_q"), 2), _f(s.get("kl_q"), 4),
+            _f(s.get("top1_q"), 4), f"{s.get('positions_q', 0)}/{s.get('positions', 0)}",
+        ]) + " |")
+    return lines
+
+
+def niah_table(niah: dict, names: list[str]) -> list[str]:
+    summ, cfg = niah["summary"], niah["config"]
+    cols = [(t, L) for t in cfg["tasks"] for L in cfg["lengths"]]
+    head = ["method"] + [f"{t} @{L}" for t, L in cols]
+    lines = [
+        f"NIAH (split {cfg['split']!r}): {cfg['needles']} needles per task and length, "
+        f"{len(cfg['tasks']) * len(cfg['lengths']) * cfg['needles']} questions per method; exact answers "
+        "correct/asked (95 % Wilson interval, %); multivalue also values recalled/asked (RULER's score):", "",
+        "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+    ]
+    for name in names:
+        if name in summ:
+            cells = [_count(summ[name].get(t, {}).get(str(L)), t) for t, L in cols]
+            lines.append("| " + " | ".join([name] + cells) + " |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """Every table of the result (text per length, NIAH, the deployed GPU runs) and the method list."""
+    methods = result["methods"]
+    bits = {m["name"]: m["bits"] for m in methods}
+    if "oscar" in bits:  # the deployed runs store what ours stores
+        bits.update({f"oscar-{run}": bits["oscar"] for run in ("triton", "reference")})
+    lines: list[str] = []
+    text = result.get("text") or {}
+    for L, part in (text.get("lengths") or {}).items():
+        lines += [f"Text, {part['windows']} window(s) of {L} tokens (decode-as-deployed; INT2 = positions that "
+                  "read quantized history):", ""]
+        lines += text_table(part["scores"], bits, int(L)) + [""]
+    if result.get("niah"):
+        lines += niah_table(result["niah"], [m["name"] for m in methods]) + [""]
+    dep = result.get("deployed")
+    if dep:
+        lines += deployed_markdown(dep, bits) + [""]
+    if result.get("skipped"):
+        lines += ["Not run:", ""] + [f"- `{k}`: {v}" for k, v in result["skipped"].items()] + [""]
+    lines += ["Methods:", ""] + [f"- `{m['name']}`: {m['description']}" for m in methods]
+    return "\n".join(lines) + "\n"
+
+
+def deployed_markdown(dep: dict, bits: dict) -> list[str]:
+    lines = ["As deployed (real `plugins/hf` cache through `enable_oscar`, text fed in chunks of "
+             f"{dep.get('chunk')} tokens):", ""]
+    for L, runs in (dep.get("text") or {}).items():
+        lines += [f"Text at {L} tokens:", ""] + text_table(runs, bits, int(L)) + [""]
+    if dep.get("cross"):
+        lines += ["Triton (BF16 model) vs reference (fp32 model) OSCAR runs, KL between them next to each one's "
+                  "KL to its own full-precision run:", "", "| length | KL(triton ‖ reference) | KL triton | "
+                  "KL reference | KL(bf16 model ‖ fp32 model) |", "|---|---|---|---|---|"]
+        for L, c in dep["cross"].items():
+            lines.append(f"| {L} | {_f(c.get('kl_triton_vs_reference'), 5)} | {_f(c.get('kl_triton'), 5)} | "
+                         f"{_f(c.get('kl_reference'), 5)} | {_f(c.get('kl_model_precision'), 5)} |")
+        lines.append("")
+    if dep.get("niah"):
+        lines += niah_table(dep["niah"], list(dep["niah"]["summary"]))
+    return lines
+
+
+def plots(result: dict, out_dir: Path) -> list[Path]:
+    """``kl_vs_bits.png`` (one point per method and text length) and ``niah_vs_length.png`` (accuracy vs
+    length per method, one panel per task, Wilson intervals as error bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    bits = {m["name"]: m["bits"] for m in result["methods"]}
+    text = (result.get("text") or {}).get("lengths") or {}
+    if text:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for L, part in text.items():
+            for name, s in part["scores"].items():
+                if name == "bf16" or not s.get("kl") or str(L) not in bits.get(name, {}):
+                    continue
+                ax.scatter(bits[name][str(L)], s["kl"], s=30)
+                ax.annotate(f"{name}@{L}", (bits[name][str(L)], s["kl"]), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per K/V element (windows included)")
+        ax.set_ylabel("mean KL(p_bf16 || p_method), nats")
+        ax.set_title("Decode-as-deployed KL vs cache bits")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out_dir / "kl_vs_bits.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    niah_parts = [("niah_vs_length.png", result.get("niah"))]
+    if (result.get("deployed") or {}).get("niah"):
+        niah_parts.append(("niah_deployed_vs_length.png", result["deployed"]["niah"]))
+    for fname, niah in niah_parts:
+        if not niah:
+            continue
+        tasks, lengths = niah["config"]["tasks"], niah["config"]["lengths"]
+        fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4), squeeze=False)
+        for ax, task in zip(axes[0], tasks):
+            for name, per in niah["summary"].items():
+                cells = [per.get(task, {}).get(str(L)) for L in lengths]
+                xs = [L for L, c in zip(lengths, cells) if c]
+                if not xs:
+                    continue
+                acc = [100 * c["acc"] for c in cells if c]
+                err = [[100 * (c["acc"] - c["lo"]) for c in cells if c],
+                       [100 * (c["hi"] - c["acc"]) for c in cells if c]]
+                ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(L) for L in lengths])
+            ax.set_title(f"NIAH {task}")
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_ylabel("accuracy % (95 % Wilson)")
+            ax.set_ylim(-5, 105)
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=6, loc="lower left")
+        fig.tight_layout()
+        paths.append(out_dir / fname)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``new`` plus the methods of ``old`` it lacks (same text windows and NIAH config required).
+
+    Lets a later run add methods (e.g. ours, once calibrated) to an earlier one; BF16 is recomputed by every
+    run, and a mismatch of its perplexity means the two runs are not comparable.
+    """
+    out = json.loads(json.dumps(new, default=str))
+    have = {m["name"] for m in out["methods"]}
+    out["methods"] += [m for m in old["methods"] if m["name"] not in have]
+    if "text" in old:
+        if "text" not in out:
+            out["text"] = old["text"]
+        else:
+            for L, part in old["text"]["lengths"].items():
+                mine = out["text"]["lengths"].get(L)
+                if mine is None:
+                    raise ValueError(f"merge: text length {L} is in the earlier run only")
+                if part["windows"] != mine["windows"]:
+                    raise ValueError(f"merge: text windows at {L} differ: {part['windows']} vs {mine['windows']}")
+                a, b = part["scores"].get("bf16"), mine["scores"].get("bf16")
+                if a and b and abs(a["ppl"] - b["ppl"]) > 1e-6 * a["ppl"]:
+                    raise ValueError(f"merge: BF16 perplexity differs between the runs ({a['ppl']} vs {b['ppl']})")
+                mine["scores"] = {**part["scores"], **mine["scores"]}
+    if "niah" in old:
+        if "niah" not in out:
+            out["niah"] = old["niah"]
+        else:
+            if old["niah"]["config"] != out["niah"]["config"]:
+                raise ValueError("merge: NIAH configs differ")
+            names = set(out["niah"]["methods"])
+            out["niah"]["rows"] += [r for r in old["niah"]["rows"] if r["method"] not in names]
+            out["niah"]["methods"] += [n for n in old["niah"]["methods"] if n not in names]
+            from .niah import summarize
+
+            out["niah"]["summary"] = summarize(out["niah"]["rows"])
+    out.setdefault("merged_from", []).append(old.get("command", "?"))
+    return out
+
+
+def write_all(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """``results.json``, ``results.md`` and the plots in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths["json"].write_text(json.dumps(result, indent=1, default=str))
+    paths["markdown"].write_text(markdown(result))
+    for p in plots(result, out):
+        paths[p.stem] = p
+    return paths
+
+
+__all__ = ["deployed_markdown", "markdown", "merge", "niah_table", "plots", "text_table", "write_all"]

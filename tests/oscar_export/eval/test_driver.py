@@ -1,0 +1,205 @@
+"""The evaluation end to end: agreement with the real OSCAR HF cache fed token by token, the research recipe,
+the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from eval_helpers import D, random_transform, tiny_llama
+from oscar_export.eval.cache_models import BF16Cache, PagedInt2
+from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths
+from oscar_export.eval.recipes import attention_shape, research_recipe
+from oscar_export.eval.text import evaluation_text, final_hidden, text_windows
+from oscar_export.kernels.layout import KVCacheLayout
+
+
+@pytest.mark.parametrize("granularity", ["token", pytest.param("channel", marks=pytest.mark.slow)])
+def test_fake_quant_agrees_with_real_hf_cache_token_by_token(granularity):
+    """One fake-quantized pass == the plugins/hf OscarCache fed one token at a time (same artifact)."""
+    pytest.importorskip("oscar_export.plugins.hf")
+    from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
+    from oscar_export.eval.deployed import oscar_logits
+
+    model = tiny_llama()
+    lay = KVCacheLayout.default(2, D, granularity, sink=16, window=32, page_size=16)
+    lay = replace(lay, key=replace(lay.key, codebook=True), value=replace(lay.value, codebook=True))
+    ts = (random_transform(seed=1), random_transform(seed=2))
+    art = OscarArtifact(lay, ts, model_fingerprint(model.config))
+    T = 100  # 3 pages at the end
+    ids = torch.randint(0, 96, (T,))
+    h = final_hidden(model, ids, PagedInt2("oscar", layout=lay, transforms=ts), torch.float32)
+    fake = model.get_output_embeddings()(h)
+    real, quantized = oscar_logits(model, art, "torch", ids[None], chunk=1)
+    real = real[0]
+    err = (real - fake).abs().max(-1).values
+    worst = int(err.argmax())
+    assert err.max() < 1e-3 * fake.abs().max(), f"worst position {worst}: {err[worst]:.3e}"
+    base = model.get_output_embeddings()(final_hidden(model, ids, BF16Cache("bf16"), torch.float32))
+    assert (base[-1] - fake[-1]).abs().max() > 100 * err.max(), "the quantized history must matter"
+    pos = torch.arange(T - 1)
+    assert torch.equal(quantized, PagedInt2("oscar", layout=lay, transforms=ts).reads_quantized(pos))
+
+
+def test_research_recipe_is_shared_u_h_with_global_clips():
+    model = tiny_llama()
+    m = research_recipe(model, torch.randint(0, 96, (2, 80)))
+    t = m.transforms[0]
+    assert m.param_dtype == "float32" and m.layout.key.granularity == "token"
+    assert torch.equal(t.k_rotation[0], t.k_rotation[1]), "one rotation per layer, shared by the KV heads"
+    eye = torch.eye(D)
+    assert (t.k_rotation[0] @ t.k_rotation[0].T - eye).abs().max() < 1e-5
+    assert t.k_clip.tolist() == pytest.approx([0.96, 0.96]) and t.v_clip.tolist() == pytest.approx([0.92, 0.92])
+    assert m.bits_per_element(10_000) > m.layout.effective_bits_per_element(10_000)  # fp32 params cost more
+
+
+def test_run_eval_on_a_tiny_model_scores_every_length_and_task(monkeypatch):
+    """The driver's fake-quantized path: every method scored at every text length (prefixes of one window),
+    BF16 exactly 0 KL, NIAH counted per task and length."""
+    from eval_helpers import CharTokenizer
+    from oscar_export.eval import driver, text
+
+    model = tiny_llama()
+    tok = CharTokenizer()
+    monkeypatch.setattr(text, "evaluation_text", lambda: "x y z. " * 400)
+    preset = Preset((400, 600), 1, (640,), 1, 1, 1, hf=("hf-hqq-int2",))
+    res = driver.run_eval(model, tok, preset, None, ["bf16", "int2-naive", "kivi2", "hf-hqq-int2"], niah=False)
+    assert set(res["text"]["lengths"]) == {"400", "600"}
+    for L in ("400", "600"):
+        s = res["text"]["lengths"][L]["scores"]
+        assert s["bf16"]["kl"] == 0 and s["bf16"]["top1"] == 1 and s["bf16"]["positions"] == int(L) - 1
+        assert s["int2-naive"]["kl"] > 0 and s["int2-naive"]["positions_q"] == int(L) - 1 - 384  # pages from 384
+        assert s["kivi2"]["positions_q"] == int(L) - 1 - 127  # KIVI: the first key flush is read from position 127
+    assert {m["name"] for m in res["methods"]} == {"bf16", "int2-naive", "kivi2", "hf-hqq-int2"}
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_model_is_a_clear_error():
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50)
+    with pytest.raises(NotImplementedError, match="model_type 'gpt2' is not supported"):
+        attention_shape(transformers.GPT2LMHeadModel(cfg))
+
+
+def test_text_shorter_than_the_windows_is_a_clear_error():
+    class Tok:
+        def __call__(self, text, return_tensors=None, add_special_tokens=False):
+            return type("E", (), {"input_ids": torch.arange(len(text.split())).view(1, -1)})()
+
+    n = len(evaluation_text().split())
+    assert text_windows(Tok(), 100, 2).shape == (2, 100)
+    with pytest.raises(ValueError, match=f"need {n + 1} tokens, the text has {n}"):
+        text_windows(Tok(), n + 1, 1)
+    with pytest.raises(ValueError, match="exceed the model's limit of 50 positions"):
+        text_windows(Tok(), 100, 1, max_positions=50)
+
+
+def test_length_over_the_model_limit_is_a_clear_error():
+    model = tiny_llama(max_positions=1024)
+    with pytest.raises(ValueError, match="NIAH length 2048 exceeds the model's limit of 1024 positions"):
+        check_lengths(model, Preset((512,), 1, (1024, 2048), 1, 1, 1), text=True, niah=True)
+    with pytest.raises(ValueError, match="text length 4096 exceeds the model's limit of 1024"):
+        check_lengths(model, Preset((4096,), 1, (1024,), 1, 1, 1), text=True, niah=False)
+    check_lengths(model, Preset((4096,), 1, (1024,), 1, 1, 1), text=False, niah=True)  # text not asked for
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="--device cuda: no CUDA device is available here"):
+        check_device("cuda")
+    from oscar_export.cli import main
+
+    assert main(["eval", "--device", "cuda", "--out", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is available" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.model
+def test_cli_bad_lengths_fail_before_calibrating(capsys, tmp_path):
+    """Over the model's 8192 positions, or more windows than the text holds: one line each, exit code 2."""
+    from oscar_export.cli import main
+
+    def error_lines():
+        return [x for x in capsys.readouterr().err.splitlines() if x.startswith("oscar-export eval: error:")]
+
+    assert main(["eval", "--text-lengths", "16384", "--out", str(tmp_path)]) == 2
+    (line,) = error_lines()
+    assert "text length 16384 exceeds the model's limit of 8192 positions" in line
+    assert main(["eval", "--text-lengths", "8192", "--text-windows", "5", "--out", str(tmp_path)]) == 2
+    (line,) = error_lines()
+    assert "5 windows of 8192 tokens need 40960 tokens, the text has" in line
+
+
+def test_artifact_for_another_model_is_a_clear_error(tmp_path):
+    from oscar_export.calibration.artifact import OscarArtifact, load_artifact
+
+    other = transformers.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=D)
+    OscarArtifact.identity(other).save(tmp_path / "art")
+    with pytest.raises(ValueError, match="does not match this model"):
+        load_artifact(str(tmp_path / "art"), tiny_llama().config)
+
+
+def test_cli_rejects_bad_preset(capsys):
+    from oscar_export.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--preset", "huge"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_presets_meet_the_protocol():
+    full = PRESETS["full"]
+    assert full.text_lengths == (2048, 4096, 8192) and full.niah_lengths == (1024, 2048, 4096, 8192)
+    assert full.needles >= 20 and len(full.hf) == 4
+
+
+def test_calibration_and_evaluation_text_are_disjoint():
+    from oscar_export.eval.text import calibration_text
+
+    cal, ev = calibration_text(), evaluation_text()
+    from pydoc_data.topics import topics
+
+    full = "\n\n".join(topics[k] for k in sorted(topics))
+    assert cal + ev == full and len(ev) == pytest.approx(0.3 * len(full), rel=1e-3)
+    try:
+        from oscar_export.calibration.data import pydoc_text
+    except ImportError:
+        return
+    assert pydoc_text("calibration") == cal and pydoc_text("evaluation") == ev
+
+
+# ---- the real model ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_quick_eval_on_smollm2_without_calibration(smollm2):
+    """The CLI's evaluation path on SmolLM2 (no calibration): quantized methods score worse than BF16, in order."""
+    from oscar_export.eval.driver import run_eval
+
+    model, tok = smollm2
+    preset = Preset((768,), 1, (1024,), 1, 1, 512)
+    res = run_eval(model, tok, preset, None, ["bf16", "int2-naive", "quarot-int2", "oscar-research"])
+    s = res["text"]["lengths"]["768"]["scores"]
+    assert s["bf16"]["kl"] == 0 and s["bf16"]["top1"] == 1
+    assert 0 < s["quarot-int2"]["kl"] < s["int2-naive"]["kl"], s
+    assert res["niah"]["summary"]["bf16"]["single"]["1024"]["n"] == 1
+
+
+def test_missing_hf_backend_is_skipped_with_its_reason(monkeypatch):
+    from oscar_export.eval import driver, quantizers
+
+    monkeypatch.setattr(quantizers, "hf_backend_missing", lambda b, dev=None: "no hqq here" if b == "hqq" else None)
+    model = tiny_llama(1)
+    preset = Preset((512,), 1, (512,), 1, 1, 1, hf=("hf-hqq-int2", "hf-quanto-int4"))
+    methods, skipped = driver.build_methods(model, None, preset, None, ["bf16", "hf-hqq-int2", "hf-quanto-int4"],
+                                            log=lambda s: None)
+    assert [m.name for m in methods] == ["bf16", "hf-quanto-int4"] and skipped == {"hf-hqq-int2": "no hqq here"}
+    methods, skipped = driver.build_methods(model, None, preset, None, ["bf16", "kivi2"], log=lambda s: None)
+    assert [m.name for m in methods] == ["bf16", "kivi2"] and skipped == {}

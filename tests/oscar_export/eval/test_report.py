@@ -1,0 +1,58 @@
+"""The report: tables with intervals and needle counts, JSON, the two plots, merging runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oscar_export.eval.niah import summarize
+from oscar_export.eval.report import markdown, merge, write_all
+
+
+def result():
+    rows = [{"method": m, "task": t, "length": 1024, "ok": ok, "index": i}
+            for m, k in (("bf16", 4), ("a", 1)) for t in ("single", "multikey", "multivalue")
+            for i, ok in enumerate([True] * k + [False] * (4 - k))]
+    score = {"ppl": 11.0, "dppl_pct": 10.0, "kl": 0.1, "top1": 0.9, "positions": 1023, "ppl_q": 12.0,
+             "dppl_pct_q": 20.0, "kl_q": 0.2, "top1_q": 0.8, "positions_q": 639}
+    return {
+        "methods": [{"name": n, "kind": "x", "description": n, "bits": {"1024": b}}
+                    for n, b in (("bf16", 16.0), ("a", 3.1))],
+        "text": {"lengths": {"1024": {"windows": 1,
+                                      "scores": {"bf16": {**score, "kl": 0.0, "dppl_pct": 0.0}, "a": score}}}},
+        "niah": {"config": {"lengths": [1024], "tasks": ["single", "multikey", "multivalue"], "needles": 4,
+                            "split": "report"}, "summary": summarize(rows), "rows": rows, "methods": ["bf16", "a"]},
+        "skipped": {"hf-hqq-int2": "QuantizedCache(backend='hqq') needs the package hqq"},
+        "command": "x",
+    }
+
+
+def test_markdown_states_needles_intervals_and_int2_positions():
+    md = markdown(result())
+    assert "| a | 3.100 | 11.000 | 10.00 | 0.1000 | 0.9000 | 20.00 | 0.2000 | 0.8000 | 639/1023 |" in md
+    assert "4 needles per task and length, 12 questions per method" in md
+    assert "| bf16 | 4/4 (51–100) | 4/4 (51–100) | 4/4 (51–100); values 4/4 |" in md  # Wilson 95 % of 4/4: [0.51, 1]
+    assert "| a | 1/4 (5–70) |" in md
+    assert "`hf-hqq-int2`: QuantizedCache(backend='hqq') needs the package hqq" in md
+
+
+def test_write_all_writes_markdown_json_and_plots(tmp_path):
+    paths = write_all(result(), tmp_path)
+    assert json.loads(paths["json"].read_text())["methods"][1]["name"] == "a"
+    assert paths["kl_vs_bits"].stat().st_size > 1000 and paths["niah_vs_length"].stat().st_size > 1000
+
+
+def test_merge_adds_methods_and_refuses_incomparable_runs():
+    def res(names, ppl=10.0, windows=1):
+        return {"methods": [{"name": n, "bits": {}} for n in names], "command": "x",
+                "text": {"lengths": {"1024": {"windows": windows,
+                                              "scores": {n: {"ppl": ppl if n == "bf16" else 11.0} for n in names}}}}}
+
+    m = merge(res(["bf16", "a"]), res(["bf16", "b"]))
+    assert [x["name"] for x in m["methods"]] == ["bf16", "b", "a"]
+    assert set(m["text"]["lengths"]["1024"]["scores"]) == {"bf16", "a", "b"}
+    with pytest.raises(ValueError, match="BF16 perplexity differs"):
+        merge(res(["bf16", "a"]), res(["bf16", "b"], ppl=10.5))
+    with pytest.raises(ValueError, match="text windows at 1024 differ"):
+        merge(res(["bf16", "a"]), res(["bf16", "b"], windows=2))
