@@ -69,8 +69,8 @@ def _split_dims(batch, max_pages):
     d, hkv, p = 64, 3, 64
     return {
         "q": (batch, HEADS, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d),
-        "sink_k": (batch, hkv, 64, d), "sink_v": (batch, hkv, 64, d), "recent_k": (batch, hkv, 320, d),
-        "recent_v": (batch, hkv, 320, d), "k_codes": (40, hkv, p, 16), "k_params": (40, hkv, p, 1, 2),
+        "sink_k": (batch, hkv, 64, d), "sink_v": (batch, hkv, 64, d), "recent_k": (batch, hkv, 384, d),
+        "recent_v": (batch, hkv, 384, d), "k_codes": (40, hkv, p, 16), "k_params": (40, hkv, p, 1, 2),
         "v_codes": (40, hkv, p, 16), "v_params": (40, hkv, p, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
         "block_table": (batch, max_pages), "sink_len": (batch,), "num_pages": (batch,), "recent_len": (batch,),
     }
