@@ -309,7 +309,8 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 __all__ = [
     "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
-    "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT",
+    "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
+    "TRT_DECODE_SPLIT",
     "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
     "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
 ]

@@ -19,7 +19,8 @@ the generation rows take one device-only decode step over every slot (``ops.deco
 writer, ``decode_append``, with every row that is not a generation row of this batch flagged so it writes
 nothing; ``ops.decode``: split-K attention + merge over the step's lengths), reading their slots from the cache
 manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it replays with the current
-batch's slots. The first layer begins the page book's step, the last commits it (``cache.py``). The output is in the stored value basis plus the value mean: the
+batch's slots. The first layer begins the page book's step, the last commits it (``cache.py``).
+The output is in the stored value basis plus the value mean: the
 exported ``o_proj`` undoes the value rotation. Cost: the step runs over every slot (the kernels index rows by
 batch position), so idle slots are attended too; a row -> slot index inside the kernels would remove that.
 

@@ -113,8 +113,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
                     self.slot_of(rid)
                 need = req.prompt_len + req.max_new_tokens
                 if need > self.book.max_length:
-                    raise ValueError(f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache reserved "
-                                     f"{self.book.max_length} per sequence (max_seq_len)")
+                    raise ValueError(f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
+                                     f"reserved {self.book.max_length} per sequence (max_seq_len)")
                 free = [s for s in range(self.scratch) if s not in self.slots.values()]
                 if not free:
                     raise SlotsExhausted(f"all {self.scratch} OSCAR cache slots hold live sequences")

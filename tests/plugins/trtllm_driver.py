@@ -179,7 +179,8 @@ class Driver:
                 assert torch.equal(st.sink_k[slot, :, :sl], ref.sink_k[0, :, :sl]), f"{where}: sink keys differ"
                 assert torch.equal(st.sink_v[slot, :, :sl], ref.sink_v[0, :, :sl]), f"{where}: sink values differ"
                 assert torch.equal(st.recent_k[slot][:, ring], ref.recent_k[0][:, ring]), f"{where}: recent keys differ"
-                assert torch.equal(st.recent_v[slot][:, ring], ref.recent_v[0][:, ring]), f"{where}: recent values differ"
+                assert torch.equal(st.recent_v[slot][:, ring], ref.recent_v[0][:, ring]), (
+                    f"{where}: recent values differ")
                 row = self.mgr.rows[slot]
                 assert st.block_table[slot, :npg].tolist() == row[:npg], f"{where}: block table is not the C++ row"
                 for i in range(npg):
