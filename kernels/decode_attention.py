@@ -40,16 +40,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import launch_plan as _plan
 from .layout import KVCacheLayout, PagedKV
 from .quant_pack import _check, check_format, check_paged_state
 
 LOG2E = 1.4426950408889634
-#: tokens per BF16 chunk (sink and recent window are cut into chunks of this size, one split each).
-BF16_CHUNK = 64
-#: INT2 pages per loop iteration and warps of the split kernel (one page per warp; fastest measured on the H200).
-PAGE_SLOTS = 2
-SPLIT_WARPS = 2
-SPLIT_STAGES = 2
+#: tokens per BF16 chunk, INT2 pages per loop iteration, warps/stages of the split kernel (one page per warp;
+#: fastest measured on the H200) and of the merge: stated once, in the launch plan (kernels/aot/launch_plan.py).
+BF16_CHUNK = _plan.BF16_CHUNK
+PAGE_SLOTS = _plan.PAGE_SLOTS
+SPLIT_WARPS = _plan.DECODE_SPLIT.num_warps
+SPLIT_STAGES = _plan.DECODE_SPLIT.num_stages
+MERGE_WARPS = _plan.DECODE_MERGE.num_warps
+MERGE_CHUNK = _plan.MERGE_CHUNK
 
 
 @triton.jit
@@ -546,7 +549,7 @@ def launch_decode(
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
         ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, num_warps=num_warps, num_stages=num_stages,
     )
-    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=16, num_warps=4)
+    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
     return out
 
 

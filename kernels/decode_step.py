@@ -23,15 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import launch_plan as _plan
 from .layout import KVCacheLayout, PagedKV
 from .pages import STATUS_NONFINITE
 from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state
 from .transform import LayerTransform
 
-#: warps of the append kernel (one page-head of demotion per program).
-APPEND_WARPS = 4
-#: rows of R_K per step of the in-kernel key rotation.
-ROT_BLOCK = 32
+#: warps of the append kernel (one page-head of demotion per program) and rows of R_K per step of the in-kernel
+#: key rotation: stated once, in the launch plan (kernels/aot/launch_plan.py).
+APPEND_WARPS = _plan.DECODE_APPEND.num_warps
+ROT_BLOCK = _plan.ROT_BLOCK
 
 
 @triton.jit

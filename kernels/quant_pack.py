@@ -25,12 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .aot import launch_plan as _plan
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
 from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
 from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
+#: warps of the page quantizer, plain and with the rotation fused: stated once, in kernels/aot/launch_plan.py.
+QUANT_WARPS = _plan.QUANT_PACK.num_warps
+QUANT_ROT_WARPS = _plan.QUANT_PACK_ROT.num_warps
 
 # ---- kernel -------------------------------------------------------------------------------------------------
 
@@ -500,9 +504,9 @@ def write_pages(
     group = p if fmt.granularity == "channel" else fmt.group_size
     removals = removal_counts(clip, group)
     fuse = rotation is not None and fused_rotation
-    # launch widths mirrored by the AOT bundle (aot.bundle.QUANT_WARPS, QUANT_ROT_WARPS): the fused
-    # rotation's [P, D] fp32 tile spills far less on 8 warps
-    warps = dict(num_warps=8) if fuse else dict(num_warps=4)
+    # launch widths of the launch plan (QUANT_ROT_WARPS, QUANT_WARPS): the fused rotation's [P, D] fp32 tile
+    # spills far less on 8 warps
+    warps = dict(num_warps=QUANT_ROT_WARPS) if fuse else dict(num_warps=QUANT_WARPS)
     if num_warps is not None:
         warps = dict(num_warps=num_warps)
     if rotation is not None and not fused_rotation:

@@ -5,7 +5,7 @@ attributes (the TensorRT form, :func:`decode_attention_trt_model`, splits it int
 the two TensorRT plugins, ``OscarDecodeSplit`` and ``OscarDecodeMerge``: one kernel launch each)::
 
     inputs   q [B, H, D] f32 (model basis)   k_rotation [H_kv, D, D] f32   k_scale [H_kv, D] f32
-             sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, W+P, D] bf16
+             sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, C, D] bf16 (the ring, C = W + 2P)
              k_codes, v_codes [N, H_kv, P, D/4] u8   k_params, v_params f16 (layout.params_shape)
              k_levels, v_levels [H_kv, 4] f32   block_table [B, M] i32   sink_len, num_pages, recent_len [B] i32
     output   out [B, H, D] f32 (stored value basis: the exported o_proj undoes the value rotation)
@@ -23,13 +23,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from oscar_export.kernels.aot.launch_plan import TRT_DECODE_SPLIT, trt_io
+
 DOMAIN = "oscar"
 OP = "OscarDecodeAttention"
 OPSET = 18
-INPUTS = (
-    "q", "k_rotation", "k_scale", "sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes",
-    "v_params", "k_levels", "v_levels", "block_table", "sink_len", "num_pages", "recent_len",
-)
+#: the decode layer's inputs, in the kernels' order (the launch plan's split-plugin inputs).
+INPUTS = tuple(trt_io(TRT_DECODE_SPLIT)[0])
+#: Triton pointer type -> ONNX element type name (``TensorProto``).
+ONNX_TYPES = {"*fp32": "FLOAT", "*fp16": "FLOAT16", "*bf16": "BFLOAT16", "*i32": "INT32", "*u8": "UINT8"}
 
 
 def _onnx():
@@ -51,22 +53,28 @@ def node_attributes(layout, num_heads: int, sm_scale: float) -> dict[str, Any]:
     }
 
 
-def _io(layout, num_heads: int):
+def _io(layout, num_heads: int, types: dict[str, str] | None = None):
+    """Graph inputs and the output ``out``. ``types`` (plugin tensor name -> the kernel's pointer type) gives
+    the dtypes of the TensorRT form; without it ``q`` and ``out`` are FLOAT (the semantic node)."""
     _, T, helper = _onnx()
     h, hkv, d, p = num_heads, layout.num_kv_heads, layout.head_dim, layout.page_size
     kp = ["N", hkv, p, layout.key.groups, 2] if layout.key.granularity == "token" else ["N", hkv, 2, d]
     spec = {
         "q": (T.FLOAT, ["B", h, d]), "k_rotation": (T.FLOAT, [hkv, d, d]), "k_scale": (T.FLOAT, [hkv, d]),
         "sink_k": (T.BFLOAT16, ["B", hkv, layout.sink, d]), "sink_v": (T.BFLOAT16, ["B", hkv, layout.sink, d]),
-        "recent_k": (T.BFLOAT16, ["B", hkv, layout.recent_capacity, d]),
-        "recent_v": (T.BFLOAT16, ["B", hkv, layout.recent_capacity, d]),
+        "recent_k": (T.BFLOAT16, ["B", hkv, layout.recent_slots, d]),
+        "recent_v": (T.BFLOAT16, ["B", hkv, layout.recent_slots, d]),
         "k_codes": (T.UINT8, ["N", hkv, p, d // 4]), "k_params": (T.FLOAT16, kp),
         "v_codes": (T.UINT8, ["N", hkv, p, d // 4]), "v_params": (T.FLOAT16, ["N", hkv, p, layout.value.groups, 2]),
         "k_levels": (T.FLOAT, [hkv, 4]), "v_levels": (T.FLOAT, [hkv, 4]), "block_table": (T.INT32, ["B", "M"]),
         "sink_len": (T.INT32, ["B"]), "num_pages": (T.INT32, ["B"]), "recent_len": (T.INT32, ["B"]),
+        "out": (T.FLOAT, ["B", h, d]),
     }
+    if types is not None:
+        spec = {n: (getattr(T, ONNX_TYPES[types[n]]), shape) if n in types else (t, shape)
+                for n, (t, shape) in spec.items()}
     inputs = [helper.make_tensor_value_info(n, *spec[n]) for n in INPUTS]
-    output = helper.make_tensor_value_info("out", T.FLOAT, ["B", h, d])
+    output = helper.make_tensor_value_info("out", *spec["out"])
     return inputs, output
 
 
@@ -143,6 +151,16 @@ def _valid(b: _Body, n: int | str, length: str) -> str:
     return b.op("Less", b.op("Unsqueeze", ar, b.c([0])), b.op("Unsqueeze", b.op("Cast", length, to=b.T.INT64), b.c([1])))
 
 
+def _ring_valid(b: _Body, layout) -> str:
+    """``[B, C]`` bool: the recent ring slots a sequence holds (``reference.recent_valid``): slot ``j`` is held
+    iff ``(j - start) mod C < recent_len`` with ``start = (num_pages * P) mod C``."""
+    c = layout.recent_slots
+    start = b.op("Mod", b.op("Mul", b.op("Cast", "num_pages", to=b.T.INT64), b.c(layout.page_size)), b.c(c))
+    ar = b.op("Unsqueeze", b.op("Range", b.c(0), b.c(c), b.c(1)), b.c([0]))  # [1, C]
+    off = b.op("Mod", b.op("Add", b.op("Sub", ar, b.op("Unsqueeze", start, b.c([1]))), b.c(c)), b.c(c))  # [B, C]
+    return b.op("Less", off, b.op("Unsqueeze", b.op("Cast", "recent_len", to=b.T.INT64), b.c([1])))
+
+
 def reference_function(layout, num_heads: int, sm_scale: float):
     """The ONNX FunctionProto ``oscar.OscarDecodeAttention`` in standard operators (see the module doc)."""
     import numpy as np
@@ -161,7 +179,7 @@ def reference_function(layout, num_heads: int, sm_scale: float):
     m = b.op("Gather", b.op("Shape", "block_table"), b.c(1), axis=0)  # scalar M
     hist_len = b.op("Mul", b.op("Cast", "num_pages", to=T.INT64), b.c(p))
     valid = b.op("Concat", _valid(b, layout.sink, "sink_len"), _valid(b, b.op("Mul", m, b.c(p)), hist_len),
-                 _valid(b, layout.recent_capacity, "recent_len"), axis=1)  # [B, T]
+                 _ring_valid(b, layout), axis=1)  # [B, T]
     s = b.op("Mul", b.op("MatMul", qs, b.op("Transpose", k, perm=[0, 1, 3, 2])), b.c(np.float32(sm_scale), np.float32))
     mask = b.op("Unsqueeze", valid, b.c([1, 2]))  # [B, 1, 1, T]
     s = b.op("Where", mask, s, b.c(np.float32(-np.inf), np.float32))
@@ -195,22 +213,30 @@ def decode_attention_trt_model(layout, num_heads: int, sm_scale: float, pages_pe
     """The TensorRT form: the same inputs through ``oscar::OscarDecodeSplit`` -> ``oscar::OscarDecodeMerge``.
 
     A TensorRT AOT plugin launches one kernel, and decode attention is two (split-K, then the LSE merge),
-    so the layer is two plugin nodes (``plugins/trt``); ``out`` is BF16 ``[B, H, D]``. Not executable by
-    onnxruntime (no reference body): the semantic one-node model above is what runs here.
+    so the layer is two plugin nodes (``plugins/trt``). TensorRT's node rules: the op type is the plugin name,
+    ``plugin_namespace`` names the namespace, ``aot=1`` selects the AOT implementation, and no attribute the
+    plugin does not declare (ours declare none: the layout and ``pages_per_split`` are fixed when
+    ``register_plugins`` is called, so the same values must be used there). Every tensor has the dtype of the
+    kernel's pointer (launch plan): ``q`` and ``out`` are BF16. Not executable by onnxruntime (no reference
+    body): the semantic one-node model above is what runs here.
     """
     onnx, T, helper = _onnx()
-    from oscar_export.plugins.trt.shapes import MERGE_PLUGIN, SPLIT_PLUGIN, DecodeShapes
+    from oscar_export.kernels.aot.launch_plan import TRT_DECODE_MERGE
+    from oscar_export.plugins.trt.shapes import MERGE_PLUGIN, PLUGIN_NAMESPACE, SPLIT_PLUGIN, DecodeShapes, tensor_types
 
-    shapes = DecodeShapes.from_layout(layout, num_heads, pages_per_split)
-    inputs, _ = _io(layout, num_heads)
-    attrs = dict(node_attributes(layout, num_heads, sm_scale), pages_per_split=pages_per_split)
-    split = helper.make_node(SPLIT_PLUGIN, list(INPUTS), ["part_o", "part_lse"], domain=DOMAIN, name="oscar_split", **attrs)
-    merge = helper.make_node(MERGE_PLUGIN, ["part_o", "part_lse"], ["out"], domain=DOMAIN, name="oscar_merge",
-                             num_heads=num_heads, head_dim=layout.head_dim)
-    out = helper.make_tensor_value_info("out", T.BFLOAT16, list(shapes.merge_output("B")))
+    DecodeShapes.from_layout(layout, num_heads, pages_per_split)  # validates heads and pages_per_split
+    split_types, merge_types = tensor_types(TRT_DECODE_SPLIT), tensor_types(TRT_DECODE_MERGE)
+    inputs, out = _io(layout, num_heads, {**split_types, **merge_types})
+    rules = dict(plugin_namespace=PLUGIN_NAMESPACE, aot=1)
+    split_in, _, split_out = trt_io(TRT_DECODE_SPLIT)
+    merge_in, _, merge_out = trt_io(TRT_DECODE_MERGE)
+    split = helper.make_node(SPLIT_PLUGIN, split_in, split_out, domain=DOMAIN, name="oscar_split", **rules)
+    merge = helper.make_node(MERGE_PLUGIN, merge_in, merge_out, domain=DOMAIN, name="oscar_merge", **rules)
     h, d = num_heads, layout.head_dim  # n_splits = shapes.n_splits(M), symbolic here
-    value_info = [helper.make_tensor_value_info("part_o", T.FLOAT, ["B", h, "n_splits", d]),
-                  helper.make_tensor_value_info("part_lse", T.FLOAT, ["B", h, "n_splits"])]
+    value_info = [helper.make_tensor_value_info("part_o", getattr(T, ONNX_TYPES[split_types["part_o"]]),
+                                                ["B", h, "n_splits", d]),
+                  helper.make_tensor_value_info("part_lse", getattr(T, ONNX_TYPES[split_types["part_lse"]]),
+                                                ["B", h, "n_splits"])]
     graph = helper.make_graph([split, merge], "oscar_decode_attention_layer_trt", inputs, [out], value_info=value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
                               producer_name="oscar-export")
@@ -232,5 +258,5 @@ def export_decode_attention_onnx(layout, num_heads: int, sm_scale: float, out_di
     return [ref, trt]
 
 
-__all__ = ["DOMAIN", "INPUTS", "OP", "decode_attention_model", "decode_attention_trt_model",
+__all__ = ["DOMAIN", "INPUTS", "ONNX_TYPES", "OP", "decode_attention_model", "decode_attention_trt_model",
            "export_decode_attention_onnx", "node_attributes", "reference_function"]

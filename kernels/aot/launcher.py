@@ -2,7 +2,9 @@
 
 ``cuModuleLoadData`` (cubin, or NUL-terminated PTX that the driver JIT-compiles), ``cuModuleGetFunction``,
 a parameter check with ``cuFuncGetParamInfo`` against the manifest (count = user params + 2 hidden
-scratch pointers, and every size), then ``cuLaunchKernel`` on the caller's stream with two trailing NULLs.
+scratch pointers, and every size), then ``cuLaunchKernel`` on the caller's stream with two trailing NULLs,
+``32 * num_warps`` threads and the manifest's shared memory (parameter order, warps and grid rule: the launch
+plan, ``launch_plan.py``, recorded in the manifest's spec).
 
 Argument packing (:func:`pack_arguments`) is plain Python/ctypes and is tested on the CPU: pointers may be
 CUDA tensors (dtype, contiguity, alignment and device checked) or raw ``int`` device addresses (what a
@@ -181,14 +183,21 @@ class AotKernel:
         return self.entry.spec.grid_for({**scalar_values(self.entry, args), **(grid_inputs or {})})
 
     def launch(
-        self, *args: Any, grid: tuple[int, int, int] | None = None, grid_inputs: Mapping[str, int] | None = None,
-        stream: int | None = None,
+        self, *args: Any, named: Mapping[str, Any] | None = None, grid: tuple[int, int, int] | None = None,
+        grid_inputs: Mapping[str, int] | None = None, stream: int | None = None,
     ) -> None:
         """Launch on ``stream`` (default: torch's current stream) with the manifest's grid rule.
 
-        ``grid_inputs`` supplies the spec's launch sizes that are not kernel arguments (e.g. ``{"B": 4}``).
+        Arguments positionally in kernel order, or ``named`` by parameter name (the order is then the
+        manifest's, i.e. the launch plan's). ``grid_inputs`` supplies the spec's launch sizes that are not
+        kernel arguments (e.g. ``{"B": 4}``).
         """
         import torch
+
+        if named is not None:
+            if args:
+                raise TypeError(f"{self.entry.name}: pass arguments positionally or by name, not both")
+            args = named  # type: ignore[assignment]
 
         packed = pack_arguments(self.entry, args)
         gx, gy, gz = grid if grid is not None else self.grid(args, grid_inputs)

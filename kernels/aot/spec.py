@@ -24,6 +24,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .launch_plan import KernelPlan, evaluate, parse_rule
+
 #: Triton pointer element types a bundle kernel may take.
 POINTER_TYPES = ("*fp32", "*fp16", "*bf16", "*u8", "*i8", "*i32", "*i64")
 #: runtime scalar types a bundle kernel may take (no floats, see the module doc).
@@ -112,6 +114,16 @@ class KernelSpec:
         parsed = tuple(_parse_grid_expr(e, ints, self.name) for e in self.grid)
         object.__setattr__(self, "_parsed_grid", parsed)
 
+    @classmethod
+    def from_plan(cls, plan: KernelPlan, name: str, constexprs: Mapping[str, Any]) -> "KernelSpec":
+        """The bundle variant ``name`` of a launch plan with these constexpr values (all of the plan's, no more)."""
+        if set(constexprs) != set(plan.constexprs):
+            raise ValueError(f"KernelSpec {name}: constexprs {sorted(constexprs)} are not plan {plan.name}'s "
+                             f"{sorted(plan.constexprs)}")
+        return cls(name=name, kernel=plan.kernel, params=tuple(Param(n, t) for n, t in plan.params),
+                   constexprs=tuple(sorted(constexprs.items())), grid=plan.grid, grid_inputs=plan.sizes,
+                   num_warps=plan.num_warps, num_stages=plan.num_stages, doc=plan.doc)
+
     @property
     def constexpr_dict(self) -> dict[str, Any]:
         return dict(self.constexprs)
@@ -145,7 +157,7 @@ class KernelSpec:
         """Evaluate the grid rule for the integer parameter and grid-input ``values`` (constexprs are filled in)."""
         env = {k: v for k, v in self.constexprs if isinstance(v, int) and not isinstance(v, bool)}
         env.update(values)
-        grid = tuple(_eval_int(e.body, env, self.name) for e in self._parsed_grid)
+        grid = tuple(int(evaluate(e, env, self.name)) for e in self._parsed_grid)
         if any(g <= 0 for g in grid):
             raise ValueError(f"{self.name}: grid {grid} from {self.grid} has an empty dimension")
         return grid  # type: ignore[return-value]
@@ -178,48 +190,11 @@ class KernelSpec:
         )
 
 
-# ---- the grid-rule mini language ---------------------------------------------------------------------------
-
-_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
+# ---- the grid rule: the launch plan's rule language -----------------------------------------------------
 
 
 def _parse_grid_expr(expr: str, names: set[str], owner: str) -> ast.Expression:
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"KernelSpec {owner}: grid expression {expr!r} does not parse: {e.msg}") from None
-    for node in ast.walk(tree):
-        ok = isinstance(node, (ast.Expression, ast.BinOp, ast.Load, *_BINOPS))
-        ok |= isinstance(node, ast.Constant) and type(node.value) is int
-        ok |= isinstance(node, ast.Name) and (node.id in names or node.id == "cdiv")
-        ok |= isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cdiv" and len(node.args) == 2
-        if not ok:
-            raise ValueError(
-                f"KernelSpec {owner}: grid expression {expr!r}: {ast.dump(node)[:60]} is not allowed "
-                f"(integer params/constexprs {sorted(names)}, + - * //, cdiv(a, b))"
-            )
-    return tree
-
-
-def _eval_int(node: ast.AST, env: Mapping[str, int], owner: str) -> int:
-    if isinstance(node, ast.Constant):
-        return int(node.value)
-    if isinstance(node, ast.Name):
-        if node.id not in env:
-            raise ValueError(f"{owner}: grid needs a value for {node.id!r}")
-        return int(env[node.id])
-    if isinstance(node, ast.Call):
-        a, b = (_eval_int(x, env, owner) for x in node.args)
-        return -(-a // b)
-    assert isinstance(node, ast.BinOp), ast.dump(node)
-    a, b = _eval_int(node.left, env, owner), _eval_int(node.right, env, owner)
-    if isinstance(node.op, ast.Add):
-        return a + b
-    if isinstance(node.op, ast.Sub):
-        return a - b
-    if isinstance(node.op, ast.Mult):
-        return a * b
-    return a // b
+    return parse_rule(expr, names, f"KernelSpec {owner}: grid expression")
 
 
 __all__ = ["POINTER_ALIGN", "PARAM_BYTES", "POINTER_TYPES", "SCALAR_TYPES", "KernelSpec", "Param"]

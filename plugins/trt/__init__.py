@@ -1,8 +1,10 @@
-"""TensorRT engine path (TensorRT-LLM <= 1.2 / plain TensorRT >= 10.9): AOT Python plugins for the decode layer.
+"""TensorRT (>= 10.9) AOT Python plugins for the decode layer (a TensorRT engine built from the ONNX export).
 
-NOT EXECUTED here: TensorRT cannot be installed on the machines this project was built on. ``shapes.py``
-(shape rules, int32 extras, grids) is plain Python and tested; ``plugin.py`` imports ``tensorrt.plugin``
-lazily and raises an ``ImportError`` naming what to install when it is missing.
+NOT EXECUTED with a real TensorRT (its native library cannot be installed on the machines this project was
+built on). ``shapes.py`` (shape rules, int32 extras, grids, all read from the launch plan) is plain Python and
+tested; ``plugin.py`` is checked by TensorRT's own pure-Python ``tensorrt.plugin`` validators with only the
+native module stubbed (tests/plugins/test_trt_validators.py); it imports ``tensorrt.plugin`` lazily and raises
+an ``ImportError`` naming what to install when it is missing.
 """
 
 from .shapes import MERGE_PLUGIN, PLUGIN_NAMESPACE, SPLIT_PLUGIN, DecodeShapes, check_split_inputs

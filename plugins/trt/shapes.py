@@ -2,17 +2,17 @@
 
 The decode layer becomes two AOT plugins, one kernel launch each (a TensorRT AOT plugin launches exactly
 one kernel): ``oscar::OscarDecodeSplit`` (``trt_decode_split_*`` of the bundle) and
-``oscar::OscarDecodeMerge`` (``trt_decode_merge_*``). Their kernels take TensorRT's order: input tensors,
-int32 extras, output tensors (``kernels/aot/trt_order.py``).
+``oscar::OscarDecodeMerge`` (``trt_decode_merge_*``). Their tensor names, int32 extras, dtypes, warps and
+grid rules are not stated here: they are read from the launch plan (``kernels/aot/launch_plan.py``,
+``TRT_DECODE_SPLIT`` / ``TRT_DECODE_MERGE``: input tensors, int32 extras, output tensors).
 
-The formulas use only ``+ * //`` so they evaluate both on Python ints (tests, the ONNX rewrite) and on
-TensorRT's symbolic shape expressions (inside ``plugin.py``, where ``B`` and ``M`` are symbolic).
+The rules use only ``+ * //`` with ints on the right, so they evaluate both on Python ints (tests, the ONNX
+export) and on TensorRT's symbolic ``SymInt32``/``ShapeExpr`` values (inside ``plugin.py``).
 
-    split inputs   SPLIT_INPUTS (q [B, H, D] bf16 ... recent_len [B] i32; block_table [B, M] i32)
-    split extras   max_pages = M, pages_per_split, n_page_splits = cdiv(M, pps), n_splits
-    split outputs  part_o [B, H, n_splits, D] f32, part_lse [B, H, n_splits] f32
-    grid           (B * H_kv, n_splits, 1), block 32 * num_warps
-    merge          inputs part_o, part_lse; extra n_splits; output out [B, H, D] bf16; grid (B * H, 1, 1)
+    split   inputs SPLIT_INPUTS; extras max_pages = M, pages_per_split, n_page_splits, n_splits;
+            outputs part_o [B, H, n_splits, D] f32, part_lse [B, H, n_splits] f32; grid (B * H_kv, n_splits, 1)
+    merge   inputs part_o, part_lse; extra n_splits; output out [B, H, D] bf16; grid (B * H, 1, 1)
+    block   32 * num_warps of each kernel (the plan's; the compiled binary's, checked in plugin.py)
 """
 
 from __future__ import annotations
@@ -20,43 +20,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SPLIT_INPUTS = (
-    "q", "k_rotation", "k_scale", "sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes",
-    "v_params", "k_levels", "v_levels", "block_table", "sink_len", "num_pages", "recent_len",
-)
-SPLIT_EXTRAS = ("max_pages", "pages_per_split", "n_page_splits", "n_splits")
-SPLIT_OUTPUTS = ("part_o", "part_lse")
-MERGE_INPUTS = ("part_o", "part_lse")
-MERGE_EXTRAS = ("n_splits",)
-MERGE_OUTPUTS = ("out",)
+from oscar_export.kernels.aot.launch_plan import BF16_CHUNK, TRT_DECODE_MERGE, TRT_DECODE_SPLIT, tensor_name, trt_io
+
+SPLIT_INPUTS, SPLIT_EXTRAS, SPLIT_OUTPUTS = (tuple(x) for x in trt_io(TRT_DECODE_SPLIT))
+MERGE_INPUTS, MERGE_EXTRAS, MERGE_OUTPUTS = (tuple(x) for x in trt_io(TRT_DECODE_MERGE))
 PLUGIN_NAMESPACE = "oscar"
 SPLIT_PLUGIN = "OscarDecodeSplit"
 MERGE_PLUGIN = "OscarDecodeMerge"
-BF16_CHUNK = 64
 
 
 def cdiv(a: Any, b: Any) -> Any:
-    return (a + b - 1) // b
+    return (a + (b - 1)) // b
+
+
+def tensor_types(plan) -> dict[str, str]:
+    """Plugin tensor name -> the kernel's Triton pointer type (``"*bf16"``), for inputs and outputs."""
+    return {tensor_name(n): t for n, t in plan.params if t.startswith("*")}
 
 
 @dataclass(frozen=True)
 class DecodeShapes:
-    """Shape rules for one layout. ``pages_per_split`` is fixed when the engine is built (a plugin attribute).
+    """Shape rules for one layout. ``pages_per_split`` is fixed when the plugins are registered.
 
     Args:
         num_heads, num_kv_heads, head_dim: H, H_kv, D.
-        sink, recent_capacity: S0 and W + P of the layout.
+        sink, recent_slots: S0 and the recent ring's slots C = W + 2P of the layout.
         pages_per_split: INT2 pages per split program.
-        num_warps: of the split kernel (block size 32 * num_warps).
     """
 
     num_heads: int
     num_kv_heads: int
     head_dim: int
     sink: int
-    recent_capacity: int
+    recent_slots: int
     pages_per_split: int
-    num_warps: int = 4
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -66,35 +63,46 @@ class DecodeShapes:
 
     @classmethod
     def from_layout(cls, layout, num_heads: int, pages_per_split: int) -> "DecodeShapes":
-        return cls(num_heads, layout.num_kv_heads, layout.head_dim, layout.sink, layout.recent_capacity, pages_per_split)
+        return cls(num_heads, layout.num_kv_heads, layout.head_dim, layout.sink, layout.recent_slots, pages_per_split)
 
     @property
-    def bf16_splits(self) -> int:
-        return cdiv(self.sink, BF16_CHUNK) + cdiv(self.recent_capacity, BF16_CHUNK)
+    def _constexprs(self) -> dict[str, int]:
+        """The integer constexprs the plan's rules read."""
+        return {"H_KV": self.num_kv_heads, "S0": self.sink, "RC": self.recent_slots, "BN": BF16_CHUNK}
+
+    def split_scalars(self, max_pages: Any) -> dict[str, Any]:
+        return TRT_DECODE_SPLIT.scalars({"max_pages": max_pages, "pages_per_split": self.pages_per_split},
+                                        self._constexprs)
 
     def n_splits(self, max_pages: Any) -> Any:
-        return cdiv(max_pages, self.pages_per_split) + self.bf16_splits
+        return self.split_scalars(max_pages)["n_splits"]
 
-    def split_extras(self, max_pages: Any) -> tuple[Any, Any, Any, Any]:
+    def split_extras(self, max_pages: Any) -> tuple[Any, ...]:
         """The int32 extras of the split kernel, in kernel order (``SPLIT_EXTRAS``)."""
-        return (max_pages, self.pages_per_split, cdiv(max_pages, self.pages_per_split), self.n_splits(max_pages))
+        a = self.split_scalars(max_pages)
+        return tuple(a[n] for n in SPLIT_EXTRAS)
 
     def split_outputs(self, batch: Any, max_pages: Any) -> tuple[tuple, tuple]:
         n = self.n_splits(max_pages)
         return (batch, self.num_heads, n, self.head_dim), (batch, self.num_heads, n)
 
-    def split_grid(self, batch: Any, max_pages: Any) -> tuple[Any, Any, int]:
-        return batch * self.num_kv_heads, self.n_splits(max_pages), 1
+    def split_grid(self, batch: Any, max_pages: Any) -> tuple[Any, Any, Any]:
+        return TRT_DECODE_SPLIT.grid_for({"B": batch, **self.split_scalars(max_pages)}, self._constexprs)
 
     def merge_output(self, batch: Any) -> tuple:
         return batch, self.num_heads, self.head_dim
 
-    def merge_grid(self, batch: Any) -> tuple[Any, int, int]:
-        return batch * self.num_heads, 1, 1
+    def merge_grid(self, batch: Any) -> tuple[Any, Any, Any]:
+        return TRT_DECODE_MERGE.grid_for({"rows": batch * self.num_heads}, {})
 
     @property
     def block(self) -> int:
-        return 32 * self.num_warps
+        """Threads per block of the split kernel (32 x its warps)."""
+        return TRT_DECODE_SPLIT.block
+
+    @property
+    def merge_block(self) -> int:
+        return TRT_DECODE_MERGE.block
 
 
 def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[int, int]:
@@ -108,8 +116,8 @@ def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[in
     hkv = shapes.num_kv_heads
     want = {
         "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, shapes.sink, d),
-        "sink_v": (b, hkv, shapes.sink, d), "recent_k": (b, hkv, shapes.recent_capacity, d),
-        "recent_v": (b, hkv, shapes.recent_capacity, d), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
+        "sink_v": (b, hkv, shapes.sink, d), "recent_k": (b, hkv, shapes.recent_slots, d),
+        "recent_v": (b, hkv, shapes.recent_slots, d), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
     for name, shape in want.items():
@@ -123,5 +131,5 @@ def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[in
 
 __all__ = [
     "MERGE_EXTRAS", "MERGE_INPUTS", "MERGE_OUTPUTS", "MERGE_PLUGIN", "PLUGIN_NAMESPACE", "SPLIT_EXTRAS",
-    "SPLIT_INPUTS", "SPLIT_OUTPUTS", "SPLIT_PLUGIN", "DecodeShapes", "cdiv", "check_split_inputs",
+    "SPLIT_INPUTS", "SPLIT_OUTPUTS", "SPLIT_PLUGIN", "DecodeShapes", "cdiv", "check_split_inputs", "tensor_types",
 ]

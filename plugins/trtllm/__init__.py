@@ -1,19 +1,25 @@
 """TensorRT-LLM (PyTorch backend) host for the OSCAR cache, loaded by ``trtllm-serve --custom_module_dirs``.
 
-NOT EXECUTED here: TensorRT-LLM cannot be installed on the machines this project was built on. The
-plain-Python bookkeeping (``bookkeeping.py``: page pool, demotion schedule, block tables, shape rules) is
-tested; the TensorRT-LLM-facing classes (``module.py``) import TensorRT-LLM lazily and raise an
-``ImportError`` naming what to install when it is missing.
+NOT EXECUTED in TensorRT-LLM: it cannot be installed on the machines this project was built on. The files:
+
+* ``deployment.py`` -- the deployment and its startup checks (bad checkpoint/bundle/family/limits);
+* ``model.py`` -- ``register()``: the out-of-tree model (``@register_auto_model``), the cache-manager
+  installation and the startup check that every attention layer runs the OSCAR backend;
+* ``attention.py`` / ``cache.py`` -- the ``AttentionBackend`` and ``KVCacheManager`` subclasses (pages, lengths
+  and the step: ``kernels/pages.py``'s ``PageBook``, its rows the C++ block ids);
+* ``device.py`` / ``reference_ops.py`` -- the cache operations through the AOT bundle (GPU) / the reference;
+* ``upstream.py`` -- where TensorRT-LLM keeps those names (1.2 and main layouts).
+
+Tested against stand-ins of the upstream classes under their real module names (tests/plugins/
+test_trtllm_contract.py); the device ops on an H200 (tests/gpu/test_trtllm_gpu.py).
 """
 
-from .bookkeeping import Demotion, OscarCacheBook, PagePool, PoolExhausted, pages_per_seq_for, pool_pages_for
+
+def register(checkpoint, bundle, module=None, arch=None, ops_factory=None):
+    """Register the OSCAR model and cache with TensorRT-LLM for one deployment (see ``model.py``)."""
+    from .model import register as _register
+
+    return _register(checkpoint, bundle, module=module, arch=arch, ops_factory=ops_factory)
 
 
-def register(checkpoint, bundle):
-    """Register the OSCAR cache with TensorRT-LLM for one deployment (see ``module.py``)."""
-    from .module import register as _register
-
-    return _register(checkpoint, bundle)
-
-
-__all__ = ["Demotion", "OscarCacheBook", "PagePool", "PoolExhausted", "pages_per_seq_for", "pool_pages_for", "register"]
+__all__ = ["register"]

@@ -350,16 +350,24 @@ def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
     for name in (f"quant_pack_k_{tag}", f"decode_split_{tag}"):
         _kernel(bundles, where, source, name)  # skips cleanly if the kernel is not in the bundle
     ops = AotCacheOps(bundles[where], layout, HEADS, source=source)
-    lengths = [384, 500, 1000]  # recent exactly full (no pages yet), one page, several
+    lengths = [384, 500, 1000]  # recent exactly full (demotes now, no pages yet), one page, several
     st, t, _, free = _state(layout, lengths, cuda, seed=3)
     tc = t.to(cuda)
+    st.block_table[0, 0] = free[-1]  # the page row 0's demotion fills (a free pool page)
     cpu = type(st)(*[getattr(st, f).cpu().clone() for f in st.__dataclass_fields__])
-    page = free[-1]
-    reference.demote(cpu, 0, page, layout, t)
-    ops.demote(st, 0, page, 0, tc)
+    k = torch.randn(len(lengths), layout.num_kv_heads, layout.head_dim, device=cuda).bfloat16()
+    v = torch.randn_like(k)
+    status = torch.tensor([0, 0, 2], dtype=torch.int32, device=cuda)  # row 2 flagged (STATUS_FULL): no write
+    cpu_status = status.cpu()
+    reference.decode_append(cpu, k.cpu(), v.cpu(), cpu_status, layout, t)
+    ops.decode_step(st, k, v, status, tc)
     torch.cuda.synchronize()
     diff = [f for f in st.__dataclass_fields__ if not torch.equal(getattr(st, f).cpu(), getattr(cpu, f))]
-    assert not diff, f"AOT demotion differs from reference.demote in {diff}"
+    assert not diff, f"AOT decode step differs from reference.decode_append in {diff}"
+    assert torch.equal(status.cpu(), cpu_status)
+    assert not torch.equal(st.k_codes[free[-1]].cpu(), torch.zeros_like(cpu.k_codes[0]))  # the demotion happened
+    for i, n in enumerate(lengths[:2]):  # the step's lengths (what the attention of the step reads)
+        st.sink_len[i], st.num_pages[i], st.recent_len[i] = layout.split(n + 1)
     q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
     out = ops.decode(q, st, tc, pages_per_split=pps)
     jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
@@ -367,76 +375,73 @@ def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
                                    pages_per_split=pps)
     torch.cuda.synchronize()
     assert _attention_matches_jit("device-ops decode vs JIT", out, jit, _same_triton(bundles, where))
-    print(f"  trtllm device ops [{where} {source} {lay} pps={pps}]: demotion == reference.demote, decode == JIT")
+    print(f"  trtllm device ops [{where} {source} {lay} pps={pps}]: decode step == reference.decode_append, "
+          "decode == JIT")
 
 
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 def test_trtllm_serving_sequence(bundles, lay, cuda):
-    """Prefill two prompts, then decode 140 steps the way the TensorRT-LLM module does (book + AOT device
-    ops, demotion in the update step); after every token the cache equals reference.append_tokens'."""
+    """Prefill three prompts, then decode 140 steps the way the TensorRT-LLM module does (the page book's step
+    around the AOT device ops: write at the committed length, one decode_append per step, commit); after
+    every step the cache equals reference.append_tokens'."""
     from oscar_export.kernels import decode_attention as jit_mod
     from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import layout_tag
     from oscar_export.kernels.layout import PagedKV
-    from oscar_export.plugins.trtllm import OscarCacheBook
+    from oscar_export.kernels.pages import PageBook
     from oscar_export.plugins.trtllm.device import AotCacheOps
 
     layout = layouts()[lay]
     _kernel(bundles, "cpu", "cubin", f"quant_pack_k_{layout_tag(layout, HEADS)}")
+    _kernel(bundles, "cpu", "cubin", f"decode_append_{layout_tag(layout, HEADS)}")
     ops = AotCacheOps(bundles["cpu"], layout, HEADS)
     _, t, _, _ = _state(layout, [1], torch.device("cpu"), seed=5)
     tc = t.to(cuda)
-    book = OscarCacheBook(layout, max_batch=3, max_pages_per_seq=12, pool_pages=24)
-    st = PagedKV.allocate(layout, 3, 24, 12, device=cuda)
-    ref = PagedKV.allocate(layout, 3, 24, 12)
-    g = torch.Generator().manual_seed(7)
     prompts, steps = {0: 380, 1: 600, 2: 60}, 140
+    book = PageBook(layout, 3, max(prompts.values()) + steps, cuda)
+    st = PagedKV.allocate(layout, 3, book.num_pool_pages, book.max_pages, device=cuda)
+    committed, in_step = book.state_view(st, book.committed), book.state_view(st, book.in_step)
+    ref = PagedKV.allocate(layout, 3, book.num_pool_pages, book.max_pages)
+    ref.block_table.copy_(book.block_table.cpu())  # the reference writes the book's pages
+    g = torch.Generator().manual_seed(7)
     rows = {b: ((torch.randn(3, n + steps, 64, generator=g) * 2).bfloat16(), torch.randn(3, n + steps, 64, generator=g).bfloat16())
             for b, n in prompts.items()}
-    pending: dict[int, int] = {}
 
-    def update_step(b):
-        before = len(book.seqs[b].pages)
-        dem = book.reserve_next(b)
-        if dem is not None:
-            ops.demote(st, b, dem.page, before, tc)
-            pending[b] = dem.page
-
-    for b, n in prompts.items():
-        book.add(b)
-        pages = [d.page for d in book.grow(b, n)]
-        k, v = rows[b]
-        ops.prefill(st, b, k[:, :n].to(cuda), v[:, :n].to(cuda), pages, tc)
-        it = iter(pages)
-        reference.append_tokens(ref, b, k[:, :n].float(), v[:, :n].float(), layout, t, lambda: next(it))
-        update_step(b)
-    demotions = 0
-    for step in range(steps):
-        for b in prompts:
-            pos = book.seqs[b].length
-            k, v = rows[b]
-            ops.append(st, b, book.split(b), k[:, pos].to(cuda), v[:, pos].to(cuda))
-            page = pending.pop(b, None)
-            demotions += page is not None
-            reference.append_tokens(ref, b, k[:, pos : pos + 1].float(), v[:, pos : pos + 1].float(), layout, t,
-                                    lambda: page)
-            book.grow(b, 1)
+    def check(what):
         torch.cuda.synchronize()
-        diff = [f for f in ref.__dataclass_fields__ if not torch.equal(getattr(st, f).cpu(), getattr(ref, f))]
-        assert not diff, f"step {step}: AOT cache differs from the reference in {diff}"
+        diff = [f for f in ref.__dataclass_fields__ if not torch.equal(getattr(committed, f).cpu(), getattr(ref, f))]
+        assert not diff, f"{what}: AOT cache differs from the reference in {diff}"
+
+    grow = torch.tensor(list(prompts.values()), dtype=torch.int32, device=cuda)
+    book.begin(grow)
+    for b, n in prompts.items():
+        k, v = rows[b]
+        ops.write(committed, b, 0, k[:, :n].to(cuda), v[:, :n].to(cuda), tc)
+        reference.append_tokens(ref, b, k[:, :n].float(), v[:, :n].float(), layout, t)
+    book.commit(grow)
+    check("prefill")
+    for step in range(steps):
+        pos = [int(n) for n in book.seq_len.tolist()]
+        k = torch.stack([rows[b][0][:, pos[b]] for b in prompts]).to(cuda)  # [3, H_kv, D]
+        v = torch.stack([rows[b][1][:, pos[b]] for b in prompts]).to(cuda)
+        book.begin(1)
+        ops.decode_step(committed, k, v, book.status, tc)
         if step % 35 == 34:
             q = torch.randn(3, HEADS, 64, device=cuda).bfloat16()
-            out = ops.decode(q, st, tc, pages_per_split=2)
-            jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
+            out = ops.decode(q, in_step, tc, pages_per_split=2)
+            jit = jit_mod.decode_attention(q, in_step, layout, tc.k_levels, tc.v_levels, SCALE,
                                            q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
                                            pages_per_split=2)
             torch.cuda.synchronize()
             assert _attention_matches_jit(f"step {step} decode vs JIT", out, jit, _same_triton(bundles, "cpu"))
+        book.commit(1)
         for b in prompts:
-            update_step(b)
-    assert demotions >= 2 and book.split(0)[1] >= 3
-    print(f"  trtllm serving sequence [{lay}]: {steps} steps x 3 sequences, {demotions} update-step demotions, "
-          f"cache == reference after every token, decode matches the JIT")
+            reference.append_tokens(ref, b, rows[b][0][:, pos[b] : pos[b] + 1].float(),
+                                    rows[b][1][:, pos[b] : pos[b] + 1].float(), layout, t)
+        check(f"step {step}")
+    assert int(book.status.abs().sum()) == 0 and int(book.committed.num_pages[0]) >= 3
+    print(f"  trtllm serving sequence [{lay}]: {steps} steps x 3 sequences, cache == reference after every step, "
+          "decode matches the JIT")
 
 
 if __name__ == "__main__":

@@ -117,12 +117,17 @@ def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
     onnx.checker.check_model(m, full_check=True)
     assert [(n.domain, n.op_type) for n in m.graph.node] == [(DOMAIN, SPLIT_PLUGIN), (DOMAIN, MERGE_PLUGIN)]
     assert list(m.graph.node[0].input) == list(INPUTS)
+    for node in m.graph.node:  # TensorRT's node rules (checked against the registry in test_trt_validators.py)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs == {"plugin_namespace": b"oscar", "aot": 1}, attrs
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
+    assert elem["q"] == elem["out"] == onnx.TensorProto.BFLOAT16  # the kernels' *bf16 pointers
     assert not m.functions  # TensorRT must map the nodes to its plugins, not inline a body
     shapes = DecodeShapes.from_layout(layout, 9, 4)
     vi = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
     assert vi["part_o"] == ["B", 9, "n_splits", 64] and vi["part_lse"] == ["B", 9, "n_splits"]
     po, pl = shapes.split_outputs(2, 10)  # concrete: B = 2, M = 10 pages
-    assert po == (2, 9, 3 + 1 + 5, 64) and pl == po[:3]  # cdiv(10, 4) page splits + sink 1 + recent 5 chunks
+    assert po == (2, 9, 3 + 1 + 6, 64) and pl == po[:3]  # cdiv(10, 4) page splits + sink 1 + the ring's 6 chunks
     out = [d.dim_param or d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim]
     assert out == list(shapes.merge_output("B"))
 

@@ -45,14 +45,15 @@ def test_check_split_inputs():
     b, hkv, d = 2, 3, 64
     dims = {
         "q": (b, 9, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, 64, d),
-        "sink_v": (b, hkv, 64, d), "recent_k": (b, hkv, 320, d), "recent_v": (b, hkv, 320, d),
+        "sink_v": (b, hkv, 64, d), "recent_k": (b, hkv, 384, d), "recent_v": (b, hkv, 384, d),
         "k_codes": (7, hkv, 64, 16), "k_params": (7, hkv, 64, 1, 2), "v_codes": (7, hkv, 64, 16),
         "v_params": (7, hkv, 64, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4), "block_table": (b, 5),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
     assert check_split_inputs(s, dims) == (2, 5)
-    with pytest.raises(ValueError, match=r"recent_k: expected \[2, 3, 320, 64\], got \[2, 3, 256, 64\]"):
-        check_split_inputs(s, {**dims, "recent_k": (b, hkv, 256, d)})
+    # the recent ring holds W + 2P = 384 slots; a W + P buffer (the pre-ring layout) is refused
+    with pytest.raises(ValueError, match=r"recent_k: expected \[2, 3, 384, 64\], got \[2, 3, 320, 64\]"):
+        check_split_inputs(s, {**dims, "recent_k": (b, hkv, 320, d)})
     with pytest.raises(ValueError, match=r"q: expected \[B, 9, 64\]"):
         check_split_inputs(s, {**dims, "q": (b, 8, d)})
     with pytest.raises(ValueError, match="block_table: expected"):
@@ -63,9 +64,9 @@ def test_check_split_inputs():
 
 def test_bad_shapes_config():
     with pytest.raises(ValueError, match="not a multiple"):
-        DecodeShapes(8, 3, 64, 64, 320, 4)
+        DecodeShapes(8, 3, 64, 64, 384, 4)
     with pytest.raises(ValueError, match="pages_per_split"):
-        DecodeShapes(9, 3, 64, 64, 320, 0)
+        DecodeShapes(9, 3, 64, 64, 384, 0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed")

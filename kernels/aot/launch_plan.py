@@ -1,0 +1,316 @@
+"""The launch plan of every serving kernel, stated once (DESIGN §3.5). No Triton, no torch.
+
+For each kernel this module says: which ``@triton.jit`` function it is, its runtime parameters in launch
+order with the pointer/scalar type the AOT bundle compiles, the names of its constexprs and how their values
+follow from the layout, ``num_warps`` / ``num_stages``, the grid rule, the int32 arguments derived from
+others, and where the shared memory comes from. Everyone that launches a kernel reads it:
+
+* the JIT wrappers (``decode_attention.py``, ``decode_step.py``, ``quant_pack.py``) take their warp/stage and
+  chunk constants from here (the module-level constants at their tops);
+* the bundle (``bundle.py`` builds every ``KernelSpec`` from a plan; ``spec.py`` evaluates the rules below);
+* the driver-API launcher (``launcher.py``: ``block = 32 * num_warps`` of the compiled spec);
+* ``trt_order.py`` (the TensorRT-order kernels: their parameters are :data:`TRT_DECODE_SPLIT` /
+  :data:`TRT_DECODE_MERGE`), the TensorRT plugins (``plugins/trt``), the TensorRT-LLM device ops
+  (``plugins/trtllm/device.py``) and the ONNX export (tensor names and dtypes of the plugin nodes).
+
+``tests/kernels/test_aot_launch_plan.py`` checks every plan against the Triton function's ``arg_names`` and
+records what the JIT wrappers actually launch (grid, argument order, warps, constexprs): a change of a kernel's
+signature or of a wrapper's launch that is not made here fails there.
+
+Rules (grid, derived arguments) are integer expressions over the kernel's int32 parameters, its integer
+constexprs and the plan's launch ``sizes`` (e.g. the batch ``B``), with ``+ - * //``, parentheses, integer
+literals and ``cdiv(a, b)``. :func:`evaluate` runs them on Python ints and on symbolic values that support
+``+ * //`` with an int on the right (TensorRT's ``SymInt32`` in ``plugins/trt/plugin.py``).
+
+Shared memory: every kernel uses only the static/dynamic shared memory the compiler reports
+(``metadata.shared``), recorded per binary in the manifest (``KernelEntry.shared``); launchers pass exactly that.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+#: tokens per BF16 split of the sink / recent window (decode split kernel ``BN``).
+BF16_CHUNK = 64
+#: INT2 pages per loop iteration of the split kernel (``NB``; one page per warp, so it equals its warps).
+PAGE_SLOTS = 2
+#: splits the merge kernel combines per loop step (``CH``).
+MERGE_CHUNK = 16
+#: rows of R_K per step of the decode-step writer's in-kernel key rotation (``RB = min(ROT_BLOCK, D)``).
+ROT_BLOCK = 32
+#: Triton's default num_stages (what the JIT uses when a wrapper passes none).
+TRITON_DEFAULT_STAGES = 3
+#: plugin tensor names that are not the kernel parameter name minus ``_ptr``.
+TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
+
+_DA = "oscar_export.kernels.decode_attention"
+_DS = "oscar_export.kernels.decode_step"
+_QP = "oscar_export.kernels.quant_pack"
+_TRT = "oscar_export.kernels.aot.trt_order"
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one kernel is launched.
+
+    Args:
+        name: plan name (``"decode_split"``); bundle variants are ``<name>_<layout tag>``.
+        kernel: ``"module:attr"`` of the ``@triton.jit`` function.
+        params: ``(name, type)`` runtime parameters in launch order; types are Triton's (``"*bf16"``, ``"i32"``).
+        constexprs: names of the constexpr parameters (values: :func:`constexpr_values`).
+        num_warps, num_stages: compile/launch options.
+        grid: three rule expressions; sizes: launch sizes the rules read that are not kernel arguments.
+        derived: ``(param, rule)`` int32 arguments computed from the others, in evaluation order.
+    """
+
+    name: str
+    kernel: str
+    params: tuple[tuple[str, str], ...]
+    constexprs: tuple[str, ...]
+    num_warps: int
+    num_stages: int
+    grid: tuple[str, str, str]
+    sizes: tuple[str, ...] = ()
+    derived: tuple[tuple[str, str], ...] = ()
+    doc: str = ""
+
+    @property
+    def param_names(self) -> list[str]:
+        return [n for n, _ in self.params]
+
+    @property
+    def block(self) -> int:
+        """Threads per block: 32 x num_warps (what TensorRT's ``block_x`` and ``cuLaunchKernel`` must get)."""
+        return 32 * self.num_warps
+
+    def types(self) -> dict[str, str]:
+        return dict(self.params)
+
+    def tensor_params(self) -> list[str]:
+        return [n for n, t in self.params if t.startswith("*")]
+
+    def scalar_params(self) -> list[str]:
+        return [n for n, t in self.params if not t.startswith("*")]
+
+    def scalars(self, given: Mapping[str, Any], constexprs: Mapping[str, Any]) -> dict[str, Any]:
+        """All int32 arguments: ``given`` (the host's choices) plus the :attr:`derived` ones, in param order."""
+        env = {**_int_constexprs(constexprs), **given}
+        for name, rule in self.derived:
+            env[name] = evaluate(rule, env, f"{self.name}.{name}")
+        missing = [n for n in self.scalar_params() if n not in env]
+        if missing:
+            raise ValueError(f"{self.name}: no value for int32 arguments {missing}")
+        return {n: env[n] for n in self.scalar_params()}
+
+    def grid_for(self, values: Mapping[str, Any], constexprs: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+        env = {**_int_constexprs(constexprs), **values}
+        return tuple(evaluate(e, env, f"{self.name}.grid") for e in self.grid)  # type: ignore[return-value]
+
+
+def _int_constexprs(constexprs: Mapping[str, Any]) -> dict[str, int]:
+    return {k: v for k, v in constexprs.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def tensor_name(param: str) -> str:
+    """Plugin / ONNX tensor name of a pointer parameter (``q_ptr`` -> ``q``, ``rot_ptr`` -> ``k_rotation``)."""
+    return TENSOR_NAMES.get(param, param.removesuffix("_ptr"))
+
+
+# ---- the plans ----------------------------------------------------------------------------------------------
+
+_SPLIT_INPUTS = (
+    ("q_ptr", "*bf16"), ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
+    ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"), ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"),
+    ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"), ("v_codes_ptr", "*u8"), ("v_params_ptr", "*fp16"),
+    ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
+    ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"),
+)
+_SPLIT_OUTPUTS = (("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"))
+_SPLIT_SCALARS = (("max_pages", "i32"), ("pages_per_split", "i32"), ("n_page_splits", "i32"), ("n_splits", "i32"))
+_SPLIT_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
+                     "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK", "NB")
+_SPLIT_DERIVED = (("n_page_splits", "cdiv(max_pages, pages_per_split)"),
+                  ("n_splits", "n_page_splits + cdiv(S0, BN) + cdiv(RC, BN)"))
+
+DECODE_SPLIT = KernelPlan(
+    name="decode_split", kernel=f"{_DA}:_decode_split_kernel",
+    params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_CONSTEXPRS,
+    num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
+    doc="decode attention, one split of sink/INT2 pages/recent per program (query rotation fused)",
+)
+DECODE_MERGE = KernelPlan(
+    name="decode_merge", kernel=f"{_DA}:_merge_kernel",
+    params=(("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"), ("out_ptr", "*bf16"), ("n_splits", "i32")),
+    constexprs=("D", "CH"), num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("rows", "1", "1"), sizes=("rows",),
+    doc="merge decode splits by log-sum-exp; rows = B * H",
+)
+_QP_PARAMS = (
+    ("x_ptr", "*bf16"), ("page_ids_ptr", "*i32"), ("rank_ptr", "*i32"), ("levels_ptr", "*fp32"),
+    ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"), ("mean_ptr", "*fp32"), ("codes_ptr", "*u8"),
+    ("params_ptr", "*fp16"), ("stride_xn", "i32"), ("stride_xh", "i32"), ("stride_xp", "i32"),
+)
+_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16")
+QUANT_PACK = KernelPlan(
+    name="quant_pack", kernel=f"{_QP}:_quant_pack_kernel", params=_QP_PARAMS, constexprs=_QP_CONSTEXPRS,
+    num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("N", "H_KV", "1"), sizes=("N",),
+    doc="quantize stored-basis pages into the INT2 pool (prefill pages, demotion)",
+)
+QUANT_PACK_ROT = KernelPlan(
+    name="quant_pack_rot", kernel=QUANT_PACK.kernel, params=_QP_PARAMS, constexprs=_QP_CONSTEXPRS,
+    num_warps=8, num_stages=TRITON_DEFAULT_STAGES, grid=QUANT_PACK.grid, sizes=QUANT_PACK.sizes,
+    doc="quantize model-basis pages into the INT2 pool, rotation fused",
+)
+DECODE_APPEND = KernelPlan(
+    name="decode_append", kernel=f"{_DS}:_decode_append_kernel",
+    params=(("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("rot_ptr", "*fp32"), ("kscale_ptr", "*fp32"),
+            ("kmean_ptr", "*fp32"), ("vmean_ptr", "*fp32"), ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"),
+            ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"), ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"),
+            ("v_codes_ptr", "*u8"), ("v_params_ptr", "*fp16"), ("k_rank_ptr", "*i32"), ("v_rank_ptr", "*i32"),
+            ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
+            ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
+            ("max_pages", "i32")),
+    constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE"),
+    num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
+    doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
+        "full (decided on the device; lengths are read, the page book commits them)",
+)
+#: TensorRT's AOT-plugin order: input tensors, int32 extras, output tensors (``trt_order.py``).
+TRT_DECODE_SPLIT = KernelPlan(
+    name="trt_decode_split", kernel=f"{_TRT}:_decode_split_trt_kernel",
+    params=_SPLIT_INPUTS + _SPLIT_SCALARS + _SPLIT_OUTPUTS, constexprs=_SPLIT_CONSTEXPRS,
+    num_warps=DECODE_SPLIT.num_warps, num_stages=DECODE_SPLIT.num_stages, grid=DECODE_SPLIT.grid,
+    sizes=DECODE_SPLIT.sizes, derived=_SPLIT_DERIVED, doc=DECODE_SPLIT.doc + " [TensorRT order]",
+)
+TRT_DECODE_MERGE = KernelPlan(
+    name="trt_decode_merge", kernel=f"{_TRT}:_merge_trt_kernel",
+    params=(("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"), ("n_splits", "i32"), ("out_ptr", "*bf16")),
+    constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
+    grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
+)
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
+                             TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
+
+
+def trt_io(plan: KernelPlan) -> tuple[list[str], list[str], list[str]]:
+    """``(input tensors, int32 extras, output tensors)`` of a TensorRT-order plan, as plugin tensor names."""
+    names = plan.param_names
+    scalars = plan.scalar_params()
+    first, last = names.index(scalars[0]), names.index(scalars[-1])
+    if names[first : last + 1] != scalars or last == len(names) - 1:
+        raise ValueError(f"{plan.name}: not in TensorRT order (inputs, int32 extras, outputs): {names}")
+    return ([tensor_name(n) for n in names[:first]], scalars, [tensor_name(n) for n in names[last + 1 :]])
+
+
+# ---- constexpr values (from the layout) ---------------------------------------------------------------------
+
+
+def gq_pad(gq: int) -> int:
+    """Query heads per KV head padded for the dots: a power of two, at least 4."""
+    return max(4, 1 << max(0, (gq - 1).bit_length()))
+
+
+def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
+    """Constexprs of the split kernel for ``layout``: BF16 queries in the model basis (``ROTATE_Q``);
+    ``fast_unpack`` is the wrapper's choice on a GPU (uniform levels only)."""
+    hkv = layout.num_kv_heads
+    if num_heads % hkv:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
+    gq = num_heads // hkv
+    codebook = bool(layout.key.codebook or layout.value.codebook)
+    return {
+        "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad(gq), "D": layout.head_dim, "P": layout.page_size, "S0": layout.sink,
+        "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
+        "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
+        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS,
+    }
+
+
+def decode_merge_constexprs(layout) -> dict[str, Any]:
+    return {"D": layout.head_dim, "CH": MERGE_CHUNK}
+
+
+def quant_pack_constexprs(layout, fmt, rotate: bool) -> dict[str, Any]:
+    return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": fmt.group_size,
+            "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False}
+
+
+def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str, Any]:
+    """Constexprs of the decode-step writer: ``C`` the ring's slots (``W + 2P``), ``RCAP`` the window's most
+    recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``)."""
+    from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
+
+    return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": layout.value.group_size,
+            "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
+            "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
+            "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE}
+
+
+# ---- the rule mini-language ---------------------------------------------------------------------------------
+
+_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
+
+
+def parse_rule(expr: str, names: set[str] | None, owner: str) -> ast.Expression:
+    """Parse a rule; with ``names``, reject any name outside them (``cdiv`` is always allowed)."""
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"{owner}: rule {expr!r} does not parse: {e.msg}") from None
+    for node in ast.walk(tree):
+        ok = isinstance(node, (ast.Expression, ast.BinOp, ast.Load, *_BINOPS))
+        ok |= isinstance(node, ast.Constant) and type(node.value) is int
+        ok |= isinstance(node, ast.Name) and (names is None or node.id in names or node.id == "cdiv")
+        ok |= (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "cdiv"
+               and len(node.args) == 2 and not node.keywords)
+        if not ok:
+            raise ValueError(
+                f"{owner}: rule {expr!r}: {ast.dump(node)[:60]} is not allowed "
+                f"(names {sorted(names or ())}, + - * //, cdiv(a, b))"
+            )
+    return tree
+
+
+def evaluate(rule: str | ast.Expression, env: Mapping[str, Any], owner: str = "rule") -> Any:
+    """Evaluate a rule over ``env``; ints fold, symbolic values keep an int on the right of ``+ *``."""
+    tree = parse_rule(rule, None, owner) if isinstance(rule, str) else rule
+    return _eval(tree.body, env, owner)
+
+
+def _eval(node: ast.AST, env: Mapping[str, Any], owner: str) -> Any:
+    if isinstance(node, ast.Constant):
+        return int(node.value)
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise ValueError(f"{owner}: needs a value for {node.id!r}")
+        return env[node.id]
+    if isinstance(node, ast.Call):
+        a, b = (_eval(x, env, owner) for x in node.args)
+        return _binop(ast.FloorDiv(), _binop(ast.Add(), a, _binop(ast.Sub(), b, 1, owner), owner), b, owner)
+    assert isinstance(node, ast.BinOp), ast.dump(node)
+    return _binop(node.op, _eval(node.left, env, owner), _eval(node.right, env, owner), owner)
+
+
+_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+}
+
+
+def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
+    if isinstance(a, int) and not isinstance(b, int):
+        if isinstance(op, (ast.Add, ast.Mult)):
+            a, b = b, a  # symbolic values take ints on the right only
+        else:
+            raise ValueError(f"{owner}: {type(op).__name__} with an int on the left of a symbolic value")
+    return _OPS[type(op)](a, b)
+
+
+__all__ = [
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
+    "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
+    "TRT_DECODE_SPLIT",
+    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
+    "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
+]

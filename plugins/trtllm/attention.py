@@ -1,0 +1,161 @@
+"""The OSCAR attention backend for TensorRT-LLM's PyTorch models (NOT EXECUTED in TensorRT-LLM).
+
+A subclass of TensorRT-LLM's ``AttentionBackend`` with upstream's constructor and both ``forward`` forms
+(1.2: ``forward(q, k, v, metadata, *, attention_mask, **kwargs)``; main: ``forward(q, k, v, metadata,
+forward_args)`` with a preallocated ``forward_args.output``). It reports no fused RoPE and no fused QKV, so the
+model's attention module hands it post-RoPE ``q [tokens, H*D]``, ``k, v [tokens, H_kv*D]``.
+
+Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests (never "no cached tokens"):
+
+* a first chunk (``num_cached_tokens_per_seq[i] == 0``) attends at full precision (causal SDPA, TensorRT-LLM's
+  scale ``1 / (q_scaling * sqrt(D))``);
+* a later chunk / prefix-reused context attends to the slot's committed cache through ``ops.chunk_attention``
+  (the reference path has it; the AOT bundle has no chunk kernel yet, so on the GPU it raises and the
+  deployment turns chunked prefill off);
+* either is then written at its cached length (``ops.write``: ``reference.write_tokens``, sink, INT2 pages,
+  recent ring; the quantize kernels on the GPU);
+
+the generation rows take one device-only decode step over every slot (``ops.decode_step``: the decode-step
+writer, ``decode_append``, with every row that is not a generation row of this batch flagged so it writes
+nothing; ``ops.decode``: split-K attention + merge over the step's lengths), reading their slots from the cache
+manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it replays with the current
+batch's slots. The first layer begins the page book's step, the last commits it (``cache.py``).
+The output is in the stored value basis plus the value mean: the
+exported ``o_proj`` undoes the value rotation. Cost: the step runs over every slot (the kernels index rows by
+batch position), so idle slots are attended too; a row -> slot index inside the kernels would remove that.
+
+``q_scaling`` is honoured by checking it against the softmax scale the bundle was compiled with (a
+constexpr of the decode kernel): a mismatch is an error at model build time, never a silently wrong scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .cache import STATUS_IDLE
+from .reference_ops import one_slot
+
+#: INT2 pages per split program of the decode kernel (a deployment choice; any value > 0 is correct).
+PAGES_PER_SPLIT = 8
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def make_attention_class(up, deployment):
+    """``OscarAttention(up.AttentionBackend)`` for one deployment."""
+    import torch
+
+    class OscarAttention(up.AttentionBackend):
+        is_oscar_backend = True
+
+        def __init__(self, layer_idx, num_heads, head_dim, num_kv_heads=None, quant_config=None, **kwargs):
+            super().__init__(layer_idx, num_heads, head_dim, num_kv_heads, quant_config, **kwargs)
+            q_scaling = float(kwargs.get("q_scaling") or 1.0)
+            self.scale = 1.0 / (q_scaling * math.sqrt(head_dim))
+            if not math.isclose(self.scale, deployment.sm_scale, rel_tol=1e-6):
+                raise ValueError(f"layer {layer_idx}: q_scaling {q_scaling} gives softmax scale {self.scale}; the "
+                                 f"kernel bundle was compiled for {deployment.sm_scale}: rebuild it for this model")
+            lay = deployment.layout
+            kv = self.num_kv_heads
+            if (kv, head_dim) != (lay.num_kv_heads, lay.head_dim) or num_heads % kv:
+                raise ValueError(f"layer {layer_idx}: {num_heads} heads / {kv} KV heads x {head_dim}; the OSCAR "
+                                 f"layout has {lay.num_kv_heads} KV heads x {lay.head_dim}")
+            if not 0 <= layer_idx < deployment.num_layers:
+                raise ValueError(f"layer_idx {layer_idx}: the artifact has {deployment.num_layers} layers")
+
+        def support_fused_rope(self) -> bool:
+            return False
+
+        def support_fused_qkv(self) -> bool:
+            return False
+
+        def forward(self, q, k, v, metadata, *args, forward_args=None, **kwargs):
+            mgr = metadata.kv_cache_manager
+            if not getattr(mgr, "is_oscar_cache", False):
+                raise RuntimeError(
+                    f"OSCAR attention (layer {self.layer_idx}) got a {type(mgr).__name__} as the KV cache manager: "
+                    "the OSCAR cache is not installed (the trtllm_module must be imported in the executor worker)"
+                )
+            out = getattr(forward_args, "output", None) if forward_args is not None else kwargs.get("output")
+            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            if out is None:
+                out = torch.empty(q.shape[0], h * d, dtype=q.dtype, device=q.device)
+            state, step_state, ops = mgr.layers[self.layer_idx], mgr.step_layers[self.layer_idx], mgr.ops
+            t = deployment.transform(self.layer_idx, q.device)
+            nc, ns = int(metadata.num_contexts), int(getattr(metadata, "num_seqs", len(metadata.seq_lens)))
+            seq_lens = [int(x) for x in metadata.seq_lens[:ns].tolist()]  # pinned host tensor: no device sync
+            if not _capturing():
+                self._check_step_slots(mgr, list(metadata.request_ids)[:ns])
+            if self.layer_idx == 0:
+                mgr.begin_step([(mgr.step_slots_host[i], seq_lens[i]) for i in range(nc)],
+                               mgr.step_slots[nc:ns].long())
+            offset = 0
+            if nc:
+                cached = metadata.kv_cache_params.num_cached_tokens_per_seq
+                for i in range(nc):
+                    n = seq_lens[i]
+                    slot = mgr.step_slots_host[i]
+                    sl = slice(offset, offset + n)
+                    qi = q[sl].view(n, h, d).transpose(0, 1)  # [H, n, D]
+                    ki = k[sl].view(n, hkv, d).transpose(0, 1)  # [H_kv, n, D]
+                    vi = v[sl].view(n, hkv, d).transpose(0, 1)
+                    k_s = t.transform_keys(ki[None])[0].to(torch.bfloat16)  # stored basis
+                    v_s = t.transform_values(vi[None])[0].to(torch.bfloat16)
+                    start = int(cached[i])
+                    if start == 0 or slot == mgr.scratch:  # a dummy request: computed, not stored
+                        o = torch.nn.functional.scaled_dot_product_attention(
+                            qi[None], ki[None], vi[None], is_causal=True, scale=self.scale, enable_gqa=True)[0]
+                    else:
+                        o = ops.chunk_attention(one_slot(state, slot), qi, k_s, v_s, t)
+                        o = t.restore_output(o[None])[0]
+                    out[sl] = o.transpose(0, 1).reshape(n, h * d).to(out.dtype)
+                    if slot != mgr.scratch:
+                        ops.write(state, slot, start, k_s, v_s, t)
+                    offset += n
+            if ns > nc:
+                g = ns - nc
+                out[offset : offset + g] = self._decode(mgr, state, step_state, ops, t, q, k, v, offset, g, nc,
+                                                        ns).to(out.dtype)
+            if self.layer_idx == deployment.num_layers - 1:
+                mgr.commit_step()
+            return out
+
+        def _decode(self, mgr, state, step_state, ops, t, q, k, v, offset, g, nc, ns):
+            """One device-only decode step for the ``g`` generation rows (CUDA-graph capturable)."""
+            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            rows = mgr.step_slots[nc:ns].long()
+            n_slots = state.sink_len.shape[0]
+            sl = slice(offset, offset + g)
+            ks = t.transform_keys(k[sl].view(g, hkv, 1, d)).squeeze(2).to(torch.bfloat16)  # [g, H_kv, D] stored
+            vs = t.transform_values(v[sl].view(g, hkv, 1, d)).squeeze(2).to(torch.bfloat16)
+            kb = torch.zeros(n_slots, hkv, d, dtype=torch.bfloat16, device=q.device).index_copy_(0, rows, ks)
+            vb = torch.zeros_like(kb).index_copy_(0, rows, vs)
+            qb = torch.zeros(n_slots, h, d, dtype=torch.bfloat16, device=q.device)
+            qb.index_copy_(0, rows, q[sl].view(g, h, d).to(torch.bfloat16))
+            gen = torch.zeros(n_slots, dtype=torch.bool, device=q.device).index_fill_(0, rows, True)
+            gen[mgr.scratch] = False  # padding rows: computed, never stored
+            # context rows (written above) and idle rows take no decode write; the book's flags hold for the rest
+            status = torch.where(gen, mgr.book.status, STATUS_IDLE).to(torch.int32)
+            ops.decode_step(state, kb, vb, status, t)
+            mgr.book.flag(torch.where(gen, status, 0).to(torch.int32))  # a NaN/Inf token: the slot is not committed
+            ob = ops.decode(qb, step_state, t, PAGES_PER_SPLIT)  # [slots, H, D] stored value basis
+            og = t.restore_output(ob.index_select(0, rows)[:, :, None].float()).squeeze(2)  # + v_mean
+            return og.reshape(g, h * d)
+
+        @staticmethod
+        def _check_step_slots(mgr, request_ids) -> None:
+            """Eager only: the batch rows must be the slots ``prepare_resources`` wrote (a request added to the
+            batch after it, e.g. a padding request, is written here)."""
+            want = mgr.slots_for(request_ids)
+            if want != mgr.step_slots_host[: len(want)]:
+                mgr._write_step_slots(want)
+
+    OscarAttention.__qualname__ = OscarAttention.__name__
+    return OscarAttention
+
+
+__all__ = ["PAGES_PER_SPLIT", "make_attention_class"]

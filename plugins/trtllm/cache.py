@@ -1,0 +1,194 @@
+"""The OSCAR cache inside TensorRT-LLM: a subclass of its ``KVCacheManager`` (NOT EXECUTED in TensorRT-LLM).
+
+The C++ block manager (``self.impl``) stays in charge of admission, scheduling, dummy requests and block
+ids; with ``tokens_per_block = P`` each block id is also an INT2 page id: page ``i`` of a sequence is its C++
+block ``i`` (a sequence of ``T`` tokens holds ``ceil(T / P)`` blocks, more than the ``layout.pages_for(T + 1)``
+pages its next decode step may fill). Pages, lengths and the step protocol are the shared page book's
+(``kernels/pages.py``, ``PageBook``): its rows are written with the C++ block ids (``PageBook.assign``), so the
+book owns no free list here. The subclass
+
+* builds the stock pool for a single layer and only as many blocks as ``max_batch_size`` full sequences need
+  (``kv_cache_config.max_tokens``), so the BF16 pool TensorRT-LLM allocates shrinks by the layer count;
+  UNTESTED in TensorRT-LLM: whether anything besides the attention backend reads the stock pool per layer;
+* allocates one ``PagedKV`` per layer (BF16 sink and recent ring, INT2 pools with one page per C++ block), all
+  viewed through the book: :attr:`layers` with its committed lengths, :attr:`step_layers` with the step's;
+* keeps the one TensorRT-LLM-specific map: request id -> book slot (:attr:`slots`), plus one *scratch* slot
+  that no request owns: batch rows of dummy requests (``add_dummy_requests``: CUDA-graph warmup, capture and
+  batch padding) point there, and a step never writes it;
+* in ``prepare_resources`` gives each request a slot (a new sequence: ``PageBook.reset``), copies its C++ block
+  ids into the book's row and writes the batch's slots, in batch order, into the device buffer
+  ``step_slots`` the attention reads. All stream-ordered device writes, so under the overlap executor loop
+  (``prepare_resources(N+1)`` before ``update_resources(N)``) nothing the forward of step N reads changes
+  under it;
+* per forward, :meth:`begin_step` (first layer) and :meth:`commit_step` (last layer) run the book's step:
+  every layer writes beyond the committed lengths, the commit adds each slot's tokens (``step_tokens``, device);
+  a state row that takes no token is flagged :data:`STATUS_IDLE`, so no writer touches it;
+* ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them).
+
+Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_contract.py, both layouts).
+"""
+
+from __future__ import annotations
+
+import math
+
+#: step status bit (beside ``pages.STATUS_*``) of a state row that takes no token in the forward in flight.
+STATUS_IDLE = 4
+
+
+class SlotsExhausted(RuntimeError):
+    """Every sequence slot holds a live request."""
+
+
+def _with_max_tokens(kv_cache_config, max_tokens: int):
+    """``kv_cache_config`` with ``max_tokens`` set (pydantic ``model_copy`` or a plain attribute)."""
+    if hasattr(kv_cache_config, "model_copy"):
+        return kv_cache_config.model_copy(update={"max_tokens": max_tokens})
+    kv_cache_config.max_tokens = max_tokens
+    return kv_cache_config
+
+
+def make_cache_manager_class(up, deployment, ops_factory):
+    """``OscarKVCacheManager(up.KVCacheManager)`` for one deployment; ``ops_factory()`` gives the cache ops."""
+    import torch
+
+    from oscar_export.kernels.layout import PagedKV
+    from oscar_export.kernels.pages import PageBook
+
+    lay = deployment.layout
+
+    class OscarKVCacheManager(up.KVCacheManager):
+        is_oscar_cache = True
+
+        def __init__(self, kv_cache_config, kv_cache_type, *, num_layers, num_kv_heads, head_dim, tokens_per_block,
+                     max_seq_len, max_batch_size, mapping, **kwargs):
+            heads = set(num_kv_heads) if isinstance(num_kv_heads, (list, tuple)) else {num_kv_heads}
+            if tokens_per_block != lay.page_size:
+                raise ValueError(f"tokens_per_block {tokens_per_block}: the OSCAR cache needs tokens_per_block = the "
+                                 f"page size {lay.page_size} (kv_cache_config.tokens_per_block)")
+            if num_layers != deployment.num_layers or heads != {lay.num_kv_heads} or head_dim != lay.head_dim:
+                raise ValueError(f"model: {num_layers} layers x {sorted(heads)} KV heads x head_dim {head_dim}; the "
+                                 f"OSCAR artifact: {deployment.num_layers} x {lay.num_kv_heads} x {lay.head_dim}")
+            if getattr(mapping, "world_size", 1) != 1:
+                raise NotImplementedError("the OSCAR cache serves one GPU (tensor/pipeline parallelism: world_size 1)")
+            pages_per_seq = math.ceil(max_seq_len / lay.page_size)
+            slots = max_batch_size
+            kv_cache_config = _with_max_tokens(kv_cache_config, slots * pages_per_seq * lay.page_size)
+            super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
+                             head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+                             max_batch_size=max_batch_size, mapping=mapping, **kwargs)
+            pool_pages = int(self.get_max_resource_count())
+            deployment.check_limits(slots, max_seq_len, int(self.max_blocks_per_seq), pool_pages)
+            dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            #: the request slots and the scratch slot (the last)
+            self.book = PageBook(lay, slots + 1, max_seq_len, dev)
+            self.book.block_table.zero_()  # a host-managed pool: rows are C++ block ids (PageBook.assign)
+            self.scratch = slots
+            bufs = [PagedKV.allocate(lay, slots + 1, pool_pages, self.book.max_pages, dev, torch.bfloat16)
+                    for _ in range(deployment.num_layers)]
+            self.layers = [self.book.state_view(s, self.book.committed) for s in bufs]
+            self.step_layers = [self.book.state_view(s, self.book.in_step) for s in bufs]
+            # batch row -> state row, on the device (rows past the batch: the scratch slot)
+            self.step_slots = torch.full((slots + 1,), self.scratch, dtype=torch.int32, device=dev)
+            self.step_slots_host: list[int] = []
+            #: tokens each state row takes in the forward in flight (device; begin_step)
+            self.step_tokens = torch.zeros(slots + 1, dtype=torch.int32, device=dev)
+            self.slots: dict[int, int] = {}  # request id -> slot
+            self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
+            self.dummy_ids: set[int] = set()
+            self.ops = ops_factory()
+
+        # ---- slots -------------------------------------------------------------------------------------------
+        def slot_of(self, request_id: int) -> int:
+            if request_id not in self.slots:
+                raise KeyError(f"request {request_id} has no OSCAR cache slot (was it admitted by prepare_resources?)")
+            return self.slots[request_id]
+
+        def _admit(self, req, context: bool) -> int:
+            rid = req.py_request_id
+            if rid in self.dummy_ids:
+                return self.scratch
+            if rid not in self.slots:
+                if not context:  # a generation request must already own a slot (KeyError names it)
+                    self.slot_of(rid)
+                need = req.prompt_len + req.max_new_tokens
+                if need > self.book.max_length:
+                    raise ValueError(f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
+                                     f"reserved {self.book.max_length} per sequence (max_seq_len)")
+                free = [s for s in range(self.scratch) if s not in self.slots.values()]
+                if not free:
+                    raise SlotsExhausted(f"all {self.scratch} OSCAR cache slots hold live sequences")
+                self.slots[rid] = free[0]
+                self.rows.pop(free[0], None)
+                self.book.reset(free[0])
+            slot = self.slots[rid]
+            self._set_row(slot, list(self.get_cache_indices(req))[: self.book.max_pages])
+            return slot
+
+        def _set_row(self, slot: int, ids: list[int]) -> None:
+            """Copy the C++ block ids of ``slot`` into the book's row when they changed (a stream-ordered copy)."""
+            old = self.rows.get(slot, [])
+            if old == ids:
+                return
+            if old != ids[: len(old)]:
+                raise RuntimeError(f"slot {slot}: the C++ block ids changed under live pages ({old} -> {ids})")
+            self.book.assign(slot, torch.tensor(ids, dtype=torch.int32))
+            self.rows[slot] = ids
+
+        def _write_step_slots(self, slots: list[int]) -> None:
+            """Batch row ``i`` -> ``slots[i]``; every later row -> the scratch slot (a stream-ordered H2D copy)."""
+            full = list(slots) + [self.scratch] * (self.step_slots.shape[0] - len(slots))
+            self.step_slots.copy_(torch.tensor(full, dtype=torch.int32))
+            self.step_slots_host = list(slots)
+
+        def slots_for(self, request_ids) -> list[int]:
+            """State rows of a batch: the request's slot, the scratch slot for a dummy request."""
+            return [self.scratch if r in self.dummy_ids else self.slot_of(r) for r in request_ids]
+
+        # ---- the executor's calls ------------------------------------------------------------------------------
+        def prepare_resources(self, scheduled_batch):
+            super().prepare_resources(scheduled_batch)
+            slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
+            slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
+            self._write_step_slots(slots)
+
+        def add_dummy_requests(self, request_ids, *args, **kwargs):
+            """Upstream's, remembering the ids: their rows go to the scratch slot. ``step_slots`` is left alone:
+            TensorRT-LLM makes its padding request inside the forward, after ``prepare_resources`` wrote the
+            batch (rows past it already point at the scratch slot); an eager warmup batch is mapped by the
+            attention's check."""
+            reqs = super().add_dummy_requests(request_ids, *args, **kwargs)
+            self.dummy_ids.update(r.py_request_id for r in reqs)
+            return reqs
+
+        def free_resources(self, request, *args, **kwargs):
+            rid = request.py_request_id
+            self.dummy_ids.discard(rid)
+            slot = self.slots.pop(rid, None)
+            if slot is not None:
+                self.rows.pop(slot, None)
+            return super().free_resources(request, *args, **kwargs)
+
+        # ---- one forward: the page book's step -------------------------------------------------------------------
+        def begin_step(self, context_tokens: list[tuple[int, int]], gen_rows) -> None:
+            """Before the first layer: ``context_tokens`` ``(slot, n)`` of the context rows (host, eager steps only),
+            ``gen_rows`` the device slots of the generation rows (one token each). Device ops only for the
+            generation rows, so a captured decode step replays with the current batch's slots."""
+            tok = self.step_tokens
+            tok.zero_()
+            tok.index_fill_(0, gen_rows, 1)
+            for slot, n in context_tokens:
+                tok[slot] = n
+            tok[self.scratch] = 0  # padding rows: computed, never stored
+            self.book.begin(tok)
+            self.book.flag((tok == 0).to(torch.int32) * STATUS_IDLE)
+
+        def commit_step(self) -> None:
+            """After the last layer: every slot whose status is 0 now holds its ``step_tokens`` more."""
+            self.book.commit(self.step_tokens)
+
+    OscarKVCacheManager.__qualname__ = OscarKVCacheManager.__name__
+    return OscarKVCacheManager
+
+
+__all__ = ["STATUS_IDLE", "SlotsExhausted", "make_cache_manager_class"]

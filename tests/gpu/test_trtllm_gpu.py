@@ -1,0 +1,213 @@
+"""The TensorRT-LLM adapter's device ops through the AOT bundle on a GPU, without TensorRT-LLM.
+
+Run on the H200 (the bundle is compiled there, for this GPU only, with the machine's own Triton)::
+
+    python -m pytest tests/gpu/test_trtllm_gpu.py -m gpu -s
+
+Checks: ``AotCacheOps.decode_step`` (the bundle's ``decode_append`` through the driver API) leaves the same
+cache bytes and step status as the JIT ``decode_step.decode_append``, on rows that demote, rows that do not
+and flagged rows; ``AotCacheOps.decode`` equals the JIT ``decode_attention`` bit for bit (same Triton, same
+launch plan); and the adapter's whole decode forward (``OscarAttention.forward`` on a generation batch: the
+page book's step begun, the decode step with the rows outside the batch flagged, decode attention, the
+commit), captured once in a CUDA graph, replays over 40 steps with new tokens exactly as eager runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+HEADS, SCALE, PPS = 8, 0.125, 2
+
+
+def _layout():
+    from oscar_export.kernels.layout import KVCacheLayout
+
+    return KVCacheLayout.default(2, 64, sink=16, window=48, page_size=16)  # S0 16, W+P 64, ring C 80, P 16
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cuda.bindings")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def ops(cuda, tmp_path_factory):
+    from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_split_spec, decode_step_specs, layout_tag
+    from oscar_export.kernels.aot.bundle import quant_pack_spec
+    from oscar_export.kernels.aot.compile import build_bundle
+    from oscar_export.kernels.aot.manifest import read_manifest
+    from oscar_export.plugins.trtllm.device import AotCacheOps
+
+    lay = _layout()
+    tag = layout_tag(lay, HEADS)
+    specs = [decode_split_spec(lay, HEADS, SCALE, tag), decode_merge_spec(lay, tag), *decode_step_specs(lay, tag),
+             quant_pack_spec(lay, lay.key, "k", False, tag), quant_pack_spec(lay, lay.value, "v", False, tag)]
+    major, minor = torch.cuda.get_device_capability()
+    out = build_bundle(specs, tmp_path_factory.mktemp("b") / "bundle", archs=[f"sm_{10 * major + minor}"],
+                       ptx_version=None)
+    return AotCacheOps(read_manifest(out), lay, HEADS)
+
+
+def _transform(cuda):
+    from oscar_export.kernels.transform import LayerTransform
+
+    lay = _layout()
+    t = LayerTransform.identity(lay.num_kv_heads, lay.head_dim, k_clip=0.97, v_clip=0.95)
+    rot = torch.linalg.qr(torch.randn(lay.num_kv_heads, 64, 64))[0].contiguous()
+    return replace(t, k_rotation=rot, k_scale=torch.rand(lay.num_kv_heads, 64) + 0.5).to(cuda)
+
+
+def _state(cuda, lengths, seed=0):
+    """A cache whose rows hold ``lengths`` tokens (random contents, pages in a shuffled pool)."""
+    from oscar_export.kernels.layout import PagedKV
+
+    lay = _layout()
+    torch.manual_seed(seed)
+    b, pool, m = len(lengths), 64, 8
+    st = PagedKV.allocate(lay, b, pool, m, cuda, torch.bfloat16)
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v"):
+        getattr(st, f).copy_(torch.randn_like(getattr(st, f)))
+    st.k_codes.copy_(torch.randint(0, 256, st.k_codes.shape, dtype=torch.uint8))
+    st.v_codes.copy_(torch.randint(0, 256, st.v_codes.shape, dtype=torch.uint8))
+    st.k_params.copy_((torch.rand_like(st.k_params.float()) * 0.1).half())
+    st.v_params.copy_((torch.rand_like(st.v_params.float()) * 0.1).half())
+    st.block_table.copy_(torch.randperm(pool)[: b * m].view(b, m).to(torch.int32))
+    for i, n in enumerate(lengths):
+        st.sink_len[i], st.num_pages[i], st.recent_len[i] = lay.split(n)
+    return st
+
+
+def _clone(st):
+    return type(st)(**{f.name: getattr(st, f.name).clone() for f in fields(st)})
+
+
+def _assert_same(a, b, what):
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert torch.equal(x, y), f"{what}: {f.name} differs ({(x != y).sum().item()} elements)"
+
+
+#: rows: empty, filling the sink, recent full (demotes now), recent full with pages, one after a demotion
+LENGTHS = [0, 7, 16 + 64, 16 + 3 * 16 + 64, 16 + 64 + 1]
+
+
+def test_decode_step_aot_equals_jit(ops, cuda):
+    from oscar_export.kernels.decode_step import decode_append
+
+    t = _transform(cuda)
+    aot, jit = _state(cuda, LENGTHS), _state(cuda, LENGTHS)
+    k = torch.randn(len(LENGTHS), 2, 64, device=cuda).bfloat16()
+    v = torch.randn_like(k)
+    k[4, 1, 3] = float("nan")  # row 4: not finite -> STATUS_NONFINITE, nothing written
+    s_aot = torch.tensor([0, 0, 0, 2, 0], dtype=torch.int32, device=cuda)  # row 3 flagged (STATUS_FULL)
+    s_jit = s_aot.clone()
+    ops.decode_step(aot, k, v, s_aot, t)
+    decode_append(jit, k, v, s_jit, _layout(), t)
+    torch.cuda.synchronize()
+    _assert_same(aot, jit, "decode_step AOT vs JIT")
+    assert torch.equal(s_aot, s_jit) and s_aot.tolist() == [0, 0, 0, 2, 1]
+    fresh = _state(cuda, LENGTHS)
+    assert not torch.equal(aot.k_codes, fresh.k_codes)  # row 2 demoted a page
+    assert torch.equal(aot.recent_k[3:], fresh.recent_k[3:]) and torch.equal(aot.sink_k[3:], fresh.sink_k[3:])
+
+
+def test_decode_aot_equals_jit(ops, cuda):
+    from oscar_export.kernels.decode_attention import decode_attention
+
+    t = _transform(cuda)
+    st = _state(cuda, [1, 17, 80, 16 + 5 * 16 + 40])
+    q = torch.randn(4, HEADS, 64, device=cuda).bfloat16()
+    got = ops.decode(q, st, t, PPS)
+    want = decode_attention(q, st, _layout(), t.k_levels, t.v_levels, SCALE, q_rotation=(t.k_rotation, t.k_scale),
+                            out_dtype=torch.bfloat16, pages_per_split=PPS)
+    assert torch.equal(got, want), f"AOT vs JIT decode: max |diff| {(got.float() - want.float()).abs().max().item()}"
+
+
+def _manager(ops, dep, lengths, cuda):
+    """The adapter's cache manager over a minimal upstream base: ``lengths`` committed per slot, random contents,
+    shuffled C++ block ids; requests 10, 11, 12 in slots 3, 0, 1, dummy 99 (-> the scratch slot), slot 2 idle."""
+    import math
+
+    from oscar_export.plugins.trtllm.cache import make_cache_manager_class
+
+    class Base:  # what the adapter uses of upstream's KVCacheManager
+        def __init__(self, kv_cache_config, kv_cache_type, *, max_seq_len, tokens_per_block, max_batch_size, **kw):
+            self.max_blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
+            self._blocks = max_batch_size * self.max_blocks_per_seq
+
+        def get_max_resource_count(self):
+            return self._blocks
+
+    lay = dep.layout
+    cls = make_cache_manager_class(SimpleNamespace(KVCacheManager=Base), dep, lambda: ops)
+    mgr = cls(SimpleNamespace(), "SELF", num_layers=1, num_kv_heads=2, head_dim=64, tokens_per_block=lay.page_size,
+              max_seq_len=256, max_batch_size=len(lengths), mapping=SimpleNamespace(world_size=1))
+    torch.manual_seed(0)
+    st = mgr.layers[0]
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v"):
+        getattr(st, f).copy_(torch.randn_like(getattr(st, f)))
+    pool = st.k_codes.shape[0]
+    ids = torch.randperm(pool)[: len(lengths) * mgr.book.max_pages].view(len(lengths), -1).to(torch.int32)
+    for slot in range(len(lengths)):
+        mgr.book.assign(slot, ids[slot])
+    mgr.book.seq_len[: len(lengths)] = torch.tensor(lengths, dtype=torch.int32, device=cuda)
+    mgr.book.commit(0)  # committed lengths = split(seq_len)
+    mgr.slots, mgr.dummy_ids = {10: 3, 11: 0, 12: 1}, {99}
+    mgr._write_step_slots([3, 0, 1, mgr.scratch])
+    return mgr
+
+
+def test_adapter_decode_step_cuda_graph_replay_equals_eager(ops, cuda):
+    from oscar_export.plugins.trtllm.attention import make_attention_class
+
+    lay, t = _layout(), _transform(cuda)
+
+    class Backend:
+        def __init__(self, layer_idx, num_heads, head_dim, num_kv_heads=None, quant_config=None, **kw):
+            self.layer_idx, self.num_heads, self.head_dim = layer_idx, num_heads, head_dim
+            self.num_kv_heads = num_kv_heads
+
+    dep = SimpleNamespace(sm_scale=SCALE, layout=lay, num_layers=1, transform=lambda i, dev: t,
+                          check_limits=lambda *a: None)
+    attn = make_attention_class(SimpleNamespace(AttentionBackend=Backend), dep)(0, HEADS, 64, 2)
+    lengths = [30, 79, 0, 16 + 2 * 16 + 63]  # slot 2 idle; the scratch slot (4) takes the padding row
+    eager, graphed = _manager(ops, dep, lengths, cuda), _manager(ops, dep, lengths, cuda)
+    start = _clone(eager.layers[0])
+    g_rows = 4  # three requests + one padding row
+    md = lambda m: SimpleNamespace(kv_cache_manager=m, num_contexts=0, num_seqs=g_rows,  # noqa: E731
+                                   seq_lens=torch.ones(g_rows, dtype=torch.int32), request_ids=[10, 11, 12, 99],
+                                   kv_cache_params=None)
+    static = {n: torch.zeros(g_rows, w, device=cuda, dtype=torch.bfloat16) for n, w in (("q", HEADS * 64),
+                                                                                        ("k", 128), ("v", 128))}
+    warm = _manager(ops, dep, lengths, cuda)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warmup outside the graph, on another manager
+        attn.forward(static["q"], static["k"], static["v"], md(warm))
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = attn.forward(static["q"], static["k"], static["v"], md(graphed))
+    for step in range(40):
+        x = {n: torch.randn_like(b) for n, b in static.items()}
+        for n in static:
+            static[n].copy_(x[n])
+        graph.replay()
+        want = attn.forward(x["q"], x["k"], x["v"], md(eager))
+        torch.cuda.synchronize()
+        assert torch.equal(static_out[:3], want[:3]), f"step {step}: graph replay output differs from eager"
+        _assert_same(graphed.layers[0], eager.layers[0], f"step {step}: graph replay cache vs eager")
+        assert torch.equal(graphed.book.seq_len, eager.book.seq_len), f"step {step}: lengths differ"
+    assert eager.book.seq_len.tolist() == [30 + 40, 79 + 40, 0, 16 + 2 * 16 + 63 + 40, 0]
+    st = eager.layers[0]
+    for slot in (2, eager.scratch):  # the idle slot and the scratch slot were never written
+        for f in ("sink_k", "sink_v", "recent_k", "recent_v"):
+            assert torch.equal(getattr(st, f)[slot], getattr(start, f)[slot]), f"slot {slot}: {f} written"

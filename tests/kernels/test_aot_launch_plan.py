@@ -1,0 +1,168 @@
+"""The launch plan (kernels/aot/launch_plan.py) against the kernels and against what the JIT wrappers launch.
+
+Two independent checks, so that a change to a kernel or a wrapper that is not made in the plan fails here:
+
+* every plan's parameters/constexprs equal the ``@triton.jit`` function's ``arg_names`` (in order);
+* each JIT wrapper is called on CPU tensors with the kernel's ``run`` replaced by a recorder: the grid, the
+  positional arguments (by identity / value, in order), the constexprs and ``num_warps``/``num_stages`` it
+  would launch with must be the plan's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from oscar_export.kernels import decode_attention as da  # noqa: E402
+from oscar_export.kernels import decode_step as ds  # noqa: E402
+from oscar_export.kernels import quant_pack as qp  # noqa: E402
+from oscar_export.kernels.aot import launch_plan as lp  # noqa: E402
+from oscar_export.kernels.aot.spec import KernelSpec  # noqa: E402
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
+from oscar_export.kernels.transform import LayerTransform  # noqa: E402
+
+LAYOUT = KVCacheLayout.default(3, 64)
+HEADS = 9
+
+
+@pytest.mark.parametrize("name", sorted(lp.PLANS))
+def test_plan_matches_the_kernel_signature(name):
+    plan = lp.PLANS[name]
+    module, attr = plan.kernel.split(":")
+    fn = getattr(__import__(module, fromlist=[attr]), attr)
+    runtime = [a for a in fn.arg_names if a not in plan.constexprs]
+    assert runtime == plan.param_names, f"{name}: kernel runtime args {runtime} != plan {plan.param_names}"
+    assert set(fn.arg_names) == set(plan.param_names) | set(plan.constexprs), (fn.arg_names, plan.constexprs)
+
+
+def test_trt_plans_are_the_originals_reordered():
+    for trt, orig in ((lp.TRT_DECODE_SPLIT, lp.DECODE_SPLIT), (lp.TRT_DECODE_MERGE, lp.DECODE_MERGE)):
+        assert sorted(trt.params) == sorted(orig.params) and trt.constexprs == orig.constexprs
+        assert (trt.num_warps, trt.num_stages, trt.grid, trt.derived) == (orig.num_warps, orig.num_stages, orig.grid,
+                                                                           orig.derived)
+        inputs, extras, outputs = lp.trt_io(trt)
+        assert extras == orig.scalar_params() and inputs and outputs
+    with pytest.raises(ValueError, match="not in TensorRT order"):
+        lp.trt_io(lp.DECODE_SPLIT)  # outputs before the int32 arguments
+
+
+def test_rules_evaluate_on_ints_and_reject_bad_rules():
+    cx = lp.decode_split_constexprs(LAYOUT, HEADS, 0.125)
+    a = lp.DECODE_SPLIT.scalars({"max_pages": 10, "pages_per_split": 4}, cx)
+    # BF16 splits: cdiv(S0 64, 64) + cdiv(C, 64) with C = the recent ring's W + 2P = 384 slots
+    assert a == {"max_pages": 10, "pages_per_split": 4, "n_page_splits": 3, "n_splits": 3 + 1 + 6}
+    assert lp.DECODE_SPLIT.grid_for({"B": 2, **a}, cx) == (6, 10, 1)
+    with pytest.raises(ValueError, match="needs a value for .pages_per_split."):
+        lp.DECODE_SPLIT.scalars({"max_pages": 10}, cx)
+    with pytest.raises(ValueError, match="is not allowed"):
+        lp.parse_rule("B ** 2", {"B"}, "t")
+    with pytest.raises(ValueError, match="int on the left"):
+        lp.evaluate("1 - x", {"x": object()})
+    with pytest.raises(ValueError, match="are not plan"):
+        KernelSpec.from_plan(lp.DECODE_MERGE, "m", {"D": 64})
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, grid, warmup, **kwargs):
+        self.calls.append((grid, args, kwargs))
+
+
+def _record(monkeypatch, *kernels):
+    recs = []
+    for k in kernels:
+        rec = _Recorder()
+        monkeypatch.setattr(k, "run", rec)
+        recs.append(rec)
+    return recs
+
+
+def _check_launch(plan, call, constexprs, scalars_given, sizes, known):
+    grid, args, kwargs = call
+    assert len(args) == len(plan.params), f"{plan.name}: {len(args)} positional args, plan has {len(plan.params)}"
+    scalars = plan.scalars(scalars_given, constexprs)
+    for (name, typ), a in zip(plan.params, args):
+        if typ.startswith("*"):
+            assert isinstance(a, torch.Tensor), f"{plan.name}.{name}: expected a tensor, got {type(a).__name__}"
+            if name in known:
+                assert a is known[name], f"{plan.name}: argument in the position of {name} is not {name}"
+        else:
+            assert a == scalars[name], f"{plan.name}.{name}: launched {a}, plan says {scalars[name]}"
+    launched = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+    assert launched == constexprs, f"{plan.name}: constexprs {launched} != plan {constexprs}"
+    assert kwargs["num_warps"] == plan.num_warps, f"{plan.name}: num_warps {kwargs['num_warps']} != {plan.num_warps}"
+    assert kwargs.get("num_stages", lp.TRITON_DEFAULT_STAGES) == plan.num_stages, plan.name
+    want = tuple(plan.grid_for({**sizes, **scalars}, constexprs))
+    assert tuple(grid) + (1,) * (3 - len(grid)) == want, f"{plan.name}: grid {grid} != plan {want}"
+
+
+def _state(batch=2, pool=6, max_pages=4):
+    st = PagedKV.allocate(LAYOUT, batch, pool, max_pages, dtype=torch.bfloat16)
+    return st, LayerTransform.identity(LAYOUT.num_kv_heads, LAYOUT.head_dim)
+
+
+def test_jit_decode_attention_launches_the_plan(monkeypatch):
+    split, merge = _record(monkeypatch, da._decode_split_kernel, da._merge_kernel)
+    st, t = _state()
+    q = torch.randn(2, HEADS, 64).bfloat16()
+    rot, dsc = t.k_rotation.contiguous(), t.k_scale.contiguous()
+    da.decode_attention(q, st, LAYOUT, t.k_levels, t.v_levels, 0.125, q_rotation=(rot, dsc), out_dtype=torch.bfloat16,
+                        pages_per_split=2)
+    cx = lp.decode_split_constexprs(LAYOUT, HEADS, 0.125, fast_unpack=False)  # CPU: no PTX unpack
+    known = {f"{n}_ptr": getattr(st, n) for n in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params",
+                                                  "v_codes", "v_params", "block_table", "sink_len", "num_pages",
+                                                  "recent_len")}
+    known.update(q_ptr=q, rot_ptr=rot, dscale_ptr=dsc, k_levels_ptr=t.k_levels, v_levels_ptr=t.v_levels)
+    _check_launch(lp.DECODE_SPLIT, split.calls[0], cx, {"max_pages": 4, "pages_per_split": 2}, {"B": 2}, known)
+    _, sargs, _ = split.calls[0]
+    part_o, part_lse = (sargs[lp.DECODE_SPLIT.param_names.index(n)] for n in ("part_o_ptr", "part_lse_ptr"))
+    n_splits = lp.DECODE_SPLIT.scalars({"max_pages": 4, "pages_per_split": 2}, cx)["n_splits"]
+    assert tuple(part_o.shape) == (2, HEADS, n_splits, 64)
+    _check_launch(lp.DECODE_MERGE, merge.calls[0], lp.decode_merge_constexprs(LAYOUT), {"n_splits": n_splits},
+                  {"rows": 2 * HEADS}, {"part_o_ptr": part_o, "part_lse_ptr": part_lse})
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_jit_write_pages_launches_the_plan(monkeypatch, fused):
+    (rec,) = _record(monkeypatch, qp._quant_pack_kernel)
+    st, t = _state()
+    x = torch.randn(3, 3, 64, 64).bfloat16()
+    ids = torch.tensor([0, 4, 2], dtype=torch.int32)
+    rotation = (t.k_rotation, t.k_scale, t.k_mean) if fused else None
+    qp.write_pages(x, ids, st.k_codes, st.k_params, LAYOUT, LAYOUT.key, t.k_clip, t.k_levels, rotation,
+                   fused_rotation=fused)
+    plan = lp.QUANT_PACK_ROT if fused else lp.QUANT_PACK
+    strides = dict(zip(("stride_xn", "stride_xh", "stride_xp"), x.stride()[:3]))
+    known = {"page_ids_ptr": ids, "codes_ptr": st.k_codes, "params_ptr": st.k_params}
+    if fused:
+        known["x_ptr"] = x
+    _check_launch(plan, rec.calls[0], lp.quant_pack_constexprs(LAYOUT, LAYOUT.key, fused), strides, {"N": 3}, known)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_jit_decode_step_launches_the_plan(monkeypatch, fused):
+    (rec,) = _record(monkeypatch, ds._decode_append_kernel)
+    st, t = _state()
+    k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    status = torch.zeros(2, dtype=torch.int32)
+    ds.decode_append(st, k, v, status, LAYOUT, t, fused_transform=fused)
+    known = {f"{n}_ptr": getattr(st, n) for n in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params",
+                                                  "v_codes", "v_params", "block_table", "sink_len", "num_pages",
+                                                  "recent_len")}
+    known.update(k_ptr=k, v_ptr=v, rot_ptr=t.k_rotation, kscale_ptr=t.k_scale, kmean_ptr=t.k_mean,
+                 vmean_ptr=t.v_mean, k_levels_ptr=t.k_levels, v_levels_ptr=t.v_levels, status_ptr=status)
+    _check_launch(lp.DECODE_APPEND, rec.calls[0], lp.decode_append_constexprs(LAYOUT, fused), {"max_pages": 4},
+                  {"B": 2}, known)
+
+
+def test_wrapper_constants_are_the_plan():
+    assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS, da.BF16_CHUNK) == (
+        lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS, lp.BF16_CHUNK)
+    assert (da.MERGE_WARPS, da.MERGE_CHUNK) == (lp.DECODE_MERGE.num_warps, lp.MERGE_CHUNK)
+    assert (qp.QUANT_WARPS, qp.QUANT_ROT_WARPS) == (lp.QUANT_PACK.num_warps, lp.QUANT_PACK_ROT.num_warps)
+    assert (ds.APPEND_WARPS, ds.ROT_BLOCK) == (lp.DECODE_APPEND.num_warps, lp.ROT_BLOCK)
+    assert da.gq_pad(3) == lp.gq_pad(3) and da.gq_pad(8) == lp.gq_pad(8) and da.gq_pad(1) == lp.gq_pad(1)

@@ -1,0 +1,297 @@
+"""Replays of TensorRT-LLM's executor loops over the OSCAR adapter, checked against the reference cache writer.
+
+:class:`Driver` builds the served model the way TensorRT-LLM does (``MODEL_CLASS_MAPPING[architecture]``, the
+KV cache manager class from ``get_kv_cache_manager_cls``) and runs requests through one of three loops:
+
+* ``plain``   -- ``_executor_loop``: prepare_resources(N), forward(N), update_resources(N), free finished;
+* ``overlap`` -- ``_executor_loop_overlap``: prepare_resources(N+1) and forward(N+1) run before
+  update_resources(N) and before the requests finished in N are freed (which therefore take one more step);
+* ``graph``   -- CUDA graphs: warmup and capture on dummy requests (``add_dummy_requests``), then every
+  generation batch is padded to the captured size and "replayed": the forward runs with the capture-time
+  metadata and host-side checks off (``attention._capturing`` is True), so anything the adapter decided on the
+  host at capture time is what the replay uses, as in a real graph.
+
+After every step each live request's cache (lengths, BF16 windows, the INT2 pages its block-table row names)
+is compared with a cache written step by step by ``kernels/reference.append_tokens`` from the same rows (the
+recent ring's slots that hold the committed tokens), and
+every generated row's attention output with ``reference.decode_attention`` / ``chunk_attention`` on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from oscar_export.kernels import reference
+from oscar_export.kernels.layout import PagedKV
+
+from trtllm_standins import AttentionForwardArgs, KVCacheParams, KvCacheConfig, Mapping, ModelConfig, ScheduledRequests
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt: int
+    new: int
+    chunk: int = 0  # 0: the whole prompt in one context step
+    req: object = None
+    written: int = 0  # tokens in the cache
+    generated: int = 0
+    done: bool = False
+    ref: list = field(default_factory=list)  # per layer: a batch-of-one reference PagedKV
+    rows: list = field(default_factory=list)  # block-table rows the request was given (for reuse checks)
+
+
+def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int):
+    """Deterministic model-basis q ``[n, H*D]``, k, v ``[n, H_kv*D]`` for tokens ``pos .. pos+n-1``."""
+    out = []
+    for p in range(pos, pos + n):
+        g = torch.Generator().manual_seed((rid * 100003 + p) * 31 + layer)
+        out.append(torch.randn(heads * d + 2 * kv * d, generator=g).bfloat16().float())
+    x = torch.stack(out)
+    return x[:, : heads * d], x[:, heads * d : heads * d + kv * d], x[:, heads * d + kv * d :]
+
+
+class Driver:
+    def __init__(self, ns, dep, max_batch: int, max_seq_len: int, pretrained) -> None:
+        self.ns, self.dep, self.lay = ns, dep, dep.layout
+        self.model_config = ModelConfig(pretrained_config=pretrained)
+        arch = pretrained.architectures[0]
+        self.model = ns.modeling_utils.MODEL_CLASS_MAPPING[arch](self.model_config)
+        get_cls = ns.util.get_kv_cache_manager_cls
+        kv_config = KvCacheConfig()
+        cls = get_cls(self.model_config) if ns.layout == "1.2" else get_cls(self.model_config, kv_config)
+        c = pretrained
+        self.mgr = cls(kv_config, "SELF", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+                       head_dim=c.head_dim, tokens_per_block=self.lay.page_size, max_seq_len=max_seq_len,
+                       max_batch_size=max_batch, mapping=Mapping())
+        self.backends = [m.attn for m in self.model.layers]
+        self.heads, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.max_batch = max_batch
+        self.steps = 0
+        self.checked_outputs = 0
+
+    # ---- one forward over a batch ------------------------------------------------------------------------
+    def metadata(self, ctx: list[Req], gen: list, padded: int = 0):
+        lens = [r.chunk or r.prompt for r in ctx]
+        lens = [min(n, r.prompt - r.written) for n, r in zip(lens, ctx)] + [1] * (len(gen) + padded)
+        ids = [r.rid for r in ctx] + [r.rid if isinstance(r, Req) else r.py_request_id for r in gen]
+        cached = [r.written for r in ctx] + [r.written if isinstance(r, Req) else 0 for r in gen]
+        return self.ns.interface.AttentionMetadata(
+            kv_cache_manager=self.mgr, seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx),
+            request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded))
+
+    def forward(self, ctx: list[Req], gen: list, metadata=None, check: bool = True):
+        """Run every layer; ``gen`` may hold dummy requests (padding). Checks outputs of real rows."""
+        md = metadata if metadata is not None else self.metadata(ctx, gen)
+        lens = md.seq_lens.tolist()
+        real = list(ctx) + [r for r in gen if isinstance(r, Req)]
+        for layer, backend in enumerate(self.backends):
+            qs, ks, vs = [], [], []
+            for i, r in enumerate(list(ctx) + list(gen)):
+                n = lens[i] if i < len(lens) else 1
+                if isinstance(r, Req):
+                    q, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
+                else:  # a dummy request: garbage the adapter must not store
+                    widths = (self.heads * self.d, self.kv * self.d, self.kv * self.d)
+                    q, k, v = (torch.full((n, w), 7.0) for w in widths)
+                qs.append(q), ks.append(k), vs.append(v)
+            q, k, v = (torch.cat(x).bfloat16() for x in (qs, ks, vs))
+            if self.ns.layout == "main":
+                buf = torch.empty(q.shape[0], self.heads * self.d, dtype=torch.bfloat16)
+                out = backend.forward(q, k, v, md, forward_args=AttentionForwardArgs(output=buf))
+                assert out is buf, "main layout: the output must be written into forward_args.output"
+            else:
+                out = backend.forward(q, k, v, md)
+            if check:
+                self._check_outputs(layer, ctx, gen, lens, q, k, v, out)
+        for r in real:
+            self._advance_reference(r, lens[(list(ctx) + list(gen)).index(r)])
+        self.steps += 1
+
+    # ---- the reference ---------------------------------------------------------------------------------------
+    def _ref_state(self, r: Req, layer: int):
+        while len(r.ref) <= layer:
+            st = PagedKV.allocate(self.lay, 1, 8, 8, dtype=torch.bfloat16)
+            st.next_page = 0  # the reference's own allocator
+            r.ref.append(st)
+        return r.ref[layer]
+
+    def _stored(self, layer: int, k, v):
+        t = self.dep.transform(layer, "cpu")
+        n = k.shape[0]
+        ks = t.transform_keys(k.float().view(n, self.kv, self.d).transpose(0, 1)[None])[0].bfloat16()
+        vs = t.transform_values(v.float().view(n, self.kv, self.d).transpose(0, 1)[None])[0].bfloat16()
+        return t, ks, vs
+
+    def _check_outputs(self, layer, ctx, gen, lens, q, k, v, out):
+        off = 0
+        for i, r in enumerate(list(ctx) + list(gen)):
+            n = lens[i] if i < len(lens) else 1
+            if isinstance(r, Req) and (i >= len(ctx) or r.written > 0):  # generation rows and later chunks
+                t, ks, vs = self._stored(layer, k[off : off + n], v[off : off + n])
+                st = self._ref_state(r, layer)
+                qi = q[off : off + n].float().view(n, self.heads, self.d).transpose(0, 1)[None]  # [1, H, n, D]
+                if i >= len(ctx):
+                    trial = _clone_state(st)
+                    self._append(trial, t, ks, vs)
+                    want = reference.decode_attention(t.transform_queries(qi).squeeze(2), trial, self.lay, t.k_levels,
+                                                      t.v_levels, self.dep.sm_scale)[:, :, None]
+                else:
+                    want = reference.chunk_attention(t.transform_queries(qi), ks[None], vs[None], st, self.lay,
+                                                     t.k_levels, t.v_levels, self.dep.sm_scale)
+                want = t.restore_output(want)[0].transpose(0, 1).reshape(n, self.heads * self.d)
+                got = out[off : off + n].float()
+                err = (got - want.bfloat16().float()).abs().max().item()
+                where = f"step {self.steps} request {r.rid} layer {layer}"
+                assert err <= 1e-2 * (1 + want.abs().max().item()), f"{where}: output off by {err}"
+                self.checked_outputs += 1
+            off += n
+
+    def _append(self, st, t, ks, vs):
+        def alloc():
+            st.next_page += 1
+            return st.next_page - 1
+        reference.append_tokens(st, 0, ks, vs, self.lay, t, alloc)
+
+    def _advance_reference(self, r: Req, n: int) -> None:
+        for layer in range(len(self.backends)):
+            _, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
+            t, ks, vs = self._stored(layer, k.bfloat16(), v.bfloat16())
+            self._append(self._ref_state(r, layer), t, ks, vs)
+        r.written += n
+
+    def check_cache(self, reqs) -> None:
+        """Every live request's stored cache equals the reference's, in every layer."""
+        for r in reqs:
+            if r.done or r.written == 0:  # finished, or not admitted yet
+                continue
+            slot = self.mgr.slot_of(r.rid)
+            for layer, st in enumerate(self.mgr.layers):
+                ref = r.ref[layer]
+                got = [int(st.sink_len[slot]), int(st.num_pages[slot]), int(st.recent_len[slot])]
+                want = [int(ref.sink_len[0]), int(ref.num_pages[0]), int(ref.recent_len[0])]
+                where = f"step {self.steps} request {r.rid} (slot {slot}, {r.written} tokens) layer {layer}"
+                assert got == want == list(self.lay.split(r.written)), f"{where}: lengths {got}, reference {want}"
+                sl, npg, rl = want
+                ring = self.lay.recent_slot(torch.arange(npg * self.lay.page_size, npg * self.lay.page_size + rl))
+                assert torch.equal(st.sink_k[slot, :, :sl], ref.sink_k[0, :, :sl]), f"{where}: sink keys differ"
+                assert torch.equal(st.sink_v[slot, :, :sl], ref.sink_v[0, :, :sl]), f"{where}: sink values differ"
+                assert torch.equal(st.recent_k[slot][:, ring], ref.recent_k[0][:, ring]), f"{where}: recent keys differ"
+                assert torch.equal(st.recent_v[slot][:, ring], ref.recent_v[0][:, ring]), (
+                    f"{where}: recent values differ")
+                row = self.mgr.rows[slot]
+                assert st.block_table[slot, :npg].tolist() == row[:npg], f"{where}: block table is not the C++ row"
+                for i in range(npg):
+                    a, b = int(st.block_table[slot, i]), int(ref.block_table[0, i])
+                    for name in ("k_codes", "k_params", "v_codes", "v_params"):
+                        assert torch.equal(getattr(st, name)[a], getattr(ref, name)[b]), f"{where}: page {i} {name}"
+
+    # ---- the loops ---------------------------------------------------------------------------------------
+    def _llm_request(self, r: Req):
+        if r.req is None:
+            r.req = self.ns.llm_request.LlmRequest(request_id=r.rid, max_new_tokens=r.new, input_tokens=[1] * r.prompt)
+            if r.chunk:
+                r.req.context_chunk_size = r.chunk
+        r.req.context_current_position = min(r.written, r.prompt)
+        return r.req
+
+    def schedule(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
+        live = [r for r in reqs if not r.done][: self.max_batch]
+        ctx = [r for r in live if r.written < r.prompt]
+        gen = [r for r in live if r.written >= r.prompt]
+        return ctx, gen
+
+    def batch(self, ctx, gen) -> ScheduledRequests:
+        b = ScheduledRequests([self._llm_request(r) for r in ctx], [self._llm_request(r) for r in gen])
+        for r in ctx + gen:
+            if r.rid in self.mgr.slots:
+                r.rows.append(list(self.mgr.rows.get(self.mgr.slot_of(r.rid), [])))
+        return b
+
+    def finish(self, r: Req) -> None:
+        r.done = True
+        self.mgr.free_resources(r.req)
+
+    def _progress(self, ctx, gen) -> list[Req]:
+        for r in gen:
+            r.generated += 1
+        return [r for r in gen if r.generated >= r.new]
+
+    def run_plain(self, reqs: list[Req]) -> None:
+        while any(not r.done for r in reqs):
+            ctx, gen = self.schedule(reqs)
+            b = self.batch(ctx, gen)
+            self.mgr.prepare_resources(b)
+            self.forward(ctx, gen)
+            self.mgr.update_resources(b)
+            self.check_cache(reqs)
+            for r in self._progress(ctx, gen):
+                self.finish(r)
+
+    def run_overlap(self, reqs: list[Req]) -> None:
+        prev = None
+        while any(not r.done for r in reqs) or prev is not None:
+            ctx, gen = self.schedule(reqs)
+            b = None
+            if ctx or gen:
+                b = self.batch(ctx, gen)
+                self.mgr.prepare_resources(b)
+                self.forward(ctx, gen)  # forward(N+1) before update_resources(N)
+                self.check_cache(reqs)
+            if prev is not None:
+                pb, pctx, pgen = prev
+                self.mgr.update_resources(pb)
+                for r in self._progress(pctx, pgen):
+                    if not r.done:
+                        self.finish(r)
+            prev = (b, ctx, gen) if b is not None else None
+
+    def warmup_and_capture(self, batch_size: int, monkeypatch) -> object:
+        """CUDA-graph warmup (eager) and capture on dummy generation requests; returns the captured metadata."""
+        from oscar_export.plugins.trtllm import attention
+
+        ids = list(range(10**6, 10**6 + batch_size))
+        dummies = self.mgr.add_dummy_requests(ids, token_nums=[self.lay.page_size + 1] * batch_size, is_gen=True)
+        md = self.metadata([], dummies)
+        self.forward([], dummies, md, check=False)  # warmup
+        with monkeypatch.context() as m:
+            m.setattr(attention, "_capturing", lambda: True)
+            self.forward([], dummies, md, check=False)  # capture
+        for d in dummies:
+            self.mgr.free_resources(d)
+        return md
+
+    def run_graph(self, reqs: list[Req], batch_size: int, monkeypatch) -> None:
+        from oscar_export.plugins.trtllm import attention
+
+        captured = self.warmup_and_capture(batch_size, monkeypatch)
+        pad = None  # TensorRT-LLM's padding request, made on the first batch that needs it
+        while any(not r.done for r in reqs):
+            ctx, gen = self.schedule(reqs)
+            b = self.batch(ctx, gen)
+            self.mgr.prepare_resources(b)
+            if ctx or len(gen) > batch_size:
+                self.forward(ctx, gen)  # context steps run eagerly
+            else:
+                if pad is None and len(gen) < batch_size:
+                    (pad,) = self.mgr.add_dummy_requests([2 * 10**6], is_gen=True)
+                padded = list(gen) + [pad] * (batch_size - len(gen))  # padded after prepare_resources
+                with monkeypatch.context() as m:
+                    m.setattr(attention, "_capturing", lambda: True)
+                    self.forward([], padded, captured)  # "replay": capture-time metadata
+            self.mgr.update_resources(b)
+            self.check_cache(reqs)
+            for r in self._progress(ctx, gen):
+                self.finish(r)
+        if pad is not None:
+            self.mgr.free_resources(pad)
+
+
+def _clone_state(st):
+    from dataclasses import fields
+
+    c = type(st)(**{f.name: getattr(st, f.name).clone() for f in fields(st)})
+    c.next_page = st.next_page
+    return c
