@@ -404,6 +404,9 @@ def decode_append(
     Where ``recent_len == W + P`` the oldest ``P`` recent tokens (ring slots ``(nP + j) mod C``) are quantized
     into ``block_table[b, n]``, ``n = num_pages``; the token goes to sink slot ``sink_len`` while the sink is
     not full, else to ring slot ``(nP + recent_len) mod C``. Both targets lie beyond the committed lengths.
+    Every row writes its candidate page (unchanged where no demotion is due) in one indexed assignment, so the
+    rows' ``block_table[b, num_pages[b]]`` must be distinct pages (a cache's reserved pages are; a host pool
+    that leaves entries unassigned calls this one row at a time).
     """
     from .pages import STATUS_NONFINITE
 
