@@ -26,7 +26,7 @@ import triton.language as tl
 from .aot import launch_plan as _plan
 from .layout import KVCacheLayout, PagedKV
 from .pages import STATUS_NONFINITE
-from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state
+from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state, removal_counts
 from .transform import LayerTransform
 
 #: warps of the append kernel (one page-head of demotion per program) and rows of R_K per step of the in-kernel
@@ -153,8 +153,6 @@ def decode_append(
 
 def removals(layout: KVCacheLayout, transform: LayerTransform) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``[H_kv]`` values each K / V quantization group drops before its max (from the clip ratios)."""
-    from .quant_pack import removal_counts
-
     k_group = layout.page_size if layout.key.granularity == "channel" else layout.key.group_size
     return removal_counts(transform.k_clip, k_group), removal_counts(transform.v_clip, layout.value.group_size)
 

@@ -51,3 +51,4 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("[")[0] in REPRESENTATIVE_SLOW:
             item.add_marker(pytest.mark.representative)
+

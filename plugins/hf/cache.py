@@ -36,7 +36,6 @@ from oscar_export.kernels.decode_attention import default_pages_per_split
 from oscar_export.kernels.decode_step import removals
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.pages import PageBook
-from oscar_export.kernels.reference import recent_valid
 from oscar_export.kernels.transform import LayerTransform
 
 from .ops import CacheOps, get_ops
@@ -186,18 +185,11 @@ class OscarLayer(CacheLayerMixin):
             raise ValueError(f"value_states: expected {list(k.shape)} like the keys, got {list(v.shape)}")
 
     # ---- reads ----------------------------------------------------------------------------------------------
-    def is_empty(self) -> bool:
-        return not any(self.cache.sequence_lengths())
-
     def read_sequence(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What slot ``b`` holds, in token order (sink, pages, recent): ``[H_kv, L, D]`` fp32 K and V, stored basis."""
         from oscar_export.kernels import reference
 
         return reference.read_sequence(self.state, self.layout, b, self.transform.k_levels, self.transform.v_levels)
-
-    def recent_mask(self) -> torch.Tensor:
-        """``[B, C]`` bool: the recent ring slots each sequence holds (committed state)."""
-        return recent_valid(self.layout, self.state.num_pages, self.state.recent_len)
 
 
 @dataclass
@@ -279,9 +271,6 @@ class OscarCache(Cache):
     def reset_sequence(self, b: int) -> None:
         """Forget slot ``b`` (its reserved pages are reused by the next sequence put there)."""
         self.book.reset(b)
-
-    def free(self, b: int) -> None:  # the name the earlier API used
-        self.reset_sequence(b)
 
     def reset(self) -> None:
         self.book.reset_all()

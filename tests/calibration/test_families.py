@@ -9,6 +9,8 @@ every unsupported feature: one ``NotImplementedError`` naming it, the same at ``
 
 from __future__ import annotations
 
+from helpers import randomize_biases_and_norms
+
 import inspect
 import json
 import sys
@@ -77,13 +79,7 @@ def tiny_config(kind: str, **kw):
 def tiny_model(kind: str, **kw):
     torch.manual_seed(0)
     model = getattr(transformers, TINY[kind][1])(tiny_config(kind, **kw)).float().eval()
-    with torch.no_grad():  # random biases and norms so those code paths matter
-        for name, p in model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.normal_(0, 0.5)
-            if "q_norm" in name or "k_norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-    return model
+    return randomize_biases_and_norms(model)
 
 
 class CharTokenizer:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from helpers import randomize_biases_and_norms
+
 import copy
 from types import SimpleNamespace
 
@@ -43,13 +45,7 @@ def tiny(kind: str = "llama"):
         "qwen3": (Qwen3ForCausalLM, Qwen3Config),
     }[kind]
     model = cls(cfg(**COMMON)).eval()
-    with torch.no_grad():  # random biases (Qwen2) and norms (Qwen3) so those code paths matter
-        for name, p in model.named_parameters():
-            if name.endswith("_proj.bias"):
-                p.normal_(0, 0.5)
-            if "q_norm" in name or "k_norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-    return model
+    return randomize_biases_and_norms(model)
 
 
 def generate(model, ids, cache=None, mask=None, **kw):
