@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, run_deployed, run_eval
-from oscar_export.eval.report import markdown, write_all
+from oscar_export.eval.report import markdown, merge, write_all
 
 QUICK = Preset((2048, 8192), 1, (1024, 8192), 4, 4096, 1024, hf=PRESETS["full"].hf)
 TINY = Preset((512,), 1, (512,), 1, 3072, 512, hf=("hf-quanto-int2",), text_chunk=64)
@@ -45,6 +45,14 @@ def load_gguf(path: str, device: torch.device):
     tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     return model.to(device).eval(), tok
+
+
+def load_earlier(out: Path) -> dict | None:
+    """The results an earlier call (other ``--phases``) wrote to ``out``, or None."""
+    import json
+
+    p = out / "results.json"
+    return json.loads(p.read_text()) if p.is_file() else None
 
 
 def git_sha() -> str:
@@ -70,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=None, help="comma-separated subset (default: all)")
     ap.add_argument("--split", choices=("dev", "report"), default="report")
     ap.add_argument("--no-deployed", action="store_true", help="skip the real-cache runs")
+    ap.add_argument("--phases", default="text,niah,deployed",
+                    help="comma-separated subset of text, niah, deployed (default: all); results already in "
+                         "--out/results.json from an earlier call are kept and merged")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -97,14 +108,38 @@ def main(argv=None) -> int:
         artifact.save(out / "artifact")
         log(f"calibrated; artifact saved to {out / 'artifact'}")
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
-    result = run_eval(model, tok, preset, artifact, names, split=args.split, log=log)
-    result["command"] = "python benchmarks/eval_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
-    result["environment"]["git_sha"] = git_sha()
-    result["environment"]["date_utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    write_all(result, out)  # the fake-quantized results are kept whatever happens next
-    log(f"fake-quantized protocol done: {result['timings']}; written to {out}")
-    if not args.no_deployed:
+    phases = {p.strip() for p in args.phases.split(",")}
+    if not phases <= {"text", "niah", "deployed"}:
+        raise SystemExit(f"--phases: unknown {sorted(phases - {'text', 'niah', 'deployed'})}")
+    if args.no_deployed:
+        phases.discard("deployed")
+    earlier = load_earlier(out)
+    command = "python benchmarks/eval_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def save(result: dict) -> dict:
+        """Write what is measured so far (a phase that dies later loses nothing before it)."""
+        result.setdefault("command", command)
+        result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
+        result["environment"].update(git_sha=git_sha(), date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+        merged = merge(earlier, result) if earlier else result
+        if earlier and "deployed" in earlier and "deployed" not in merged:
+            merged["deployed"] = earlier["deployed"]
+        write_all(merged, out)
+        return merged
+
+    result = None
+    for phase in ("text", "niah"):
+        if phase in phases:
+            part = run_eval(model, tok, preset, artifact, names, split=args.split, log=log,
+                            text=phase == "text", niah=phase == "niah")
+            part["command"] = command
+            result = save(part if result is None else merge(result, part))
+            log(f"{phase} phase done: {part['timings']}; written to {out}")
+    if result is None:
+        if earlier is None:
+            raise SystemExit("--phases deployed needs the text/niah results of an earlier call in --out")
+        result = earlier
+    if "deployed" in phases:
         bf16_backend = "triton" if device.type == "cuda" else "torch"
         try:
             result = run_deployed(model, tok, preset, artifact, result, True, True, args.split, log=log,
@@ -116,7 +151,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             result["deployed_error"] = f"{type(e).__name__}: {e}"
             log(f"deployed runs FAILED: {result['deployed_error']}")
-    result["timings"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    result.setdefault("timings", {})[f"wall_s ({args.phases})"] = round(time.perf_counter() - t_start, 1)
     paths = write_all(result, out)
     print(markdown(result))
     for k, p in paths.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -29,6 +29,14 @@ if [ "${1:-}" = e2e ]; then  # serving: HF + kernel GPU tests (TESTS=0 skips), t
     step bench_e2e "${E2E_TIMEOUT:-400}" python3 benchmarks/bench_e2e.py --model "${MODEL:-llama3-8b}" --workloads "${WORKLOADS:-1x8192}" --caches "${CACHES:-oscar,bf16-static,bf16-dynamic}" --equal-kv-gib "${EQUAL_GIB:-0}" --steps "${STEPS:-20}" --json "$OUT/bench_e2e.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/hf_gpu_tests.log "$OUT"/kernel_tests.log 2>/dev/null | tail -n 6
     tail -n 20 "$OUT/bench_e2e.log"
+    exit 0
+fi
+if [ "${1:-}" = trt ]; then  # TensorRT-LLM device ops + AOT bundle through the driver API (bundle built on the CPU:
+    # `python tests/gpu/test_aot_gpu.py build .aot_bundle`, carried), then the HF/kernel GPU tests as regression
+    step trtllm_gpu_tests 200 python3 -m pytest tests/gpu/test_trtllm_gpu.py -m gpu -s -q -p no:cacheprovider
+    OSCAR_AOT_BUNDLE=${OSCAR_AOT_BUNDLE:-.aot_bundle} step aot_gpu_tests 200 python3 -m pytest tests/gpu/test_aot_gpu.py -m gpu -s -q -p no:cacheprovider
+    [ "${TESTS:-1}" = 1 ] && step hf_gpu_tests 240 python3 -m pytest tests/gpu/test_hf_gpu.py tests/gpu/test_kernels_gpu.py -m gpu -q -p no:cacheprovider
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/*_gpu_tests.log | tail -n 8
     exit 0
 fi
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)

@@ -203,6 +203,7 @@ def merge(old: dict, new: dict) -> dict:
             from .niah import summarize
 
             out["niah"]["summary"] = summarize(out["niah"]["rows"])
+    out["timings"] = {**old.get("timings", {}), **out.get("timings", {})}
     out.setdefault("merged_from", []).append(old.get("command", "?"))
     return out
 
