@@ -5,8 +5,9 @@
 1. turns the new key into the stored basis, ``k_s = (k @ R_K[h]) * d_K[h] - mu_K[h]`` (``TRANSFORM``; fp32
    FMAs, then rounded to BF16 as the window stores it) and the value into ``v_s = v - mu_V[h]`` (the value
    rotation is folded into the exported ``v_proj``, or applied by the caller);
-2. skips everything if the slot's step status is set or the row is not finite (then it sets
-   ``STATUS_NONFINITE`` in ``status[b]``);
+2. skips everything if the slot's step status is set or the token is not finite in any KV head (then it
+   sets ``STATUS_NONFINITE`` in ``status[b]``; every program checks every head's input rows, so no head of
+   such a token is written, whatever order the programs run in);
 3. if the recent ring is full (``recent_len == W + P``), quantizes page ``n = num_pages[b]``'s ring rows
    ``(nP + j) mod C`` into pool page ``block_table[b, n]`` (the :mod:`.quant_pack` quantizer, bit-exact with
    the reference), moving nothing;
@@ -80,10 +81,14 @@ def _decode_append_kernel(
     else:
         k = tl.load(k_ptr + row + i).to(tl.float32)
         v = tl.load(v_ptr + row + i).to(tl.float32)
-    # finite before rounding (rounding NaN bits is meaningless) and after (a huge finite value rounds to inf)
+    # finite before rounding (rounding NaN bits is meaningless) and after (a huge finite value rounds to inf);
+    # every program also checks the other heads' inputs, so a token with a NaN in any head writes no head
     k16 = _round_bf16(k)
     v16 = _round_bf16(v)
     fin = _finite(k) & _finite(v) & _finite(k16) & _finite(v16)
+    for hh in tl.static_range(H_KV):
+        other = (b * H_KV + hh).to(tl.int64) * D + i
+        fin &= _finite(tl.load(k_ptr + other).to(tl.float32)) & _finite(tl.load(v_ptr + other).to(tl.float32))
     finite = tl.sum(fin.to(tl.int32), axis=0) == D
     if not finite:
         tl.atomic_or(status_ptr + b, NONFINITE)

@@ -179,7 +179,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
             tok.index_fill_(0, gen_rows, 1)
             for slot, n in context_tokens:
                 tok[slot] = n
-            tok[self.scratch] = 0  # padding rows: computed, never stored
+            tok.narrow(0, self.scratch, 1).zero_()  # padding rows: computed, never stored (no H2D copy: capturable)
             self.book.begin(tok)
             self.book.flag((tok == 0).to(torch.int32) * STATUS_IDLE)
 

@@ -170,3 +170,29 @@ def test_decode_append_bad_inputs(ds, device):
     bad = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=24, page_size=16)
     with pytest.raises(NotImplementedError, match="multiple of P"):
         ds.decode_append(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, book.status, bad, tr)
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_triton_nonfinite_in_one_head_writes_no_head(ds, device, gran):
+    """A token whose NaN sits in its last KV head only: no head of it is written (the programs of the other
+    heads may run first), exactly as the reference; the sequence beside it is written. Steps chosen so that
+    the flagged step is due to demote a page (recent ring full)."""
+    lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    book_r, st_r = _book_state(lay, 2, 100, "cpu")
+    book_g, st_g = _book_state(lay, 2, 100, device)
+    trd = tr.to(device)
+    steps = lay.sink + lay.recent_capacity  # the next token demotes
+    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                  steps, 2, seed=5)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                  steps, 2, seed=5)
+    k = torch.randn(2, 2, 64)
+    v = torch.randn(2, 2, 64)
+    v[0, 1, 5] = float("nan")
+    for book, st, fn, dev in ((book_r, st_r, lambda *a: ref.decode_append(*a, lay, tr), "cpu"),
+                              (book_g, st_g, lambda *a: ds.decode_append(*a, lay, trd), device)):
+        book.begin(1)
+        fn(book.state_view(st, book.committed), k.to(dev), v.to(dev), book.status)
+        assert book.status.tolist() == [STATUS_NONFINITE, 0]
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
