@@ -142,9 +142,11 @@ def main(argv=None) -> int:
     if "deployed" in phases:
         bf16_backend = "triton" if device.type == "cuda" else "torch"
         try:
-            result = run_deployed(model, tok, preset, artifact, result, True, True, args.split, log=log,
-                                  bf16_backend=bf16_backend)
-            log(f"deployed runs done: {result['deployed']['timings']}")
+            for part in ("text", "niah"):  # each part written when done
+                result = run_deployed(model, tok, preset, artifact, result, part == "text", part == "niah",
+                                      args.split, log=log, bf16_backend=bf16_backend)
+                result = save(result)
+                log(f"deployed {part} done: {result['deployed']['timings']}")
         except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed
             import traceback
 

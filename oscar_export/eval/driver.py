@@ -228,9 +228,11 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
     if artifact is None:
         raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
     models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), bf16_backend), "reference": (model, "torch")}
-    dep: dict = {"timings": {}}
+    dep: dict = result.get("deployed") or {}  # a later call adds its part to an earlier one's
+    dep.setdefault("timings", {})
     if text:
         windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+        dep["text_windows"] = int(windows.shape[0])
         part = deployed_text(models, artifact, windows, preset.text_lengths, preset.text_chunk, log)
         dep.update(text=part["text"], cross=part["cross"], chunk=part["chunk"])
         dep["timings"].update(part["timings"])
