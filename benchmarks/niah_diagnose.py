@@ -10,11 +10,11 @@ Phases, each written to ``--out`` (``diagnose.json``, ``diagnose.md``) as soon a
 
 1. ``layers``  (first task, first length): BF16, ours, ours with every layer's K (V) at BF16, and ours with one
    layer's K, then one layer's V, kept at BF16 (``2 L`` configs); attention mass on the needle's value tokens.
-2. ``heads``   one (layer, KV head)'s K or V at BF16, for the ``--worst`` layers per side of phase 1.
-3. ``levers``  each lever alone and combined (``oscar_export.eval.levers``): 4-bit pages for the layers/sides
+2. ``levers``  each lever alone and combined (``oscar_export.eval.levers``): 4-bit pages for the layers/sides
    phase 1 ranks worst, at most ``--page-bits`` (3.0) bits per element over the pages; BF16 anchor rows per page
    (by quantization error or key norm, 1-4 per page, K and/or V, optionally kept out of the page statistics);
-   value groups of 32 (16); combinations at the same budget; over-budget points labelled as such.
+   value groups of 32 (16); combinations at the same budget; over-budget points reported with their bits.
+3. ``heads``   one (layer, KV head)'s K or V at BF16, for the ``--worst`` layers per side of phase 1.
 4. ``tasks``   the other tasks (``--tasks``, e.g. multikey) at the first length: BF16, ours and the best levers.
 5. ``long``    the first task at the other lengths (``--lengths``, e.g. 8192): BF16, ours and the best levers.
 
@@ -40,6 +40,7 @@ from oscar_export.eval.levers import PageVariant, variant
 from oscar_export.eval.niah import NiahConfig, build_prompts, numbers, run_niah
 
 GIB = 1 << 30
+PHASES = ("layers", "levers", "heads", "tasks", "long")
 
 
 # ---- the toy setup (CPU tests) ------------------------------------------------------------------------------
@@ -77,7 +78,8 @@ def tiny_random_setup():
         rot = lambda: torch.linalg.qr(torch.randn(2, 64, 64, generator=g, dtype=torch.float64))[0].float()  # noqa: E731
         lv = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, 4).contiguous()
         return LayerTransform(k_rotation=rot(), v_rotation=rot(), k_scale=0.5 + torch.rand(2, 64, generator=g),
-                              v_scale=0.5 + torch.rand(2, 64, generator=g), k_mean=0.1 * torch.randn(2, 64, generator=g),
+                              v_scale=0.5 + torch.rand(2, 64, generator=g),
+                              k_mean=0.1 * torch.randn(2, 64, generator=g),
                               v_mean=0.1 * torch.randn(2, 64, generator=g), k_clip=torch.tensor([0.95, 1.0]),
                               v_clip=torch.tensor([0.9, 0.97]), k_levels=lv, v_levels=lv.clone())
 
@@ -217,7 +219,8 @@ class Diagnosis:
             groups = math.ceil(len(prompts) / fold)
             self.chunk_s_per_method = dt / (len(chunk) * groups * (length / 4096))
             peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
-            phase.setdefault("chunks", []).append({"methods": len(chunk), "s": round(dt, 1), "est_gib": round(mem / GIB, 1),
+            phase.setdefault("chunks", []).append({"methods": len(chunk), "s": round(dt, 1),
+                                                   "est_gib": round(mem / GIB, 1),
                                                    "peak_gib": None if peak is None else round(peak, 1)})
             for mname, s in score(rows, self.n_layers).items():
                 phase["configs"][mname] = s
@@ -302,7 +305,8 @@ class Diagnosis:
                v("4b-V-all", "every V page 4-bit (over budget: reference point)",
                  units=tuple((i, -1, "v", 4) for i in range(L)))]
         for n, sides in ((1, "kv"), (2, "kv"), (2, "k"), (2, "v"), (4, "v"), (4, "kv")):
-            ms.append(v(f"anc-err{n}-{sides}", f"{n} BF16 anchor rows per page and head ({sides}), by quantization error",
+            ms.append(v(f"anc-err{n}-{sides}",
+                        f"{n} BF16 anchor rows per page and head ({sides}), by quantization error",
                         anchors=n, anchor_sides=sides))
         ms += [v("anc-err2-kv-excl", "as anc-err2-kv, anchors kept out of the page statistics", anchors=2,
                  anchor_exclude=True),
@@ -331,27 +335,31 @@ class Diagnosis:
         """The ``k`` lever configs of phase 3 with the most needles (within the page-bit budget), then digits."""
         ph = self.result["phases"].get("levers", {}).get("configs", {})
         built = {m.name: m for m in self._levers}
-        ok = [(c["ok"], c["digits"], n) for n, c in ph.items()
-              if n in built and isinstance(built[n], PageVariant) and built[n].page_bits() <= self.args.page_bits + 1e-9]
+        within = lambda n: (isinstance(built.get(n), PageVariant)  # noqa: E731
+                            and built[n].page_bits() <= self.args.page_bits + 1e-9)
+        ok = [(c["ok"], c["digits"], n) for n, c in ph.items() if within(n)]
         return [built[n] for *_, n in sorted(ok, reverse=True)[:k]]
 
     # -- the run ----------------------------------------------------------------------------------------------------
     def run(self) -> dict:
         task, length = self.args.tasks[0], self.args.lengths[0]
-        self.log(f"phase layers: {task} @ {length}")
-        self.run_phase("layers", self.layer_configs(), task, length)
-        heads = self.head_configs()
+        want = set(self.args.phases)
+        if "layers" in want:
+            self.log(f"phase layers: {task} @ {length}")
+            self.run_phase("layers", self.layer_configs(), task, length)
+        self._levers = self.lever_configs()
+        if "levers" in want:
+            self.log(f"phase levers: {len(self._levers)} configs")
+            self.run_phase("levers", self._levers, task, length)
+        heads = self.head_configs() if "heads" in want else []
         if heads:
             self.log(f"phase heads: {len(heads)} configs")
             self.run_phase("heads", heads, task, length)
-        self._levers = self.lever_configs()
-        self.log(f"phase levers: {len(self._levers)} configs")
-        self.run_phase("levers", self._levers, task, length)
         top = [BF16Cache("bf16", "BF16 cache"), self.ours] + self.best_levers(self.args.top)
-        for t in self.args.tasks[1:]:
+        for t in self.args.tasks[1:] if "tasks" in want else []:
             self.log(f"phase tasks: {t} @ {length}")
             self.run_phase(f"tasks-{t}", top, t, length)
-        for L in self.args.lengths[1:]:
+        for L in self.args.lengths[1:] if "long" in want else []:
             self.log(f"phase long: {task} @ {L}")
             self.run_phase(f"long-{L}", top, task, L)
         self.result["wall_s"] = round(self.budget.elapsed(), 1)
@@ -368,8 +376,9 @@ def markdown(res: dict) -> str:
              f"Command: `{res['command']}`", f"Environment: {res['environment']}", ""]
     meth = res["methods"]
     for name, ph in res["phases"].items():
-        lines += [f"## {name}: {ph['task']} @ {ph['length']} tokens ({ph['prompts']} prompts, "
-                  f"{'complete' if ph['complete'] else 'INCOMPLETE: ' + ph.get('stopped', '')}, {ph.get('s', '?')} s)", "",
+        state = "complete" if ph["complete"] else "INCOMPLETE: " + ph.get("stopped", "")
+        lines += [f"## {name}: {ph['task']} @ {ph['length']} tokens ({ph['prompts']} prompts, {state}, "
+                  f"{ph.get('s', '?')} s)", "",
                   "| config | ok / n | leading digits | page bits | bits @8K | bits @32K | needle mass (mean) |",
                   "|---|---|---|---|---|---|---|"]
         for m, c in ph["configs"].items():
@@ -447,12 +456,18 @@ def main(argv=None) -> int:
     ap.add_argument("--page-bits", type=float, default=3.0, help="budget: bits per element over the pages")
     ap.add_argument("--mem-gib", type=float, default=70.0, help="decode rows per chunk of methods (estimate)")
     ap.add_argument("--max-tokens", type=int, default=81920, help="prompt tokens decoded together")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)} (in that order)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--tiny", action="store_true", help="toy sizes: 1 needle, 512 tokens, 3 digits, one value")
     args = ap.parse_args(argv)
     args.command = "python benchmarks/niah_diagnose.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not args.tasks or any(p not in PHASES for p in args.phases):
+        print(f"niah_diagnose: --phases: expected a subset of {','.join(PHASES)}, got {args.phases}; "
+              f"--tasks: at least one", file=sys.stderr)
+        return 2
     if args.tiny:
         args.needles, args.lengths, args.digits = 1, [512], min(args.digits, 3)
         args.values = 1

@@ -27,7 +27,7 @@ def test_diagnosis_runs_every_phase_and_writes_its_tables(tmp_path):
     res = json.loads((tmp_path / "diagnose.json").read_text())
     assert res["split"] == "dev"
     ph = res["phases"]
-    assert list(ph) == ["layers", "heads", "levers", "tasks-single"], list(ph)
+    assert list(ph) == ["layers", "levers", "heads", "tasks-single"], list(ph)
     layers = ph["layers"]["configs"]
     assert set(layers) == {"bf16", "ours", "K16-all", "V16-all", "K16-L0", "K16-L1", "V16-L0", "V16-L1"}
     assert len(ph["heads"]["configs"]) == 2 * 1 * 2  # --worst 1 layer per side, 2 KV heads
