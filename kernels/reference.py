@@ -15,11 +15,14 @@ Quantization of one group ``x`` (DESIGN §3.1), bit-exact in every implementatio
     code  = [d >= t0 * s] + [d >= t1 * s] + [d >= t2 * s],  t_j = (levels[j] + levels[j+1]) / 2, s = float(scale)
     x_hat = float(lo) + float(scale) * levels[code]
 
-No division anywhere, so torch and Triton agree to the bit.
+No division anywhere, so torch and Triton agree to the bit. The same rule with ``2**b`` levels (``levels``
+of length ``2**b``, ``1/3`` replaced by ``fp32(1 / (2**b - 1))``, :func:`span_inverse`) is the ``b``-bit quantizer
+the evaluation's wider-code levers use; the cache format itself is 2-bit.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import Callable
 
 import torch
@@ -62,7 +65,7 @@ def quantize_groups(
     Args:
         x: ``[..., n]`` float32 (the group is the last axis).
         rank: long, broadcastable to ``[..., 1]``: clip rank (see :func:`clip_rank`).
-        levels: ``[..., 4]`` float32 broadcastable, ascending code levels.
+        levels: ``[..., n_levels]`` float32 broadcastable, ascending code levels (4 for the 2-bit format).
     Returns:
         codes ``[..., n]`` uint8, scale ``[...]`` fp16, lo ``[...]`` fp16.
     """
@@ -72,25 +75,32 @@ def quantize_groups(
     xc = torch.minimum(torch.maximum(x, -thr), thr)
     lo = xc.amin(dim=-1, keepdim=True)
     hi = xc.amax(dim=-1, keepdim=True)
-    scale16 = ((hi - lo) * ONE_THIRD_F32).to(torch.float16)
+    n_levels = levels.shape[-1]
+    scale16 = ((hi - lo) * span_inverse(n_levels)).to(torch.float16)
     lo16 = lo.to(torch.float16)
     s = scale16.float()
     d = xc - lo16.float()
     lv = levels.float()
-    t = (lv[..., :-1] + lv[..., 1:]) * 0.5  # [..., 3]
-    codes = (
-        (d >= t[..., 0:1] * s).to(torch.uint8)
-        + (d >= t[..., 1:2] * s).to(torch.uint8)
-        + (d >= t[..., 2:3] * s).to(torch.uint8)
-    )
+    t = (lv[..., :-1] + lv[..., 1:]) * 0.5  # [..., n_levels - 1]
+    codes = (d >= t[..., 0:1] * s).to(torch.uint8)
+    for j in range(1, n_levels - 1):  # static: 3 comparisons for the 2-bit format
+        codes = codes + (d >= t[..., j : j + 1] * s).to(torch.uint8)
     return codes, scale16.squeeze(-1), lo16.squeeze(-1)
+
+
+def span_inverse(n_levels: int) -> float:
+    """fp32 of ``1 / (n_levels - 1)``, the factor the quantizer multiplies the group's range by
+    (``ONE_THIRD_F32`` for the 2-bit format's 4 levels)."""
+    if n_levels < 2:
+        raise ValueError(f"levels: expected at least 2, got {n_levels}")
+    return ONE_THIRD_F32 if n_levels == 4 else struct.unpack("f", struct.pack("f", 1.0 / (n_levels - 1)))[0]
 
 
 def dequantize_groups(
     codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, levels: torch.Tensor
 ) -> torch.Tensor:
     """``lo + scale * levels[code]`` in float32; ``codes [..., n]``, ``scale``/``lo`` ``[...]``, ``levels [..., 4]``."""
-    lv = levels.float().expand(*codes.shape[:-1], 4)
+    lv = levels.float().expand(*codes.shape[:-1], levels.shape[-1])
     val = torch.gather(lv, -1, codes.long())
     return lo.float().unsqueeze(-1) + scale.float().unsqueeze(-1) * val
 
@@ -453,6 +463,7 @@ __all__ = [
     "masked_attention",
     "pack_codes",
     "quantize_groups",
+    "span_inverse",
     "quantize_pages",
     "read_sequence",
     "recent_valid",

@@ -55,6 +55,10 @@ class EvalContext:
     gen_v: dict[int, torch.Tensor] = field(default_factory=dict)
     memo: dict = field(default_factory=dict)
     capture: dict | None = None  # layer -> [(q [H, T, D], k, v)] when set (research-recipe statistics)
+    #: decode: ``[fold, W]`` long token positions per prompt whose attention mass to record (-1 = padding);
+    #: each decode step appends ``[fold * H]`` float32 (mass summed over the positions) to ``mass[(method, layer)]``.
+    watch: torch.Tensor | None = None
+    mass: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -152,6 +156,9 @@ def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scal
         t, ks, vs = m.stored_rows(layer, k, v, ctx.store_dtype)
         segs = m.segments(layer, ks, vs, k.shape[1] - tq, k.shape[1], ctx.prefill_len)
     q_start = ks.shape[1] - tq
+    watch = None
+    if ctx.mode == "decode" and mi >= 0 and ctx.watch is not None:  # [fold, W] -> one row per folded KV head
+        watch = ctx.watch.to(q.device).repeat_interleave(k.shape[0] // ctx.watch.shape[0], 0)
     qs = t.transform_queries(q.unsqueeze(0).contiguous())[0] if t is not None else q.float()
     h, hkv, d = q.shape[0], k.shape[0], q.shape[2]
     g = h // hkv
@@ -161,7 +168,9 @@ def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scal
         for a0 in range(max(seg.start, q_start), seg.end, QUERY_BLOCK):
             a1 = min(a0 + QUERY_BLOCK, seg.end)
             r0, r1 = a0 - q_start, a1 - q_start
-            out[:, :, r0:r1] = _attend(qs[:, :, r0:r1], ks[:, :a1], vs[:, :a1], seg, a0, a1, scale)
+            out[:, :, r0:r1], m = _attend(qs[:, :, r0:r1], ks[:, :a1], vs[:, :a1], seg, a0, a1, scale, watch)
+            if m is not None:
+                ctx.mass.setdefault((mi, layer), []).append(m.reshape(-1))  # [H_kv * g] = [fold * H]
     out = out.view(1, h, tq, d)
     if t is not None:
         out = t.restore_output(out)
@@ -207,9 +216,10 @@ def _decode_rows(ctx: EvalContext, m: CacheModel, mi: int, layer: int, gk, gv):
     return st.transform, ks, vs, [Segment(tk - 1, tk, last.c0, last.k_alt, last.v_alt, last.ranges, last.valid_until)]
 
 
-def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.Tensor:
+def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float, watch: torch.Tensor | None = None):
     """Queries at positions ``[a0, a1)``: ``qs [H_kv, g, n, D]`` over ``ks, vs [H_kv, a1, D]``
-    -> ``[H_kv, g, n, D]``."""
+    -> ``([H_kv, g, n, D], mass)``; ``mass [H_kv, g, n]``: the attention summed over the columns ``watch [H_kv, W]``
+    (-1 = none), or None without ``watch``."""
     hkv, g, n, d = qs.shape
     dev = qs.device
     q2 = qs.reshape(hkv, g * n, d)
@@ -233,7 +243,12 @@ def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float) -> torch.T
         mv = ((cols[None] >= lo[:, None]) & (cols[None] < v_hi[:, None])).float()  # [n, c]
         pv = (p[..., c0:c1] * mv).reshape(hkv, g * n, c1 - c0)
         o = o + torch.matmul(pv, seg.v_alt[:, : c1 - c0] - vs[:, c0:c1])
-    return o.view(hkv, g, n, d)
+    mass = None
+    if watch is not None:
+        idx = watch.clamp(0, a1 - 1).view(hkv, 1, 1, -1).expand(hkv, g, n, watch.shape[1])
+        ok = ((watch >= 0) & (watch < a1)).view(hkv, 1, 1, -1)
+        mass = (p.gather(-1, idx) * ok).sum(-1)
+    return o.view(hkv, g, n, d), mass
 
 
 __all__ = ["ATTENTION_NAME", "EvalContext", "MODES", "eval_attention", "evaluating", "register"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -94,7 +94,8 @@ class NiahConfig:
 @dataclass
 class NiahPrompt:
     """One question: ``ids`` the whole prompt (header, haystack, question); ``values`` the asked value(s);
-    ``needle_at`` the token positions of the asked needles; ``depth`` the asked needle's target depth."""
+    ``needle_at`` the token positions of the asked needles; ``value_at`` per asked needle the positions of the
+    tokens that carry its value's digits; ``depth`` the asked needle's target depth."""
 
     task: str
     length: int
@@ -104,6 +105,7 @@ class NiahPrompt:
     values: list[str]
     ids: list[int]
     needle_at: list[int]
+    value_at: list[list[int]] = field(default_factory=list)
 
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -157,6 +159,8 @@ def build_prompts(tokenizer, cfg: NiahConfig, lines: list[list[int]] | None = No
                 q = _tok(tokenizer, (QUESTION_ALL if task == "multivalue" else QUESTION).format(key=key))
                 pieces = [(_tok(tokenizer, NEEDLE.format(key=k, value=v) + "\n"), d, asked)
                           for d, k, v, asked in needles]
+                spans = [value_tokens(tokenizer, p, NEEDLE.format(key=k, value=v), v)
+                         for (p, _, _), (_, k, v, asked) in zip(pieces, needles) if asked]
                 budget = L - cfg.answer_budget(task) - len(header) - len(q) - sum(len(p) for p, _, _ in pieces)
                 if budget < 64:
                     raise ValueError(f"NIAH length {L} leaves {budget} tokens of haystack for task {task!r}")
@@ -164,7 +168,24 @@ def build_prompts(tokenizer, cfg: NiahConfig, lines: list[list[int]] | None = No
                     raise ValueError(f"NIAH length {L}: the haystack text has {total} tokens, {budget} needed")
                 hay = _cut_haystack(lines, budget, rng.randrange(len(lines)))
                 ids, at = _insert(header, hay, pieces)
-                out.append(NiahPrompt(task, L, i, depth, key, values, ids + q, at))
+                value_at = [[a + j for j in sp] for a, sp in zip(at, spans)]
+                out.append(NiahPrompt(task, L, i, depth, key, values, ids + q, at, value_at))
+    return out
+
+
+def value_tokens(tokenizer, piece: list[int], text: str, value: str) -> list[int]:
+    """Indices into ``piece`` (the tokens of ``text``) of the tokens overlapping the characters of ``value`` (its
+    last occurrence in ``text``), found by decoding growing prefixes of ``piece``."""
+    c0 = text.rindex(value)
+    c1 = c0 + len(value)
+    out, prev = [], 0
+    for j in range(len(piece)):
+        end = len(tokenizer.decode(piece[: j + 1]))
+        if end > c0 and prev < c1:
+            out.append(j)
+        prev = end
+    if not out:
+        raise ValueError(f"NIAH: no token of the needle carries its value {value!r}")
     return out
 
 
@@ -262,24 +283,60 @@ def check_lengths(model, cfg: NiahConfig) -> None:
 @torch.no_grad()
 def run_niah(model, tokenizer, methods: list[CacheModel], prompts: list[NiahPrompt], cfg: NiahConfig,
              store_dtype=torch.bfloat16, progress: Callable[[str], None] | None = None,
-             batch: int = 20, max_tokens: int = 65536) -> list[dict]:
+             batch: int = 20, max_tokens: int = 65536, needle_mass: bool = False) -> list[dict]:
     """Every prompt for every method (fake-quantized caches): ``[{task, length, index, depth, method, answer,
     ok, found}]``. Prompts of one task and length (same token count) go up to ``batch`` at a time: one
-    prefill, and every method decodes all of them at once (folded into the KV heads, ``CacheModel.fold``)."""
+    prefill, and every method decodes all of them at once (folded into the KV heads, ``CacheModel.fold``).
+
+    ``needle_mass``: each row also gets ``needle_mass [L][H]``: per layer and query head, the attention on the
+    tokens of the asked values (``NiahPrompt.value_at``) summed over them, averaged over the decode steps that
+    produced this answer's tokens (the first answer token comes from the full-precision prefill and is not
+    counted; an answer of one token has no steps: ``None``)."""
     check_lengths(model, cfg)
     rows: list[dict] = []
     for group in same_length_batches(prompts, batch, max_tokens):
         ctx = EvalContext([m.fold(len(group)) for m in methods], "prefill", store_dtype, fold=len(group))
+        if needle_mass:
+            ctx.watch = watch_positions(group)
         first = prefill(model, ctx, torch.tensor([p.ids for p in group]))
         with evaluating(model):
-            answers = _decode(model, tokenizer, ctx, first, group, cfg)
+            answers, active = _decode(model, tokenizer, ctx, first, group, cfg)
+        masses = _mean_mass(ctx, active, len(methods), len(group)) if needle_mass else None
         for mi, m in enumerate(methods):
             for pi, pr in enumerate(group):
                 rows.append(result_row(pr, m.name, answers[mi * len(group) + pi]))
+                if masses is not None:
+                    rows[-1]["needle_mass"] = masses[mi][pi]
         if progress:
             for pr in group:
                 progress(f"{pr.task} L={pr.length} #{pr.index}")
     return rows
+
+
+def watch_positions(group: list[NiahPrompt]) -> torch.Tensor:
+    """``[P, W]`` long: each prompt's value-token positions (every asked needle), padded with -1."""
+    pos = [[a for at in p.value_at for a in at] for p in group]
+    if not all(pos):
+        raise ValueError("NIAH needle mass: a prompt without value positions (NiahPrompt.value_at)")
+    w = max(len(x) for x in pos)
+    return torch.tensor([x + [-1] * (w - len(x)) for x in pos], dtype=torch.long)
+
+
+def _mean_mass(ctx: EvalContext, active: list[list[bool]], n_methods: int, fold: int) -> list[list]:
+    """``[method][prompt] -> [L][H]`` lists (or None): the recorded mass averaged over each row's active steps."""
+    layers = sorted({layer for _, layer in ctx.mass})
+    if not active or not layers:
+        return [[None] * fold for _ in range(n_methods)]
+    out = []
+    for mi in range(n_methods):
+        per = torch.stack([torch.stack(ctx.mass[(mi, layer)]) for layer in layers], 1).cpu()  # [S, L, fold*H]
+        per = per.view(per.shape[0], len(layers), fold, -1)  # [S, L, fold, H]
+        rows = []
+        for pi in range(fold):
+            steps = [s for s in range(per.shape[0]) if active[s][mi * fold + pi]]
+            rows.append(per[steps, :, pi].mean(0).tolist() if steps else None)
+        out.append(rows)
+    return out
 
 
 def same_length_batches(prompts: list[NiahPrompt], batch: int, max_tokens: int | None = None) -> list[list[NiahPrompt]]:
@@ -323,9 +380,9 @@ def result_row(pr: NiahPrompt, method: str, answer: str) -> dict:
 
 
 def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, group: list[NiahPrompt], cfg: NiahConfig
-            ) -> list[str]:
+            ) -> tuple[list[str], list[list[bool]]]:
     """Every (method, prompt)'s answer, row ``method * P + prompt``: the first token from the full-precision
-    prefill, the rest decoded from each method's cache."""
+    prefill, the rest decoded from each method's cache; and per decode step which rows it decoded for."""
     n0, f = ctx.prefix_len, ctx.fold
     ctx.mode, ctx.prefill_len = "decode", n0
     b = len(ctx.methods) * f
@@ -333,6 +390,7 @@ def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, group: list
     firsts = first.tolist()
     toks = [[firsts[r % f]] for r in range(b)]
     done = [False] * b
+    active: list[list[bool]] = []
     cur = first.view(1, f).expand(len(ctx.methods), f).reshape(b, 1).contiguous()
     budget = max(cfg.answer_budget(p.task) for p in group)
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -341,13 +399,14 @@ def _decode(model, tokenizer, ctx: EvalContext, first: torch.Tensor, group: list
             done[i] = done[i] or toks[i][-1] == eos or judge(prompt_of[i], tokenizer.decode(toks[i]), finished=False)[0]
         if all(done):
             break
+        active.append([not d for d in done])
         nxt = _forward(model, ctx, cur, n0 + step).argmax(-1)  # [B]
         host = nxt.tolist()
         for i in range(b):
             if not done[i]:
                 toks[i].append(host[i])
         cur = nxt.view(b, 1)
-    return [tokenizer.decode([t for t in tk if t != eos]) for tk in toks]
+    return [tokenizer.decode([t for t in tk if t != eos]) for tk in toks], active
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -378,5 +437,5 @@ def summarize(rows: list[dict]) -> dict:
 
 __all__ = ["HEADER", "KEYS", "NEEDLE", "QUESTION", "QUESTION_ALL", "SPLITS", "TASKS", "NiahConfig", "NiahPrompt",
            "build_prompts", "check_lengths", "haystack_lines", "judge", "last_logits_only", "numbers", "result_row",
-           "run_niah", "same_length_batches", "values_found",
+           "run_niah", "same_length_batches", "value_tokens", "values_found", "watch_positions",
            "summarize", "wilson"]

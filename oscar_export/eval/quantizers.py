@@ -8,6 +8,8 @@
   (``quantize_groups`` always stores fp16 params). :func:`fp32_param_roundtrip` is that rule with the
   params kept in fp32, written as the reference's arithmetic with the two fp16 casts left out; a test pins
   it to the reference wherever fp16 rounding is exact.
+* wider codes (the evaluation's 4-bit levers): the same reference rule with ``2**b`` levels
+  (:func:`wide_page_roundtrip`; a test pins its 2-bit case to ``page_roundtrip``).
 * transformers' ``QuantizedCache``: the real backend layer (``HQQQuantizedLayer`` / ``QuantoQuantizedLayer``).
 """
 
@@ -48,6 +50,34 @@ def page_roundtrip(x: torch.Tensor, layout: KVCacheLayout, transform: LayerTrans
         out = fp32_param_roundtrip(grouped, rank, levels.view(1, h, 1, 1, 4)).reshape(n, h, layout.page_size, d)
     else:
         raise ValueError(f"param_dtype: expected one of {PARAM_DTYPES}, got {param_dtype!r}")
+    return out.transpose(0, 1).reshape(h, t, d)
+
+
+def wide_page_roundtrip(x: torch.Tensor, layout: KVCacheLayout, transform: LayerTransform, side: str, bits: int,
+                        clip: bool = False) -> torch.Tensor:
+    """As :func:`page_roundtrip` with ``bits``-bit codes (uniform levels ``0 .. 2**bits - 1``): the reference rule
+    (``quantize_groups`` with ``2**bits`` levels, fp16 scale and minimum) on the groups the row format defines
+    (token: ``G`` elements of a row; channel: one channel over the ``P`` tokens of a page). ``clip``: apply the
+    transform's clip ratios (fitted for 2 bits); False: plain min-max. ``x [H_kv, N*P, D]`` -> same shape."""
+    if bits < 2 or bits > 8:
+        raise ValueError(f"bits: expected 2..8, got {bits}")
+    h, t, d = x.shape
+    p = layout.page_size
+    pages = x.reshape(h, t // p, p, d).transpose(0, 1).float()  # [N, H_kv, P, D]
+    fmt = layout.key if side == "k" else layout.value
+    ratio = (transform.k_clip if side == "k" else transform.v_clip).to(x.device)
+    if not clip:
+        ratio = torch.ones_like(ratio)
+    levels = torch.arange(2**bits, dtype=torch.float32, device=x.device)
+    if fmt.granularity == "token":
+        g = fmt.group_size
+        grouped = pages.reshape(*pages.shape[:3], d // g, g)  # [N, H, P, D/G, G]
+        rank = clip_rank(ratio, g).view(1, h, 1, 1, 1)
+        out = dequantize_groups(*quantize_groups(grouped, rank, levels), levels).reshape(pages.shape)
+    else:
+        grouped = pages.transpose(-1, -2)  # [N, H, D, P]
+        rank = clip_rank(ratio, p).view(1, h, 1, 1)
+        out = dequantize_groups(*quantize_groups(grouped, rank, levels), levels).transpose(-1, -2)
     return out.transpose(0, 1).reshape(h, t, d)
 
 
@@ -133,5 +163,5 @@ def add_noise_like(x: torch.Tensor, seed: int) -> torch.Tensor:
 
 __all__ = [
     "HF_BACKENDS", "PARAM_DTYPES", "add_noise_like", "fp32_param_roundtrip", "hf_backend_layer", "hf_backend_missing",
-    "kivi_keys", "kivi_values", "minmax_roundtrip", "page_roundtrip",
+    "kivi_keys", "kivi_values", "minmax_roundtrip", "page_roundtrip", "wide_page_roundtrip",
 ]

@@ -61,9 +61,12 @@ def test_prompts_have_the_length_depth_and_needles_asked_for():
     for p in prompts:
         assert len(p.ids) == p.length - cfg.answer_budget(p.task), (p.task, p.length, len(p.ids))
         assert len(p.needle_at) == len(p.values) == (cfg.values if p.task == "multivalue" else 1)
-        for at, v in zip(p.needle_at, p.values):
+        assert len(p.value_at) == len(p.values)
+        for at, v, vat in zip(p.needle_at, p.values, p.value_at):
             text = tok.decode(p.ids[at : at + 30])
             assert text.startswith(NEEDLE.format(key=p.key, value=v)), text
+            assert tok.decode([p.ids[j] for j in vat]).strip() == v, (v, vat, tok.decode([p.ids[j] for j in vat]))
+            assert vat == list(range(vat[0], vat[-1] + 1)) and vat[0] > at
         body = len(p.ids) - 40  # the question is ~40 tokens; depth is relative to the haystack
         assert abs(p.needle_at[0] / body - p.depth) < 0.15, (p.task, p.index, p.needle_at[0], body, p.depth)
         if p.task == "multikey":
