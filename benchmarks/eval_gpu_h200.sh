@@ -5,6 +5,7 @@
 #   call 2 (carry .mB .whl .hqq art):   bash benchmarks/eval_gpu_h200.sh a   # text + NIAH of the fake-quantized methods
 #   call 3 (carry .whl .hqq art):       bash benchmarks/eval_gpu_h200.sh b   # deployed (DEP_ARGS), then NIAH of the HF
 #                                       QuantizedCache methods (HF=0 skips)
+#   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh c   # deployed beside niah_diagnose.py
 # Results accumulate in /tmp/eval_gpu on the device (eval_gpu.py --phases merges) and are copied to $OUT after each.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -23,4 +24,9 @@ if [ "${1:-}" = a ]; then
 elif [ "${1:-}" = b ]; then
     ev "${DEP_S:-300}" --phases deployed ${DEP_ARGS:-}
     [ "${HF:-1}" = 1 ] && ev "${HF_S:-300}" --phases niah --methods bf16,hf-hqq-int2,hf-quanto-int2,hf-hqq-int4,hf-quanto-int4
+elif [ "${1:-}" = c ]; then  # deployed runs (background) beside the issue-17 NIAH diagnosis (foreground), one GPU
+    ( ev "${DEP_S:-240}" --phases deployed ${DEP_ARGS:-} >/dev/null ) &
+    timeout "${DIAG_S:-240}" python3 benchmarks/niah_diagnose.py "$G" --artifact art/ --out "$OUT/diag" \
+        --budget-s "${DIAG_BUDGET:-160}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 40
+    wait; tail -n 30 "$OUT/eval.log"
 fi
