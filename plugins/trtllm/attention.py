@@ -137,7 +137,7 @@ def make_attention_class(up, deployment):
             qb = torch.zeros(n_slots, h, d, dtype=torch.bfloat16, device=q.device)
             qb.index_copy_(0, rows, q[sl].view(g, h, d).to(torch.bfloat16))
             gen = torch.zeros(n_slots, dtype=torch.bool, device=q.device).index_fill_(0, rows, True)
-            gen[mgr.scratch] = False  # padding rows: computed, never stored
+            gen.narrow(0, mgr.scratch, 1).fill_(False)  # padding rows: computed, never stored (no H2D copy)
             # context rows (written above) and idle rows take no decode write; the book's flags hold for the rest
             status = torch.where(gen, mgr.book.status, STATUS_IDLE).to(torch.int32)
             ops.decode_step(state, kb, vb, status, t)

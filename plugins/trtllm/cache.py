@@ -23,7 +23,12 @@ book owns no free list here. The subclass
 * per forward, :meth:`begin_step` (first layer) and :meth:`commit_step` (last layer) run the book's step:
   every layer writes beyond the committed lengths, the commit adds each slot's tokens (``step_tokens``, device);
   a state row that takes no token is flagged :data:`STATUS_IDLE`, so no writer touches it;
-* ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them).
+* ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them);
+* a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
+  later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
+  pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) raises
+  :class:`NonFiniteKV` naming the request. UNTESTED in TensorRT-LLM: the executor's error handling then fails
+  the batch's requests (upstream has no per-request failure a resource manager can signal).
 
 Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_contract.py, both layouts).
 """
@@ -40,6 +45,10 @@ class SlotsExhausted(RuntimeError):
     """Every sequence slot holds a live request."""
 
 
+class NonFiniteKV(RuntimeError):
+    """A request's key or value was NaN/Inf in a decode step: its cache stopped at the last finite token."""
+
+
 def _with_max_tokens(kv_cache_config, max_tokens: int):
     """``kv_cache_config`` with ``max_tokens`` set (pydantic ``model_copy`` or a plain attribute)."""
     if hasattr(kv_cache_config, "model_copy"):
@@ -53,7 +62,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
     import torch
 
     from oscar_export.kernels.layout import PagedKV
-    from oscar_export.kernels.pages import PageBook
+    from oscar_export.kernels.pages import STATUS_NONFINITE, PageBook
 
     lay = deployment.layout
 
@@ -96,6 +105,13 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.slots: dict[int, int] = {}  # request id -> slot
             self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
             self.dummy_ids: set[int] = set()
+            # non-finite tokens: the request id owning each state row (-1: none) and, per row, the id of the last
+            # request a NaN/Inf token reached (device, set at commit; sticky, so the row takes nothing more) with
+            # its pinned host copy, read by prepare_resources (a step or two late under the overlap loop)
+            self.slot_rid = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
+            self.bad_rid = torch.full_like(self.slot_rid, -1)
+            self.bad_rid_host = torch.full((slots + 1,), -1, dtype=torch.int64,
+                                           pin_memory=dev.type == "cuda")
             self.ops = ops_factory()
 
         # ---- slots -------------------------------------------------------------------------------------------
@@ -121,6 +137,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 self.slots[rid] = free[0]
                 self.rows.pop(free[0], None)
                 self.book.reset(free[0])
+                self.slot_rid.narrow(0, free[0], 1).fill_(rid)
             slot = self.slots[rid]
             self._set_row(slot, list(self.get_cache_indices(req))[: self.book.max_pages])
             return slot
@@ -146,7 +163,19 @@ def make_cache_manager_class(up, deployment, ops_factory):
             return [self.scratch if r in self.dummy_ids else self.slot_of(r) for r in request_ids]
 
         # ---- the executor's calls ------------------------------------------------------------------------------
+        def check_finite(self) -> None:
+            """Raise :class:`NonFiniteKV` for a live request a NaN/Inf decode token reached (host; reads the
+            pinned copy the last finished step left, never waits for the device)."""
+            bad = self.bad_rid_host.tolist()
+            hit = sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid)
+            if hit:
+                raise NonFiniteKV(
+                    f"request {', '.join(map(str, hit))}: a NaN/Inf key or value reached the OSCAR cache in a decode "
+                    "step; the request's cache holds its tokens up to the last finite one and takes no more. Fail the "
+                    "request (the cache of every other request is unaffected)")
+
         def prepare_resources(self, scheduled_batch):
+            self.check_finite()
             super().prepare_resources(scheduled_batch)
             slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
             slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
@@ -167,6 +196,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
             slot = self.slots.pop(rid, None)
             if slot is not None:
                 self.rows.pop(slot, None)
+                self.slot_rid.narrow(0, slot, 1).fill_(-1)
             return super().free_resources(request, *args, **kwargs)
 
         # ---- one forward: the page book's step -------------------------------------------------------------------
@@ -182,13 +212,18 @@ def make_cache_manager_class(up, deployment, ops_factory):
             tok.narrow(0, self.scratch, 1).zero_()  # padding rows: computed, never stored (no H2D copy: capturable)
             self.book.begin(tok)
             self.book.flag((tok == 0).to(torch.int32) * STATUS_IDLE)
+            poisoned = (self.bad_rid >= 0) & (self.bad_rid == self.slot_rid)
+            self.book.flag(poisoned.to(torch.int32) * STATUS_NONFINITE)
 
         def commit_step(self) -> None:
             """After the last layer: every slot whose status is 0 now holds its ``step_tokens`` more."""
             self.book.commit(self.step_tokens)
+            nonfinite = (self.book.status & STATUS_NONFINITE) != 0
+            self.bad_rid.copy_(torch.where(nonfinite, self.slot_rid, self.bad_rid))
+            self.bad_rid_host.copy_(self.bad_rid, non_blocking=True)
 
     OscarKVCacheManager.__qualname__ = OscarKVCacheManager.__name__
     return OscarKVCacheManager
 
 
-__all__ = ["STATUS_IDLE", "SlotsExhausted", "make_cache_manager_class"]
+__all__ = ["STATUS_IDLE", "NonFiniteKV", "SlotsExhausted", "make_cache_manager_class"]

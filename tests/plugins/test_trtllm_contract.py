@@ -349,3 +349,21 @@ def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
                                          "cache reserved 256 per sequence"):
         ok.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
     assert not ok.slots
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_nonfinite_decode_token_fails_its_request_and_keeps_the_cache(deploy, loop):
+    """A NaN key in one request's decode step: that request's cache stays at its last finite token (no later
+    step writes it), the others go on exactly as the reference, and within two steps ``prepare_resources``
+    raises ``NonFiniteKV`` naming the request (before: the executor counted the token the cache refused, so
+    every later position of the request was off by one, silently)."""
+    from oscar_export.plugins.trtllm.cache import NonFiniteKV
+
+    d = _driver(deploy)
+    reqs = [Req(1, 20, 40), Req(2, 40, 30, nan_at=45)]
+    with pytest.raises(NonFiniteKV, match="request 2"):
+        d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
+    assert reqs[1].poisoned and reqs[1].written == 45
+    nan_step = 1 + (45 - 40)  # one prefill step, then one token per step
+    assert d.steps <= nan_step + 2, d.steps
+    d.check_cache(reqs)  # request 2 at 45 tokens, request 1 as the reference

@@ -41,6 +41,9 @@ class Req:
     done: bool = False
     ref: list = field(default_factory=list)  # per layer: a batch-of-one reference PagedKV
     rows: list = field(default_factory=list)  # block-table rows the request was given (for reuse checks)
+    nan_at: int = -1  # the token at this position carries a NaN in its keys (layer 0, KV head 1)
+    poisoned: bool = False  # its NaN token was fed: the cache must stay at the last finite token
+    skipped: int = 0  # tokens fed since (the executor counts them; the cache must not hold them)
 
 
 def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int):
@@ -77,7 +80,7 @@ class Driver:
         lens = [r.chunk or r.prompt for r in ctx]
         lens = [min(n, r.prompt - r.written) for n, r in zip(lens, ctx)] + [1] * (len(gen) + padded)
         ids = [r.rid for r in ctx] + [r.rid if isinstance(r, Req) else r.py_request_id for r in gen]
-        cached = [r.written for r in ctx] + [r.written if isinstance(r, Req) else 0 for r in gen]
+        cached = [r.written for r in ctx] + [r.written + r.skipped if isinstance(r, Req) else 0 for r in gen]
         return self.ns.interface.AttentionMetadata(
             kv_cache_manager=self.mgr, seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx),
             request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded))
@@ -92,7 +95,10 @@ class Driver:
             for i, r in enumerate(list(ctx) + list(gen)):
                 n = lens[i] if i < len(lens) else 1
                 if isinstance(r, Req):
-                    q, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
+                    pos = r.written + r.skipped  # the executor's position
+                    q, k, v = rows_for(r.rid, pos, n, layer, self.heads, self.kv, self.d)
+                    if pos <= r.nan_at < pos + n and layer == 0:
+                        k[r.nan_at - pos, self.d + 3] = float("nan")
                 else:  # a dummy request: garbage the adapter must not store
                     widths = (self.heads * self.d, self.kv * self.d, self.kv * self.d)
                     q, k, v = (torch.full((n, w), 7.0) for w in widths)
@@ -129,7 +135,8 @@ class Driver:
         off = 0
         for i, r in enumerate(list(ctx) + list(gen)):
             n = lens[i] if i < len(lens) else 1
-            if isinstance(r, Req) and (i >= len(ctx) or r.written > 0):  # generation rows and later chunks
+            poisoned = isinstance(r, Req) and (r.poisoned or r.written <= r.nan_at < r.written + n)  # not checked
+            if isinstance(r, Req) and (i >= len(ctx) or r.written > 0) and not poisoned:  # gen rows, later chunks
                 t, ks, vs = self._stored(layer, k[off : off + n], v[off : off + n])
                 st = self._ref_state(r, layer)
                 qi = q[off : off + n].float().view(n, self.heads, self.d).transpose(0, 1)[None]  # [1, H, n, D]
@@ -156,6 +163,10 @@ class Driver:
         reference.append_tokens(st, 0, ks, vs, self.lay, t, alloc)
 
     def _advance_reference(self, r: Req, n: int) -> None:
+        if r.poisoned or r.written <= r.nan_at < r.written + n:  # the cache must not take it, nor later tokens
+            r.poisoned = True
+            r.skipped += n
+            return
         for layer in range(len(self.backends)):
             _, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
             t, ks, vs = self._stored(layer, k.bfloat16(), v.bfloat16())
