@@ -20,8 +20,9 @@ scale is passed) use, and calibration checks the two agree.
 
 Unsupported, with one ``NotImplementedError`` naming the architecture or the feature: any other
 ``model_type``, attention logit soft-capping, multi-head latent attention (``kv_lora_rank``), a RoPE type
-outside :data:`ROPE_TYPES`, bidirectional attention, and sliding-window layers (no family keeps them yet:
-Gemma 3's interleaved local layers need a plain BF16 sliding cache beside the OSCAR one).
+outside :data:`ROPE_TYPES`, bidirectional attention, and sliding-window layers except Gemma 3's interleaved
+local layers (:attr:`Family.keeps_sliding_layers`: they keep their short window in a plain BF16 sliding cache
+beside the OSCAR one, ``plugins/hf/sliding.py``, and get identity transforms from calibration).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class Family:
         sliding: how sliding-window layers are declared: ``"none"``, ``"all"`` (``config.sliding_window`` not
             None slides every layer: Mistral, Mixtral, Qwen3-MoE) or ``"layer_types"`` (layers whose
             ``config.layer_types`` entry is ``"sliding_attention"``, window ``config.sliding_window``).
-        keeps_sliding_layers: the cache can hold this family's sliding layers (none can yet).
+        keeps_sliding_layers: the cache holds this family's sliding layers in a plain BF16 sliding cache beside
+            the OSCAR one (``plugins/hf/sliding.py``; calibration gives them identity transforms). Gemma 3 only:
+            its local layers interleave with global ones; a model whose every layer slides has nothing to keep.
         moe: the MLP is a mixture of experts (attention unchanged; informational).
     """
 
@@ -102,7 +105,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3-MoE", qk_norm=True, sliding="all", moe=True),
     "glm4": Family("GLM-4", rope_interleaved=True, o_bias=False),
     "glm4_moe": Family("GLM-4-MoE", qk_norm="use_qk_norm", o_bias=False, moe=True),
-    "gemma3_text": Family("Gemma 3", scaling="query_pre_attn_scalar", qk_norm=True, sliding="layer_types"),
+    "gemma3_text": Family("Gemma 3", scaling="query_pre_attn_scalar", qk_norm=True, sliding="layer_types",
+                          keeps_sliding_layers=True),
 }
 
 
@@ -112,8 +116,8 @@ class ModelAttention:
 
     ``rope`` is the config's RoPE parameters (one dict, or one per layer type for Gemma 3) as JSON;
     ``rotary_dim`` the leading dimensions RoPE rotates (``D * partial_rotary_factor``; GLM: ``D / 2``).
-    ``sliding_layers`` lists the layers with a sliding window (empty for every config :func:`family_for`
-    accepts until a family keeps them).
+    ``sliding_layers`` lists the layers with a sliding window of ``sliding_window`` tokens (non-empty only for a
+    family that keeps them: Gemma 3).
     """
 
     model_type: str
@@ -228,6 +232,9 @@ def family_for(model_or_config: Any) -> ModelAttention:
         raise _unsupported(model_or_config, f"rotates different dimensions per layer type ({sorted(rotary)})")
 
     sliding, window = _sliding_layers(model_or_config, fam)
+    if sliding and fam.keeps_sliding_layers and len(sliding) == int(c.num_hidden_layers):
+        raise _unsupported(model_or_config, f"has sliding-window attention in every layer (sliding_window={window}); "
+                           "the OSCAR cache keeps the global layers, and there are none")
     if sliding and not fam.keeps_sliding_layers:
         shown = ", ".join(map(str, sliding[:8])) + (", ..." if len(sliding) > 8 else "")
         raise _unsupported(
