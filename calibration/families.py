@@ -75,6 +75,8 @@ class Family:
             the OSCAR one (``plugins/hf/sliding.py``; calibration gives them identity transforms). Gemma 3 only:
             its local layers interleave with global ones; a model whose every layer slides has nothing to keep.
         moe: the MLP is a mixture of experts (attention unchanged; informational).
+        trtllm: ``(upstream module, model class)`` that the TensorRT-LLM adapter subclasses to serve this
+            family (``plugins/trtllm``), None where it serves none.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Family:
     keeps_sliding_layers: bool = False
     moe: bool = False
     fold: FoldSpec = field(default_factory=FoldSpec)
+    trtllm: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in ("head_dim", "query_pre_attn_scalar"):
@@ -97,7 +100,8 @@ class Family:
 
 #: ``config.model_type`` -> family. Attention modules checked in transformers 5.17 and 5.24.
 FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama"),  # SmolLM2, Llama 2/3.x (rope_type "llama3")
+    # SmolLM2, Llama 2/3.x (rope_type "llama3")
+    "llama": Family("Llama", trtllm=("tensorrt_llm._torch.models.modeling_llama", "LlamaForCausalLM")),
     "mistral": Family("Mistral", qkv_bias=False, o_bias=False, sliding="all"),
     "mixtral": Family("Mixtral", qkv_bias=False, o_bias=False, sliding="all", moe=True),
     "qwen2": Family("Qwen2", qkv_bias=True, o_bias=False, sliding="layer_types"),
@@ -257,6 +261,34 @@ def family_for_pretrained(directory: Any) -> ModelAttention:
     return family_for(AutoConfig.from_pretrained(str(directory)))
 
 
+def family_for_config_dict(config: dict[str, Any]) -> ModelAttention:
+    """:func:`family_for` of a ``config.json`` already read as a dict (a deployment's checkpoint). The dict is
+    turned into its transformers config class first, so a value the file leaves out takes the class default the
+    model was built with (e.g. Gemma 3's ``head_dim`` 256, not ``hidden_size // heads``)."""
+    from transformers import AutoConfig
+
+    mt = config.get("model_type")
+    if mt not in FAMILIES:
+        raise _unsupported(_ConfigName(config), f"is not supported; supported model types: {', '.join(FAMILIES)}")
+    cls = type(AutoConfig.for_model(mt))
+    return family_for(cls.from_dict({k: v for k, v in config.items() if k != "model_type"}))
+
+
+@dataclass(frozen=True)
+class _ConfigName:
+    """Enough of a config for :func:`_unsupported` to name it."""
+
+    d: dict
+
+    @property
+    def model_type(self):
+        return self.d.get("model_type")
+
+    @property
+    def architectures(self):
+        return self.d.get("architectures")
+
+
 def _sliding_layers(model_or_config: Any, fam: Family) -> tuple[list[int], int | None]:
     """Indices of the layers with a sliding window, and that window (the rule of ``fam.sliding``)."""
     c = _config_of(model_or_config)
@@ -275,4 +307,4 @@ def _sliding_layers(model_or_config: Any, fam: Family) -> tuple[list[int], int |
 
 
 __all__ = ["FAMILIES", "ROPE_TYPES", "Family", "FoldSpec", "ModelAttention", "architecture_name", "family_for",
-           "family_for_pretrained", "rope_parameters"]
+           "family_for_config_dict", "family_for_pretrained", "rope_parameters"]

@@ -160,6 +160,18 @@ def test_llama3_rope_and_gemma_head_dim_read_from_config():
     assert (f.head_dim, f.scaling, f.num_kv_heads) == (256, 256**-0.5, 4)
 
 
+def test_config_dict_gets_its_class_defaults():
+    """A config.json without a value the class defaults (here Gemma 3's head_dim 256): ``family_for_config_dict``
+    reads it back from the config class, not from a hidden_size // heads rule."""
+    from oscar_export.calibration.families import family_for_config_dict
+
+    d = {k: v for k, v in tiny_config("gemma3_sliding").to_dict().items() if k != "head_dim"}
+    f = family_for_config_dict(d)
+    assert (f.head_dim, f.scaling, f.sliding_layers, f.num_layers) == (256, 64**-0.5, (0, 2), 3)
+    with pytest.raises(NotImplementedError, match=r"architecture 'GPT2LMHeadModel' \(model_type 'gpt2'\) is not"):
+        family_for_config_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
 # ---- refusals: one NotImplementedError naming the feature ---------------------------------------------------------
 
 
