@@ -151,6 +151,10 @@ def enable_oscar(
         art.check_model(model.config)
         layout, transforms = art.layout, list(art.transforms)
     _check_layout(layout, transforms, shape)
+    if ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
+        from oscar_export.kernels.decode_attention import check_decode_layout
+
+        check_decode_layout(layout)
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
