@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|families]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -29,6 +29,14 @@ if [ "${1:-}" = e2e ]; then  # serving: HF + kernel GPU tests (TESTS=0 skips), t
     step bench_e2e "${E2E_TIMEOUT:-400}" python3 benchmarks/bench_e2e.py --model "${MODEL:-llama3-8b}" --workloads "${WORKLOADS:-1x8192}" --caches "${CACHES:-oscar,bf16-static,bf16-dynamic}" --equal-kv-gib "${EQUAL_GIB:-0}" --steps "${STEPS:-20}" --json "$OUT/bench_e2e.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/hf_gpu_tests.log "$OUT"/kernel_tests.log 2>/dev/null | tail -n 6
     tail -n 20 "$OUT/bench_e2e.log"
+    exit 0
+fi
+if [ "${1:-}" = families ]; then  # issue 14: head_dim 256 kernels, Gemma-3 decode bench, Gemma-3 / Qwen3-MoE HF path
+    step families_kernel_tests 150 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "head_dim_256"
+    step families_bench_decode 120 python3 benchmarks/bench_decode.py --heads "${HEADS:-gemma3-12b,gemma3-27b}" --gran token --shapes "${SHAPES:-1x8192,1x32768,8x32768}" --json "$OUT/bench_decode_families.json" ${COMMIT:+--commit $COMMIT}
+    step families_hf 280 python3 benchmarks/families_gpu.py "$OUT/families" --context "${CONTEXT:-8192}" --steps "${STEPS:-20}"
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/families_kernel_tests.log 2>/dev/null | tail -n 3
+    tail -n 12 "$OUT/families_bench_decode.log"; tail -n 6 "$OUT/families_hf.log"
     exit 0
 fi
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)
