@@ -166,6 +166,17 @@ def _per_slot3(x, NB: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
+def _slot_cols(params_ptr, word_off, ok, cols):
+    """fp16 channel parameters per page slot as fp32 ``[NB, 1, 2 * len(cols)]``: the pairs of 32-bit words
+    ``word_off [NB] + cols`` split into even (low half) and odd (high half) channels (:func:`_slot_row` for the
+    non-contiguous channels of a field when ``G < D``)."""
+    w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + cols[None, :], mask=ok[:, None], other=0)
+    even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * cols.shape[0]))[:, None, :]
+
+
+@triton.jit
 def _group_params(params_ptr, word, ok):
     """fp16 ``(scale, lo)`` pairs as fp32, read as one 32-bit word each at ``word`` (any shape, in words;
     ``ok`` broadcastable mask): :func:`_token_params` for rows of several groups."""
@@ -180,9 +191,12 @@ def _grouped_pages(
     q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
     block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
     H_KV: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-    K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    NB: tl.constexpr,
 ):
-    """The INT2 pages of split ``s`` when a row holds ``NG = D // G > 1`` token groups (keys and values).
+    """The INT2 pages of split ``s`` when a row holds ``NG = D // G > 1`` token groups (values, and keys unless
+    ``K_CHANNEL``: then keys are scored as in the ``G == D`` path, one dot over all ``D/4`` bytes per field with
+    the query scaled by the page's channel scales gathered at :func:`_field_cols`).
 
     The ``NB`` page slots and the row's ``NG`` groups share the batch axis of the 3-D dots (``NB * NG``): each
     (slot, group) scores its ``G/4`` code bytes per field with its own ``(scale, lo)``
@@ -238,6 +252,20 @@ def _grouped_pages(
     gi = tl.arange(0, NG)
     t = tl.arange(0, P)
     cg = tl.arange(0, G4)
+    c4 = tl.arange(0, Q4)
+    ktile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]: a page's key codes (channel keys)
+    # channel keys: quarter j of the query times the page's channel scales, [NB, GQ_PAD, Q4] (4^-j folded in as
+    # for the token scores); w_j the 32-bit words of the channel pairs (e_j(2m), e_j(2m) + 1), m < Q4 / 2
+    kf: tl.constexpr = 1.0 if K_CODEBOOK else 0.25
+    qc0 = tl.broadcast_to(f0[None, :, :], (NB, GQ_PAD, Q4))
+    qc1 = tl.broadcast_to(f1[None, :, :] * kf, (NB, GQ_PAD, Q4))
+    qc2 = tl.broadcast_to(f2[None, :, :] * (kf * kf), (NB, GQ_PAD, Q4))
+    qc3 = tl.broadcast_to(f3[None, :, :] * (kf * kf * kf), (NB, GQ_PAD, Q4))
+    m2 = 2 * tl.arange(0, Q4 // 2)
+    w0 = _field_cols(m2, 0, G, Q4) // 2
+    w1 = _field_cols(m2, 1, G, Q4) // 2
+    w2 = _field_cols(m2, 2, G, Q4) // 2
+    w3 = _field_cols(m2, 3, G, Q4) // 2
     tile = (gi[:, None, None] * G4 + t[None, :, None] * Q4 + cg[None, None, :])[None, :, :, :]  # [1, NG, P, G4]
     wtile = (t[None, :] * NG + gi[:, None])[None, :, :]  # [1, NG, P]: (scale, lo) words of token t, group g
     bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
@@ -257,18 +285,41 @@ def _grouped_pages(
         code_off = tl.multiple_of(ph * (P * Q4), 16)
         word_off = tl.multiple_of(ph * (P * NG), 16)
         ok4 = ok[:, None, None, None]
-        kc = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0), (NBG, P, G4))
         vc = tl.reshape(tl.load(v_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0), (NBG, P, G4))
-        ks, klo = _group_params(k_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])  # [NB, NG, P]
-        ks = tl.reshape(ks, (NBG, P))
-        klo = tl.reshape(klo, (NBG, P))
-        # scores transposed per (slot, group): [NBG, P, GQ_PAD], summed over the groups of each slot
-        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
-        st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[:, None, :]
-        st_ = tl.sum(tl.reshape(st_, (NB, NG, P, GQ_PAD)), axis=1)  # [NB, P, GQ_PAD]
+        if K_CHANNEL:  # [2, D] fp16 per page-head (scales row, lows row) = D words
+            kc = tl.load(k_codes_ptr + code_off[:, None, None] + ktile, mask=ok[:, None, None], other=0)  # [NB, P, Q4]
+            kw = ph * D
+            ks0 = _slot_cols(k_params_ptr, kw, ok, w0)
+            ks1 = _slot_cols(k_params_ptr, kw, ok, w1)
+            ks2 = _slot_cols(k_params_ptr, kw, ok, w2)
+            ks3 = _slot_cols(k_params_ptr, kw, ok, w3)
+            qlo = f0[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w0)
+            qlo += f1[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w1)
+            qlo += f2[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w2)
+            qlo += f3[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w3)
+            const = tl.sum(qlo, axis=2)  # [NB, GQ_PAD]
+            st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
+            st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+            st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+            st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+            st_ = st_ * KU + const[:, None, :]
+        else:
+            kc = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
+                            (NBG, P, G4))
+            ks, klo = _group_params(k_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])  # [NB, NG, P]
+            ks = tl.reshape(ks, (NBG, P))
+            klo = tl.reshape(klo, (NBG, P))
+            # scores transposed per (slot, group): [NBG, P, GQ_PAD], summed over the groups of each slot
+            st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+            st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+            st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+            st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+            st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[:, None, :]
+            st_ = tl.sum(tl.reshape(st_, (NB, NG, P, GQ_PAD)), axis=1)  # [NB, P, GQ_PAD]
         st_ = tl.where(ok[:, None, None], st_, float("-inf"))
         m_new = tl.maximum(bm, tl.max(st_, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -397,7 +448,7 @@ def _decode_split_kernel(
             m, l, acc0, acc1, acc2, acc3, acclo = _grouped_pages(
                 q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
                 block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
-                H_KV, GQ_PAD, D, G, P, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB)
+                H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB)
         else:
             kl0 = tl.load(k_levels_ptr + h * 4 + 0)
             kl1 = tl.load(k_levels_ptr + h * 4 + 1)
@@ -596,22 +647,21 @@ def gq_pad(gq: int) -> int:
 def check_decode_layout(layout: KVCacheLayout) -> None:
     """Raise ``NotImplementedError`` for layouts the decode kernel does not handle.
 
-    Token groups smaller than a row (``G < D``, at least 64 so a group's 16 code bytes per field feed a dot)
-    are supported for token keys and values with one ``G``; keys per channel need ``G == D``.
+    Groups smaller than a row (``G < D``, at least 64 so a group's 16 code bytes per field feed a dot) are
+    supported with one ``G`` for keys (token or channel) and values.
     """
     d = layout.head_dim
     if d not in (64, 128, 256):
         raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")
     for name, fmt in (("key", layout.key), ("value", layout.value)):
         check_format(fmt, layout.page_size, f"decode_attention {name}")
-        if fmt.group_size != d and (fmt.granularity == "channel" or fmt.group_size < 64):
+        if fmt.group_size != d and fmt.group_size < 64:
             raise NotImplementedError(
-                f"decode_attention: {name} group_size must equal head_dim ({d}) for channel keys, or be >= 64 "
-                f"for token groups, got {fmt.group_size} ({fmt.granularity})"
+                f"decode_attention: {name} group_size must equal head_dim ({d}) or be >= 64, got {fmt.group_size}"
             )
-    if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
+    if layout.key.group_size != layout.value.group_size:
         raise NotImplementedError(
-            f"decode_attention: key and value token group sizes must match, got {layout.key.group_size} and "
+            f"decode_attention: key and value group sizes must match, got {layout.key.group_size} and "
             f"{layout.value.group_size}"
         )
 

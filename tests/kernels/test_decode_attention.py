@@ -156,11 +156,14 @@ def test_page_slots_kernel(da, device, gran, codebook, hq):
         _check_budget(got, q, st, lay, tr, d**-0.5, f"{kw} {gran} codebook={codebook}")
 
 
-@pytest.mark.parametrize("d,g,hq,hkv", [(128, 64, 8, 2), (256, 128, 4, 2), (256, 128, 4, 1)])
-def test_two_groups_per_row(da, device, d, g, hq, hkv):
-    """``G < D`` token groups (Gemma 3: head_dim 256, two groups of 128 per row) within budget: the default
-    layout (P = G) over boundary lengths, an empty row, GQ 2 and 4, page slots 1/2/4 and split counts."""
-    lay = KVCacheLayout(hkv, d, RowFormat(d, g), RowFormat(d, g), sink=64, window=256, page_size=g)
+@pytest.mark.parametrize("d,g,hq,hkv,gran", [(128, 64, 8, 2, "token"), (256, 128, 4, 2, "token"),
+                                              (256, 128, 4, 1, "token"), (128, 64, 8, 2, "channel"),
+                                              (256, 128, 4, 2, "channel")])
+def test_two_groups_per_row(da, device, d, g, hq, hkv, gran):
+    """``G < D`` (Gemma 3: head_dim 256, two groups of 128 per row) within budget, token or channel keys (the
+    packing groups then only order the bytes): the default layout (P = G) over boundary lengths, an empty row,
+    GQ 2 and 4, page slots 1/2/4 and split counts."""
+    lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran), RowFormat(d, g), sink=64, window=256, page_size=g)
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
     p = lay.page_size
     lengths = [0, 1, 64 + 256 + p + 1, 64 + 256 + 4 * p + 17]
@@ -172,13 +175,14 @@ def test_two_groups_per_row(da, device, d, g, hq, hkv):
                dict(pages_per_split=1, page_slots=1, num_warps=1)):
         got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, **kw)
         assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
-        _check_budget(got, q, st, lay, tr, d**-0.5, f"d={d} g={g} {hq}/{hkv} {kw}")
+        _check_budget(got, q, st, lay, tr, d**-0.5, f"d={d} g={g} {hq}/{hkv} {gran} {kw}")
 
 
-def test_two_groups_codebook_and_rotation(da, device):
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_two_groups_codebook_and_rotation(da, device, gran):
     """``G < D`` with fitted levels and q·R_K/d fused into the prologue (the serving path's query rotation)."""
     hkv, hq, d, g = 2, 4, 128, 64
-    lay = KVCacheLayout(hkv, d, RowFormat(d, g, codebook=True), RowFormat(d, g, codebook=True),
+    lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, codebook=True), RowFormat(d, g, codebook=True),
                         sink=16, window=32, page_size=64)
     rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
     ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
@@ -195,7 +199,7 @@ def test_two_groups_codebook_and_rotation(da, device):
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
     fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
                                 q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
-    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, "two groups, codebook + rotation")
+    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"two groups, codebook + rotation, {gran} keys")
 
 
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
@@ -237,12 +241,12 @@ def test_bad_inputs_raise(da, device):
     with pytest.raises(NotImplementedError, match="head_dim 64, 128 or 256"):
         small = _layout(2, 32, "token")
         call(layout=small, state=PagedKV.allocate(small, 2, 4, 2, device=device), q=torch.randn(2, 4, 32, device=device))
-    for bad in (KVCacheLayout(2, 128, RowFormat(128, 64, "channel"), RowFormat(128, 64), page_size=64),
+    for bad in (KVCacheLayout(2, 128, RowFormat(128, 32, "channel"), RowFormat(128, 32), page_size=64),
                 KVCacheLayout(2, 128, RowFormat(128, 32), RowFormat(128, 32), page_size=64)):
-        with pytest.raises(NotImplementedError, match="group_size must equal head_dim"):
+        with pytest.raises(NotImplementedError, match=r"group_size must equal head_dim \(128\) or be >= 64, got 32"):
             call(layout=bad, state=PagedKV.allocate(bad, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
     mixed = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 128), page_size=64)
-    with pytest.raises(NotImplementedError, match="key and value token group sizes must match"):
+    with pytest.raises(NotImplementedError, match="key and value group sizes must match"):
         call(layout=mixed, state=PagedKV.allocate(mixed, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
 
 

@@ -296,8 +296,8 @@ def test_auto_backend_is_torch_on_cpu_and_triton_for_bf16_cuda():
 
 
 def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time():
-    """Bug: a head_dim-256 model with channel keys (group 128 < head_dim) passed ``enable_oscar(backend="triton")``
-    and failed only at the first decode step; now the decode kernel's layout check runs at enable time."""
+    """Bug: a layout the decode kernel refuses (here groups of 32) passed ``enable_oscar(backend="triton")`` and
+    failed only at the first decode step; now the decode kernel's layout check runs at enable time."""
     pytest.importorskip("triton")
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -305,7 +305,11 @@ def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time()
                            num_attention_heads=4, num_key_value_heads=2, head_dim=256,
                            layer_types=["full_attention"] * 2)
     model = Gemma3ForCausalLM(cfg)
-    with pytest.raises(NotImplementedError, match="key group_size must equal head_dim \\(256\\) for channel keys"):
-        enable_oscar(model, backend="triton", key_granularity="channel")
-    with enable_oscar(model, backend="triton", key_granularity="token") as oscar:  # two token groups: accepted
-        assert (oscar.layout.key.group_size, oscar.layout.head_dim) == (128, 256)
+    from oscar_export.kernels.layout import RowFormat
+
+    g32 = KVCacheLayout(2, 256, RowFormat(256, 32), RowFormat(256, 32), page_size=64)
+    with pytest.raises(NotImplementedError, match=r"key group_size must equal head_dim \(256\) or be >= 64, got 32"):
+        enable_oscar(model, backend="triton", layout=g32)
+    for gran in ("token", "channel"):  # two groups of 128 per row: accepted
+        with enable_oscar(model, backend="triton", key_granularity=gran) as oscar:
+            assert (oscar.layout.key.group_size, oscar.layout.head_dim) == (128, 256)
