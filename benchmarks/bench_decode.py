@@ -1,10 +1,10 @@
 """Per-layer decode attention on the GPU: the INT2 mixed-precision kernel vs PyTorch SDPA BF16 vs the copy roofline.
 
     python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json]
-    python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --gran token --shapes 1x8192,1x32768
+    python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
 
 Heads (``--heads``): 32 query / 8 KV heads, head_dim 128 by default (DESIGN §6); Gemma-3-12B (16 / 8) and
-Gemma-3-27B (32 / 16) at head_dim 256, two token groups of 128 per row (keys per channel need G = D: token only).
+Gemma-3-27B (32 / 16) at head_dim 256, two groups of 128 per row.
 Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
 queries and outputs); times are medians of CUDA-event timings over input sets rotated to defeat the L2
 (enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
@@ -189,9 +189,7 @@ def main(argv=None) -> int:
     for heads in args.heads.split(","):
         for shape in args.shapes.split(","):
             b, s = (int(x) for x in shape.split("x"))
-            grans = [g for g in args.gran.split(",") if not (g == "channel" and HEADS[heads][2] > 128)]
-            if len(grans) < len(args.gran.split(",")):
-                print(f"{heads}: channel keys need group_size == head_dim ({HEADS[heads][2]}): token keys only")
+            grans = args.gran.split(",")
             for gran in grans:
                 names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
                 try:

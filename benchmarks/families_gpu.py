@@ -5,9 +5,9 @@
 
 For each model (few layers, the real attention shapes, random weights; accuracy claims need real weights):
 
-1. calibrate on random tokens (mechanics only: the statistics of random weights mean nothing), with token
-   keys (the decode kernel's channel keys need ``group_size == head_dim``; Gemma 3's rows hold two groups);
-   a failed calibration falls back to the identity artifact and is reported;
+1. calibrate on random tokens (mechanics only: the statistics of random weights mean nothing), keys per
+   channel (the default; ``--key-granularity token`` for per-token keys); a failed calibration falls back to
+   the identity artifact and is reported;
 2. ``enable_oscar(model, artifact)`` with the fast path (``OscarCache`` + the triton backend on CUDA);
 3. inside the windows (prompt + new tokens < S0 + W + P, so no INT2 page exists yet) greedy generation is
    compared token for token with ``DynamicCache`` (reported, not asserted: in BF16 the kernels' fp16/fp32
@@ -103,11 +103,11 @@ def part(result: dict, name: str, fn):
         return None
 
 
-def calibrate_quickly(model, tiny: bool):
+def calibrate_quickly(model, tiny: bool, key_granularity: str):
     from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
 
     seq = 512 if not tiny else 448
-    cfg = CalibrationConfig(tokens=4 * seq, seq_len=seq, heldout=1, batch_size=1, key_granularity="token")
+    cfg = CalibrationConfig(tokens=4 * seq, seq_len=seq, heldout=1, batch_size=1, key_granularity=key_granularity)
     t0 = time.perf_counter()
     art = calibrate(model, RandomTokenizer(model.config.vocab_size), cfg)
     return art, time.perf_counter() - t0
@@ -213,14 +213,14 @@ def run_model(name: str, kind: tuple, args) -> dict:
     res["shape"] = {"layers": f.num_layers, "heads": f.num_heads, "kv_heads": f.num_kv_heads, "head_dim": f.head_dim,
                     "sliding_layers": list(f.sliding_layers), "sliding_window": f.sliding_window,
                     "scaling": f.scaling}
-    cal = part(res, "calibrate", lambda: (lambda a: (a[0], {"seconds": round(a[1], 1)}))(calibrate_quickly(model, args.tiny)))
+    cal = part(res, "calibrate", lambda: (lambda a: (a[0], {"seconds": round(a[1], 1)}))(calibrate_quickly(model, args.tiny, args.key_granularity)))
     if cal is not None:
         art = cal[0]
         res["calibrate"] = {**cal[1], "layout": art.layout.to_dict()}
     else:
         from oscar_export.kernels.layout import KVCacheLayout
 
-        art = OscarArtifact.identity(model, KVCacheLayout.default(f.num_kv_heads, f.head_dim, "token"))
+        art = OscarArtifact.identity(model, KVCacheLayout.default(f.num_kv_heads, f.head_dim, args.key_granularity))
         res["artifact"] = "identity (calibration failed)"
     backend = "triton" if args.device == "cuda" else "torch"
     res["backend"] = backend
@@ -252,6 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--key-granularity", default="channel", choices=("channel", "token"))
     args = ap.parse_args(argv)
     out = Path(args.outdir)
     out.mkdir(parents=True, exist_ok=True)

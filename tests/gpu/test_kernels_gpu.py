@@ -95,12 +95,13 @@ def test_decode_attention_real_shape(gran, variant):
 GEMMA3_HEADS = [(16, 8), (32, 16)]
 
 
+@pytest.mark.parametrize("gran", ["token", "channel"])
 @pytest.mark.parametrize("hq,hkv", GEMMA3_HEADS, ids=["gemma3-12b", "gemma3-27b"])
 @pytest.mark.parametrize("variant", [{}, dict(page_slots=1, num_warps=1)], ids=["default", "slots1"])
-def test_decode_attention_head_dim_256_two_groups(hq, hkv, variant):
-    """head_dim 256 with two token groups of 128 per row (Gemma 3's default layout, P = 128) within budget;
-    the fused query rotation too (the serving path)."""
-    lay = KVCacheLayout.default(hkv, 256, "token")
+def test_decode_attention_head_dim_256_two_groups(hq, hkv, variant, gran):
+    """head_dim 256 with two groups of 128 per row (Gemma 3's default layout, P = 128), token or channel keys,
+    within budget; the fused query rotation too (the serving path)."""
+    lay = KVCacheLayout.default(hkv, 256, gran)
     assert (lay.key.group_size, lay.page_size) == (128, 128)
     tr = _rotated(hkv, 256)
     lengths = [16500, 4096, 449, 17]
@@ -115,18 +116,18 @@ def test_decode_attention_head_dim_256_two_groups(hq, hkv, variant):
     _budget(fused, q, st, lay, tr, 256**-0.5)
 
 
-def test_decode_append_and_quantize_head_dim_256_bit_exact():
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_append_and_quantize_head_dim_256_bit_exact(gran):
     """head_dim 256, G 128: the prefill quantizer and the decode step's writer (token + demotion) leave every
     buffer equal to the reference's on the GPU."""
     from oscar_export.kernels.decode_step import decode_append
-    from oscar_export.kernels.pages import PageBook
 
-    lay = KVCacheLayout.default(8, 256, "token", sink=16, window=128)
+    lay = KVCacheLayout.default(8, 256, gran, sink=16, window=128)
     tr = LayerTransform.identity(8, 256, 0.96, 0.92).to(DEV)
     x = (torch.randn(64, 8, lay.page_size, 256, device=DEV) * 2).bfloat16().float()
-    for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.value, tr.v_clip, tr.v_levels),
-                          ref.quantize_pages(x, lay.value, tr.v_clip, tr.v_levels)):
-        assert torch.equal(g, w), f"quantize {name}: {(g != w).sum().item()} mismatches"
+    for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
+                          ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
+        assert torch.equal(g, w), f"quantize {gran} keys {name}: {(g != w).sum().item()} mismatches"
     lengths = [lay.sink + lay.recent_capacity - 1, 700, 5]  # slot 0 demotes at the first step
     books, states = [], []
     for _ in range(2):
@@ -143,7 +144,7 @@ def test_decode_append_and_quantize_head_dim_256_bit_exact():
     assert int(books[0].committed.num_pages[0]) == lay.pages_for(lengths[0] + 4) >= 1, "no demotion crossed"
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         g, w = getattr(states[1], f), getattr(states[0], f)
-        assert torch.equal(g, w), f"decode_append {f}: {(g != w).sum().item()} mismatches"
+        assert torch.equal(g, w), f"decode_append {gran} {f}: {(g != w).sum().item()} mismatches"
 
 
 def _book_cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, max_length: int):
