@@ -213,10 +213,10 @@ def run_model(name: str, kind: tuple, args) -> dict:
     res["shape"] = {"layers": f.num_layers, "heads": f.num_heads, "kv_heads": f.num_kv_heads, "head_dim": f.head_dim,
                     "sliding_layers": list(f.sliding_layers), "sliding_window": f.sliding_window,
                     "scaling": f.scaling}
-    cal = part(res, "calibrate", lambda: (lambda a: (a[0], {"seconds": round(a[1], 1)}))(calibrate_quickly(model, args.tiny, args.key_granularity)))
+    cal = part(res, "calibrate", lambda: calibrate_quickly(model, args.tiny, args.key_granularity))
     if cal is not None:
-        art = cal[0]
-        res["calibrate"] = {**cal[1], "layout": art.layout.to_dict()}
+        art, seconds = cal
+        res["calibrate"] = {"seconds": round(seconds, 1), "layout": art.layout.to_dict()}
     else:
         from oscar_export.kernels.layout import KVCacheLayout
 
@@ -289,7 +289,8 @@ def main(argv=None) -> int:
               f"vs DynamicCache {lc.get('dynamic_cache_bytes', 0) / 2**20:.1f} MiB"
               + (f"; errors: {[k for k, v in r.items() if isinstance(v, dict) and 'error' in v]}" if any(
                   isinstance(v, dict) and "error" in v for v in r.values()) else ""))
-    failed = [r["model"] for r in results if "error" in r or any(isinstance(v, dict) and "error" in v for v in r.values())]
+    failed = [r["model"] for r in results
+              if "error" in r or any(isinstance(v, dict) and "error" in v for v in r.values())]
     print(f"wrote {out / 'families_gpu.json'}; parts failed in: {failed or 'none'}")
     return 1 if failed else 0
 

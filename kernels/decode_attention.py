@@ -395,7 +395,8 @@ def _decode_split_kernel(
         INT2 pages per loop iteration; one per warp with ``num_warps == NB``).
     With ``G == D`` one (scale, lo) per token row; ``G < D`` (token keys) takes :func:`_grouped_pages`. Field
     ``j`` of code byte ``c`` is row element :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads
-    and the output quarters use the same element map, so every part of the split agrees. Each page slot keeps its own online
+    and the output quarters use the same element map, so every part of the split agrees. Each page slot keeps
+    its own online
     softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); slots past the split's last page
     load nothing (masked) and score ``-inf``.
     """

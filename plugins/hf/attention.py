@@ -78,8 +78,8 @@ def oscar_attention(
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
     if window is not None:
         raise NotImplementedError(
-            f"layer {key.layer.index} has a sliding window ({window}) but its cache layer is an OSCAR layer: the "
-            "family table (calibration/families.py) did not list it as sliding"
+            f"layer {key.layer.index} has sliding-window attention (window {window}) but its cache layer is an OSCAR "
+            "layer: the family table (calibration/families.py) did not list it as sliding"
         )
     out = attend(key.layer, query, key.key, key.value, attention_mask, scaling)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
