@@ -1,8 +1,11 @@
 """Per-layer decode attention on the GPU: the INT2 mixed-precision kernel vs PyTorch SDPA BF16 vs the copy roofline.
 
     python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json]
+    python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
 
-32 query / 8 KV heads, head_dim 128 (DESIGN §6). Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
+Heads (``--heads``): 32 query / 8 KV heads, head_dim 128 by default (DESIGN §6); Gemma-3-12B (16 / 8) and
+Gemma-3-27B (32 / 16) at head_dim 256, two groups of 128 per row.
+Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
 queries and outputs); times are medians of CUDA-event timings over input sets rotated to defeat the L2
 (enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
 captured decode step runs), ``eager`` times plain launches. ``--sweep`` also runs the last of ``--variants`` at half and
@@ -23,7 +26,9 @@ import torch.nn.functional as F
 from oscar_export.kernels.decode_attention import PAGE_SLOTS, decode_attention, default_pages_per_split
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 
-HQ, HKV, D = 32, 8, 128
+#: (query heads, KV heads, head_dim) of the benchmarked attention layer (``--heads``).
+HEADS = {"llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256), "gemma3-27b": (32, 16, 256)}
+HQ, HKV, D = HEADS["llama3-8b"]
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 32768), (64, 8192)]
 #: named kernel variants for A/B runs (``--variants``): "default" = the wrapper's defaults (``page_slots=2``,
 #: 2 warps, 2 stages); the others change one setting. Earlier variants (v3, transposed values, half-page
@@ -118,7 +123,9 @@ def copy_bandwidth() -> float:
     return 2 * n / ms / 1e9
 
 
-def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("default",)) -> list[dict]:
+def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("default",),
+                heads: str = "llama3-8b") -> list[dict]:
+    HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
     lay = KVCacheLayout.default(HKV, D, gran)
     scale = D**-0.5
     kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
@@ -145,7 +152,8 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
                                                   out_dtype=torch.bfloat16, **kw)
         eager = median_ms(call, sets, 30)
         graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
-        rows.append(dict(kernel="oscar-int2", gran=gran, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
+        rows.append(dict(kernel="oscar-int2", heads=heads, hq=HQ, hkv=HKV, d=D, g=lay.key.group_size, gran=gran,
+                         batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
                          graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, **var))
     del states
     # SDPA BF16 on the same shape: 32 q heads over 8 KV heads, one query token
@@ -157,7 +165,8 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
     sd = lambda i: F.scaled_dot_product_attention(qq[i % ssets], ks[i % ssets], vs[i % ssets], enable_gqa=True)  # noqa: E731
     eager = median_ms(sd, ssets, 50)
     graph = graph_ms([lambda i=i: sd(i) for i in range(ssets)])
-    rows.append(dict(kernel="sdpa-bf16", gran="-", batch=batch, seq=seq, bytes=kv_bytes, eager_us=eager * 1e3,
+    rows.append(dict(kernel="sdpa-bf16", heads=heads, hq=HQ, hkv=HKV, d=D, gran="-", batch=batch, seq=seq,
+                     bytes=kv_bytes, eager_us=eager * 1e3,
                      graph_us=graph * 1e3, tbps=kv_bytes / (graph * 1e-3) / 1e12))
     return rows
 
@@ -171,30 +180,37 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="default", help=f"comma list of {sorted(VARIANTS)}")
     ap.add_argument("--channel-variants", default=None, help="variants for channel keys (default: --variants)")
     ap.add_argument("--commit", default=None, help="commit to report (default: git rev-parse in this tree)")
+    ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
     args = ap.parse_args(argv)
     print(env_line(args.commit))
     bw = copy_bandwidth()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
-    for shape in args.shapes.split(","):
-        b, s = (int(x) for x in shape.split("x"))
-        for gran in args.gran.split(","):
-            names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
-            got = bench_shape(b, s, gran, args.sweep, names.split(","))
-            if gran != args.gran.split(",")[0]:
-                got = [r for r in got if r["kernel"] != "sdpa-bf16"]
-            rows += got
-            for r in got:
-                print(json.dumps(r), flush=True)
+    for heads in args.heads.split(","):
+        for shape in args.shapes.split(","):
+            b, s = (int(x) for x in shape.split("x"))
+            grans = args.gran.split(",")
+            for gran in grans:
+                names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
+                try:
+                    got = bench_shape(b, s, gran, args.sweep, names.split(","), heads)
+                except Exception as e:  # keep the other shapes' rows
+                    print(f"FAILED {heads} {shape} {gran}: {type(e).__name__}: {e}", flush=True)
+                    continue
+                if gran != grans[0]:
+                    got = [r for r in got if r["kernel"] != "sdpa-bf16"]
+                rows += got
+                for r in got:
+                    print(json.dumps(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(args.commit), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'shape':>9} {'kernel':>10} {'var':>5} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
+    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>10} {'var':>5} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
           f"{'graph us':>9} {'TB/s':>5} {'x SDPA':>6}")
-    sdpa = {(r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
+    sdpa = {(r["heads"], r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
     for r in rows:
-        x = sdpa[(r["batch"], r["seq"])] / r["graph_us"]
-        print(f"{r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r.get('variant', '-'):>5} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
+        x = sdpa.get((r["heads"], r["batch"], r["seq"]), float("nan")) / r["graph_us"]
+        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r.get('variant', '-'):>5} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
               f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {'n' if r.get('fast_unpack') is False else 'y':>3} "
               f"{r['eager_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['tbps']:5.2f} {x:6.2f}")

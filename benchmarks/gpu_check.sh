@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -37,6 +37,14 @@ if [ "${1:-}" = trt ]; then  # TensorRT-LLM device ops + AOT bundle through the 
     OSCAR_AOT_BUNDLE=${OSCAR_AOT_BUNDLE:-.aot_bundle} step aot_gpu_tests 200 python3 -m pytest tests/gpu/test_aot_gpu.py -m gpu -s -q -p no:cacheprovider
     [ "${TESTS:-1}" = 1 ] && step hf_gpu_tests 240 python3 -m pytest tests/gpu/test_hf_gpu.py tests/gpu/test_kernels_gpu.py -m gpu -q -p no:cacheprovider
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/*_gpu_tests.log | tail -n 8
+    exit 0
+fi
+if [ "${1:-}" = families ]; then  # issue 14: head_dim 256 kernels, Gemma-3 decode bench, Gemma-3 / Qwen3-MoE HF path
+    step families_kernel_tests 150 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "head_dim_256"
+    step families_bench_decode 150 python3 benchmarks/bench_decode.py --heads "${FAM_HEADS:-gemma3-12b,gemma3-27b}" --gran token,channel --shapes "${FAM_SHAPES:-1x8192,1x32768}" --json "$OUT/bench_decode_families.json" ${COMMIT:+--commit $COMMIT}
+    step families_hf 280 python3 benchmarks/families_gpu.py "$OUT/families" --context "${FAM_CONTEXT:-8192}" --steps "${FAM_STEPS:-20}"
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/families_kernel_tests.log 2>/dev/null | tail -n 3
+    tail -n 12 "$OUT/families_bench_decode.log"; tail -n 6 "$OUT/families_hf.log"
     exit 0
 fi
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)

@@ -64,6 +64,8 @@ class Collector:
         model_scaling: the family table's softmax scale (``families.ModelAttention.scaling``), used when
             transformers passes none and checked against the one it passes; None: ``head_dim ** -0.5``
             where none is passed, no check. :meth:`for_model` fills all of these from the table.
+        sliding_layers: layers with a sliding window (Gemma 3's local layers): not observed. They keep their
+            window at full precision in the serving cache, so the artifact gives them identity transforms.
     """
 
     num_layers: int
@@ -76,12 +78,14 @@ class Collector:
     heldout: list[list[tuple[torch.Tensor, ...]]] = field(default_factory=list)
     scaling: list[float | None] = field(default_factory=list)
     model_scaling: float | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     @classmethod
     def for_model(cls, model, skip: int, **kw) -> Collector:
         """A collector shaped by the family table for ``model`` (raises its ``NotImplementedError``)."""
         f = family_for(model)
-        return cls(f.num_layers, f.num_kv_heads, f.head_dim, skip, model_scaling=f.scaling, **kw)
+        return cls(f.num_layers, f.num_kv_heads, f.head_dim, skip, model_scaling=f.scaling,
+                   sliding_layers=f.sliding_layers, **kw)
 
     def __post_init__(self) -> None:
         self.stats = [None] * self.num_layers
@@ -94,6 +98,8 @@ class Collector:
         i = int(module.layer_idx)
         if not 0 <= i < self.num_layers:
             raise ValueError(f"capture: layer index {i} outside 0..{self.num_layers - 1}")
+        if i in self.sliding_layers:
+            return
         if k.shape[1] != self.num_kv_heads or k.shape[-1] != self.head_dim:
             raise ValueError(
                 f"capture layer {i}: expected keys [B, {self.num_kv_heads}, T, {self.head_dim}], got {tuple(k.shape)}"

@@ -20,8 +20,9 @@ scale is passed) use, and calibration checks the two agree.
 
 Unsupported, with one ``NotImplementedError`` naming the architecture or the feature: any other
 ``model_type``, attention logit soft-capping, multi-head latent attention (``kv_lora_rank``), a RoPE type
-outside :data:`ROPE_TYPES`, bidirectional attention, and sliding-window layers (no family keeps them yet:
-Gemma 3's interleaved local layers need a plain BF16 sliding cache beside the OSCAR one).
+outside :data:`ROPE_TYPES`, bidirectional attention, and sliding-window layers except Gemma 3's interleaved
+local layers (:attr:`Family.keeps_sliding_layers`: they keep their short window in a plain BF16 sliding cache
+beside the OSCAR one, ``plugins/hf/sliding.py``, and get identity transforms from calibration).
 """
 
 from __future__ import annotations
@@ -70,8 +71,12 @@ class Family:
         sliding: how sliding-window layers are declared: ``"none"``, ``"all"`` (``config.sliding_window`` not
             None slides every layer: Mistral, Mixtral, Qwen3-MoE) or ``"layer_types"`` (layers whose
             ``config.layer_types`` entry is ``"sliding_attention"``, window ``config.sliding_window``).
-        keeps_sliding_layers: the cache can hold this family's sliding layers (none can yet).
+        keeps_sliding_layers: the cache holds this family's sliding layers in a plain BF16 sliding cache beside
+            the OSCAR one (``plugins/hf/sliding.py``; calibration gives them identity transforms). Gemma 3 only:
+            its local layers interleave with global ones; a model whose every layer slides has nothing to keep.
         moe: the MLP is a mixture of experts (attention unchanged; informational).
+        trtllm: ``(upstream module, model class)`` that the TensorRT-LLM adapter subclasses to serve this
+            family (``plugins/trtllm``), None where it serves none.
     """
 
     name: str
@@ -84,6 +89,7 @@ class Family:
     keeps_sliding_layers: bool = False
     moe: bool = False
     fold: FoldSpec = field(default_factory=FoldSpec)
+    trtllm: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in ("head_dim", "query_pre_attn_scalar"):
@@ -94,7 +100,8 @@ class Family:
 
 #: ``config.model_type`` -> family. Attention modules checked in transformers 5.17 and 5.24.
 FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama"),  # SmolLM2, Llama 2/3.x (rope_type "llama3")
+    # SmolLM2, Llama 2/3.x (rope_type "llama3")
+    "llama": Family("Llama", trtllm=("tensorrt_llm._torch.models.modeling_llama", "LlamaForCausalLM")),
     "mistral": Family("Mistral", qkv_bias=False, o_bias=False, sliding="all"),
     "mixtral": Family("Mixtral", qkv_bias=False, o_bias=False, sliding="all", moe=True),
     "qwen2": Family("Qwen2", qkv_bias=True, o_bias=False, sliding="layer_types"),
@@ -102,7 +109,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("Qwen3-MoE", qk_norm=True, sliding="all", moe=True),
     "glm4": Family("GLM-4", rope_interleaved=True, o_bias=False),
     "glm4_moe": Family("GLM-4-MoE", qk_norm="use_qk_norm", o_bias=False, moe=True),
-    "gemma3_text": Family("Gemma 3", scaling="query_pre_attn_scalar", qk_norm=True, sliding="layer_types"),
+    "gemma3_text": Family("Gemma 3", scaling="query_pre_attn_scalar", qk_norm=True, sliding="layer_types",
+                          keeps_sliding_layers=True),
 }
 
 
@@ -112,8 +120,8 @@ class ModelAttention:
 
     ``rope`` is the config's RoPE parameters (one dict, or one per layer type for Gemma 3) as JSON;
     ``rotary_dim`` the leading dimensions RoPE rotates (``D * partial_rotary_factor``; GLM: ``D / 2``).
-    ``sliding_layers`` lists the layers with a sliding window (empty for every config :func:`family_for`
-    accepts until a family keeps them).
+    ``sliding_layers`` lists the layers with a sliding window of ``sliding_window`` tokens (non-empty only for a
+    family that keeps them: Gemma 3).
     """
 
     model_type: str
@@ -228,6 +236,9 @@ def family_for(model_or_config: Any) -> ModelAttention:
         raise _unsupported(model_or_config, f"rotates different dimensions per layer type ({sorted(rotary)})")
 
     sliding, window = _sliding_layers(model_or_config, fam)
+    if sliding and fam.keeps_sliding_layers and len(sliding) == int(c.num_hidden_layers):
+        raise _unsupported(model_or_config, f"has sliding-window attention in every layer (sliding_window={window}); "
+                           "the OSCAR cache keeps the global layers, and there are none")
     if sliding and not fam.keeps_sliding_layers:
         shown = ", ".join(map(str, sliding[:8])) + (", ..." if len(sliding) > 8 else "")
         raise _unsupported(
@@ -250,6 +261,34 @@ def family_for_pretrained(directory: Any) -> ModelAttention:
     return family_for(AutoConfig.from_pretrained(str(directory)))
 
 
+def family_for_config_dict(config: dict[str, Any]) -> ModelAttention:
+    """:func:`family_for` of a ``config.json`` already read as a dict (a deployment's checkpoint). The dict is
+    turned into its transformers config class first, so a value the file leaves out takes the class default the
+    model was built with (e.g. Gemma 3's ``head_dim`` 256, not ``hidden_size // heads``)."""
+    from transformers import AutoConfig
+
+    mt = config.get("model_type")
+    if mt not in FAMILIES:
+        raise _unsupported(_ConfigName(config), f"is not supported; supported model types: {', '.join(FAMILIES)}")
+    cls = type(AutoConfig.for_model(mt))
+    return family_for(cls.from_dict({k: v for k, v in config.items() if k != "model_type"}))
+
+
+@dataclass(frozen=True)
+class _ConfigName:
+    """Enough of a config for :func:`_unsupported` to name it."""
+
+    d: dict
+
+    @property
+    def model_type(self):
+        return self.d.get("model_type")
+
+    @property
+    def architectures(self):
+        return self.d.get("architectures")
+
+
 def _sliding_layers(model_or_config: Any, fam: Family) -> tuple[list[int], int | None]:
     """Indices of the layers with a sliding window, and that window (the rule of ``fam.sliding``)."""
     c = _config_of(model_or_config)
@@ -268,4 +307,4 @@ def _sliding_layers(model_or_config: Any, fam: Family) -> tuple[list[int], int |
 
 
 __all__ = ["FAMILIES", "ROPE_TYPES", "Family", "FoldSpec", "ModelAttention", "architecture_name", "family_for",
-           "family_for_pretrained", "rope_parameters"]
+           "family_for_config_dict", "family_for_pretrained", "rope_parameters"]

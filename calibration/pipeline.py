@@ -311,8 +311,13 @@ def layer_summary(k: SideFit, v: SideFit, obj: LayerObjective) -> dict[str, Any]
 
 
 def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_layers: int, on_layer) -> tuple[list, list]:
+    """``(k_fit, v_fit)`` per layer, None for the sliding-window layers (identity transforms, see :func:`calibrate`)."""
     fits, per_layer = [], []
     for i in range(num_layers):
+        if i in col.sliding_layers:
+            fits.append(None)
+            per_layer.append({"sliding": True})
+            continue
         st = col.stats[i]
         if st is None:
             raise ValueError(f"capture: layer {i} was never called through the attention interface")
@@ -350,18 +355,22 @@ def calibrate(
         torch.set_num_threads(threads)
     t_fit = time.perf_counter() - t0 - t_capture
     uniform = uniform_levels(h)
-    layout = cfg.layout(h, d, codebook_k=any(not torch.equal(k.levels, uniform) for k, _ in fits),
-                        codebook_v=any(not torch.equal(v.levels, uniform) for _, v in fits))
+    fitted = [f for f in fits if f is not None]
+    layout = cfg.layout(h, d, codebook_k=any(not torch.equal(k.levels, uniform) for k, _ in fitted),
+                        codebook_v=any(not torch.equal(v.levels, uniform) for _, v in fitted))
+    # sliding-window layers (the family table's, e.g. Gemma 3's local layers) keep their window in BF16 and
+    # are never quantized: identity transforms, so export folds nothing into them
     transforms = [
-        LayerTransform(
-            k_rotation=k.rotation.float(), v_rotation=v.rotation.float(), k_scale=k.scale.float(),
-            v_scale=v.scale.float(), k_mean=k.mean.float(), v_mean=v.mean.float(), k_clip=k.clip.float(),
-            v_clip=v.clip.float(), k_levels=k.levels.float().contiguous(), v_levels=v.levels.float().contiguous(),
+        LayerTransform.identity(h, d) if f is None else LayerTransform(
+            k_rotation=f[0].rotation.float(), v_rotation=f[1].rotation.float(), k_scale=f[0].scale.float(),
+            v_scale=f[1].scale.float(), k_mean=f[0].mean.float(), v_mean=f[1].mean.float(),
+            k_clip=f[0].clip.float(), v_clip=f[1].clip.float(), k_levels=f[0].levels.float().contiguous(),
+            v_levels=f[1].levels.float().contiguous(),
         )
-        for k, v in fits
+        for f in fits
     ]
     stats = {
-        "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(facts.num_layers, 1)),
+        "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(len(fitted), 1)),
         "heldout_sequences": cfg.heldout,
         "objective_window": cfg.objective_window,
         "seconds_capture": round(t_capture, 2),

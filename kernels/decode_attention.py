@@ -135,6 +135,233 @@ def _slot_row(params_ptr, word_off, ok, Q4: tl.constexpr):
 
 
 @triton.jit
+def _field_cols(c4, J: tl.constexpr, G: tl.constexpr, Q4: tl.constexpr):
+    """Row elements that field ``J`` of code bytes ``c4 [Q4]`` holds (``layout.py`` packing): byte ``c`` of
+    group ``c // (G/4)`` carries element ``J * G/4 + c mod G/4`` of that group; ``J * Q4 + c4`` when ``G == D``."""
+    G4: tl.constexpr = G // 4
+    if G4 == Q4:
+        return J * Q4 + c4
+    else:
+        return (c4 // G4) * G + J * G4 + c4 % G4
+
+
+@triton.jit
+def _per_group(x, NB: tl.constexpr, NG: tl.constexpr, G4: tl.constexpr, GQ_PAD: tl.constexpr):
+    """Query quarter ``x [GQ_PAD, NG * G4]`` -> the B operand ``[NB * NG, G4, GQ_PAD]`` of every (slot, group)."""
+    xg = tl.permute(tl.reshape(x, (GQ_PAD, NG, G4)), (1, 2, 0))  # [NG, G4, GQ_PAD]
+    return tl.reshape(tl.broadcast_to(xg[None, :, :, :], (NB, NG, G4, GQ_PAD)), (NB * NG, G4, GQ_PAD))
+
+
+@triton.jit
+def _per_slot(x, NB: tl.constexpr, NG: tl.constexpr):
+    """``x [NB, N]`` (one row per page slot) repeated for the slot's NG groups: ``[NB * NG, N]``."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (NB, NG, x.shape[1])), (NB * NG, x.shape[1]))
+
+
+@triton.jit
+def _per_slot3(x, NB: tl.constexpr, NG: tl.constexpr):
+    """``x [NB, M, N]`` repeated for the slot's NG groups: ``[NB * NG, M, N]``."""
+    return tl.reshape(tl.broadcast_to(x[:, None, :, :], (NB, NG, x.shape[1], x.shape[2])),
+                      (NB * NG, x.shape[1], x.shape[2]))
+
+
+@triton.jit
+def _slot_cols(params_ptr, word_off, ok, cols):
+    """fp16 channel parameters per page slot as fp32 ``[NB, 1, 2 * len(cols)]``: the pairs of 32-bit words
+    ``word_off [NB] + cols`` split into even (low half) and odd (high half) channels (:func:`_slot_row` for the
+    non-contiguous channels of a field when ``G < D``)."""
+    w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + cols[None, :], mask=ok[:, None], other=0)
+    even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    odd = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * cols.shape[0]))[:, None, :]
+
+
+@triton.jit
+def _group_params(params_ptr, word, ok):
+    """fp16 ``(scale, lo)`` pairs as fp32, read as one 32-bit word each at ``word`` (any shape, in words;
+    ``ok`` broadcastable mask): :func:`_token_params` for rows of several groups."""
+    w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
+    scale = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, lo
+
+
+@triton.jit
+def _grouped_pages(
+    q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+    block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
+    H_KV: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, FAST_UNPACK: tl.constexpr,
+    NB: tl.constexpr,
+):
+    """The INT2 pages of split ``s`` when a row holds ``NG = D // G > 1`` token groups (values, and keys unless
+    ``K_CHANNEL``: then keys are scored as in the ``G == D`` path, one dot over all ``D/4`` bytes per field with
+    the query scaled by the page's channel scales gathered at :func:`_field_cols`).
+
+    The ``NB`` page slots and the row's ``NG`` groups share the batch axis of the 3-D dots (``NB * NG``): each
+    (slot, group) scores its ``G/4`` code bytes per field with its own ``(scale, lo)``
+    (``q·k̂ = Σ_g s_g (q_g·lev[c_g]) + lo_g Σ q_g``), the groups' scores are summed per slot before the
+    softmax, and the value accumulators keep one ``[GQ_PAD, G/4]`` block per (slot, group). Quarter ``j`` of
+    the query ``q_j [GQ_PAD, Q4]`` holds the elements :func:`_field_cols` ``(c, j)``, so column ``g·G/4 + c'``
+    is group ``g``, byte ``c'``. Returns ``m, l [GQ_PAD]``, the four output quarters ``[GQ_PAD, Q4]`` (levels
+    unscaled) and the value lows ``[GQ_PAD, Q4]`` (per group, spread over its columns), like the ``G == D`` path.
+    """
+    Q4: tl.constexpr = D // 4
+    G4: tl.constexpr = G // 4
+    NG: tl.constexpr = D // G
+    NBG: tl.constexpr = NB * NG
+    kl0 = tl.load(k_levels_ptr + h * 4 + 0)
+    kl1 = tl.load(k_levels_ptr + h * 4 + 1)
+    kl2 = tl.load(k_levels_ptr + h * 4 + 2)
+    kl3 = tl.load(k_levels_ptr + h * 4 + 3)
+    vl0 = tl.load(v_levels_ptr + h * 4 + 0)
+    vl1 = tl.load(v_levels_ptr + h * 4 + 1)
+    vl2 = tl.load(v_levels_ptr + h * 4 + 2)
+    vl3 = tl.load(v_levels_ptr + h * 4 + 3)
+    f0 = q0.to(tl.float32)
+    f1 = q1.to(tl.float32)
+    f2 = q2.to(tl.float32)
+    f3 = q3.to(tl.float32)
+    # Σ q over each group, the same for every slot: [NBG, GQ_PAD]
+    qsum = tl.trans(tl.sum(tl.reshape(f0 + f1 + f2 + f3, (GQ_PAD, NG, G4)), axis=2))  # [NG, GQ_PAD]
+    qsum = tl.reshape(tl.broadcast_to(qsum[None, :, :], (NB, NG, GQ_PAD)), (NBG, GQ_PAD))
+    # uniform codes arrive as c·4^j·2^-24 (_field_scaled): the same powers of two as the G == D path
+    if K_CODEBOOK:
+        KU = 1.0
+        qt0 = _per_group(f0, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt1 = _per_group(f1, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt2 = _per_group(f2, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt3 = _per_group(f3, NB, NG, G4, GQ_PAD).to(tl.float16)
+    else:
+        KU = 16777216.0
+        qt0 = _per_group(f0, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt1 = _per_group(f1 * 0.25, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt2 = _per_group(f2 * 0.0625, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt3 = _per_group(f3 * 0.015625, NB, NG, G4, GQ_PAD).to(tl.float16)
+    if V_CODEBOOK:
+        VU0 = 1.0
+        VU1 = 1.0
+        VU2 = 1.0
+        VU3 = 1.0
+    else:
+        VU0 = 16777216.0
+        VU1 = 4194304.0
+        VU2 = 1048576.0
+        VU3 = 262144.0
+    nb = tl.arange(0, NB)
+    gi = tl.arange(0, NG)
+    t = tl.arange(0, P)
+    cg = tl.arange(0, G4)
+    c4 = tl.arange(0, Q4)
+    ktile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]: a page's key codes (channel keys)
+    # channel keys: quarter j of the query times the page's channel scales, [NB, GQ_PAD, Q4] (4^-j folded in as
+    # for the token scores); w_j the 32-bit words of the channel pairs (e_j(2m), e_j(2m) + 1), m < Q4 / 2
+    kf: tl.constexpr = 1.0 if K_CODEBOOK else 0.25
+    qc0 = tl.broadcast_to(f0[None, :, :], (NB, GQ_PAD, Q4))
+    qc1 = tl.broadcast_to(f1[None, :, :] * kf, (NB, GQ_PAD, Q4))
+    qc2 = tl.broadcast_to(f2[None, :, :] * (kf * kf), (NB, GQ_PAD, Q4))
+    qc3 = tl.broadcast_to(f3[None, :, :] * (kf * kf * kf), (NB, GQ_PAD, Q4))
+    m2 = 2 * tl.arange(0, Q4 // 2)
+    w0 = _field_cols(m2, 0, G, Q4) // 2
+    w1 = _field_cols(m2, 1, G, Q4) // 2
+    w2 = _field_cols(m2, 2, G, Q4) // 2
+    w3 = _field_cols(m2, 3, G, Q4) // 2
+    tile = (gi[:, None, None] * G4 + t[None, :, None] * Q4 + cg[None, None, :])[None, :, :, :]  # [1, NG, P, G4]
+    wtile = (t[None, :] * NG + gi[:, None])[None, :, :]  # [1, NG, P]: (scale, lo) words of token t, group g
+    bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
+    bl = tl.zeros([NB, GQ_PAD], tl.float32)
+    b0 = tl.zeros([NBG, GQ_PAD, G4], tl.float32)
+    b1 = tl.zeros([NBG, GQ_PAD, G4], tl.float32)
+    b2 = tl.zeros([NBG, GQ_PAD, G4], tl.float32)
+    b3 = tl.zeros([NBG, GQ_PAD, G4], tl.float32)
+    blo = tl.zeros([NBG, GQ_PAD], tl.float32)
+    start = s * pages_per_split
+    end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
+    for p0 in range(start, end, NB):
+        slot = p0 + nb
+        ok = slot < end
+        page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
+        ph = page * H_KV + h
+        code_off = tl.multiple_of(ph * (P * Q4), 16)
+        word_off = tl.multiple_of(ph * (P * NG), 16)
+        ok4 = ok[:, None, None, None]
+        vc = tl.reshape(tl.load(v_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0), (NBG, P, G4))
+        if K_CHANNEL:  # [2, D] fp16 per page-head (scales row, lows row) = D words
+            kc = tl.load(k_codes_ptr + code_off[:, None, None] + ktile, mask=ok[:, None, None], other=0)  # [NB, P, Q4]
+            kw = ph * D
+            ks0 = _slot_cols(k_params_ptr, kw, ok, w0)
+            ks1 = _slot_cols(k_params_ptr, kw, ok, w1)
+            ks2 = _slot_cols(k_params_ptr, kw, ok, w2)
+            ks3 = _slot_cols(k_params_ptr, kw, ok, w3)
+            qlo = f0[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w0)
+            qlo += f1[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w1)
+            qlo += f2[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w2)
+            qlo += f3[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w3)
+            const = tl.sum(qlo, axis=2)  # [NB, GQ_PAD]
+            st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
+            st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+            st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+            st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                         tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+            st_ = st_ * KU + const[:, None, :]
+        else:
+            kc = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
+                            (NBG, P, G4))
+            ks, klo = _group_params(k_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])  # [NB, NG, P]
+            ks = tl.reshape(ks, (NBG, P))
+            klo = tl.reshape(klo, (NBG, P))
+            # scores transposed per (slot, group): [NBG, P, GQ_PAD], summed over the groups of each slot
+            st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+            st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+            st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+            st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+            st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[:, None, :]
+            st_ = tl.sum(tl.reshape(st_, (NB, NG, P, GQ_PAD)), axis=1)  # [NB, P, GQ_PAD]
+        st_ = tl.where(ok[:, None, None], st_, float("-inf"))
+        m_new = tl.maximum(bm, tl.max(st_, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(bm - m_use)
+        pt = tl.exp2(st_ - m_use[:, None, :])
+        bl = bl * alpha + tl.sum(pt, axis=1)
+        bm = m_new
+        vs, vlo = _group_params(v_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])
+        vs = tl.reshape(vs, (NBG, P))
+        vlo = tl.reshape(vlo, (NBG, P))
+        ptg = _per_slot3(pt, NB, NG)  # [NBG, P, GQ_PAD]
+        ag2 = _per_slot(alpha, NB, NG)  # [NBG, GQ_PAD]
+        ag = ag2[:, :, None]
+        ps = tl.permute((ptg * vs[:, :, None]).to(tl.float16), (0, 2, 1))
+        b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * ag)
+        b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * ag)
+        b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * ag)
+        b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * ag)
+        blo = blo * ag2 + tl.sum(ptg * vlo[:, :, None], axis=1)
+    # ---- combine the page slots by their log-sum-exp; groups back to columns g·G/4 + c' ----------------------
+    m = tl.max(bm, axis=0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
+    l = tl.sum(bl * w, axis=0)
+    wg = _per_slot(w, NB, NG)  # [NBG, GQ_PAD]
+    acc0 = _columns(b0 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU0
+    acc1 = _columns(b1 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU1
+    acc2 = _columns(b2 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU2
+    acc3 = _columns(b3 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU3
+    lo = tl.trans(tl.sum(tl.reshape(blo * wg, (NB, NG, GQ_PAD)), axis=0))  # [GQ_PAD, NG]
+    acclo = tl.reshape(tl.broadcast_to(lo[:, :, None], (GQ_PAD, NG, G4)), (GQ_PAD, NG * G4))
+    return m, l, acc0, acc1, acc2, acc3, acclo
+
+
+@triton.jit
+def _columns(x, NB: tl.constexpr, NG: tl.constexpr, GQ_PAD: tl.constexpr, G4: tl.constexpr):
+    """``[NB * NG, GQ_PAD, G4]`` per (slot, group) -> summed over the slots, ``[GQ_PAD, NG * G4]``."""
+    y = tl.sum(tl.reshape(x, (NB, NG, GQ_PAD, G4)), axis=0)  # [NG, GQ_PAD, G4]
+    return tl.reshape(tl.permute(y, (1, 0, 2)), (GQ_PAD, NG * G4))
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, rot_ptr, dscale_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
@@ -142,8 +369,8 @@ def _decode_split_kernel(
     block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
     part_o_ptr, part_lse_ptr,
     max_pages, pages_per_split, n_page_splits, n_splits,
-    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    P: tl.constexpr, S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
     FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
 ):
@@ -155,17 +382,21 @@ def _decode_split_kernel(
         sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
         recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` rings (RC = layout.recent_slots = W + 2P)
         k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D // 4]``
-        k_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
-        v_params_ptr  fp16 ``[N_pool, H_kv, P, 1, 2]``
+        k_params_ptr  fp16 ``[N_pool, H_kv, P, D // G, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
+        v_params_ptr  fp16 ``[N_pool, H_kv, P, D // G, 2]``
         k_levels_ptr, v_levels_ptr   fp32 ``[H_kv, 4]``
         block_table_ptr int32 ``[B, max_pages]``; sink_len_ptr, num_pages_ptr, recent_len_ptr int32 ``[B]``
         part_o_ptr    fp32 ``[B, H, n_splits, D]``; part_lse_ptr fp32 ``[B, H, n_splits]`` (log2 units)
         max_pages, pages_per_split, n_page_splits, n_splits: int32
-        constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 4)), D, P, S0, RC, BN (BF16 chunk),
+        constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 4)), D, G (token group size of keys and
+        values; ``D // G`` groups per row, see :func:`_grouped_pages`), P, S0, RC, BN (BF16 chunk),
         SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK (PTX field extraction of
         uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path), NB (pow2,
         INT2 pages per loop iteration; one per warp with ``num_warps == NB``).
-    Requires group_size == head_dim (one (scale, lo) per token row). Each page slot keeps its own online
+    With ``G == D`` one (scale, lo) per token row; ``G < D`` (token keys) takes :func:`_grouped_pages`. Field
+    ``j`` of code byte ``c`` is row element :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads
+    and the output quarters use the same element map, so every part of the split agrees. Each page slot keeps
+    its own online
     softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); slots past the split's last page
     load nothing (masked) and score ``-inf``.
     """
@@ -178,22 +409,27 @@ def _decode_split_kernel(
     g = tl.arange(0, GQ_PAD)
     gmask = g < GQ
     c4 = tl.arange(0, Q4)
+    # row elements of the four code-byte fields (j * Q4 + c4 for one group per row)
+    e0 = _field_cols(c4, 0, G, Q4)
+    e1 = _field_cols(c4, 1, G, Q4)
+    e2 = _field_cols(c4, 2, G, Q4)
+    e3 = _field_cols(c4, 3, G, Q4)
     qrow = (b * H + h * GQ + g).to(tl.int64) * D
     if ROTATE_Q:
         dd = tl.arange(0, D)
         qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
         rb = rot_ptr + h * D * D + dd[:, None] * D
         db = dscale_ptr + h * D
-        q0 = tl.dot(qf, tl.load(rb + 0 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 0 * Q4 + c4)[None, :]
-        q1 = tl.dot(qf, tl.load(rb + 1 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 1 * Q4 + c4)[None, :]
-        q2 = tl.dot(qf, tl.load(rb + 2 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 2 * Q4 + c4)[None, :]
-        q3 = tl.dot(qf, tl.load(rb + 3 * Q4 + c4[None, :]), input_precision="ieee") / tl.load(db + 3 * Q4 + c4)[None, :]
+        q0 = tl.dot(qf, tl.load(rb + e0[None, :]), input_precision="ieee") / tl.load(db + e0)[None, :]
+        q1 = tl.dot(qf, tl.load(rb + e1[None, :]), input_precision="ieee") / tl.load(db + e1)[None, :]
+        q2 = tl.dot(qf, tl.load(rb + e2[None, :]), input_precision="ieee") / tl.load(db + e2)[None, :]
+        q3 = tl.dot(qf, tl.load(rb + e3[None, :]), input_precision="ieee") / tl.load(db + e3)[None, :]
     else:
-        qp = q_ptr + qrow[:, None] + c4[None, :]
-        q0 = tl.load(qp + 0 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-        q1 = tl.load(qp + 1 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(qp + 2 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
-        q3 = tl.load(qp + 3 * Q4, mask=gmask[:, None], other=0.0).to(tl.float32)
+        qp = q_ptr + qrow[:, None]
+        q0 = tl.load(qp + e0[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q1 = tl.load(qp + e1[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(qp + e2[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(qp + e3[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
     q0 = (q0 * qscale).to(tl.float16)
     q1 = (q1 * qscale).to(tl.float16)
@@ -205,119 +441,127 @@ def _decode_split_kernel(
     acc1 = tl.zeros([GQ_PAD, Q4], tl.float32)
     acc2 = tl.zeros([GQ_PAD, Q4], tl.float32)
     acc3 = tl.zeros([GQ_PAD, Q4], tl.float32)
-    acclo = tl.zeros([GQ_PAD], tl.float32)
+    # the value lows: one per query head (G == D) or per head and output column (G < D: per group)
+    LO_W: tl.constexpr = 1 if G == D else Q4
+    acclo = tl.zeros([GQ_PAD, LO_W], tl.float32)
     if s < n_page_splits:
-        kl0 = tl.load(k_levels_ptr + h * 4 + 0)
-        kl1 = tl.load(k_levels_ptr + h * 4 + 1)
-        kl2 = tl.load(k_levels_ptr + h * 4 + 2)
-        kl3 = tl.load(k_levels_ptr + h * 4 + 3)
-        vl0 = tl.load(v_levels_ptr + h * 4 + 0)
-        vl1 = tl.load(v_levels_ptr + h * 4 + 1)
-        vl2 = tl.load(v_levels_ptr + h * 4 + 2)
-        vl3 = tl.load(v_levels_ptr + h * 4 + 3)
-        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
-        # every page slot sees the same queries: [NB, GQ_PAD, Q4]
-        # uniform codes arrive as c·4^j·2^-24 (_field_scaled): quarter j of q carries 4^-j (exact), the
-        # scores 2^24 (KU), the value quarters 2^24·4^-j (VU, after the loop)
-        if K_CODEBOOK:
-            KU = 1.0
-            qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-            qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-            qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-            qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+        if G < D:
+            m, l, acc0, acc1, acc2, acc3, acclo = _grouped_pages(
+                q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+                block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
+                H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB)
         else:
-            KU = 16777216.0
-            qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-            qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :] * 0.25, (NB, GQ_PAD, Q4))
-            qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
-            qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.015625, (NB, GQ_PAD, Q4))
-        # B operands of the transposed scores
-        qt0 = tl.permute(qb0.to(tl.float16), (0, 2, 1))
-        qt1 = tl.permute(qb1.to(tl.float16), (0, 2, 1))
-        qt2 = tl.permute(qb2.to(tl.float16), (0, 2, 1))
-        qt3 = tl.permute(qb3.to(tl.float16), (0, 2, 1))
-        if V_CODEBOOK:
-            VU0 = 1.0
-            VU1 = 1.0
-            VU2 = 1.0
-            VU3 = 1.0
-        else:
-            VU0 = 16777216.0
-            VU1 = 4194304.0
-            VU2 = 1048576.0
-            VU3 = 262144.0
-        nb = tl.arange(0, NB)
-        t = tl.arange(0, P)
-        tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
-        bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
-        bl = tl.zeros([NB, GQ_PAD], tl.float32)
-        b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-        blo = tl.zeros([NB, GQ_PAD], tl.float32)
-        start = s * pages_per_split
-        end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
-        for p0 in range(start, end, NB):
-            slot = p0 + nb
-            ok = slot < end
-            page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
-            ph = page * H_KV + h
-            code_off = tl.multiple_of(ph * (P * Q4), 16)
-            word_off = tl.multiple_of(ph * P, 16)  # token rows' (scale, lo) as one 32-bit word each
-            okc = ok[:, None, None]
-            kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
-            vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
-            # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
-            if K_CHANNEL:
-                kw = tl.multiple_of(ph * D, 16)  # [2, D] fp16 (scales, then lows) = D words per page-head
-                ks0 = _slot_row(k_params_ptr, kw + 0 * Q4 // 2, ok, Q4)
-                ks1 = _slot_row(k_params_ptr, kw + 1 * Q4 // 2, ok, Q4)
-                ks2 = _slot_row(k_params_ptr, kw + 2 * Q4 // 2, ok, Q4)
-                ks3 = _slot_row(k_params_ptr, kw + 3 * Q4 // 2, ok, Q4)
-                # q·lo over the page's channel lows: one reduction for the four quarters
-                qlo = q0.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 0 * Q4) // 2, ok, Q4)
-                qlo += q1.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 1 * Q4) // 2, ok, Q4)
-                qlo += q2.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 2 * Q4) // 2, ok, Q4)
-                qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
-                const = tl.sum(qlo, axis=2)
-                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
-                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
-                st_ = st_ * KU + const[:, None, :]
+            kl0 = tl.load(k_levels_ptr + h * 4 + 0)
+            kl1 = tl.load(k_levels_ptr + h * 4 + 1)
+            kl2 = tl.load(k_levels_ptr + h * 4 + 2)
+            kl3 = tl.load(k_levels_ptr + h * 4 + 3)
+            vl0 = tl.load(v_levels_ptr + h * 4 + 0)
+            vl1 = tl.load(v_levels_ptr + h * 4 + 1)
+            vl2 = tl.load(v_levels_ptr + h * 4 + 2)
+            vl3 = tl.load(v_levels_ptr + h * 4 + 3)
+            qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+            # every page slot sees the same queries: [NB, GQ_PAD, Q4]
+            # uniform codes arrive as c·4^j·2^-24 (_field_scaled): quarter j of q carries 4^-j (exact), the
+            # scores 2^24 (KU), the value quarters 2^24·4^-j (VU, after the loop)
+            if K_CODEBOOK:
+                KU = 1.0
+                qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+                qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+                qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+                qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
             else:
-                ks, klo = _token_params(k_params_ptr, word_off, t, ok)
-                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
-                st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
-            st_ = tl.where(okc, st_, float("-inf"))
-            m_new = tl.maximum(bm, tl.max(st_, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(bm - m_use)
-            pt = tl.exp2(st_ - m_use[:, None, :])
-            bl = bl * alpha + tl.sum(pt, axis=1)
-            bm = m_new
-            vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
-            ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
-            plo = tl.sum(pt * vlo[:, :, None], axis=1)
-            b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
-            b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
-            b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
-            b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
-            blo = blo * alpha + plo
-        # ---- combine the page slots by their log-sum-exp -------------------------------------------------
-        m = tl.max(bm, axis=0)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
-        l = tl.sum(bl * w, axis=0)
-        acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
-        acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
-        acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
-        acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
-        acclo = tl.sum(blo * w, axis=0)
+                KU = 16777216.0
+                qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+                qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :] * 0.25, (NB, GQ_PAD, Q4))
+                qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
+                qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.015625, (NB, GQ_PAD, Q4))
+            # B operands of the transposed scores
+            qt0 = tl.permute(qb0.to(tl.float16), (0, 2, 1))
+            qt1 = tl.permute(qb1.to(tl.float16), (0, 2, 1))
+            qt2 = tl.permute(qb2.to(tl.float16), (0, 2, 1))
+            qt3 = tl.permute(qb3.to(tl.float16), (0, 2, 1))
+            if V_CODEBOOK:
+                VU0 = 1.0
+                VU1 = 1.0
+                VU2 = 1.0
+                VU3 = 1.0
+            else:
+                VU0 = 16777216.0
+                VU1 = 4194304.0
+                VU2 = 1048576.0
+                VU3 = 262144.0
+            nb = tl.arange(0, NB)
+            t = tl.arange(0, P)
+            tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
+            bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
+            bl = tl.zeros([NB, GQ_PAD], tl.float32)
+            b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
+            blo = tl.zeros([NB, GQ_PAD], tl.float32)
+            start = s * pages_per_split
+            end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
+            for p0 in range(start, end, NB):
+                slot = p0 + nb
+                ok = slot < end
+                page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
+                ph = page * H_KV + h
+                code_off = tl.multiple_of(ph * (P * Q4), 16)
+                word_off = tl.multiple_of(ph * P, 16)  # token rows' (scale, lo) as one 32-bit word each
+                okc = ok[:, None, None]
+                kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
+                vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
+                # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
+                if K_CHANNEL:
+                    kw = tl.multiple_of(ph * D, 16)  # [2, D] fp16 (scales, then lows) = D words per page-head
+                    ks0 = _slot_row(k_params_ptr, kw + 0 * Q4 // 2, ok, Q4)
+                    ks1 = _slot_row(k_params_ptr, kw + 1 * Q4 // 2, ok, Q4)
+                    ks2 = _slot_row(k_params_ptr, kw + 2 * Q4 // 2, ok, Q4)
+                    ks3 = _slot_row(k_params_ptr, kw + 3 * Q4 // 2, ok, Q4)
+                    # q·lo over the page's channel lows: one reduction for the four quarters
+                    qlo = q0.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 0 * Q4) // 2, ok, Q4)
+                    qlo += q1.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 1 * Q4) // 2, ok, Q4)
+                    qlo += q2.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 2 * Q4) // 2, ok, Q4)
+                    qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
+                    const = tl.sum(qlo, axis=2)
+                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
+                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
+                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
+                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
+                    st_ = st_ * KU + const[:, None, :]
+                else:
+                    ks, klo = _token_params(k_params_ptr, word_off, t, ok)
+                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+                    st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
+                st_ = tl.where(okc, st_, float("-inf"))
+                m_new = tl.maximum(bm, tl.max(st_, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(bm - m_use)
+                pt = tl.exp2(st_ - m_use[:, None, :])
+                bl = bl * alpha + tl.sum(pt, axis=1)
+                bm = m_new
+                vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
+                ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
+                plo = tl.sum(pt * vlo[:, :, None], axis=1)
+                b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
+                b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
+                b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
+                b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
+                blo = blo * alpha + plo
+            # ---- combine the page slots by their log-sum-exp -------------------------------------------------
+            m = tl.max(bm, axis=0)
+            m_use = tl.where(m == float("-inf"), 0.0, m)
+            w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
+            l = tl.sum(bl * w, axis=0)
+            acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
+            acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
+            acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
+            acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
+            acclo = tl.sum(blo * w, axis=0)[:, None]
     else:
         NSINK: tl.constexpr = (S0 + BN - 1) // BN
         c = s - n_page_splits
@@ -335,30 +579,30 @@ def _decode_split_kernel(
             slot = (c - NSINK) * BN + tb
             start = (tl.load(num_pages_ptr + b) * P) % RC
             tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
-        rows = tb[:, None] * D + c4[None, :]
+        rows = tb[:, None] * D
         kk = kb + rows
-        scb = tl.dot(q0, tl.trans(tl.load(kk + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)))
-        scb = tl.dot(q1, tl.trans(tl.load(kk + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
-        scb = tl.dot(q2, tl.trans(tl.load(kk + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
-        scb = tl.dot(q3, tl.trans(tl.load(kk + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q0, tl.trans(tl.load(kk + e0[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)))
+        scb = tl.dot(q1, tl.trans(tl.load(kk + e1[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q2, tl.trans(tl.load(kk + e2[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
+        scb = tl.dot(q3, tl.trans(tl.load(kk + e3[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
         scb = tl.where(tmask[None, :], scb, float("-inf"))
         pw, alpha, m, l = _softmax_step(scb, m, l)
         pb = pw.to(tl.float16)
         vv = vb + rows
-        acc0 = tl.dot(pb, tl.load(vv + 0 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-        acc1 = tl.dot(pb, tl.load(vv + 1 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-        acc2 = tl.dot(pb, tl.load(vv + 2 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
-        acc3 = tl.dot(pb, tl.load(vv + 3 * Q4, mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc0 = tl.dot(pb, tl.load(vv + e0[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc1 = tl.dot(pb, tl.load(vv + e1[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc2 = tl.dot(pb, tl.load(vv + e2[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
+        acc3 = tl.dot(pb, tl.load(vv + e3[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
     nonempty = l > 0.0
     inv = tl.where(nonempty, 1.0 / l, 0.0)
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
     prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
     tl.store(part_lse_ptr + prow, lse, mask=gmask)
-    po = part_o_ptr + prow[:, None] * D + c4[None, :]
-    tl.store(po + 0 * Q4, (acc0 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    tl.store(po + 1 * Q4, (acc1 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    tl.store(po + 2 * Q4, (acc2 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
-    tl.store(po + 3 * Q4, (acc3 + acclo[:, None]) * inv[:, None], mask=gmask[:, None])
+    po = part_o_ptr + prow[:, None] * D
+    tl.store(po + e0[None, :], (acc0 + acclo) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + e1[None, :], (acc1 + acclo) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + e2[None, :], (acc2 + acclo) * inv[:, None], mask=gmask[:, None])
+    tl.store(po + e3[None, :], (acc3 + acclo) * inv[:, None], mask=gmask[:, None])
 
 
 
@@ -402,16 +646,25 @@ def gq_pad(gq: int) -> int:
 
 
 def check_decode_layout(layout: KVCacheLayout) -> None:
-    """Raise ``NotImplementedError`` for layouts the decode kernel does not handle."""
+    """Raise ``NotImplementedError`` for layouts the decode kernel does not handle.
+
+    Groups smaller than a row (``G < D``, at least 64 so a group's 16 code bytes per field feed a dot) are
+    supported with one ``G`` for keys (token or channel) and values.
+    """
     d = layout.head_dim
     if d not in (64, 128, 256):
         raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")
     for name, fmt in (("key", layout.key), ("value", layout.value)):
         check_format(fmt, layout.page_size, f"decode_attention {name}")
-        if fmt.group_size != d:
+        if fmt.group_size != d and fmt.group_size < 64:
             raise NotImplementedError(
-                f"decode_attention: {name} group_size must equal head_dim ({d}), got {fmt.group_size}"
+                f"decode_attention: {name} group_size must equal head_dim ({d}) or be >= 64, got {fmt.group_size}"
             )
+    if layout.key.group_size != layout.value.group_size:
+        raise NotImplementedError(
+            f"decode_attention: key and value group sizes must match, got {layout.key.group_size} and "
+            f"{layout.value.group_size}"
+        )
 
 
 def default_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int = 132,
@@ -470,7 +723,7 @@ def decode_attention(
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
-        out_dtype, num_warps, num_stages, page_slots=page_slots,
+        out_dtype, num_warps, num_stages, page_slots=page_slots, group_size=layout.value.group_size,
     )
 
 
@@ -524,9 +777,11 @@ def launch_decode(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES,
-    wrap=lambda k: k, page_slots: int = PAGE_SLOTS,
+    wrap=lambda k: k, page_slots: int = PAGE_SLOTS, group_size: int | None = None,
 ) -> torch.Tensor:
     """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
+
+    ``group_size``: the layout's value (= token key) group size G; None means ``G = D``.
 
     ``wrap`` wraps each kernel before launch (``torch.library.wrap_triton`` in :mod:`.triton_ops`).
     Grid rules: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages,
@@ -545,7 +800,7 @@ def launch_decode(
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
+        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, G=group_size or d, P=page_size, S0=sink, RC=recent_slots,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
         ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, num_warps=num_warps, num_stages=num_stages,
     )

@@ -32,6 +32,8 @@ from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
+#: rows of R per step of the fused rotation when ``D > 128`` (the whole fp32 ``[D, D]`` exceeds shared memory).
+ROT_K = tl.constexpr(32)
 #: warps of the page quantizer, plain and with the rotation fused: stated once, in kernels/aot/launch_plan.py.
 QUANT_WARPS = _plan.QUANT_PACK.num_warps
 QUANT_ROT_WARPS = _plan.QUANT_PACK_ROT.num_warps
@@ -365,9 +367,16 @@ def _quant_pack_kernel(
     if ROTATE:
         t = tl.arange(0, P)
         i = tl.arange(0, D)
-        x = tl.load(x_base + t[:, None] * stride_xp + i[None, :]).to(tl.float32)  # [P, D]
-        r = tl.load(rot_ptr + h * D * D + i[:, None] * D + i[None, :])  # [D, D]
-        x = tl.dot(x, r, input_precision="ieee")
+        if D <= 128:
+            x = tl.load(x_base + t[:, None] * stride_xp + i[None, :]).to(tl.float32)  # [P, D]
+            r = tl.load(rot_ptr + h * D * D + i[:, None] * D + i[None, :])  # [D, D]
+            x = tl.dot(x, r, input_precision="ieee")
+        else:  # R [D, D] fp32 does not fit in shared memory: ROT_K rows of it per step
+            x = tl.zeros((P, D), tl.float32)
+            for k0 in range(0, D, ROT_K):
+                kk = k0 + tl.arange(0, ROT_K)
+                xk = tl.load(x_base + t[:, None] * stride_xp + kk[None, :]).to(tl.float32)  # [P, ROT_K]
+                x = tl.dot(xk, tl.load(rot_ptr + h * D * D + kk[:, None] * D + i[None, :]), x, input_precision="ieee")
         x = x * tl.load(dscale_ptr + h * D + i)[None, :] - tl.load(mean_ptr + h * D + i)[None, :]
         if ROUND_BF16:
             x = _round_bf16(x)

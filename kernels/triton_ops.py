@@ -34,11 +34,13 @@ def _decode_attention_op(
     block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor, recent_len: torch.Tensor,
     num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float, k_channel: bool,
     codebook: bool, rotate_q: bool, fast_unpack: bool, pages_per_split: int, out_dtype: torch.dtype,
+    group_size: int,
 ) -> torch.Tensor:
     return launch_decode(
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
         k_channel, codebook, rotate_q, fast_unpack, pages_per_split, out_dtype, wrap=torch.library.wrap_triton,
+        group_size=group_size,
     )
 
 
@@ -62,7 +64,7 @@ def decode_attention(
         q, rot, dsc, *(getattr(state, f) for f in _STATE[:8]), k_levels, v_levels,
         *(getattr(state, f) for f in _STATE[8:]), layout.num_kv_heads, layout.page_size,
         layout.sink, layout.recent_slots, float(scale), layout.key.granularity == "channel", codebook,
-        q_rotation is not None, q.device.type == "cuda" and not codebook, pps, out_dtype,
+        q_rotation is not None, q.device.type == "cuda" and not codebook, pps, out_dtype, layout.value.group_size,
     )
 
 

@@ -36,10 +36,12 @@ MERGE_CHUNK = lp.MERGE_CHUNK
 
 
 def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
-    """Short variant tag, e.g. ``h9kv3d64p64s64w256_ktok``."""
+    """Short variant tag, e.g. ``h9kv3d64p64s64w256_ktok``; ``g128`` after ``d`` when groups are shorter than a
+    row (``h16kv8d256g128p128s64w256_ktok``, Gemma 3)."""
     k = "kch" if layout.key.granularity == "channel" else "ktok"
     cb = "_cb" if (layout.key.codebook or layout.value.codebook) else ""
-    return (f"h{num_heads}kv{layout.num_kv_heads}d{layout.head_dim}p{layout.page_size}"
+    g = "" if layout.value.group_size == layout.head_dim else f"g{layout.value.group_size}"
+    return (f"h{num_heads}kv{layout.num_kv_heads}d{layout.head_dim}{g}p{layout.page_size}"
             f"s{layout.sink}w{layout.window}_{k}{cb}")
 
 

@@ -24,8 +24,8 @@ def _decode_split_trt_kernel(
     block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
     max_pages, pages_per_split, n_page_splits, n_splits,
     part_o_ptr, part_lse_ptr,
-    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    P: tl.constexpr, S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
     FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
 ):
@@ -35,7 +35,7 @@ def _decode_split_trt_kernel(
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
         block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr, part_o_ptr, part_lse_ptr,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK,
+        H_KV, GQ, GQ_PAD, D, G, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK,
         NB,
     )
 

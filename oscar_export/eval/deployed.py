@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from oscar_export.calibration.families import family_for
+
 from .niah import NiahConfig, NiahPrompt, judge, last_logits_only, result_row, summarize
 from .text import TextScore, score_prefixes
 
@@ -181,7 +183,7 @@ def deployed_niah(models: dict, artifact, tokenizer, prompts: list[NiahPrompt], 
         runs.insert(0, ("bf16-plain", models["triton"][0], None))
     for name, model, backend in runs:
         t0 = time.perf_counter()
-        heads = model.config.num_attention_heads
+        heads = family_for(model).num_heads
         for batch in prompt_batches(prompts, heads):
             if backend is None:
                 answers = greedy_answers(model, tokenizer, batch, cfg, None)

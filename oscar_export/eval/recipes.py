@@ -14,31 +14,27 @@ from dataclasses import replace
 
 import torch
 
+from oscar_export.calibration.families import family_for
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform, hadamard
 
 from .attention import EvalContext, evaluating
 from .cache_models import BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 RESEARCH_CLIPS = (0.96, 0.92)
 
 
 def attention_shape(model) -> tuple[int, int, int, int]:
-    """``(layers, query heads, KV heads, head_dim)``; raises for models the evaluation cannot run."""
-    c = model.config
-    mt = getattr(c, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
+    """``(layers, query heads, KV heads, head_dim)`` from the model-family table (``calibration/families.py``);
+    raises its ``NotImplementedError`` for a model the table refuses, and one for sliding-window layers (the
+    evaluation's cache models hold full-attention layers only)."""
+    f = family_for(model)
+    if f.sliding_layers:
         raise NotImplementedError(
-            f"eval: model_type {mt!r} is not supported (expected one of {', '.join(SUPPORTED_MODEL_TYPES)}: "
-            "full-attention decoders whose attention goes through transformers' AttentionInterface)"
+            f"eval: {f.family.name} model with sliding-window attention in {len(f.sliding_layers)} of {f.num_layers} "
+            "layers; the evaluation's cache models support full-attention layers only"
         )
-    if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])):
-        raise NotImplementedError(f"eval: {mt} config has non-full-attention layers; only full attention is supported")
-    h = c.num_attention_heads
-    hkv = getattr(c, "num_key_value_heads", None) or h
-    d = getattr(c, "head_dim", None) or c.hidden_size // h
-    return c.num_hidden_layers, h, hkv, d
+    return f.num_layers, f.num_heads, f.num_kv_heads, f.head_dim
 
 
 def _with_rotation(t: LayerTransform, rk: torch.Tensor, rv: torch.Tensor) -> LayerTransform:
@@ -126,5 +122,5 @@ def ours_method(artifact, name: str = "oscar", description: str = "") -> PagedIn
     return PagedInt2(name, desc, layout=artifact.layout, transforms=tuple(artifact.transforms))
 
 
-__all__ = ["RESEARCH_CLIPS", "SUPPORTED_MODEL_TYPES", "attention_shape", "baseline_methods", "capture_qkv",
+__all__ = ["RESEARCH_CLIPS", "attention_shape", "baseline_methods", "capture_qkv",
            "ours_method", "research_recipe"]

@@ -14,6 +14,9 @@ forward:
 * **chunk** (``T > 1``, a slot that holds tokens): the chunk reads the history as stored and itself causally
   (``ops.chunk_attention``, stored basis, in query blocks), then is written.
 
+Sliding-window layers (Gemma 3's local layers; the family table lists them) hold a plain model-dtype ring of
+their window instead (``sliding.py``), attended the same three ways at full precision.
+
 Padding: the mask function hands prompts the 2D padding mask ``[B, past + T]`` (True = real token); a prompt
 keeps only each row's real tokens. A decode step treats every new token as real (``generate`` appends real
 tokens) and gets no mask.
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from oscar_export.kernels import reference
 
 from .cache import LayerStep, OscarLayer
+from .sliding import SlidingLayer, sliding_attend
 
 #: the name registered with transformers' AttentionInterface and AttentionMaskInterface.
 ATTENTION_NAME = "oscar"
@@ -64,8 +68,19 @@ def oscar_attention(
         )
     if dropout:
         raise NotImplementedError("oscar attention is inference-only (dropout must be 0)")
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("oscar attention does not support sliding-window layers")
+    window = kwargs.get("sliding_window")
+    if isinstance(key.layer, SlidingLayer):
+        if window != key.layer.window:
+            raise ValueError(f"layer {key.layer.index}: the model slides over {window} tokens, its cache layer over "
+                             f"{key.layer.window} (make the cache with the setup of this model)")
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        out = sliding_attend(key.layer, query, key.key, key.value, attention_mask, scale)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    if window is not None:
+        raise NotImplementedError(
+            f"layer {key.layer.index} has sliding-window attention (window {window}) but its cache layer is an OSCAR "
+            "layer: the family table (calibration/families.py) did not list it as sliding"
+        )
     out = attend(key.layer, query, key.key, key.value, attention_mask, scaling)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 

@@ -39,6 +39,7 @@ from oscar_export.kernels.pages import PageBook
 from oscar_export.kernels.transform import LayerTransform
 
 from .ops import CacheOps, get_ops
+from .sliding import SlidingLayer
 
 
 @dataclass
@@ -213,6 +214,9 @@ class OscarCache(Cache):
         max_length: most tokens one slot may hold (prompt + generated); its pages are reserved up front.
         device, dtype: where and in which float dtype the windows live (fp32 on CPU, BF16 on GPU).
         backend: ``"torch"`` (reference), ``"torch.compile"``, ``"triton"`` or a ``CacheOps`` (``ops.py``).
+        sliding_layers, sliding_window: layers with a sliding window (Gemma 3's local layers) and its width W:
+            they get a :class:`~.sliding.SlidingLayer` (a model-dtype ring of W tokens) instead of an
+            :class:`OscarLayer`; their entries of ``transforms`` are not read (the family table says which).
     """
 
     is_compileable = True
@@ -220,6 +224,7 @@ class OscarCache(Cache):
     def __init__(
         self, layout: KVCacheLayout, transforms, batch_size: int, max_length: int, *,
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
+        sliding_layers=(), sliding_window: int | None = None,
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
@@ -234,7 +239,14 @@ class OscarCache(Cache):
         self.active_slots: list[int] = list(range(batch_size))
         self.plan: PromptPlan | None = None
         self.seen = torch.zeros((), dtype=torch.int64, device=self.book.device)
-        layers = [OscarLayer(self, i, layout, t, dtype, ops) for i, t in enumerate(transforms)]
+        sliding = set(sliding_layers)
+        if sliding and (sliding_window is None or not sliding <= set(range(len(transforms)))):
+            raise ValueError(f"sliding_layers {sorted(sliding)}: expected layer indices below {len(transforms)} and "
+                             f"a sliding_window, got {sliding_window!r}")
+        if len(sliding) == len(transforms):
+            raise NotImplementedError("OscarCache: every layer slides; there is nothing for the OSCAR cache to hold")
+        layers = [SlidingLayer(self, i, layout.num_kv_heads, layout.head_dim, sliding_window, dtype) if i in sliding
+                  else OscarLayer(self, i, layout, t, dtype, ops) for i, t in enumerate(transforms)]
         super().__init__(layers=layers)
         self.num_layers = len(layers)
         if not torch.compiler.is_compiling():
@@ -245,9 +257,16 @@ class OscarCache(Cache):
         """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""
         out = self.book.tensors() + [self.seen]
         for layer in self.layers:
-            st = layer.state
-            out += [st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes, st.v_params]
+            out += _layer_tensors(layer)
         return out
+
+    @property
+    def oscar_layers(self) -> list[OscarLayer]:
+        return [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+
+    @property
+    def sliding_layers(self) -> list[SlidingLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SlidingLayer)]
 
     # ---- slots ------------------------------------------------------------------------------------------------
     @contextmanager
@@ -333,16 +352,40 @@ class OscarCache(Cache):
         return self.book.seq_len.tolist()
 
     def kv_bytes(self) -> int:
-        """Bytes the cached tokens occupy now, all layers (windows at BF16, pages INT2), from the layout."""
-        return self.num_layers * sum(self.layout.sequence_bytes(n) for n in self.sequence_lengths())
+        """Bytes the cached tokens occupy now, all layers: OSCAR layers from the layout (windows at BF16, pages
+        INT2), sliding layers the ``min(n, W)`` tokens their ring holds (:meth:`memory` splits them)."""
+        mem = self.memory()
+        return mem["oscar_kv"] + mem["sliding_kv"]
 
     def bf16_bytes(self) -> int:
-        """Bytes the same tokens would occupy in a BF16 cache."""
+        """Bytes the same tokens would occupy in a BF16 cache (every layer holding every token)."""
         return self.num_layers * sum(n * self.layout.bf16_token_bytes() for n in self.sequence_lengths())
 
     def allocated_bytes(self) -> int:
         """Bytes of every buffer the cache reserved (all layers, all slots, the book)."""
         return sum(t.numel() * t.element_size() for t in self.static_tensors())
+
+    def memory(self) -> dict[str, int]:
+        """Bytes by part: ``oscar_allocated`` / ``sliding_allocated`` (buffers reserved by the OSCAR and the
+        sliding layers), ``book_allocated`` (page book, counters), and ``oscar_kv`` / ``sliding_kv`` (what the
+        tokens held now occupy). The three ``*_allocated`` sum to :meth:`allocated_bytes`. Reads the device."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        lengths = self.sequence_lengths()
+        oscar, sliding = self.oscar_layers, self.sliding_layers
+        return {
+            "oscar_allocated": sum(nbytes(_layer_tensors(layer)) for layer in oscar),
+            "sliding_allocated": sum(nbytes(_layer_tensors(layer)) for layer in sliding),
+            "book_allocated": nbytes(self.book.tensors() + [self.seen]),
+            "oscar_kv": len(oscar) * sum(self.layout.sequence_bytes(n) for n in lengths),
+            "sliding_kv": sum(layer.token_bytes() * min(n, layer.window) for layer in sliding for n in lengths),
+        }
+
+
+def _layer_tensors(layer) -> list[torch.Tensor]:
+    if isinstance(layer, SlidingLayer):
+        return layer.tensors()
+    st = layer.state
+    return [st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes, st.v_params]
 
 
 def _contiguous(t: LayerTransform) -> LayerTransform:

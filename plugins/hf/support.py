@@ -1,7 +1,8 @@
 """Which Hugging Face models the OSCAR cache supports, and ``enable_oscar``: the one entry point.
 
 Supported: the families of the model-family table (``calibration/families.py``: Llama, Mistral, Mixtral,
-Qwen2, Qwen3, Qwen3-MoE, GLM-4, GLM-4-MoE, Gemma 3 text) with full attention in every layer. Their attention
+Qwen2, Qwen3, Qwen3-MoE, GLM-4, GLM-4-MoE, Gemma 3 text) with full attention in every layer, except Gemma 3,
+whose interleaved sliding-window layers keep their window in a plain model-dtype cache (``sliding.py``). Their attention
 modules apply RoPE (and q/k norms) before ``cache.update``, so the cache and the attention function see exactly
 the post-RoPE keys and queries DESIGN §4 asks for. Anything else raises the table's ``NotImplementedError``
 naming the architecture or the feature.
@@ -83,7 +84,8 @@ class OscarSetup:
         generated); every page they can need is reserved now. Windows take the model's dtype and device."""
         p = next(self.model.parameters())
         return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
-                          backend=self.ops)
+                          backend=self.ops, sliding_layers=self.shape.sliding_layers,
+                          sliding_window=self.shape.sliding_window)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
@@ -149,6 +151,10 @@ def enable_oscar(
         art.check_model(model.config)
         layout, transforms = art.layout, list(art.transforms)
     _check_layout(layout, transforms, shape)
+    if ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
+        from oscar_export.kernels.decode_attention import check_decode_layout
+
+        check_decode_layout(layout)
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)

@@ -21,11 +21,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from oscar_export.calibration.families import FAMILIES, family_for_config_dict
+
 #: HF ``model_type`` -> (registered architecture, upstream module, upstream model class) of the families the
-#: adapter serves. The exported checkpoint served by TensorRT-LLM names the architecture in config.json.
-SUPPORTED_FAMILIES = {
-    "llama": ("OscarLlamaForCausalLM", "tensorrt_llm._torch.models.modeling_llama", "LlamaForCausalLM"),
-}
+#: adapter serves, from the model-family table (``Family.trtllm``). The exported checkpoint served by
+#: TensorRT-LLM names the architecture in config.json.
+SUPPORTED_FAMILIES = {mt: (f"Oscar{fam.trtllm[1]}", *fam.trtllm) for mt, fam in FAMILIES.items() if fam.trtllm}
 #: the serving kernels a deployment needs from its bundle (``kernels/aot/bundle.py`` names, without the tag).
 REQUIRED_KERNELS = ("decode_split", "decode_merge", "quant_pack_k", "quant_pack_v", "decode_append")
 
@@ -69,13 +70,6 @@ def trtllm_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "architectures": [arch], "oscar_base_architectures": config.get("architectures")}
 
 
-def softmax_scale(config: dict[str, Any], q_scaling: float = 1.0) -> float:
-    """TensorRT-LLM's attention scale: ``1 / (q_scaling * sqrt(head_dim))``."""
-    h = int(config["num_attention_heads"])
-    d = int(config.get("head_dim") or int(config["hidden_size"]) // h)
-    return 1.0 / (q_scaling * math.sqrt(d))
-
-
 class OscarDeployment:
     """The artifact (``values_prerotated``), layout, model shape and verified bundle of one deployment.
 
@@ -103,8 +97,13 @@ class OscarDeployment:
         if "layout" in section and section["layout"] != self.layout.to_dict():
             raise ValueError(f"{checkpoint}: the oscar section's layout does not match its artifact's")
         self.num_layers = self.artifact.num_layers
-        self.num_heads = int(self.config["num_attention_heads"])
-        self.sm_scale = softmax_scale(self.config)
+        #: the attention facts of the checkpoint (the family table: heads, head_dim, the model's softmax scale)
+        self.facts = family_for_config_dict(self.config)
+        if self.facts.sliding_layers:
+            raise NotImplementedError(f"{checkpoint}: sliding-window layers ({len(self.facts.sliding_layers)}) are "
+                                      "not served by the OSCAR TensorRT-LLM adapter")
+        self.num_heads = self.facts.num_heads
+        self.sm_scale = self.facts.scaling
         self.tag = layout_tag(self.layout, self.num_heads)
         self.manifest = read_manifest(bundle)
         names = {e.name for e in self.manifest.entries}
@@ -165,4 +164,4 @@ def _current_arch() -> str | None:
 
 
 __all__ = ["EXTRA_LLM_API_OPTIONS", "REQUIRED_KERNELS", "SUPPORTED_FAMILIES", "OscarDeployment",
-           "extra_llm_api_options", "family_of", "softmax_scale", "trtllm_config"]
+           "extra_llm_api_options", "family_of", "trtllm_config"]

@@ -27,7 +27,8 @@ from .deployment import OscarDeployment
 
 
 def check_model(model, up, deployment, attention_cls) -> None:
-    """Raise unless every attention layer of ``model`` runs the OSCAR backend (one per artifact layer)."""
+    """Raise unless every attention layer of ``model`` runs the OSCAR backend (one per artifact layer) with the
+    heads and head_dim the family table read from the checkpoint (``deployment.facts``)."""
     backends = [(name, m.attn) for name, m in model.named_modules()
                 if isinstance(getattr(m, "attn", None), up.AttentionBackend)]
     stock = [f"{name} ({type(b).__name__})" for name, b in backends if not isinstance(b, attention_cls)]
@@ -36,6 +37,13 @@ def check_model(model, up, deployment, attention_cls) -> None:
             f"OSCAR startup check: {len(backends)} attention layers, {deployment.num_layers} expected, not on the "
             f"OSCAR backend: {stock or 'none'}; refusing to serve a plain BF16 cache"
         )
+    f = deployment.facts
+    want = (f.num_heads, f.num_kv_heads, f.head_dim)
+    wrong = [f"{name} {(b.num_heads, b.num_kv_heads, b.head_dim)}" for name, b in backends
+             if (b.num_heads, b.num_kv_heads, b.head_dim) != want]
+    if wrong:
+        raise RuntimeError(f"OSCAR startup check: attention layers {wrong} are not (heads, KV heads, head_dim) "
+                           f"{want} of the checkpoint's family table entry")
 
 
 def make_model_class(up, deployment, attention_cls):

@@ -54,6 +54,10 @@ TINY = {
     # head_dim 256 (two 128-element groups per row), a query_pre_attn_scalar that is not head_dim
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(head_dim=256, query_pre_attn_scalar=64, layer_types=["full_attention"] * 2)),
+    # interleaved local layers (first and last layer slide, window 8 < the test prompts): a BF16 sliding cache
+    "gemma3_sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                       dict(head_dim=256, query_pre_attn_scalar=64, num_hidden_layers=3, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
 KINDS = list(TINY)
 #: what the table must say about each tiny model (independent of the table: read off transformers' source).
@@ -68,6 +72,7 @@ EXPECTED = {  # kind: (family name, scaling, rotary_dim, qk_norm, qkv_bias, o_bi
     "glm4": ("GLM-4", 16**-0.5, 8, False, True, False),
     "glm4_moe": ("GLM-4-MoE", 16**-0.5, 8, True, True, False),
     "gemma3": ("Gemma 3", 64**-0.5, 256, True, False, False),
+    "gemma3_sliding": ("Gemma 3", 64**-0.5, 256, True, False, False),
 }
 
 
@@ -108,13 +113,15 @@ def test_table_reads_the_modules_facts(kind):
     f = family_for(model)
     name, scaling, rotary, qk_norm, qkv_bias, o_bias = EXPECTED[kind]
     assert (f.family.name, f.qk_norm, f.qkv_bias, f.o_bias, f.rotary_dim) == (name, qk_norm, qkv_bias, o_bias, rotary)
-    assert f.scaling == pytest.approx(scaling, rel=1e-12) and f.sliding_layers == ()
+    assert f.scaling == pytest.approx(scaling, rel=1e-12)
     layers = model
     for part in f.family.fold.layers.split("."):
         layers = getattr(layers, part)
-    assert len(layers) == f.num_layers == 2
-    for layer in layers:
+    assert len(layers) == f.num_layers == TINY[kind][2].get("num_hidden_layers", 2)
+    for i, layer in enumerate(layers):
         attn = getattr(layer, f.family.fold.attention)
+        assert (i in f.sliding_layers) == bool(getattr(attn, "sliding_window", None)), f"layer {i}"
+        assert f.sliding_window == (8 if f.sliding_layers else None)
         assert attn.head_dim == f.head_dim and attn.scaling == pytest.approx(f.scaling, rel=1e-12)
         assert attn.q_proj.out_features == f.num_heads * f.head_dim
         assert getattr(attn, f.family.fold.v_proj).out_features == f.num_kv_heads * f.head_dim
@@ -153,6 +160,18 @@ def test_llama3_rope_and_gemma_head_dim_read_from_config():
     assert (f.head_dim, f.scaling, f.num_kv_heads) == (256, 256**-0.5, 4)
 
 
+def test_config_dict_gets_its_class_defaults():
+    """A config.json without a value the class defaults (here Gemma 3's head_dim 256): ``family_for_config_dict``
+    reads it back from the config class, not from a hidden_size // heads rule."""
+    from oscar_export.calibration.families import family_for_config_dict
+
+    d = {k: v for k, v in tiny_config("gemma3_sliding").to_dict().items() if k != "head_dim"}
+    f = family_for_config_dict(d)
+    assert (f.head_dim, f.scaling, f.sliding_layers, f.num_layers) == (256, 64**-0.5, (0, 2), 3)
+    with pytest.raises(NotImplementedError, match=r"architecture 'GPT2LMHeadModel' \(model_type 'gpt2'\) is not"):
+        family_for_config_dict({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
 # ---- refusals: one NotImplementedError naming the feature ---------------------------------------------------------
 
 
@@ -166,7 +185,9 @@ def unsupported_configs():
         "qwen3-sliding": (tiny_config("qwen3", **sliding), r"sliding-window attention in 1 of 2 layers \(1;"),
         "qwen3_moe-sliding": (tiny_config("qwen3_moe", use_sliding_window=True, sliding_window=8),
                               r"sliding-window attention in 2 of 2"),
-        "gemma3-interleaved": (tiny_config("gemma3", layer_types=None), r"sliding-window attention in 2 of 2"),
+        "gemma3-all-sliding": (tiny_config("gemma3", layer_types=None),  # 2 layers of the 5:1 pattern: both slide
+                               r"sliding-window attention in every layer \(sliding_window=4096\); the OSCAR cache "
+                               r"keeps the global layers, and there are none"),
         "gemma3-softcap": (tiny_config("gemma3", attn_logit_softcapping=30.0),
                            r"soft-capping \(attn_logit_softcapping=30.0\)"),
         "gemma2": (transformers.Gemma2Config(),

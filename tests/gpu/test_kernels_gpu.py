@@ -5,7 +5,9 @@
 Checks: quantize/pack bit-exact against the reference (computed on the same GPU) at a prefill's size, both
 key granularities; decode attention (32 query / 8 KV heads, head_dim 128, sequences up to 33K tokens) within
 the error budget (<= 2x a BF16 PyTorch computation's error against fp64, + 1e-5); a decode step (append,
-demotion when due, attention) captured in a CUDA graph and replayed across a demotion, equal to eager.
+demotion when due, attention) captured in a CUDA graph and replayed across a demotion, equal to eager;
+head_dim 256 with two groups of 128 per row (Gemma-3-12B/27B heads): decode attention within the budget (plain
+and fused query rotation), quantize and decode_append bit-exact.
 """
 
 from __future__ import annotations
@@ -87,6 +89,62 @@ def test_decode_attention_real_shape(gran, variant):
     q = torch.randn(len(lengths), 32, 128, device=DEV)
     got = decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, **variant)
     _budget(got, q, st, lay, tr, 128**-0.5)
+
+
+#: Gemma-3 shapes (query heads, KV heads) at head_dim 256: 12B (16 / 8) and 27B (32 / 16).
+GEMMA3_HEADS = [(16, 8), (32, 16)]
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+@pytest.mark.parametrize("hq,hkv", GEMMA3_HEADS, ids=["gemma3-12b", "gemma3-27b"])
+@pytest.mark.parametrize("variant", [{}, dict(page_slots=1, num_warps=1)], ids=["default", "slots1"])
+def test_decode_attention_head_dim_256_two_groups(hq, hkv, variant, gran):
+    """head_dim 256 with two groups of 128 per row (Gemma 3's default layout, P = 128), token or channel keys,
+    within budget; the fused query rotation too (the serving path)."""
+    lay = KVCacheLayout.default(hkv, 256, gran)
+    assert (lay.key.group_size, lay.page_size) == (128, 128)
+    tr = _rotated(hkv, 256)
+    lengths = [16500, 4096, 449, 17]
+    torch.manual_seed(0)
+    st = _random_cache(lay, lengths, tr)
+    q_model = torch.randn(len(lengths), hq, 256, device=DEV)
+    q = tr.transform_queries(q_model[:, :, None]).squeeze(2).contiguous()
+    got = decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 256**-0.5, **variant)
+    _budget(got, q, st, lay, tr, 256**-0.5)
+    fused = decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 256**-0.5,
+                             q_rotation=(tr.k_rotation, tr.k_scale), **variant)
+    _budget(fused, q, st, lay, tr, 256**-0.5)
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_append_and_quantize_head_dim_256_bit_exact(gran):
+    """head_dim 256, G 128: the prefill quantizer and the decode step's writer (token + demotion) leave every
+    buffer equal to the reference's on the GPU."""
+    from oscar_export.kernels.decode_step import decode_append
+
+    lay = KVCacheLayout.default(8, 256, gran, sink=16, window=128)
+    tr = LayerTransform.identity(8, 256, 0.96, 0.92).to(DEV)
+    x = (torch.randn(64, 8, lay.page_size, 256, device=DEV) * 2).bfloat16().float()
+    for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
+                          ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
+        assert torch.equal(g, w), f"quantize {gran} keys {name}: {(g != w).sum().item()} mismatches"
+    lengths = [lay.sink + lay.recent_capacity - 1, 700, 5]  # slot 0 demotes at the first step
+    books, states = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        book, st = _book_cache(lay, lengths, tr, 1200)
+        books.append(book)
+        states.append(st)
+    ks, vs = torch.randn(4, 3, 8, 256, device=DEV), torch.randn(4, 3, 8, 256, device=DEV)
+    for i in range(4):
+        for book, st, fn in ((books[0], states[0], ref.decode_append), (books[1], states[1], decode_append)):
+            book.begin(1)
+            fn(book.state_view(st, book.committed), ks[i].bfloat16(), vs[i].bfloat16(), book.status, lay, tr)
+            book.commit(1)
+    assert int(books[0].committed.num_pages[0]) == lay.pages_for(lengths[0] + 4) >= 1, "no demotion crossed"
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        g, w = getattr(states[1], f), getattr(states[0], f)
+        assert torch.equal(g, w), f"decode_append {gran} {f}: {(g != w).sum().item()} mismatches"
 
 
 def _book_cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, max_length: int):

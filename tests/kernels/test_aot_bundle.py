@@ -16,6 +16,7 @@ LAYOUTS = {
     "smollm2": (KVCacheLayout.default(3, 64), 9),
     "channel_keys": (KVCacheLayout.default(3, 64, key_granularity="channel"), 9),
     "d128_gqa4": (KVCacheLayout.default(2, 128), 8),
+    "gemma3_12b": (KVCacheLayout.default(8, 256), 16),  # head_dim 256: two groups of 128 per row, P = 128
 }
 
 
@@ -75,3 +76,24 @@ def test_decode_step_kernels_compile_for_sm90():
     for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")
         assert ck.entry.symbol in ck.ptx.decode() and ck.entry.shared <= SHARED_LIMIT[90]
+
+
+def test_head_dim_256_kernels_compile_for_sm90():
+    """Gemma 3's layout (D 256, G 128): the grouped decode split and the fused-rotation
+    quantizer (R read in row blocks: the whole fp32 [256, 256] would need 384 KB of shared memory) pass the AOT
+    gates."""
+    layout, heads = LAYOUTS["gemma3_12b"]
+    tag = bundle.layout_tag(layout, heads)
+    assert tag == "h16kv8d256g128p128s64w256_ktok"
+    for spec in (bundle.decode_split_spec(layout, heads, 256 ** -0.5, tag),
+                 bundle.quant_pack_spec(layout, layout.key, "k", True, tag)):
+        ck = compile_kernel(spec, "sm_90")
+        assert ck.entry.symbol in ck.ptx.decode() and ck.entry.shared <= SHARED_LIMIT[90]
+
+
+@pytest.mark.slow  # ~30 s: one more decode split through ptxas
+def test_head_dim_256_channel_keys_compile_for_sm90():
+    """Channel keys with two packing groups per row (D 256, G 128): the grouped split's channel-key scores."""
+    layout = KVCacheLayout.default(8, 256, "channel")
+    ck = compile_kernel(bundle.decode_split_spec(layout, 16, 256 ** -0.5, bundle.layout_tag(layout, 16)), "sm_90")
+    assert ck.entry.shared <= SHARED_LIMIT[90]

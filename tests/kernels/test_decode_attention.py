@@ -3,7 +3,8 @@
 Error budget (flash-attention's rule, STYLE.md): on the same packed cache, the kernel's max error against
 fp64 must be at most 2x the max error of a BF16 PyTorch computation of the same attention, plus 1e-5.
 Shapes: the boundary lengths of tests/conftest.py in one ragged batch, GQA ratios 1/3/4/8, head_dim 64/128,
-both key granularities, fitted codebooks, the fused query rotation, split counts.
+both key granularities, fitted codebooks, the fused query rotation, split counts; two token groups per row
+(head_dim 128 with G 64, head_dim 256 with G 128: Gemma 3).
 """
 
 from __future__ import annotations
@@ -155,6 +156,52 @@ def test_page_slots_kernel(da, device, gran, codebook, hq):
         _check_budget(got, q, st, lay, tr, d**-0.5, f"{kw} {gran} codebook={codebook}")
 
 
+@pytest.mark.parametrize("d,g,hq,hkv,gran", [(128, 64, 8, 2, "token"), (256, 128, 4, 2, "token"),
+                                              (256, 128, 4, 1, "token"), (128, 64, 8, 2, "channel"),
+                                              (256, 128, 4, 2, "channel")])
+def test_two_groups_per_row(da, device, d, g, hq, hkv, gran):
+    """``G < D`` (Gemma 3: head_dim 256, two groups of 128 per row) within budget, token or channel keys (the
+    packing groups then only order the bytes): the default layout (P = G) over boundary lengths, an empty row,
+    GQ 2 and 4, page slots 1/2/4 and split counts."""
+    lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran), RowFormat(d, g), sink=64, window=256, page_size=g)
+    tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
+    p = lay.page_size
+    lengths = [0, 1, 64 + 256 + p + 1, 64 + 256 + 4 * p + 17]
+    st = _cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), hq, d) * 2
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    for kw in (dict(pages_per_split=3), dict(pages_per_split=5, page_slots=4, num_warps=4),
+               dict(pages_per_split=1, page_slots=1, num_warps=1)):
+        got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, **kw)
+        assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
+        _check_budget(got, q, st, lay, tr, d**-0.5, f"d={d} g={g} {hq}/{hkv} {gran} {kw}")
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_two_groups_codebook_and_rotation(da, device, gran):
+    """``G < D`` with fitted levels and q·R_K/d fused into the prologue (the serving path's query rotation)."""
+    hkv, hq, d, g = 2, 4, 128, 64
+    lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, codebook=True), RowFormat(d, g, codebook=True),
+                        sink=16, window=32, page_size=64)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
+    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
+    tr = LayerTransform(
+        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
+        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
+        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),
+        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
+    )
+    st = _cache(lay, [200, 500], tr)
+    q_model = torch.randn(2, hq, d)
+    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
+                                q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
+    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"two groups, codebook + rotation, {gran} keys")
+
+
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
 
 
@@ -194,9 +241,13 @@ def test_bad_inputs_raise(da, device):
     with pytest.raises(NotImplementedError, match="head_dim 64, 128 or 256"):
         small = _layout(2, 32, "token")
         call(layout=small, state=PagedKV.allocate(small, 2, 4, 2, device=device), q=torch.randn(2, 4, 32, device=device))
-    with pytest.raises(NotImplementedError, match="group_size must equal head_dim"):
-        g64 = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 64), page_size=64)
-        call(layout=g64, state=PagedKV.allocate(g64, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
+    for bad in (KVCacheLayout(2, 128, RowFormat(128, 32, "channel"), RowFormat(128, 32), page_size=64),
+                KVCacheLayout(2, 128, RowFormat(128, 32), RowFormat(128, 32), page_size=64)):
+        with pytest.raises(NotImplementedError, match=r"group_size must equal head_dim \(128\) or be >= 64, got 32"):
+            call(layout=bad, state=PagedKV.allocate(bad, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
+    mixed = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 128), page_size=64)
+    with pytest.raises(NotImplementedError, match="key and value group sizes must match"):
+        call(layout=mixed, state=PagedKV.allocate(mixed, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
 
 
 def test_custom_op_matches_wrapper(da, device):

@@ -49,7 +49,8 @@ def _decode_steps(append, lay, tr, book, st, steps, bsz, seed, transform_in_kern
     g = torch.Generator().manual_seed(seed)
     fed_k, fed_v = [], []
     for _ in range(steps):
-        k, v = torch.randn(bsz, 2, 64, generator=g), torch.randn(bsz, 2, 64, generator=g)
+        shape = (bsz, lay.num_kv_heads, lay.head_dim)
+        k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
         book.begin(1)
         committed = book.state_view(st, book.committed)
         append(committed, k.to(book.device), v.to(book.device), book.status)
@@ -123,6 +124,24 @@ def test_triton_decode_append_matches_reference(ds, device, gran):
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
     assert book_g.seq_len.tolist() == book_r.seq_len.tolist() == [steps, steps]
+
+
+@pytest.mark.parametrize("d,g", [(128, 64), (256, 128)])
+def test_triton_decode_append_two_groups_per_row(ds, device, d, g):
+    """``G < D`` (Gemma 3: head_dim 256, two groups of 128): every buffer equal to the reference's."""
+    lay = KVCacheLayout(2, d, RowFormat(d, g), RowFormat(d, g), sink=16, window=16, page_size=16)
+    tr = LayerTransform.identity(2, d, k_clip=0.9, v_clip=0.95)
+    bsz, steps = 2, 52  # 52 > S0 + W + P: demotions of both slots
+    book_r, st_r = _book_state(lay, bsz, 100, "cpu")
+    book_g, st_g = _book_state(lay, bsz, 100, device)
+    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                  steps, bsz, seed=5)
+    trd = tr.to(device)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                  steps, bsz, seed=5)
+    assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        _assert_equal(f"d={d} g={g} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
 
 
 def test_triton_fused_transform_and_nonfinite_flag(ds, device):

@@ -42,7 +42,8 @@ LEVELS = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.8, 2.2, 3.0], [0.0, 1.3, 1.
 
 
 @pytest.mark.parametrize("d,g,gran", [(64, 64, "token"), (128, 128, "token"), (128, 64, "token"),
-                                      (64, 64, "channel"), (128, 128, "channel")])
+                                      (256, 128, "token"), (64, 64, "channel"), (128, 128, "channel"),
+                                      (256, 128, "channel")])
 def test_quantize_pages_bit_exact(qp, device, d, g, gran):
     lay = _layout(d, gran, g)
     fmt = lay.key
@@ -131,14 +132,15 @@ def test_write_pages_into_pool_at_page_ids(qp, device):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("gran", ["token", "channel"])
-def test_fused_rotation_within_tolerance(qp, device, gran, fused):
+@pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 64, 64), ("token", 256, 128)])
+def test_fused_rotation_within_tolerance(qp, device, gran, fused, d, g):
     """(x @ R) * d - mu, rounded to BF16, then quantized: only exact-boundary flips may differ.
 
-    ``fused``: the product inside the kernel (the AOT ``_rot`` kernel), else ``torch.matmul`` before it.
+    ``fused``: the product inside the kernel (the AOT ``_rot`` kernel; at D = 256 R is read ROT_K rows at a
+    time), else ``torch.matmul`` before it.
     """
-    lay = _layout(64, gran)
-    h, p, d = 3, lay.page_size, 64
+    lay = _layout(d, gran, g, p=64 if d > 128 else None)
+    h, p = 3, lay.page_size
     rot = torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
     tr = LayerTransform(
         k_rotation=rot, v_rotation=rot.clone(), k_scale=torch.rand(h, d) + 0.5, v_scale=torch.ones(h, d),
@@ -155,7 +157,7 @@ def test_fused_rotation_within_tolerance(qp, device, gran, fused):
     got_c, got_p = got_c.cpu(), got_p.cpu()
     deq_want = ref.dequantize_pages(want_c, want_p, lay.key, LEVELS)
     deq_got = ref.dequantize_pages(got_c, got_p, lay.key, LEVELS)
-    code_flips = (ref.unpack_codes(got_c, d) != ref.unpack_codes(want_c, d)).float().mean().item()
+    code_flips = (ref.unpack_codes(got_c, g) != ref.unpack_codes(want_c, g)).float().mean().item()
     rel = ((deq_got - deq_want).norm() / deq_want.norm()).item()
     # a flip needs an fp32 summation-order difference to cross a BF16 rounding or code boundary: rare
     assert code_flips <= 2e-3, f"fused rotation flipped {code_flips:.2%} of codes"

@@ -216,3 +216,22 @@ def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
     assert json.loads((out / "deploy.json").read_text())["trtllm_module"] is False
     assert not (out / "trtllm_module").exists() and not (out / "extra_llm_api_options.yaml").exists()
     assert "No `trtllm_module/`" in (out / "README.md").read_text()
+
+
+@pytest.mark.slow  # ~1 min on 2 CPUs: the whole head_dim-256 bundle through ptxas (one target)
+def test_gemma3_head_dim_256_export_builds_a_bundle(tmp_path):
+    """A Gemma 3 export with interleaved local layers and head_dim 256 (two groups of 128 per row, token keys):
+    ``build`` compiles every serving kernel for sm_90, tagged ``g128``, and the ONNX node."""
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+                                        query_pre_attn_scalar=256, sliding_window=32,
+                                        layer_types=["sliding_attention", "full_attention"])
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    art = OscarArtifact.identity(model, KVCacheLayout.default(1, 256, "token"))
+    ckpt = export_checkpoint(model, None, art, tmp_path / "ckpt")
+    out = build_deployment(ckpt, tmp_path / "deploy", ["sm_90"], onnx=True)
+    names = {e.name for e in read_manifest(out / "kernels").entries}
+    tag = "h2kv1d256g128p128s64w256_ktok"
+    for k in ("decode_split", "decode_merge", "quant_pack_k", "quant_pack_k_rot", "quant_pack_v", "decode_append"):
+        assert f"{k}_{tag}" in names, f"{k}_{tag} not in {sorted(names)}"
+    assert json.loads((out / "deploy.json").read_text())["model"]["head_dim"] == 256

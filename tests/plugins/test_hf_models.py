@@ -293,3 +293,23 @@ def test_auto_backend_is_torch_on_cpu_and_triton_for_bf16_cuda():
     if torch.cuda.is_available():
         pytest.importorskip("triton")
         assert resolve_backend(model.to("cuda", torch.bfloat16), "auto") == "triton"
+
+
+def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time():
+    """Bug: a layout the decode kernel refuses (here groups of 32) passed ``enable_oscar(backend="triton")`` and
+    failed only at the first decode step; now the decode kernel's layout check runs at enable time."""
+    pytest.importorskip("triton")
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                           layer_types=["full_attention"] * 2)
+    model = Gemma3ForCausalLM(cfg)
+    from oscar_export.kernels.layout import RowFormat
+
+    g32 = KVCacheLayout(2, 256, RowFormat(256, 32), RowFormat(256, 32), page_size=64)
+    with pytest.raises(NotImplementedError, match=r"key group_size must equal head_dim \(256\) or be >= 64, got 32"):
+        enable_oscar(model, backend="triton", layout=g32)
+    for gran in ("token", "channel"):  # two groups of 128 per row: accepted
+        with enable_oscar(model, backend="triton", key_granularity=gran) as oscar:
+            assert (oscar.layout.key.group_size, oscar.layout.head_dim) == (128, 256)

@@ -223,6 +223,20 @@ def test_startup_check_refuses_a_stock_attention_layer(deploy):
         check_model(d.model, dep.upstream, dep, dep.attention_cls)
 
 
+def test_startup_check_compares_heads_with_the_family_table(deploy):
+    """The backends' (heads, KV heads, head_dim) must be what the family table read from the checkpoint."""
+    ns, dep = deploy
+    from dataclasses import replace
+
+    from oscar_export.plugins.trtllm.model import check_model
+
+    d = _driver(deploy)
+    assert (dep.facts.num_heads, dep.facts.num_kv_heads, dep.facts.head_dim) == (HEADS, 2, 64)
+    dep.facts = replace(dep.facts, num_kv_heads=1)
+    with pytest.raises(RuntimeError, match=r"are not \(heads, KV heads, head_dim\) \(\d+, 1, 64\) of the checkpoint"):
+        check_model(d.model, dep.upstream, dep, dep.attention_cls)
+
+
 def test_forward_refuses_the_stock_kv_cache_manager(deploy):
     """Bug: metadata.kv_cache_manager is the stock KVCacheManager when the OSCAR cache is not installed."""
     ns, dep = deploy

@@ -81,8 +81,20 @@ def test_run_eval_on_a_tiny_model_scores_every_length_and_task(monkeypatch):
 
 def test_unsupported_model_is_a_clear_error():
     cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50)
-    with pytest.raises(NotImplementedError, match="model_type 'gpt2' is not supported"):
-        attention_shape(transformers.GPT2LMHeadModel(cfg))
+    with pytest.raises(NotImplementedError, match=r"\(model_type 'gpt2'\) is not supported; supported model types"):
+        attention_shape(transformers.GPT2LMHeadModel(cfg))  # the family table's one message
+
+
+def test_family_table_models_are_accepted_and_sliding_layers_named():
+    """The evaluation reads the family table: a Mistral (not in its old list) is accepted, Gemma 3's
+    interleaved local layers are refused by name."""
+    common = dict(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    assert attention_shape(transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))) \
+        == (2, 4, 2, 16)
+    gemma = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(NotImplementedError, match=r"eval: Gemma 3 model with sliding-window attention in 1 of 2"):
+        attention_shape(transformers.Gemma3ForCausalLM(gemma))
 
 
 def test_text_shorter_than_the_windows_is_a_clear_error():
