@@ -39,8 +39,9 @@ def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
     """Short variant tag, e.g. ``h9kv3d64p64s64w256_ktok``."""
     k = "kch" if layout.key.granularity == "channel" else "ktok"
     cb = "_cb" if (layout.key.codebook or layout.value.codebook) else ""
+    pk = "" if layout.packing == "linear" else f"_{layout.key.packing}{layout.value.packing}"
     return (f"h{num_heads}kv{layout.num_kv_heads}d{layout.head_dim}p{layout.page_size}"
-            f"s{layout.sink}w{layout.window}_{k}{cb}")
+            f"s{layout.sink}w{layout.window}_{k}{cb}{pk}")
 
 
 def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: bool, tag: str) -> KernelSpec:
