@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|v2]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -29,6 +29,14 @@ if [ "${1:-}" = e2e ]; then  # serving: HF + kernel GPU tests (TESTS=0 skips), t
     step bench_e2e "${E2E_TIMEOUT:-400}" python3 benchmarks/bench_e2e.py --model "${MODEL:-llama3-8b}" --workloads "${WORKLOADS:-1x8192}" --caches "${CACHES:-oscar,bf16-static,bf16-dynamic}" --equal-kv-gib "${EQUAL_GIB:-0}" --steps "${STEPS:-20}" --json "$OUT/bench_e2e.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/hf_gpu_tests.log "$OUT"/kernel_tests.log 2>/dev/null | tail -n 6
     tail -n 20 "$OUT/bench_e2e.log"
+    exit 0
+fi
+if [ "${1:-}" = v2 ]; then  # mma16 pages + the v2 decode kernel: GPU tests, compiled kernel tests, v1/v2/SDPA bench (~4 min)
+    step v2_gpu_tests 150 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "mma16 or v2"
+    step v2_kernel_tests 120 python3 -m pytest tests/kernels/test_decode_attention_v2.py tests/kernels/test_quant_pack.py tests/kernels/test_decode_step.py -q -p no:cacheprovider -k "v2 or mma16"
+    step v2_bench_decode 240 python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-default,w8}" --json "$OUT/bench_decode_v2.json" ${COMMIT:+--commit $COMMIT}
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/v2_gpu_tests.log "$OUT"/v2_kernel_tests.log 2>/dev/null | tail -n 6
+    tail -n 30 "$OUT/v2_bench_decode.log"
     exit 0
 fi
 if [ "${1:-}" = decode ]; then  # decode attention only: A/B of the split-kernel variants (about 4 minutes)

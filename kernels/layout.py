@@ -83,6 +83,20 @@ def check_packing(packing: Any, what: str = "packing") -> None:
         raise ValueError(f"{what}: unknown packing {packing!r}; this version knows {list(PACKINGS)}")
 
 
+#: ``PACKING`` constexpr of the kernels that write or read pages (one pool each): linear, mma16 keys
+#: (``[P, D]`` on the MMA's M x K), mma16 values (``[D, P]``); see ``reference.pack_page_codes``.
+PACK_LINEAR, PACK_MMA16_KEY, PACK_MMA16_VALUE = 0, 1, 2
+
+
+def packing_code(fmt: "RowFormat", operand: str) -> int:
+    """The ``PACKING`` constexpr for pages of ``fmt`` in the ``operand`` (``"key"``/``"value"``) pool."""
+    if operand not in ("key", "value"):
+        raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
+    if fmt.packing == "linear":
+        return PACK_LINEAR
+    return PACK_MMA16_KEY if operand == "key" else PACK_MMA16_VALUE
+
+
 def default_group_size(head_dim: int) -> int:
     """DESIGN §3.1: ``G = head_dim`` when ``head_dim <= 128``, else 128."""
     return head_dim if head_dim <= 128 else 128
@@ -408,10 +422,14 @@ __all__ = [
     "Granularity",
     "KVCacheLayout",
     "PACKINGS",
+    "PACK_LINEAR",
+    "PACK_MMA16_KEY",
+    "PACK_MMA16_VALUE",
     "Packing",
     "PagedKV",
     "RowFormat",
     "check_packing",
+    "packing_code",
     "check_pages_fit",
     "default_group_size",
 ]

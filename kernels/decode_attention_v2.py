@@ -1,0 +1,304 @@
+"""Decode attention v2: the Triton twin of ``reference.decode_attention`` over ``mma16`` pages.
+
+Same interface and semantics as :mod:`.decode_attention` (v1): one softmax over each sequence's BF16 sink,
+its INT2 pages (through the block table) and its BF16 recent ring, split-K over pages with a log-sum-exp
+merge (v1's ``_merge_kernel``, the same partials layout). What changes is the page packing it reads
+(``RowFormat.packing == "mma16"``, defined in ``reference.pack_mma16``) and the orientation of the dots:
+
+* keys on the MMA's M: ``S^T [P, GQ] = K_c [P, D] · (q·s)^T [D, GQ]`` (token keys: the per-token scale and
+  ``lo·Σq`` applied to the ``[P, GQ]`` result; channel keys: the query scaled by the page's channel scales
+  once, ``Σ q·lo`` added), the GQA query heads on N;
+* values with dims on M: ``O^T [D, GQ] += V_c^T [D, P] · (p·s_v)^T [P, GQ]`` plus ``Σ_t p_t lo_t``.
+
+So each page's K codes are read as the ``[P, D]`` A operand and its V codes as the ``[D, P]`` A operand, in
+the order a thread's A fragment wants them: each 32-bit word holds the 16 codes of two 16x16 tiles of one
+thread, and one lane's 16 bytes are contiguous (:mod:`.mma16`). Plain Triton chooses the register layouts
+itself, so whether the unpacked codes reach the MMA without a shared-memory round trip is the compiler's
+decision here; a Gluon / inline-PTX version would pin it (``benchmarks/NOTES-kernels.md``, v2 section).
+
+Arithmetic: dot operands fp16 (codes 0..3 and levels are exact in fp16; queries scaled by
+``sm_scale·log2(e)``; ``p·s``), accumulation fp32, like v1, so the CPU interpreter and the GPU compute the
+same thing. ``sm_scale`` is a constexpr, no host synchronisation, capturable in a CUDA graph.
+
+Status: written and tested under ``TRITON_INTERPRET=1`` on the CPU (tests/kernels/test_decode_attention_v2.py);
+compiled for sm_90 by Triton 3.9 and 3.6 on the CPU; **not yet run on a GPU** (tests/gpu, benchmarks/bench_decode.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import decode_attention as _v1
+from .aot import launch_plan as _plan
+from .decode_attention import _merge_kernel, check_decode_inputs
+from .layout import KVCacheLayout, PagedKV
+from .mma16 import load_mma16
+
+BF16_CHUNK = _plan.BF16_CHUNK
+SPLIT_WARPS = _plan.DECODE_SPLIT_V2.num_warps
+SPLIT_STAGES = _plan.DECODE_SPLIT_V2.num_stages
+MERGE_WARPS = _plan.DECODE_MERGE.num_warps
+MERGE_CHUNK = _plan.MERGE_CHUNK
+#: GQA ratios (query heads per KV head) the v2 kernel is built for; others: v1 or a clear error.
+GQ_SUPPORTED = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+#: head dims the v2 kernel is built for (multiples of 32, at most 256 values per row).
+HEAD_DIMS_SUPPORTED = (64, 128, 256)
+
+
+@triton.jit
+def _levels(c, l0, l1, l2, l3, CODEBOOK: tl.constexpr):
+    """Codes (int32) -> fp16 operand: the code itself (uniform levels, exact) or the fitted level."""
+    if CODEBOOK:
+        return tl.where(c == 0, l0, tl.where(c == 1, l1, tl.where(c == 2, l2, l3))).to(tl.float16)
+    else:
+        return c.to(tl.float16)
+
+
+@triton.jit
+def _token_pair(params_ptr, word_off, ok, P: tl.constexpr):
+    """Per-token fp16 ``(scale, lo)`` of one page-head as fp32 ``[P]`` each, read as one 32-bit word per token
+    (little-endian: the scale is the low half)."""
+    w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off + tl.arange(0, P), mask=ok, other=0)
+    scale = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, lo
+
+
+@triton.jit
+def _decode_split_v2_kernel(
+    q_ptr, rot_ptr, dscale_ptr,
+    sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+    k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+    block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+    part_o_ptr, part_lse_ptr,
+    max_pages, pages_per_split, n_page_splits, n_splits,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+):
+    """Partial attention of one (sequence, KV head, split) over mma16 pages. Grid ``(B * H_kv, n_splits)``.
+
+    Parameters: exactly v1's ``_decode_split_kernel`` (same order, same tensors; codes in mma16 order: keys
+    ``[P, D]``, values ``[D, P]`` per page-head), without its FAST_UNPACK and NB constexprs. Split
+    ``s < n_page_splits`` streams pages ``[s * pages_per_split, ...)`` one per loop iteration; the others take
+    one ``BN``-token chunk of the sink or the recent ring. Writes the normalised partial output
+    ``part_o [B, H, n_splits, D]`` and its log2-sum-exp ``part_lse [B, H, n_splits]`` (v1's merge reads them).
+    """
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // H_KV
+    h = bh % H_KV
+    H: tl.constexpr = H_KV * GQ
+    g = tl.arange(0, GQ_PAD)
+    gmask = g < GQ
+    dd = tl.arange(0, D)
+    qrow = (b * H + h * GQ + g).to(tl.int64) * D
+    qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)  # [GQ_PAD, D]
+    if ROTATE_Q:
+        rot = tl.load(rot_ptr + h * D * D + dd[:, None] * D + dd[None, :])
+        qf = tl.dot(qf, rot, input_precision="ieee") / tl.load(dscale_ptr + h * D + dd)[None, :]
+    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
+    q16 = (qf * qscale).to(tl.float16)  # [GQ_PAD, D]
+    if s < n_page_splits:
+        # mma16 row-block grouping of the K [P, D] and V [D, P] matrices (reference.mma16_group)
+        KB0: tl.constexpr = 128 // D if D < 128 else 1
+        KMB: tl.constexpr = KB0 if (P // 16) % KB0 == 0 else 1
+        VB0: tl.constexpr = 128 // P if P < 128 else 1
+        VMB: tl.constexpr = VB0 if (D // 16) % VB0 == 0 else 1
+        kl0 = tl.load(k_levels_ptr + h * 4 + 0)
+        kl1 = tl.load(k_levels_ptr + h * 4 + 1)
+        kl2 = tl.load(k_levels_ptr + h * 4 + 2)
+        kl3 = tl.load(k_levels_ptr + h * 4 + 3)
+        vl0 = tl.load(v_levels_ptr + h * 4 + 0)
+        vl1 = tl.load(v_levels_ptr + h * 4 + 1)
+        vl2 = tl.load(v_levels_ptr + h * 4 + 2)
+        vl3 = tl.load(v_levels_ptr + h * 4 + 3)
+        q32 = q16.to(tl.float32)
+        qsum = tl.sum(q32, axis=1)  # [GQ_PAD]
+        qt = tl.trans(q16)  # [D, GQ_PAD]: the B operand of the transposed scores
+        m = tl.full([GQ_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GQ_PAD], tl.float32)
+        acc = tl.zeros([D, GQ_PAD], tl.float32)  # O^T
+        acclo = tl.zeros([GQ_PAD], tl.float32)
+        start = s * pages_per_split
+        end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
+        for pg in range(start, end):
+            page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pg).to(tl.int64)
+            ph = page * H_KV + h
+            code_off = tl.multiple_of(ph * (P * D // 4), 16)
+            kc = _levels(load_mma16(k_codes_ptr + code_off, 0, 0, P, D, P, D, KMB, True), kl0, kl1, kl2, kl3,
+                         K_CODEBOOK)  # [P, D]
+            vc = _levels(load_mma16(v_codes_ptr + code_off, 0, 0, D, P, D, P, VMB, True), vl0, vl1, vl2, vl3,
+                         V_CODEBOOK)  # [D, P]
+            if K_CHANNEL:
+                pw = tl.multiple_of(ph * (2 * D), 16)
+                ks = tl.load(k_params_ptr + pw + dd).to(tl.float32)  # [D] channel scales
+                klo = tl.load(k_params_ptr + pw + D + dd).to(tl.float32)
+                qks = tl.trans((q32 * ks[None, :]).to(tl.float16))  # [D, GQ_PAD]
+                const = tl.sum(q32 * klo[None, :], axis=1)  # [GQ_PAD]
+                st_ = tl.dot(kc, qks) + const[None, :]  # [P, GQ_PAD]
+            else:
+                ks, klo = _token_pair(k_params_ptr, ph * P, True, P)
+                st_ = tl.dot(kc, qt) * ks[:, None] + klo[:, None] * qsum[None, :]
+            m_new = tl.maximum(m, tl.max(st_, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            pt = tl.exp2(st_ - m_use[None, :])  # [P, GQ_PAD]
+            l = l * alpha + tl.sum(pt, axis=0)
+            m = m_new
+            vs, vlo = _token_pair(v_params_ptr, ph * P, True, P)
+            pv = (pt * vs[:, None]).to(tl.float16)  # [P, GQ_PAD]
+            acc = tl.dot(vc, pv, acc * alpha[None, :])  # [D, GQ_PAD]
+            acclo = acclo * alpha + tl.sum(pt * vlo[:, None], axis=0)
+        out = tl.trans(acc) + acclo[:, None]  # [GQ_PAD, D]
+    else:
+        NSINK: tl.constexpr = (S0 + BN - 1) // BN
+        c = s - n_page_splits
+        tb = tl.arange(0, BN)
+        if c < NSINK:
+            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
+            kb = sink_k_ptr + kv_off
+            vb = sink_v_ptr + kv_off
+            tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
+        else:
+            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
+            kb = recent_k_ptr + kv_off
+            vb = recent_v_ptr + kv_off
+            # the recent ring (layout.py): slots (start + j) mod RC, j < recent_len, start = (num_pages * P) mod RC
+            slot = (c - NSINK) * BN + tb
+            start = (tl.load(num_pages_ptr + b) * P) % RC
+            tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
+        rows = tb[:, None] * D + dd[None, :]
+        kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
+        scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
+        scb = tl.where(tmask[None, :], scb, float("-inf"))
+        m = tl.max(scb, axis=1)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        pw_ = tl.exp2(scb - m_use[:, None])
+        l = tl.sum(pw_, axis=1)
+        vv = tl.load(vb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)
+        out = tl.dot(pw_.to(tl.float16), vv)  # [GQ_PAD, D]
+    nonempty = l > 0.0
+    inv = tl.where(nonempty, 1.0 / l, 0.0)
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
+    tl.store(part_lse_ptr + prow, lse, mask=gmask)
+    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], out * inv[:, None], mask=gmask[:, None])
+
+
+# ---- wrapper ------------------------------------------------------------------------------------------------
+
+
+def check_decode_v2_layout(layout: KVCacheLayout, num_heads: int) -> None:
+    """Raise for what the v2 kernel does not handle: pages not both mma16 (``ValueError``: read them with
+    v1), an unsupported head_dim or GQA ratio (``NotImplementedError``), token groups smaller than a row."""
+    if layout.key.packing != "mma16" or layout.value.packing != "mma16":
+        raise ValueError(
+            f"decode_attention_v2: reads 'mma16' pages, the layout has key {layout.key.packing!r}, value "
+            f"{layout.value.packing!r} (linear pages: kernels.decode_attention, v1)"
+        )
+    d, p = layout.head_dim, layout.page_size
+    if d not in HEAD_DIMS_SUPPORTED:
+        raise NotImplementedError(f"decode_attention_v2: head_dim {list(HEAD_DIMS_SUPPORTED)} supported, got {d}")
+    if p not in (32, 64, 128):
+        raise NotImplementedError(f"decode_attention_v2: page_size 32, 64 or 128 supported, got {p}")
+    if num_heads % layout.num_kv_heads or num_heads // layout.num_kv_heads not in GQ_SUPPORTED:
+        raise NotImplementedError(
+            f"decode_attention_v2: {num_heads} query heads over {layout.num_kv_heads} KV heads; GQA ratios "
+            f"{list(GQ_SUPPORTED)} supported"
+        )
+    for name, fmt in (("key", layout.key), ("value", layout.value)):
+        if fmt.granularity == "token" and fmt.group_size != d:
+            raise NotImplementedError(
+                f"decode_attention_v2: {name} group_size must equal head_dim ({d}), got {fmt.group_size}"
+            )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    state: PagedKV,
+    layout: KVCacheLayout,
+    k_levels: torch.Tensor,
+    v_levels: torch.Tensor,
+    scale: float,
+    *,
+    codebook: bool | None = None,
+    q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    pages_per_split: int | None = None,
+    num_warps: int = SPLIT_WARPS,
+    num_stages: int = SPLIT_STAGES,
+) -> torch.Tensor:
+    """``reference.decode_attention`` over mma16 pages, split + merge (arguments as v1's ``decode_attention``).
+
+    Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
+    """
+    if q.dim() == 3:
+        check_decode_v2_layout(layout, q.shape[1])
+    lin = _as_linear(layout)  # v1's input checks (shapes, dtypes, devices) are packing-independent
+    rot, dsc, pages_per_split = check_decode_inputs(
+        q, state, lin, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
+    )
+    if codebook is None:
+        codebook = layout.key.codebook or layout.value.codebook
+    return launch_decode_v2(
+        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
+        state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
+        state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
+        layout.key.granularity == "channel", bool(codebook), q_rotation is not None, pages_per_split, out_dtype,
+        num_warps, num_stages,
+    )
+
+
+def _as_linear(layout: KVCacheLayout) -> KVCacheLayout:
+    from dataclasses import replace
+
+    return replace(layout, key=replace(layout.key, packing="linear"), value=replace(layout.value, packing="linear"))
+
+
+def launch_decode_v2(
+    q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+    block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
+    recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, pages_per_split: int,
+    out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES, wrap=lambda k: k,
+) -> torch.Tensor:
+    """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs. Grid rules: the launch
+    plan's ``DECODE_SPLIT_V2`` (as v1's split) and ``DECODE_MERGE``."""
+    bsz, hq, d = q.shape
+    max_pages = block_table.shape[1]
+    gq = hq // num_kv_heads
+    n_page_splits = -(-max_pages // pages_per_split)
+    n_splits = n_page_splits + -(-sink // BF16_CHUNK) + -(-recent_slots // BF16_CHUNK)
+    part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
+    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
+    wrap(_decode_split_v2_kernel)[(bsz * num_kv_heads, n_splits)](
+        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        block_table, sink_len, num_pages, recent_len, part_o, part_lse,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
+        BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
+        ROTATE_Q=rotate_q, num_warps=num_warps, num_stages=num_stages,
+    )
+    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
+    return out
+
+
+def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, scale: float, **kw) -> torch.Tensor:
+    """Dispatch on the page packing: v1 (:mod:`.decode_attention`) for linear pages, v2 for mma16 pages.
+
+    Keyword arguments are those of the chosen wrapper (v1 also takes ``page_slots`` and ``fast_unpack``).
+    Mixed packings (keys and values differ) are refused with ``NotImplementedError``.
+    """
+    if layout.packing == "linear":
+        return _v1.decode_attention(q, state, layout, k_levels, v_levels, scale, **kw)
+    if layout.packing == "mma16":
+        return decode_attention(q, state, layout, k_levels, v_levels, scale, **kw)
+    raise NotImplementedError(f"decode attention: keys packed {layout.key.packing!r} and values "
+                              f"{layout.value.packing!r}; both linear (v1) or both mma16 (v2) are supported")
+
+
+__all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "check_decode_v2_layout", "decode_attention",
+           "decode_attention_any", "launch_decode_v2"]
