@@ -44,12 +44,14 @@ VARIANTS = {
     "slots1": dict(page_slots=1, num_warps=1),
     "stages3": dict(num_stages=3),
 }
-#: v2 kernel variants (``--v2-variants``): "default" = the launch plan's DECODE_SPLIT_V2 (4 warps, 2 stages).
+#: v2 kernel variants (``--v2-variants``): "default" = the launch plan's DECODE_SPLIT_V2 (the "fields" kernel, 4 warps,
+#: 2 stages); "tile" = the other v2 kernel (codes unpacked into one [P, D] tile).
 V2_VARIANTS = {
     "default": dict(),
     "w8": dict(num_warps=8),
     "w2": dict(num_warps=2),
     "stages3": dict(num_stages=3),
+    "tile": dict(variant="tile"),
 }
 
 
@@ -171,7 +173,7 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
         floor = nbytes / (copy_tbps * 1e12) * 1e6
         rows.append(dict(kernel="oscar-int2-v2", gran=gran, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
                          graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor,
-                         pct_copy=100 * floor / (graph * 1e3), v2_vs_v1=diff, variant=name, **kw))
+                         pct_copy=100 * floor / (graph * 1e3), v2_vs_v1=diff, **{**kw, "variant": name}))
     del states
     return rows
 

@@ -20,6 +20,12 @@ Arithmetic: dot operands fp16 (codes 0..3 and levels are exact in fp16; queries 
 ``sm_scale·log2(e)``; ``p·s``), accumulation fp32, like v1, so the CPU interpreter and the GPU compute the
 same thing. ``sm_scale`` is a constexpr, no host synchronisation, capturable in a CUDA graph.
 
+Two split kernels read the same pages: ``_decode_split_v2f_kernel`` ("fields", the default and the launch
+plan's ``DECODE_SPLIT_V2``) splits every page dot by mma16 field, so each dot operand is an elementwise function
+of the loaded 32-bit words (two codes of one ``half2`` register per field) and only the queries and the
+probabilities are permuted to match; ``_decode_split_v2_kernel`` ("tile") unpacks the codes into one logical
+``[P, D]`` tile first (simpler, ~2x the instructions: benchmarks/NOTES-kernels.md).
+
 Status: written and tested under ``TRITON_INTERPRET=1`` on the CPU (tests/kernels/test_decode_attention_v2.py);
 compiled for sm_90 by Triton 3.9 and 3.6 on the CPU; **not yet run on a GPU** (tests/gpu, benchmarks/bench_decode.py).
 """
@@ -188,6 +194,242 @@ def _decode_split_v2_kernel(
     tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], out * inv[:, None], mask=gmask[:, None])
 
 
+# ---- the field-split variant: every dot operand an elementwise function of the loaded words ----------------
+
+
+@triton.jit
+def _words(base, blk, w, lane, MB: tl.constexpr, W: tl.constexpr):
+    """uint32 mma16 words at row block ``blk``, word ``w`` of lane ``lane`` (broadcast index tensors)."""
+    idx = ((blk // MB * 32 + lane) * MB + blk % MB) * W + w
+    return tl.load(base.to(tl.pointer_type(tl.uint32)) + idx)
+
+
+@triton.jit
+def _field(words, K: tl.constexpr, l0, l1, l2, l3, R: tl.constexpr, C: tl.constexpr, CODEBOOK: tl.constexpr):
+    """Field ``K`` of every word of ``words [R, C]`` as fp16 ``[R, 2C]``: column ``2c + e`` is the code at bit
+    ``2K + 16e`` of word ``c`` (the two halves of one ``half2`` A-fragment register). Uniform codes come out as
+    the exact fp16 subnormals ``c·2^-24`` (the bits of the code itself); fitted levels as their fp16 value."""
+    x = (words >> (2 * K)) & 0x00030003
+    lo = x & 0xFFFF
+    hi = x >> 16
+    if CODEBOOK:
+        a = _levels(lo.to(tl.int32), l0, l1, l2, l3, True)
+        b = _levels(hi.to(tl.int32), l0, l1, l2, l3, True)
+    else:
+        a = lo.to(tl.int16).to(tl.float16, bitcast=True)
+        b = hi.to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.reshape(tl.join(a, b), (R, 2 * C))
+
+
+@triton.jit
+def _qsel(q16, GQ_PAD: tl.constexpr, D: tl.constexpr):
+    """The four ``[D/4, GQ_PAD]`` B operands of the key field dots from ``q16 [GQ_PAD, D]``: tile ``(kb, hc)``
+    holds dims ``32w + 16kb + 8hc + 2tq + e`` in row order ``(w, tq, e)``. Returned as (kb, hc) = 00, 01, 10, 11."""
+    x = tl.reshape(q16, (GQ_PAD, D // 32, 2, 2, 4, 2))  # (g', w, kb, hc, tq, e)
+    x = tl.permute(x, (0, 1, 4, 5, 2, 3))  # (g', w, tq, e, kb, hc)
+    x0, x1 = tl.split(x)  # hc
+    x00, x10 = tl.split(x0)  # kb (hc = 0)
+    x01, x11 = tl.split(x1)  # kb (hc = 1)
+    return (tl.trans(tl.reshape(x00, (GQ_PAD, D // 4))), tl.trans(tl.reshape(x01, (GQ_PAD, D // 4))),
+            tl.trans(tl.reshape(x10, (GQ_PAD, D // 4))), tl.trans(tl.reshape(x11, (GQ_PAD, D // 4))))
+
+
+@triton.jit
+def _dsel(D: tl.constexpr):
+    """Dims of the four key tiles of :func:`_qsel` as ``[D/4]`` index vectors, (kb, hc) = 00, 01, 10, 11."""
+    c = tl.arange(0, D // 4)
+    base = 32 * (c // 8) + 2 * ((c // 2) % 4) + c % 2  # (w, tq, e) -> 32w + 2tq + e
+    return base, base + 8, base + 16, base + 24
+
+
+@triton.jit
+def _psel(p, R: tl.constexpr, GQ_PAD: tl.constexpr):
+    """Rows ``16i + 8hr' + g`` of ``p [R, GQ_PAD]`` split by ``hr'``: two ``[R/2, GQ_PAD]`` tiles in row order (i, g)."""
+    x = tl.permute(tl.reshape(p, (R // 16, 2, 8, GQ_PAD)), (0, 2, 3, 1))
+    a, b = tl.split(x)
+    return tl.reshape(a, (R // 2, GQ_PAD)), tl.reshape(b, (R // 2, GQ_PAD))
+
+
+@triton.jit
+def _decode_split_v2f_kernel(
+    q_ptr, rot_ptr, dscale_ptr,
+    sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+    k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+    block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+    part_o_ptr, part_lse_ptr,
+    max_pages, pages_per_split, n_page_splits, n_splits,
+    H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+):
+    """:func:`_decode_split_v2_kernel` with the page dots split by mma16 field (same parameters, same results
+    within rounding): each 32-bit word ``(blk, lane, w)`` of a page gives, for field ``(kb, hc, hr)``, the two
+    codes of one ``half2`` register, so every key dot is ``[P/2, D/4] x [D/4, GQ]`` over the rows
+    ``16i + 8hr' + g`` (token ``16(2i + hr') + 8hr + g``) and every value dot ``[D/2, P/4] x [P/4, GQ]``; the
+    operands are elementwise functions of the words (no gather of codes), the queries and probabilities are
+    permuted to match once per program / page. Uniform codes are fp16 subnormals ``c·2^-24``, the 2^24 is folded
+    into the key scale and the output."""
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    b = bh // H_KV
+    h = bh % H_KV
+    H: tl.constexpr = H_KV * GQ
+    g = tl.arange(0, GQ_PAD)
+    gmask = g < GQ
+    dd = tl.arange(0, D)
+    qrow = (b * H + h * GQ + g).to(tl.int64) * D
+    qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)  # [GQ_PAD, D]
+    if ROTATE_Q:
+        rot = tl.load(rot_ptr + h * D * D + dd[:, None] * D + dd[None, :])
+        qf = tl.dot(qf, rot, input_precision="ieee") / tl.load(dscale_ptr + h * D + dd)[None, :]
+    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
+    q16 = (qf * qscale).to(tl.float16)  # [GQ_PAD, D]
+    if s < n_page_splits:
+        KB0: tl.constexpr = 128 // D if D < 128 else 1
+        KMB: tl.constexpr = KB0 if (P // 16) % KB0 == 0 else 1
+        VB0: tl.constexpr = 128 // P if P < 128 else 1
+        VMB: tl.constexpr = VB0 if (D // 16) % VB0 == 0 else 1
+        RK: tl.constexpr = P // 2  # key field rows (token halves)
+        CK: tl.constexpr = D // 8  # key words per field row
+        RV: tl.constexpr = D // 2
+        CV: tl.constexpr = P // 8
+        kl0 = tl.load(k_levels_ptr + h * 4 + 0)
+        kl1 = tl.load(k_levels_ptr + h * 4 + 1)
+        kl2 = tl.load(k_levels_ptr + h * 4 + 2)
+        kl3 = tl.load(k_levels_ptr + h * 4 + 3)
+        vl0 = tl.load(v_levels_ptr + h * 4 + 0)
+        vl1 = tl.load(v_levels_ptr + h * 4 + 1)
+        vl2 = tl.load(v_levels_ptr + h * 4 + 2)
+        vl3 = tl.load(v_levels_ptr + h * 4 + 3)
+        if K_CODEBOOK:
+            KU = 1.0
+        else:
+            KU = 16777216.0
+        if V_CODEBOOK:
+            VU = 1.0
+        else:
+            VU = 16777216.0
+        qsum = tl.sum(q16.to(tl.float32), axis=1)  # [GQ_PAD]
+        q00, q01, q10, q11 = _qsel(q16, GQ_PAD, D)  # [D/4, GQ_PAD] each, (kb, hc)
+        d00, d01, d10, d11 = _dsel(D)
+        # word coordinates of the field rows (i, hr', g) and columns (j, hc', tq): blk = 2i + hr', w = 2j + hc'
+        rk = tl.arange(0, RK)[:, None]
+        ck = tl.arange(0, CK)[None, :]
+        k_blk = 2 * (rk // 16) + (rk // 8) % 2
+        k_w = 2 * (ck // 8) + (ck // 4) % 2
+        k_lane = 4 * (rk % 8) + ck % 4
+        rv = tl.arange(0, RV)[:, None]
+        cv = tl.arange(0, CV)[None, :]
+        v_blk = 2 * (rv // 16) + (rv // 8) % 2
+        v_w = 2 * (cv // 8) + (cv // 4) % 2
+        v_lane = 4 * (rv % 8) + cv % 4
+        r1 = tl.arange(0, RK)
+        tok0 = 32 * (r1 // 16) + 16 * ((r1 // 8) % 2) + r1 % 8  # token of field row r, hr = 0 (hr = 1: + 8)
+        m = tl.full([GQ_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GQ_PAD], tl.float32)
+        acc0 = tl.zeros([RV, GQ_PAD], tl.float32)  # O^T rows 16(2i + hr') + g     (hr_v = 0)
+        acc1 = tl.zeros([RV, GQ_PAD], tl.float32)  # O^T rows 16(2i + hr') + 8 + g (hr_v = 1)
+        acclo = tl.zeros([GQ_PAD], tl.float32)
+        start = s * pages_per_split
+        end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
+        for pg in range(start, end):
+            page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pg).to(tl.int64)
+            ph = page * H_KV + h
+            code_off = tl.multiple_of(ph * (P * D // 4), 16)
+            wk = _words(k_codes_ptr + code_off, k_blk, k_w, k_lane, KMB, D // 32)  # [RK, CK] uint32
+            wv = _words(v_codes_ptr + code_off, v_blk, v_w, v_lane, VMB, P // 32)  # [RV, CV]
+            if K_CHANNEL:
+                pw = ph * (2 * D)
+                a00 = (q00.to(tl.float32) * tl.load(k_params_ptr + pw + d00).to(tl.float32)[:, None]).to(tl.float16)
+                a01 = (q01.to(tl.float32) * tl.load(k_params_ptr + pw + d01).to(tl.float32)[:, None]).to(tl.float16)
+                a10 = (q10.to(tl.float32) * tl.load(k_params_ptr + pw + d10).to(tl.float32)[:, None]).to(tl.float16)
+                a11 = (q11.to(tl.float32) * tl.load(k_params_ptr + pw + d11).to(tl.float32)[:, None]).to(tl.float16)
+                const = tl.sum(q00.to(tl.float32) * tl.load(k_params_ptr + pw + D + d00).to(tl.float32)[:, None], axis=0)
+                const += tl.sum(q01.to(tl.float32) * tl.load(k_params_ptr + pw + D + d01).to(tl.float32)[:, None], axis=0)
+                const += tl.sum(q10.to(tl.float32) * tl.load(k_params_ptr + pw + D + d10).to(tl.float32)[:, None], axis=0)
+                const += tl.sum(q11.to(tl.float32) * tl.load(k_params_ptr + pw + D + d11).to(tl.float32)[:, None], axis=0)
+            else:
+                a00 = q00
+                a01 = q01
+                a10 = q10
+                a11 = q11
+            # field k = 4kb + 2hc + hr
+            s0 = tl.dot(_field(wk, 0, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a00)
+            s0 = tl.dot(_field(wk, 2, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a01, s0)
+            s0 = tl.dot(_field(wk, 4, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a10, s0)
+            s0 = tl.dot(_field(wk, 6, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a11, s0)
+            s1 = tl.dot(_field(wk, 1, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a00)
+            s1 = tl.dot(_field(wk, 3, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a01, s1)
+            s1 = tl.dot(_field(wk, 5, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a10, s1)
+            s1 = tl.dot(_field(wk, 7, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a11, s1)
+            if K_CHANNEL:
+                s0 = s0 * KU + const[None, :]
+                s1 = s1 * KU + const[None, :]
+            else:
+                ks0, klo0 = _token_pair(k_params_ptr, ph * P + tok0, True, 1)
+                ks1, klo1 = _token_pair(k_params_ptr, ph * P + tok0 + 8, True, 1)
+                s0 = s0 * (ks0 * KU)[:, None] + klo0[:, None] * qsum[None, :]
+                s1 = s1 * (ks1 * KU)[:, None] + klo1[:, None] * qsum[None, :]
+            m_new = tl.maximum(m, tl.maximum(tl.max(s0, axis=0), tl.max(s1, axis=0)))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            p0 = tl.exp2(s0 - m_use[None, :])  # [RK, GQ_PAD], tokens tok0
+            p1 = tl.exp2(s1 - m_use[None, :])  # tokens tok0 + 8
+            l = l * alpha + tl.sum(p0, axis=0) + tl.sum(p1, axis=0)
+            m = m_new
+            vs0, vlo0 = _token_pair(v_params_ptr, ph * P + tok0, True, 1)
+            vs1, vlo1 = _token_pair(v_params_ptr, ph * P + tok0 + 8, True, 1)
+            acclo = acclo * alpha + tl.sum(p0 * vlo0[:, None], axis=0) + tl.sum(p1 * vlo1[:, None], axis=0)
+            # value B operands: tokens 32w + 16kb + 8hc + 2tq + e in row order (w, tq, e); hc = the key half hr
+            b00, b10 = _psel((p0 * vs0[:, None]).to(tl.float16), RK, GQ_PAD)  # (kb 0, hc 0), (kb 1, hc 0)
+            b01, b11 = _psel((p1 * vs1[:, None]).to(tl.float16), RK, GQ_PAD)  # (kb 0, hc 1), (kb 1, hc 1)
+            acc0 = acc0 * alpha[None, :]
+            acc1 = acc1 * alpha[None, :]
+            acc0 = tl.dot(_field(wv, 0, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b00, acc0)
+            acc0 = tl.dot(_field(wv, 2, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b01, acc0)
+            acc0 = tl.dot(_field(wv, 4, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b10, acc0)
+            acc0 = tl.dot(_field(wv, 6, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b11, acc0)
+            acc1 = tl.dot(_field(wv, 1, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b00, acc1)
+            acc1 = tl.dot(_field(wv, 3, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b01, acc1)
+            acc1 = tl.dot(_field(wv, 5, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b10, acc1)
+            acc1 = tl.dot(_field(wv, 7, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b11, acc1)
+        # O^T rows (i, hr', g) of acc_hr -> dims 32i + 16hr' + 8hr + g
+        ot = tl.reshape(tl.join(acc0, acc1), (D // 32, 2, 8, GQ_PAD, 2))  # (i, hr', g, g', hr)
+        out = tl.reshape(tl.permute(ot, (3, 0, 1, 4, 2)), (GQ_PAD, D)) * VU + acclo[:, None]
+    else:
+        NSINK: tl.constexpr = (S0 + BN - 1) // BN
+        c = s - n_page_splits
+        tb = tl.arange(0, BN)
+        if c < NSINK:
+            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
+            kb = sink_k_ptr + kv_off
+            vb = sink_v_ptr + kv_off
+            tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
+        else:
+            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
+            kb = recent_k_ptr + kv_off
+            vb = recent_v_ptr + kv_off
+            slot = (c - NSINK) * BN + tb
+            start = (tl.load(num_pages_ptr + b) * P) % RC
+            tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
+        rows = tb[:, None] * D + dd[None, :]
+        kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
+        scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
+        scb = tl.where(tmask[None, :], scb, float("-inf"))
+        m = tl.max(scb, axis=1)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        pw_ = tl.exp2(scb - m_use[:, None])
+        l = tl.sum(pw_, axis=1)
+        vv = tl.load(vb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)
+        out = tl.dot(pw_.to(tl.float16), vv)  # [GQ_PAD, D]
+    nonempty = l > 0.0
+    inv = tl.where(nonempty, 1.0 / l, 0.0)
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
+    tl.store(part_lse_ptr + prow, lse, mask=gmask)
+    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], out * inv[:, None], mask=gmask[:, None])
+
+
 # ---- wrapper ------------------------------------------------------------------------------------------------
 
 
@@ -230,8 +472,12 @@ def decode_attention(
     pages_per_split: int | None = None,
     num_warps: int = SPLIT_WARPS,
     num_stages: int = SPLIT_STAGES,
+    variant: str = "fields",
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages, split + merge (arguments as v1's ``decode_attention``).
+
+    ``variant``: ``"fields"`` (``_decode_split_v2f_kernel``, page sizes 64 and 128) or ``"tile"``
+    (``_decode_split_v2_kernel``: the codes unpacked into one logical ``[P, D]`` tile).
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -248,7 +494,7 @@ def decode_attention(
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, pages_per_split, out_dtype,
-        num_warps, num_stages,
+        num_warps, num_stages, variant=variant,
     )
 
 
@@ -263,6 +509,7 @@ def launch_decode_v2(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, pages_per_split: int,
     out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES, wrap=lambda k: k,
+    variant: str = "fields",
 ) -> torch.Tensor:
     """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs. Grid rules: the launch
     plan's ``DECODE_SPLIT_V2`` (as v1's split) and ``DECODE_MERGE``."""
@@ -274,7 +521,11 @@ def launch_decode_v2(
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
-    wrap(_decode_split_v2_kernel)[(bsz * num_kv_heads, n_splits)](
+    if variant not in KERNELS:
+        raise ValueError(f"variant: expected one of {sorted(KERNELS)}, got {variant!r}")
+    if variant == "fields" and page_size < 64:
+        raise NotImplementedError(f"decode_attention_v2 'fields': page_size 64 or 128, got {page_size} (use 'tile')")
+    wrap(KERNELS[variant])[(bsz * num_kv_heads, n_splits)](
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
@@ -284,6 +535,10 @@ def launch_decode_v2(
     )
     wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
     return out
+
+
+#: the v2 split kernels by variant name (the launch plan's DECODE_SPLIT_V2 names the default one).
+KERNELS = {"tile": _decode_split_v2_kernel, "fields": _decode_split_v2f_kernel}
 
 
 def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, scale: float, **kw) -> torch.Tensor:

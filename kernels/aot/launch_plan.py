@@ -145,11 +145,11 @@ DECODE_SPLIT = KernelPlan(
 _SPLIT_V2_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
                         "V_CODEBOOK", "ROTATE_Q")
 DECODE_SPLIT_V2 = KernelPlan(
-    name="decode_split_v2", kernel=f"{_DA2}:_decode_split_v2_kernel",
+    name="decode_split_v2", kernel=f"{_DA2}:_decode_split_v2f_kernel",
     params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_V2_CONSTEXPRS,
     num_warps=4, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
-    doc="decode attention v2 over mma16 pages (keys on the MMA's M, GQ heads on N); merged by decode_merge. "
-        "num_warps/num_stages not yet tuned on a GPU",
+    doc="decode attention v2 over mma16 pages (keys on the MMA's M, GQ heads on N, dots split by mma16 field; "
+        "page_size 64 or 128); merged by decode_merge. num_warps/num_stages not yet tuned on a GPU",
 )
 DECODE_MERGE = KernelPlan(
     name="decode_merge", kernel=f"{_DA}:_merge_kernel",

@@ -41,22 +41,30 @@ def test_v2_boundary_lengths_ragged_batch(da2, device, gran):
     _check_budget(got, q, st, lay, tr, 64**-0.5, f"v2 boundary {gran}")
 
 
+@pytest.mark.parametrize("variant", ["fields", "tile"])
 @pytest.mark.parametrize("hq,hkv,d,p,gran", [(4, 1, 128, 128, "token"), (8, 2, 128, 64, "channel"),
                                              (6, 2, 64, 32, "token"), (2, 2, 64, 64, "channel")])
-def test_v2_gqa_head_dims_page_sizes(da2, device, hq, hkv, d, p, gran):
+def test_v2_gqa_head_dims_page_sizes(da2, device, hq, hkv, d, p, gran, variant):
     lay = _mma(hkv, d, gran, sink=16, window=32, page_size=p)
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
+    if variant == "fields" and p < 64:
+        st = _dev(PagedKV.allocate(lay, 1, 1, 1), device)
+        lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+        with pytest.raises(NotImplementedError, match="'fields': page_size 64 or 128"):
+            da2.decode_attention(torch.randn(1, hq, d, device=device), st, lay, *lv, 0.1, variant=variant)
+        return
     lengths = [3, 16 + 32 + p + 1, 16 + 32 + 3 * p + 17]
     st = _cache(lay, lengths, tr)
     q = torch.randn(len(lengths), hq, d) * 2
     got = da2.decode_attention(q.to(device), _dev(st, device), lay, tr.k_levels.to(device), tr.v_levels.to(device),
-                               d**-0.5, pages_per_split=2, out_dtype=torch.bfloat16)
+                               d**-0.5, pages_per_split=2, out_dtype=torch.bfloat16, variant=variant)
     assert got.dtype == torch.bfloat16
-    _check_budget(got.float(), q, st, lay, tr, d**-0.5, f"v2 gqa {hq}/{hkv} d={d} p={p} {gran}")
+    _check_budget(got.float(), q, st, lay, tr, d**-0.5, f"v2 {variant} gqa {hq}/{hkv} d={d} p={p} {gran}")
 
 
+@pytest.mark.parametrize("variant", ["fields", "tile"])
 @pytest.mark.parametrize("gran", ["token", "channel"])
-def test_v2_codebook_rotation_and_splits(da2, device, gran):
+def test_v2_codebook_rotation_and_splits(da2, device, gran, variant):
     """Fitted levels, q·R_K/d fused into the prologue, and split counts 1 and 64."""
     hkv, hq, d = 2, 8, 64
     lay = _mma(hkv, d, gran, codebook=True, sink=16, window=32, page_size=64)
@@ -74,10 +82,10 @@ def test_v2_codebook_rotation_and_splits(da2, device, gran):
     dev_st = _dev(st, device)
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
     fused = da2.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
-                                 q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
+                                 q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2, variant=variant)
     _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"v2 codebook+rotation {gran}")
     for n in (1, 64):
-        o = da2.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=n)
+        o = da2.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=n, variant=variant)
         _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"v2 codebook {gran} pages_per_split={n}")
 
 
