@@ -89,7 +89,7 @@ def test_mma16_bundle_carries_v2_and_records_the_packing(name, tmp_path):
     layout, heads = LAYOUTS[name]
     specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5, probes=False)
     by = {s.name.split("_h")[0]: s for s in specs}
-    assert by["decode_split"].kernel.endswith(":_decode_split_v2_kernel")
+    assert by["decode_split"].kernel.endswith(":_decode_split_v2f_kernel")
     assert by["quant_pack_k"].constexpr_dict["PACKING"] == 1 and by["quant_pack_v"].constexpr_dict["PACKING"] == 2
     assert not any(s.name.startswith("trt_") for s in specs) and all(s.name.endswith("_mma16") for s in specs)
     with pytest.raises(NotImplementedError, match="linear pages only"):
@@ -98,4 +98,4 @@ def test_mma16_bundle_carries_v2_and_records_the_packing(name, tmp_path):
                        archs=["sm_90"], packing={"key": "mma16", "value": "mma16"})
     m = read_manifest(out)
     assert m.packing == {"key": "mma16", "value": "mma16"}
-    assert m.entry(by["decode_split"].name, "sm_90").symbol == "_decode_split_v2_kernel"
+    assert m.entry(by["decode_split"].name, "sm_90").symbol == "_decode_split_v2f_kernel"
