@@ -44,14 +44,16 @@ VARIANTS = {
     "slots1": dict(page_slots=1, num_warps=1),
     "stages3": dict(num_stages=3),
 }
-#: v2 kernel variants (``--v2-variants``): "default" = the launch plan's DECODE_SPLIT_V2 (the "fields" kernel, 4 warps,
-#: 2 stages); "tile" = the other v2 kernel (codes unpacked into one [P, D] tile).
+#: v2 kernel variants (``--v2-variants``): "default" = the launch plan's DECODE_SPLIT_V2 (the "fields" kernel, 2 warps,
+#: 2 stages, inline-PTX field masks); "plain" = the same without the PTX; "tile" = the other v2 kernel (codes
+#: unpacked into one [P, D] tile).
 V2_VARIANTS = {
     "default": dict(),
+    "w4": dict(num_warps=4),
     "w8": dict(num_warps=8),
-    "w2": dict(num_warps=2),
     "stages3": dict(num_stages=3),
-    "tile": dict(variant="tile"),
+    "plain": dict(fast_unpack=False),
+    "tile": dict(variant="tile", num_warps=4),
 }
 
 

@@ -198,27 +198,62 @@ def _decode_split_v2_kernel(
 
 
 @triton.jit
-def _words(base, blk, w, lane, MB: tl.constexpr, W: tl.constexpr):
-    """uint32 mma16 words at row block ``blk``, word ``w`` of lane ``lane`` (broadcast index tensors)."""
-    idx = ((blk // MB * 32 + lane) * MB + blk % MB) * W + w
-    return tl.load(base.to(tl.pointer_type(tl.uint32)) + idx)
+def _halves(base, blk, w, lane, e, MB: tl.constexpr, W: tl.constexpr):
+    """uint16 halves ``e`` of the mma16 words at row block ``blk``, word ``w`` of lane ``lane`` (broadcast index
+    tensors): half ``e`` of a word holds, in its bits ``2k, 2k + 1``, the code of column ``2c + e`` of field ``k``."""
+    idx = 2 * (((blk // MB * 32 + lane) * MB + blk % MB) * W + w) + e
+    return tl.load(base.to(tl.pointer_type(tl.uint16)) + idx)
+
+
+#: PTX for the uniform fields on the GPU: two uint16 halves arrive packed in one 32-bit register (Triton packs
+#: sub-4-byte elements), and one AND with the field mask on both halves leaves the fp16x2 subnormal pair; the
+#: pairing of elements is irrelevant because the same mask applies to both halves. ``_SHR8`` moves fields 4..7
+#: down by 8 bits (the high half's low byte lands in bits 8..15 of the low half, which every mask clears).
+_AND_ASM = [tl.constexpr(f"and.b32 $0, $1, {hex(0x00030003 << (2 * k))};") for k in range(4)]
+_AND0, _AND1, _AND2, _AND3 = _AND_ASM
+_SHR8 = tl.constexpr("shr.b32 $0, $1, 8;")
 
 
 @triton.jit
-def _field(words, K: tl.constexpr, l0, l1, l2, l3, R: tl.constexpr, C: tl.constexpr, CODEBOOK: tl.constexpr):
-    """Field ``K`` of every word of ``words [R, C]`` as fp16 ``[R, 2C]``: column ``2c + e`` is the code at bit
-    ``2K + 16e`` of word ``c`` (the two halves of one ``half2`` A-fragment register). Uniform codes come out as
-    the exact fp16 subnormals ``c·2^-24`` (the bits of the code itself); fitted levels as their fp16 value."""
-    x = (words >> (2 * K)) & 0x00030003
-    lo = x & 0xFFFF
-    hi = x >> 16
-    if CODEBOOK:
-        a = _levels(lo.to(tl.int32), l0, l1, l2, l3, True)
-        b = _levels(hi.to(tl.int32), l0, l1, l2, l3, True)
+def _and_field(x, J: tl.constexpr):
+    """``x & (3 << 2J)`` on both halves of each packed pair, as fp16 (inline PTX, CUDA only)."""
+    if J == 0:
+        return tl.inline_asm_elementwise(_AND0, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    elif J == 1:
+        return tl.inline_asm_elementwise(_AND1, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+    elif J == 2:
+        return tl.inline_asm_elementwise(_AND2, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
     else:
-        a = lo.to(tl.int16).to(tl.float16, bitcast=True)
-        b = hi.to(tl.int16).to(tl.float16, bitcast=True)
-    return tl.reshape(tl.join(a, b), (R, 2 * C))
+        return tl.inline_asm_elementwise(_AND3, "=r,r", [x], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _high(h, FAST: tl.constexpr):
+    """``h >> 8`` per uint16 half (fields 4..7); on the GPU one shift of the packed pair."""
+    if FAST:
+        return tl.inline_asm_elementwise(_SHR8, "=r,r", [h], dtype=tl.uint16, is_pure=True, pack=2)
+    else:
+        return h >> 8
+
+
+@triton.jit
+def _field(h, h8, K: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST: tl.constexpr):
+    """Field ``K`` of the halves ``h`` (``h8 = _high(h)``) as the fp16 dot operand. Uniform codes: the masked
+    bits read as an fp16 subnormal, ``c·4^(K mod 4)·2^-24`` exactly (fields 4..7 from ``h8``, so the exponent
+    bits stay zero); with ``FAST`` (CUDA) one AND per two codes. Fitted levels: their fp16 value."""
+    if CODEBOOK:
+        return _levels(((h >> (2 * K)) & 3).to(tl.int32), l0, l1, l2, l3, True)
+    elif FAST:
+        if K < 4:
+            return _and_field(h, K)
+        else:
+            return _and_field(h8, K - 4)
+    else:
+        if K < 4:
+            x = h & (3 << (2 * K))
+        else:
+            x = h8 & (3 << (2 * (K - 4)))
+        return x.to(tl.int16, bitcast=True).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -261,14 +296,18 @@ def _decode_split_v2f_kernel(
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+    FAST_UNPACK: tl.constexpr,
 ):
     """:func:`_decode_split_v2_kernel` with the page dots split by mma16 field (same parameters, same results
     within rounding): each 32-bit word ``(blk, lane, w)`` of a page gives, for field ``(kb, hc, hr)``, the two
     codes of one ``half2`` register, so every key dot is ``[P/2, D/4] x [D/4, GQ]`` over the rows
     ``16i + 8hr' + g`` (token ``16(2i + hr') + 8hr + g``) and every value dot ``[D/2, P/4] x [P/4, GQ]``; the
     operands are elementwise functions of the words (no gather of codes), the queries and probabilities are
-    permuted to match once per program / page. Uniform codes are fp16 subnormals ``c·2^-24``, the 2^24 is folded
-    into the key scale and the output."""
+    permuted to match once per program / page. Uniform codes are exact fp16 subnormals ``c·4^(2hc + hr)·2^-24``
+    (the 2^24 is folded into the key scale and the output, the powers of 4 into the ``hc = 1`` operands and the
+    ``hr = 1`` results). ``FAST_UNPACK`` (CUDA, uniform codes): the field masks as inline PTX on packed pairs, one
+    AND per two codes; otherwise the same values from plain Triton ops (the CPU interpreter's path).
+    Parameters: as :func:`_decode_split_v2_kernel`, plus the constexpr ``FAST_UNPACK``."""
     bh = tl.program_id(0)
     s = tl.program_id(1)
     b = bh // H_KV
@@ -314,15 +353,31 @@ def _decode_split_v2f_kernel(
         d00, d01, d10, d11 = _dsel(D)
         # word coordinates of the field rows (i, hr', g) and columns (j, hc', tq): blk = 2i + hr', w = 2j + hc'
         rk = tl.arange(0, RK)[:, None]
-        ck = tl.arange(0, CK)[None, :]
+        ck = tl.arange(0, 2 * CK)[None, :] // 2  # operand column 2c + e -> word c
         k_blk = 2 * (rk // 16) + (rk // 8) % 2
         k_w = 2 * (ck // 8) + (ck // 4) % 2
         k_lane = 4 * (rk % 8) + ck % 4
+        k_e = tl.arange(0, 2 * CK)[None, :] % 2
         rv = tl.arange(0, RV)[:, None]
-        cv = tl.arange(0, CV)[None, :]
+        cv = tl.arange(0, 2 * CV)[None, :] // 2
         v_blk = 2 * (rv // 16) + (rv // 8) % 2
         v_w = 2 * (cv // 8) + (cv // 4) % 2
         v_lane = 4 * (rv % 8) + cv % 4
+        v_e = tl.arange(0, 2 * CV)[None, :] % 2
+        # uniform codes: fields k = 4kb + 2hc + hr read as c·4^(2hc + hr)·2^-24; the 4^-2hc goes into the hc = 1
+        # B operands, the 4^-hr into the hr = 1 results (exact powers of two)
+        if K_CODEBOOK:
+            KH = 1.0
+            KR = 1.0
+        else:
+            KH = 0.0625
+            KR = 0.25
+        if V_CODEBOOK:
+            VH = 1.0
+            VR = 1.0
+        else:
+            VH = 0.0625
+            VR = 0.25
         r1 = tl.arange(0, RK)
         tok0 = 32 * (r1 // 16) + 16 * ((r1 // 8) % 2) + r1 % 8  # token of field row r, hr = 0 (hr = 1: + 8)
         m = tl.full([GQ_PAD], float("-inf"), tl.float32)
@@ -336,32 +391,35 @@ def _decode_split_v2f_kernel(
             page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + pg).to(tl.int64)
             ph = page * H_KV + h
             code_off = tl.multiple_of(ph * (P * D // 4), 16)
-            wk = _words(k_codes_ptr + code_off, k_blk, k_w, k_lane, KMB, D // 32)  # [RK, CK] uint32
-            wv = _words(v_codes_ptr + code_off, v_blk, v_w, v_lane, VMB, P // 32)  # [RV, CV]
+            hk = _halves(k_codes_ptr + code_off, k_blk, k_w, k_lane, k_e, KMB, D // 32)  # [RK, 2CK] uint16
+            hv = _halves(v_codes_ptr + code_off, v_blk, v_w, v_lane, v_e, VMB, P // 32)  # [RV, 2CV]
+            hk8 = _high(hk, FAST_UNPACK and not K_CODEBOOK)
+            hv8 = _high(hv, FAST_UNPACK and not V_CODEBOOK)
             if K_CHANNEL:
                 pw = ph * (2 * D)
                 a00 = (q00.to(tl.float32) * tl.load(k_params_ptr + pw + d00).to(tl.float32)[:, None]).to(tl.float16)
-                a01 = (q01.to(tl.float32) * tl.load(k_params_ptr + pw + d01).to(tl.float32)[:, None]).to(tl.float16)
+                a01 = (q01.to(tl.float32) * (tl.load(k_params_ptr + pw + d01).to(tl.float32) * KH)[:, None]).to(tl.float16)
                 a10 = (q10.to(tl.float32) * tl.load(k_params_ptr + pw + d10).to(tl.float32)[:, None]).to(tl.float16)
-                a11 = (q11.to(tl.float32) * tl.load(k_params_ptr + pw + d11).to(tl.float32)[:, None]).to(tl.float16)
+                a11 = (q11.to(tl.float32) * (tl.load(k_params_ptr + pw + d11).to(tl.float32) * KH)[:, None]).to(tl.float16)
                 const = tl.sum(q00.to(tl.float32) * tl.load(k_params_ptr + pw + D + d00).to(tl.float32)[:, None], axis=0)
                 const += tl.sum(q01.to(tl.float32) * tl.load(k_params_ptr + pw + D + d01).to(tl.float32)[:, None], axis=0)
                 const += tl.sum(q10.to(tl.float32) * tl.load(k_params_ptr + pw + D + d10).to(tl.float32)[:, None], axis=0)
                 const += tl.sum(q11.to(tl.float32) * tl.load(k_params_ptr + pw + D + d11).to(tl.float32)[:, None], axis=0)
             else:
                 a00 = q00
-                a01 = q01
+                a01 = (q01.to(tl.float32) * KH).to(tl.float16)
                 a10 = q10
-                a11 = q11
+                a11 = (q11.to(tl.float32) * KH).to(tl.float16)
             # field k = 4kb + 2hc + hr
-            s0 = tl.dot(_field(wk, 0, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a00)
-            s0 = tl.dot(_field(wk, 2, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a01, s0)
-            s0 = tl.dot(_field(wk, 4, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a10, s0)
-            s0 = tl.dot(_field(wk, 6, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a11, s0)
-            s1 = tl.dot(_field(wk, 1, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a00)
-            s1 = tl.dot(_field(wk, 3, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a01, s1)
-            s1 = tl.dot(_field(wk, 5, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a10, s1)
-            s1 = tl.dot(_field(wk, 7, kl0, kl1, kl2, kl3, RK, CK, K_CODEBOOK), a11, s1)
+            s0 = tl.dot(_field(hk, hk8, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a00)
+            s0 = tl.dot(_field(hk, hk8, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a01, s0)
+            s0 = tl.dot(_field(hk, hk8, 4, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a10, s0)
+            s0 = tl.dot(_field(hk, hk8, 6, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a11, s0)
+            s1 = tl.dot(_field(hk, hk8, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a00)
+            s1 = tl.dot(_field(hk, hk8, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a01, s1)
+            s1 = tl.dot(_field(hk, hk8, 5, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a10, s1)
+            s1 = tl.dot(_field(hk, hk8, 7, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), a11, s1)
+            s1 = s1 * KR
             if K_CHANNEL:
                 s0 = s0 * KU + const[None, :]
                 s1 = s1 * KU + const[None, :]
@@ -382,19 +440,19 @@ def _decode_split_v2f_kernel(
             acclo = acclo * alpha + tl.sum(p0 * vlo0[:, None], axis=0) + tl.sum(p1 * vlo1[:, None], axis=0)
             # value B operands: tokens 32w + 16kb + 8hc + 2tq + e in row order (w, tq, e); hc = the key half hr
             b00, b10 = _psel((p0 * vs0[:, None]).to(tl.float16), RK, GQ_PAD)  # (kb 0, hc 0), (kb 1, hc 0)
-            b01, b11 = _psel((p1 * vs1[:, None]).to(tl.float16), RK, GQ_PAD)  # (kb 0, hc 1), (kb 1, hc 1)
+            b01, b11 = _psel((p1 * (vs1 * VH)[:, None]).to(tl.float16), RK, GQ_PAD)  # (kb 0, hc 1), (kb 1, hc 1)
             acc0 = acc0 * alpha[None, :]
             acc1 = acc1 * alpha[None, :]
-            acc0 = tl.dot(_field(wv, 0, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b00, acc0)
-            acc0 = tl.dot(_field(wv, 2, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b01, acc0)
-            acc0 = tl.dot(_field(wv, 4, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b10, acc0)
-            acc0 = tl.dot(_field(wv, 6, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b11, acc0)
-            acc1 = tl.dot(_field(wv, 1, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b00, acc1)
-            acc1 = tl.dot(_field(wv, 3, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b01, acc1)
-            acc1 = tl.dot(_field(wv, 5, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b10, acc1)
-            acc1 = tl.dot(_field(wv, 7, vl0, vl1, vl2, vl3, RV, CV, V_CODEBOOK), b11, acc1)
+            acc0 = tl.dot(_field(hv, hv8, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b00, acc0)
+            acc0 = tl.dot(_field(hv, hv8, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b01, acc0)
+            acc0 = tl.dot(_field(hv, hv8, 4, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b10, acc0)
+            acc0 = tl.dot(_field(hv, hv8, 6, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b11, acc0)
+            acc1 = tl.dot(_field(hv, hv8, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b00, acc1)
+            acc1 = tl.dot(_field(hv, hv8, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b01, acc1)
+            acc1 = tl.dot(_field(hv, hv8, 5, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b10, acc1)
+            acc1 = tl.dot(_field(hv, hv8, 7, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b11, acc1)
         # O^T rows (i, hr', g) of acc_hr -> dims 32i + 16hr' + 8hr + g
-        ot = tl.reshape(tl.join(acc0, acc1), (D // 32, 2, 8, GQ_PAD, 2))  # (i, hr', g, g', hr)
+        ot = tl.reshape(tl.join(acc0, acc1 * VR), (D // 32, 2, 8, GQ_PAD, 2))  # (i, hr', g, g', hr)
         out = tl.reshape(tl.permute(ot, (3, 0, 1, 4, 2)), (GQ_PAD, D)) * VU + acclo[:, None]
     else:
         NSINK: tl.constexpr = (S0 + BN - 1) // BN
@@ -473,11 +531,13 @@ def decode_attention(
     num_warps: int = SPLIT_WARPS,
     num_stages: int = SPLIT_STAGES,
     variant: str = "fields",
+    fast_unpack: bool | None = None,
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages, split + merge (arguments as v1's ``decode_attention``).
 
     ``variant``: ``"fields"`` (``_decode_split_v2f_kernel``, page sizes 64 and 128) or ``"tile"``
-    (``_decode_split_v2_kernel``: the codes unpacked into one logical ``[P, D]`` tile).
+    (``_decode_split_v2_kernel``: the codes unpacked into one logical ``[P, D]`` tile). ``fast_unpack``: the
+    fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -495,6 +555,7 @@ def decode_attention(
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, pages_per_split, out_dtype,
         num_warps, num_stages, variant=variant,
+        fast_unpack=(q.device.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
     )
 
 
@@ -509,7 +570,7 @@ def launch_decode_v2(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, pages_per_split: int,
     out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES, wrap=lambda k: k,
-    variant: str = "fields",
+    variant: str = "fields", fast_unpack: bool = False,
 ) -> torch.Tensor:
     """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs. Grid rules: the launch
     plan's ``DECODE_SPLIT_V2`` (as v1's split) and ``DECODE_MERGE``."""
@@ -525,13 +586,14 @@ def launch_decode_v2(
         raise ValueError(f"variant: expected one of {sorted(KERNELS)}, got {variant!r}")
     if variant == "fields" and page_size < 64:
         raise NotImplementedError(f"decode_attention_v2 'fields': page_size 64 or 128, got {page_size} (use 'tile')")
+    extra = dict(FAST_UNPACK=fast_unpack and not codebook) if variant == "fields" else {}
     wrap(KERNELS[variant])[(bsz * num_kv_heads, n_splits)](
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
         H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
         BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
-        ROTATE_Q=rotate_q, num_warps=num_warps, num_stages=num_stages,
+        ROTATE_Q=rotate_q, num_warps=num_warps, num_stages=num_stages, **extra,
     )
     wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
     return out

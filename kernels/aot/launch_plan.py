@@ -141,15 +141,16 @@ DECODE_SPLIT = KernelPlan(
     num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention, one split of sink/INT2 pages/recent per program (query rotation fused)",
 )
-#: v2 split kernel (mma16 pages): v1's parameters in v1's order, fewer constexprs (no FAST_UNPACK / NB).
+#: v2 split kernel (mma16 pages): v1's parameters in v1's order, v1's constexprs without NB.
 _SPLIT_V2_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
-                        "V_CODEBOOK", "ROTATE_Q")
+                        "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK")
 DECODE_SPLIT_V2 = KernelPlan(
     name="decode_split_v2", kernel=f"{_DA2}:_decode_split_v2f_kernel",
     params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_V2_CONSTEXPRS,
-    num_warps=4, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
+    num_warps=2, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention v2 over mma16 pages (keys on the MMA's M, GQ heads on N, dots split by mma16 field; "
-        "page_size 64 or 128); merged by decode_merge. num_warps/num_stages not yet tuned on a GPU",
+        "page_size 64 or 128); merged by decode_merge. 2 warps: fewest instructions per page-head in the sm_90 SASS "
+        "(benchmarks/NOTES-kernels.md); not yet tuned on a GPU",
 )
 DECODE_MERGE = KernelPlan(
     name="decode_merge", kernel=f"{_DA}:_merge_kernel",
@@ -244,8 +245,9 @@ def gq_pad_v2(gq: int) -> int:
     return max(8, 1 << max(0, (gq - 1).bit_length()))
 
 
-def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float) -> dict[str, Any]:
-    """Constexprs of the v2 split kernel for ``layout`` (mma16 pages), BF16 queries in the model basis."""
+def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
+    """Constexprs of the v2 split kernel for ``layout`` (mma16 pages), BF16 queries in the model basis;
+    ``fast_unpack``: the inline-PTX field masks (uniform levels only), what the wrapper uses on a GPU."""
     hkv = layout.num_kv_heads
     if num_heads % hkv:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
@@ -255,7 +257,7 @@ def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float) -> dict[
         "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad_v2(gq), "D": layout.head_dim, "P": layout.page_size,
         "S0": layout.sink, "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": True,
+        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook,
     }
 
 

@@ -310,11 +310,12 @@ def test_quantize_mma16_real_shape_bit_exact(gran):
             assert mism == 0, f"{gran} {operand} {name}: {mism} mismatches, first at {(g != w).nonzero()[:3].tolist()}"
 
 
-@pytest.mark.parametrize("variant", ["fields", "tile"])
+@pytest.mark.parametrize("variant", ["fields", "plain", "tile"])
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_decode_attention_v2_real_shape_and_vs_v1(gran, variant):
     """v2 over mma16 pages within budget at the Llama-3-8B shape (32 / 8 heads, D 128, P 64), and close to v1
-    reading the same tokens from linear pages."""
+    reading the same tokens from linear pages. ``fields``: the default kernel with its inline-PTX field masks
+    (only the GPU runs them), ``plain``: the same kernel's Triton-ops path (what the CPU tests run), ``tile``."""
     from dataclasses import replace
 
     from oscar_export.kernels import decode_attention_v2 as v2
@@ -326,7 +327,8 @@ def test_decode_attention_v2_real_shape_and_vs_v1(gran, variant):
     torch.manual_seed(0)
     st = _random_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), 32, 128, device=DEV)
-    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant=variant)
+    kw = dict(variant="fields", fast_unpack=False) if variant == "plain" else dict(variant=variant)
+    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, **kw)
     e2, _ = _budget(got, q, st, lay, tr, 128**-0.5)
     st_lin = replace(st, k_codes=ref.pack_page_codes(ref.unpack_page_codes(st.k_codes, lay.key, "key"), lin.key),
                      v_codes=ref.pack_page_codes(ref.unpack_page_codes(st.v_codes, lay.value, "value"), lin.value))
