@@ -229,7 +229,6 @@ def test_hf_triton_backend_matches_reference_ops():
 # Written on a CPU machine; the fragment test needs CuPy (NVRTC) on the GPU machine. Untested until run there.
 
 _FRAG_SRC = r"""
-#include <cuda_fp16.h>
 extern "C" __global__ void frag_mma(const unsigned int* words, const unsigned short* b, float* out, int C, int MB) {
     // one warp per 16*MB-row group mo; out [R, 8] = (codes + 1024) @ B, B [C, 8] fp16 row-major (bit patterns)
     const int lane = threadIdx.x, g = lane >> 2, tq = lane & 3, mo = blockIdx.x, W = C / 32;
