@@ -1,6 +1,6 @@
 """Per-layer decode attention on the GPU: the INT2 mixed-precision kernel vs PyTorch SDPA BF16 vs the copy roofline.
 
-    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json]
+    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json] [--kernels v1,v2]
     python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
 
 Heads (``--heads``): 32 query / 8 KV heads, head_dim 128 by default (DESIGN §6); Gemma-3-12B (16 / 8) and
@@ -10,6 +10,12 @@ queries and outputs); times are medians of CUDA-event timings over input sets ro
 (enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
 captured decode step runs), ``eager`` times plain launches. ``--sweep`` also runs the last of ``--variants`` at half and
 double its pages per split.
+
+``--kernels v1,v2`` runs both decode kernels in the same process: v1 (``decode_attention.py``) on linear pages,
+v2 (``decode_attention_v2.py``) on ``mma16`` pages of the same bytes per page (the layout says so), each row
+with its copy-roofline time (``bytes / copy bandwidth``) and its fraction of it. Before timing, v2 is checked
+against v1 on the same tokens (the v1 state's codes repacked to mma16 by the reference): ``v2_vs_v1`` is the
+max abs difference of the two outputs (both BF16).
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ import subprocess
 import torch
 import torch.nn.functional as F
 
+from dataclasses import replace
+
+from oscar_export.kernels import decode_attention_v2 as v2
+from oscar_export.kernels import reference as ref
 from oscar_export.kernels.decode_attention import PAGE_SLOTS, decode_attention, default_pages_per_split
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 
@@ -38,6 +48,17 @@ VARIANTS = {
     "slots4": dict(page_slots=4, num_warps=4),
     "slots1": dict(page_slots=1, num_warps=1),
     "stages3": dict(num_stages=3),
+}
+#: v2 kernel variants (``--v2-variants``): "default" = the launch plan's DECODE_SPLIT_V2 (the "fields" kernel, 2 warps,
+#: 2 stages, inline-PTX field masks); "plain" = the same without the PTX; "tile" = the other v2 kernel (codes
+#: unpacked into one [P, D] tile).
+V2_VARIANTS = {
+    "default": dict(),
+    "w4": dict(num_warps=4),
+    "w8": dict(num_warps=8),
+    "stages3": dict(num_stages=3),
+    "plain": dict(fast_unpack=False),
+    "tile": dict(variant="tile", num_warps=4),
 }
 
 
@@ -123,8 +144,51 @@ def copy_bandwidth() -> float:
     return 2 * n / ms / 1e9
 
 
+def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]:
+    """The same tokens with the pages repacked to mma16 (reference.pack_page_codes), and that layout."""
+    mlay = replace(lay, key=replace(lay.key, packing="mma16"), value=replace(lay.value, packing="mma16"))
+    kc = ref.pack_page_codes(ref.unpack_page_codes(st.k_codes, lay.key), mlay.key, "key")
+    vc = ref.pack_page_codes(ref.unpack_page_codes(st.v_codes, lay.value), mlay.value, "value")
+    return replace(st, k_codes=kc.contiguous(), v_codes=vc.contiguous()), mlay
+
+
+def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float,
+             heads: str = "llama3-8b") -> list[dict]:
+    """The v2 kernel on mma16 pages; checked against v1 on the same tokens first."""
+    HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
+    lay = KVCacheLayout.default(HKV, D, gran)
+    scale = D**-0.5
+    kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
+    st0 = random_state(lay, batch, seq)
+    q0 = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    want = decode_attention(q0, st0, lay, kl, kl, scale, out_dtype=torch.bfloat16)
+    st0m, mlay = mma16_copy(st0, lay)
+    got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16)
+    diff = (got.float() - want.float()).abs().max().item()
+    del st0, st0m
+    nbytes = batch * mlay.sequence_bytes(seq) + 2 * batch * HQ * D * 2  # cache + q in + out (bf16)
+    sets = copies_for(nbytes)
+    states = [random_state(mlay, batch, seq) for _ in range(sets)]
+    qs = [torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    max_pages = states[0].block_table.shape[1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name in names:
+        kw = dict(V2_VARIANTS[name], pages_per_split=default_pages_per_split(batch, HKV, max_pages, sms, 1))
+        call = lambda i, kw=kw: v2.decode_attention(qs[i % sets], states[i % sets], mlay, kl, kl, scale,  # noqa: E731
+                                                     out_dtype=torch.bfloat16, **kw)
+        eager = median_ms(call, sets, 30)
+        graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
+        floor = nbytes / (copy_tbps * 1e12) * 1e6
+        rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
+                         graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor,
+                         pct_copy=100 * floor / (graph * 1e3), v2_vs_v1=diff, **{**kw, "variant": name}))
+    del states
+    return rows
+
+
 def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("default",),
-                heads: str = "llama3-8b") -> list[dict]:
+                copy_tbps: float | None = None, heads: str = "llama3-8b") -> list[dict]:
     HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
     lay = KVCacheLayout.default(HKV, D, gran)
     scale = D**-0.5
@@ -155,6 +219,9 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
         rows.append(dict(kernel="oscar-int2", heads=heads, hq=HQ, hkv=HKV, d=D, g=lay.key.group_size, gran=gran,
                          batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
                          graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, **var))
+        if copy_tbps:
+            rows[-1]["roofline_us"] = nbytes / (copy_tbps * 1e12) * 1e6
+            rows[-1]["pct_copy"] = 100 * rows[-1]["roofline_us"] / rows[-1]["graph_us"]
     del states
     # SDPA BF16 on the same shape: 32 q heads over 8 KV heads, one query token
     kv_bytes = 2 * batch * HKV * seq * D * 2
@@ -181,11 +248,14 @@ def main(argv=None) -> int:
     ap.add_argument("--channel-variants", default=None, help="variants for channel keys (default: --variants)")
     ap.add_argument("--commit", default=None, help="commit to report (default: git rev-parse in this tree)")
     ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
+    ap.add_argument("--kernels", default="v1", help="comma list of v1 (linear pages), v2 (mma16 pages)")
+    ap.add_argument("--v2-variants", default="default", help=f"comma list of {sorted(V2_VARIANTS)}")
     args = ap.parse_args(argv)
     print(env_line(args.commit))
     bw = copy_bandwidth()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
+    kernels = args.kernels.split(",")
     for heads in args.heads.split(","):
         for shape in args.shapes.split(","):
             b, s = (int(x) for x in shape.split("x"))
@@ -193,27 +263,35 @@ def main(argv=None) -> int:
             for gran in grans:
                 names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
                 try:
-                    got = bench_shape(b, s, gran, args.sweep, names.split(","), heads)
+                    got = bench_shape(b, s, gran, args.sweep, names.split(","), bw, heads)
                 except Exception as e:  # keep the other shapes' rows
                     print(f"FAILED {heads} {shape} {gran}: {type(e).__name__}: {e}", flush=True)
                     continue
+                if "v1" not in kernels:
+                    got = [r for r in got if r["kernel"] == "sdpa-bf16"]
                 if gran != grans[0]:
                     got = [r for r in got if r["kernel"] != "sdpa-bf16"]
+                if "v2" in kernels:
+                    try:
+                        got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads)
+                    except Exception as e:  # a v2 failure must not lose the v1/SDPA rows of the run
+                        print(f"v2 {heads} {b}x{s} {gran}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows += got
                 for r in got:
                     print(json.dumps(r), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(args.commit), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>10} {'var':>5} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} {'eager us':>9} "
-          f"{'graph us':>9} {'TB/s':>5} {'x SDPA':>6}")
+    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>13} {'var':>7} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} "
+          f"{'eager us':>9} {'graph us':>9} {'TB/s':>5} {'x SDPA':>6} {'%copy':>5}")
     sdpa = {(r["heads"], r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
     for r in rows:
         x = sdpa.get((r["heads"], r["batch"], r["seq"]), float("nan")) / r["graph_us"]
-        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>10} {r.get('variant', '-'):>5} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
+        pct = f"{r['pct_copy']:5.1f}" if "pct_copy" in r else "    -"
+        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>13} {r.get('variant', '-'):>7} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
               f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {'n' if r.get('fast_unpack') is False else 'y':>3} "
               f"{r['eager_us']:9.1f} {r['graph_us']:9.1f} "
-              f"{r['tbps']:5.2f} {x:6.2f}")
+              f"{r['tbps']:5.2f} {x:6.2f} {pct}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
     PYTHONPATH=/tmp/t36 python3 benchmarks/kernel_stats.py decode [--set NB=4 --set K_CHANNEL=true] [--warps 4] [--sass out.sass]
     PYTHONPATH=/tmp/t36 python3 benchmarks/kernel_stats.py quant  [--set CHANNEL=true] [--warps 8]
+    PYTHONPATH=/tmp/t36 python3 benchmarks/kernel_stats.py decode --set PACKING=mma16 [--set P=64]   (the v2 kernel)
 
 Compiles through ``kernels/aot`` (the bundle's compiler: ``triton.compile`` + ptxas, no driver), then reads
 the cubin with the ``cuobjdump``/``nvdisasm`` that ship with Triton. Prints registers, spill bytes, shared
@@ -61,7 +62,8 @@ def build_spec(which: str, sets: dict, warps: int | None, stages: int | None) ->
     kernel = sets.pop("KERNEL", None)
     channel = bool(sets.pop("K_CHANNEL" if which == "decode" else "CHANNEL", False))
     gran = "channel" if channel else "token"
-    layout = KVCacheLayout.default(sets.pop("H_KV", 8), sets.pop("D", 128), key_granularity=gran)
+    layout = KVCacheLayout.default(sets.pop("H_KV", 8), sets.pop("D", 128), key_granularity=gran,
+                                   packing=sets.pop("PACKING", "linear"), page_size=sets.pop("P", None))
     if which == "decode":
         spec = decode_split_spec(layout, 4 * layout.num_kv_heads, layout.head_dim ** -0.5, layout_tag(layout, 32))
     else:
@@ -131,7 +133,7 @@ def main() -> int:
     sets = {}
     for s in args.set:
         k, v = s.split("=", 1)
-        sets[k] = v if k == "KERNEL" else _parse_value(v)
+        sets[k] = v if k in ("KERNEL", "PACKING") else _parse_value(v)
     spec = build_spec(args.which, sets, args.warps, args.stages)
     ck = compile_kernel(spec, "sm_90", ptx_version=None)
     res, sass = sass_of(ck.cubin)

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from oscar_export.kernels.layout import UNIFORM_LEVELS, KVCacheLayout
+from oscar_export.kernels.layout import UNIFORM_LEVELS, KVCacheLayout, check_packing
 from oscar_export.kernels.transform import LayerTransform
 
 from .families import family_for, rope_parameters
@@ -531,6 +531,8 @@ def validate(art: OscarArtifact) -> None:
 # ---- reading: every field typed and bounded before it is used --------------------------------------------------
 
 ROW_KEYS = ("head_dim", "group_size", "granularity", "bits", "codebook")
+#: optional row-format keys: an artifact written before the field existed means its default ("linear").
+ROW_OPTIONAL_KEYS = ("packing",)
 LAYOUT_KEYS = ("num_kv_heads", "head_dim", "key", "value", "sink", "window", "page_size")
 REQUIRED_META_KEYS = ("num_layers", "fingerprint", "layout", "tensor_sha256", "values_prerotated")
 
@@ -542,7 +544,12 @@ def parse_layout(x: Any, where: str = "layout") -> KVCacheLayout:
     _keys(d, where, LAYOUT_KEYS, LAYOUT_KEYS)
     for side in ("key", "value"):
         r = _dict(d[side], f"{where}.{side}")
-        _keys(r, f"{where}.{side}", ROW_KEYS, ROW_KEYS)
+        _keys(r, f"{where}.{side}", ROW_KEYS, ROW_KEYS + ROW_OPTIONAL_KEYS)
+        if "packing" in r:
+            try:
+                check_packing(r["packing"], f"{where}.{side}.packing")
+            except ValueError as e:
+                raise ArtifactError(printable(e)) from None
         json_int(r["head_dim"], f"{where}.{side}.head_dim", L.min_head_dim, L.max_head_dim)
         json_int(r["group_size"], f"{where}.{side}.group_size", 4, L.max_head_dim)
         if not isinstance(r["granularity"], str) or r["granularity"] not in ("token", "channel"):

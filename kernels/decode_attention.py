@@ -652,6 +652,9 @@ def check_decode_layout(layout: KVCacheLayout) -> None:
     supported with one ``G`` for keys (token or channel) and values.
     """
     d = layout.head_dim
+    if layout.packing != "linear":  # mma16 pages: kernels/decode_attention_v2.py
+        raise ValueError(f"decode_attention (v1): reads 'linear' pages, the layout's are {layout.packing!r} "
+                         f"(mma16 pages: decode_attention_v2)")
     if d not in (64, 128, 256):
         raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")
     for name, fmt in (("key", layout.key), ("value", layout.value)):

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .aot import launch_plan as _plan
-from .layout import KVCacheLayout, PagedKV
+from .layout import KVCacheLayout, PagedKV, packing_code
 from .pages import STATUS_NONFINITE
 from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state, removal_counts
 from .transform import LayerTransform
@@ -51,7 +51,7 @@ def _decode_append_kernel(
     max_pages,
     H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S0: tl.constexpr,
     C: tl.constexpr, RCAP: tl.constexpr, K_CHANNEL: tl.constexpr, TRANSFORM: tl.constexpr,
-    RB: tl.constexpr, NONFINITE: tl.constexpr,
+    RB: tl.constexpr, NONFINITE: tl.constexpr, K_PACKING: tl.constexpr, V_PACKING: tl.constexpr,
 ):
     """One token of one (sequence, KV head). Grid ``(B, H_kv)``.
 
@@ -63,7 +63,8 @@ def _decode_append_kernel(
     block_table_ptr int32 ``[B, max_pages]``; sink_len/num_pages/recent_len int32 ``[B]`` committed lengths;
     status_ptr int32 ``[B]`` step status (read; NONFINITE or-ed in); max_pages int32;
     constexpr H_KV, P, D, G (value/token group size), S0, C (ring slots W + 2P), RCAP (W + P), K_CHANNEL,
-    TRANSFORM, RB (rows of R per step), NONFINITE (the status bit).
+    TRANSFORM, RB (rows of R per step), NONFINITE (the status bit), K_PACKING / V_PACKING (``layout.packing_code``
+    of each pool).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -109,11 +110,11 @@ def _decode_append_kernel(
                 _quantize_page(recent_k_ptr + first, D, k_codes_ptr, k_params_ptr, page * H_KV + h,
                                tl.load(k_rank_ptr + h), tl.load(k_levels_ptr + h * 4),
                                tl.load(k_levels_ptr + h * 4 + 1), tl.load(k_levels_ptr + h * 4 + 2),
-                               tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL)
+                               tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL, K_PACKING)
                 _quantize_page(recent_v_ptr + first, D, v_codes_ptr, v_params_ptr, page * H_KV + h,
                                tl.load(v_rank_ptr + h), tl.load(v_levels_ptr + h * 4),
                                tl.load(v_levels_ptr + h * 4 + 1), tl.load(v_levels_ptr + h * 4 + 2),
-                               tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False)
+                               tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False, V_PACKING)
             dst = ring + ((npg * P + rl) % C) * D + i
             tl.store(recent_k_ptr + dst, k16.to(tl.bfloat16))
             tl.store(recent_v_ptr + dst, v16.to(tl.bfloat16))
@@ -152,7 +153,8 @@ def decode_append(
         state.block_table.shape[1],
         H_KV=h, P=p, D=d, G=layout.value.group_size, S0=layout.sink, C=layout.recent_slots,
         RCAP=layout.recent_capacity, K_CHANNEL=layout.key.granularity == "channel", TRANSFORM=fused_transform,
-        RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE, num_warps=APPEND_WARPS,
+        RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE, K_PACKING=packing_code(layout.key, "key"),
+        V_PACKING=packing_code(layout.value, "value"), num_warps=APPEND_WARPS,
     )
 
 

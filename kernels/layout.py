@@ -12,8 +12,18 @@ of a page, KIVI-style). Either way each quantization group stores an fp16 ``(sca
 element a 2-bit code ``c``; it reads back as ``lo + scale * levels[c]`` with ``levels = (0, 1, 2, 3)``
 unless a fitted codebook replaces them.
 
-Packing is the same for both granularities: 4 codes per byte along ``D``; inside a packing group of
-``G`` elements, byte ``b`` holds elements ``b, b + G/4, b + G/2, b + 3G/4`` at bits 0, 2, 4, 6.
+Packing (``RowFormat.packing``, the same for both granularities) says where each 2-bit code sits inside
+the ``P * D / 4`` code bytes of one page of one KV head:
+
+* ``"linear"`` (the default, what every artifact without the field means): 4 codes per byte along ``D``;
+  inside a packing group of ``G`` elements, byte ``b`` of a row holds elements ``b, b + G/4, b + G/2,
+  b + 3G/4`` at bits 0, 2, 4, 6; rows follow each other (``[P, D // 4]``).
+* ``"mma16"``: the page is ordered for the tensor-core fragments of the v2 decode kernel, so that one
+  16-byte load per thread is exactly the codes of that thread's ``mma.m16n8k16`` A fragments (keys: tokens
+  on M, dims on K; values: dims on M, tokens on K, so one token's codes are spread over the page). The
+  exact bit mapping is defined, with a worked example, in ``reference.pack_mma16``.
+
+Both packings take the same bytes and the same tensor shapes; only the order differs.
 
 Cache layout (DESIGN §3.2)
 --------------------------
@@ -55,6 +65,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 Granularity = Literal["token", "channel"]
+Packing = Literal["linear", "mma16"]
+#: every packing this code knows; an artifact or a kernel bundle naming another one is refused on load.
+PACKINGS = ("linear", "mma16")
 
 #: fp32 value of 1/3: the quantizer multiplies by it instead of dividing (bit-exact in torch and Triton).
 ONE_THIRD_F32 = 0.3333333432674408
@@ -62,6 +75,26 @@ ONE_THIRD_F32 = 0.3333333432674408
 CODES_PER_BYTE = 4
 #: uniform 2-bit levels (a fitted codebook replaces them; level 0 is 0 and level 3 is 3 in both).
 UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
+
+
+def check_packing(packing: Any, what: str = "packing") -> None:
+    """Raise ``ValueError`` unless ``packing`` is one of :data:`PACKINGS` (one message for every loader)."""
+    if not isinstance(packing, str) or packing not in PACKINGS:
+        raise ValueError(f"{what}: unknown packing {packing!r}; this version knows {list(PACKINGS)}")
+
+
+#: ``PACKING`` constexpr of the kernels that write or read pages (one pool each): linear, mma16 keys
+#: (``[P, D]`` on the MMA's M x K), mma16 values (``[D, P]``); see ``reference.pack_page_codes``.
+PACK_LINEAR, PACK_MMA16_KEY, PACK_MMA16_VALUE = 0, 1, 2
+
+
+def packing_code(fmt: "RowFormat", operand: str) -> int:
+    """The ``PACKING`` constexpr for pages of ``fmt`` in the ``operand`` (``"key"``/``"value"``) pool."""
+    if operand not in ("key", "value"):
+        raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
+    if fmt.packing == "linear":
+        return PACK_LINEAR
+    return PACK_MMA16_KEY if operand == "key" else PACK_MMA16_VALUE
 
 
 def default_group_size(head_dim: int) -> int:
@@ -81,6 +114,8 @@ class RowFormat:
             (scale, lo) per channel over the P tokens of a page; keys only).
         bits: bits per code; only 2 is implemented.
         codebook: False for the uniform levels 0..3; True when the artifact supplies fitted levels.
+        packing: order of the codes inside a page (module doc): ``"linear"`` (default) or ``"mma16"``
+            (fragment order of the v2 decode kernel; needs ``head_dim`` a multiple of 32).
     """
 
     head_dim: int
@@ -88,6 +123,7 @@ class RowFormat:
     granularity: Granularity = "token"
     bits: int = 2
     codebook: bool = False
+    packing: Packing = "linear"
 
     def __post_init__(self) -> None:
         if self.bits != 2:
@@ -101,6 +137,9 @@ class RowFormat:
             )
         if self.granularity not in ("token", "channel"):
             raise ValueError(f"RowFormat.granularity: expected 'token' or 'channel', got {self.granularity!r}")
+        check_packing(self.packing, "RowFormat.packing")
+        if self.packing == "mma16" and self.head_dim % 32:
+            raise ValueError(f"RowFormat.packing 'mma16': head_dim must be a multiple of 32, got {self.head_dim}")
 
     @classmethod
     def default(cls, head_dim: int, granularity: Granularity = "token") -> "RowFormat":
@@ -171,6 +210,10 @@ class KVCacheLayout:
             raise ValueError(f"KVCacheLayout: sink and window must be >= 0, got {self.sink}, {self.window}")
         if self.page_size < 16 or self.page_size % 16:
             raise ValueError(f"KVCacheLayout.page_size: expected a multiple of 16, got {self.page_size}")
+        if self.value.packing == "mma16" and self.page_size % 32:
+            raise ValueError(
+                f"KVCacheLayout.page_size: values packed 'mma16' need a multiple of 32, got {self.page_size}"
+            )
 
     @classmethod
     def default(
@@ -181,13 +224,14 @@ class KVCacheLayout:
         sink: int = 64,
         window: int = 256,
         page_size: int | None = None,
+        packing: Packing = "linear",
     ) -> "KVCacheLayout":
         g = default_group_size(head_dim)
         return cls(
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            key=RowFormat(head_dim, g, key_granularity),
-            value=RowFormat(head_dim, g, "token"),
+            key=RowFormat(head_dim, g, key_granularity, packing=packing),
+            value=RowFormat(head_dim, g, "token", packing=packing),
             sink=sink,
             window=window,
             page_size=page_size if page_size is not None else g,
@@ -286,6 +330,19 @@ class KVCacheLayout:
         d["value"] = self.value.to_dict()
         return d
 
+    def matches_dict(self, d: Any) -> bool:
+        """Whether the layout dict ``d`` (e.g. a checkpoint's ``oscar`` section, possibly written before
+        ``RowFormat.packing`` existed: then ``"linear"``) describes this layout; False for malformed ``d``."""
+        try:
+            return KVCacheLayout.from_dict(d) == self
+        except (TypeError, KeyError, ValueError, NotImplementedError, AttributeError):
+            return False
+
+    @property
+    def packing(self) -> str:
+        """The packing of both K and V pages; ``"mixed"`` when they differ (no kernel reads that)."""
+        return self.key.packing if self.key.packing == self.value.packing else "mixed"
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KVCacheLayout":
         d = dict(d)
@@ -364,8 +421,15 @@ __all__ = [
     "UNIFORM_LEVELS",
     "Granularity",
     "KVCacheLayout",
+    "PACKINGS",
+    "PACK_LINEAR",
+    "PACK_MMA16_KEY",
+    "PACK_MMA16_VALUE",
+    "Packing",
     "PagedKV",
     "RowFormat",
+    "check_packing",
+    "packing_code",
     "check_pages_fit",
     "default_group_size",
 ]

@@ -27,13 +27,16 @@ import triton.language as tl
 
 from .aot import launch_plan as _plan
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
-from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
+from .layout import ONE_THIRD_F32, PACK_MMA16_KEY, KVCacheLayout, PagedKV, RowFormat, packing_code
+from .mma16 import store_mma16
 from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
 #: rows of R per step of the fused rotation when ``D > 128`` (the whole fp32 ``[D, D]`` exceeds shared memory).
 ROT_K = tl.constexpr(32)
+#: the PACKING constexpr of mma16 keys (layout.packing_code), as a constexpr global.
+_MMA16_KEY = tl.constexpr(PACK_MMA16_KEY)
 #: warps of the page quantizer, plain and with the rotation fused: stated once, in kernels/aot/launch_plan.py.
 QUANT_WARPS = _plan.QUANT_PACK.num_warps
 QUANT_ROT_WARPS = _plan.QUANT_PACK_ROT.num_warps
@@ -74,11 +77,13 @@ def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constex
 
 @triton.jit
 def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
-                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0):
     """Quantize one page-head of token groups: ``x_base`` rows ``[P, D]`` (row stride ``stride_xp``).
 
     Rows go in blocks of S; each thread holds C contiguous values of a quarter row per load, the four
     quarters (bits 0, 2, 4, 6 of a code byte) are loaded separately so a byte is packed in one thread.
+    ``PACKING`` (``layout.packing_code``) != 0: the codes of a row block are computed on whole rows after its
+    groups' thresholds (same arithmetic) and stored in mma16 order (:mod:`.mma16`).
     """
     Q: tl.constexpr = G // 4
     C: tl.constexpr = 8 if Q >= 8 else Q
@@ -91,6 +96,13 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     t1p = (lv1 + lv2) * 0.5
     t2p = (lv2 + lv3) * 0.5
     for rb in range(0, P, S):
+        if PACKING != 0:  # per-element group parameters of the row block, for the whole-row code pass
+            colg = tl.arange(0, D)[None, :] // G
+            thr_f = tl.zeros((S, D), tl.float32)
+            lof_f = tl.zeros((S, D), tl.float32)
+            ts0_f = tl.zeros((S, D), tl.float32)
+            ts1_f = tl.zeros((S, D), tl.float32)
+            ts2_f = tl.zeros((S, D), tl.float32)
         for g in tl.static_range(NG):
             ptrs = x_base + (rb + r)[:, None] * stride_xp + (g * G + q)[None, :]
             t0, t1, t2, t3, t4, t5, t6, t7, c, mn, mx = _row_round(ptrs, inf, inf, S, Q, C, True)
@@ -112,13 +124,21 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             ts0 = (t0p * s)[:, None]
             ts1 = (t1p * s)[:, None]
             ts2 = (t2p * s)[:, None]
-            packed = tl.zeros((S, Q), tl.int32)
-            for k in tl.static_range(4):
-                x = tl.load(ptrs + k * Q).to(tl.float32)
-                d = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None]) - lof
-                code = (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
-                packed = packed | (code << (2 * k))
-            tl.store(codes_base + (rb + r)[:, None] * (D // 4) + (g * Q + q)[None, :], packed.to(tl.uint8))
+            if PACKING == 0:
+                packed = tl.zeros((S, Q), tl.int32)
+                for k in tl.static_range(4):
+                    x = tl.load(ptrs + k * Q).to(tl.float32)
+                    d = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None]) - lof
+                    code = (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
+                    packed = packed | (code << (2 * k))
+                tl.store(codes_base + (rb + r)[:, None] * (D // 4) + (g * Q + q)[None, :], packed.to(tl.uint8))
+            else:
+                here = colg == g
+                thr_f = tl.where(here, thr[:, None], thr_f)
+                lof_f = tl.where(here, lof, lof_f)
+                ts0_f = tl.where(here, ts0, ts0_f)
+                ts1_f = tl.where(here, ts1, ts1_f)
+                ts2_f = tl.where(here, ts2, ts2_f)
             # (scale, lo) as one 32-bit word per row, stored by the thread holding column 0 of the tile
             # (a [S] vector would be re-laid through shared memory first)
             word = (scale16.to(tl.uint16, bitcast=True).to(tl.uint32)
@@ -126,6 +146,9 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             prm = (params_base + ((rb + r) * NG + g) * 2).to(tl.pointer_type(tl.uint32))
             tl.store(prm[:, None] + 0 * q[None, :], word[:, None] + 0 * q[None, :].to(tl.uint32),
                      mask=q[None, :] == 0)
+        if PACKING != 0:
+            x = tl.load(x_base + (rb + r)[:, None] * stride_xp + tl.arange(0, D)[None, :]).to(tl.float32)
+            _store_codes_mma16(codes_base, _code(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
 
 
 @triton.jit
@@ -199,7 +222,7 @@ def _quarter(v, k: tl.constexpr, NG: tl.constexpr, Q: tl.constexpr):
 
 @triton.jit
 def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
-                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0):
     """Quantize one page-head of channel groups (each channel over the P tokens; bytes packed along D by G)."""
     Q: tl.constexpr = G // 4
     NG: tl.constexpr = D // G
@@ -227,6 +250,15 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     ts0 = ((lv0 + lv1) * 0.5) * s
     ts1 = ((lv1 + lv2) * 0.5) * s
     ts2 = ((lv2 + lv3) * 0.5) * s
+    if PACKING != 0:  # mma16: whole rows of 16 * MB tokens per step (keys only: channel groups)
+        TB0: tl.constexpr = 128 // D if D < 128 else 1
+        TM: tl.constexpr = 16 * (TB0 if (P // 16) % TB0 == 0 else 1)  # 16 * mma16_group(P, D)
+        tm = tl.arange(0, TM)[:, None]
+        for tb in range(0, P, TM):
+            x = tl.load(x_base + (tb + tm) * stride_xp + i[None, :]).to(tl.float32)
+            code = _code(x, thr[None, :], lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
+            _store_codes_mma16(codes_base, code, tb, P, D, TM, PACKING)
+        return
     T3: tl.constexpr = 2 * T if P >= 2 * T else T  # tokens per step of the code pass
     t = tl.arange(0, T3)[:, None, None]
     col = (tl.arange(0, NG)[:, None] * G + tl.arange(0, Q)[None, :])[None, :, :]  # [1, NG, Q], quarter 0
@@ -260,16 +292,34 @@ def _code(x, thr, lof, ts0, ts1, ts2):
 
 
 @triton.jit
+def _store_codes_mma16(codes_base, code, t0, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
+                       PACKING: tl.constexpr):
+    """Store the codes ``code [T, D]`` of tokens ``t0 .. t0 + T`` of a page-head in mma16 order: keys as rows of
+    the ``[P, D]`` matrix, values (``PACKING == PACK_MMA16_VALUE``) as columns of the ``[D, P]`` one."""
+    # MB = mma16_group(rows, cols) as constexpr arithmetic (a jit function cannot call Python helpers)
+    if PACKING == _MMA16_KEY:
+        KB0: tl.constexpr = 128 // D if D < 128 else 1
+        KMB: tl.constexpr = KB0 if (P // 16) % KB0 == 0 else 1
+        store_mma16(codes_base, code, t0, 0, P, D, T, D, KMB)
+    else:
+        VB0: tl.constexpr = 128 // P if P < 128 else 1
+        VMB: tl.constexpr = VB0 if (D // 16) % VB0 == 0 else 1
+        store_mma16(codes_base, tl.trans(code), 0, t0, D, P, D, T, VMB)
+
+
+@triton.jit
 def _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
-                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr):
-    """Quantize the rows ``[P, D]`` at ``x_base`` (row stride ``stride_xp``) into page-head ``page_head`` (int64)."""
+                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
+                   PACKING: tl.constexpr = 0):
+    """Quantize the rows ``[P, D]`` at ``x_base`` (row stride ``stride_xp``) into page-head ``page_head`` (int64);
+    ``PACKING``: ``layout.packing_code`` of the pool."""
     codes_base = codes_ptr + page_head * (P * D // 4)
     if CHANNEL:
         _channel_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (2 * D), removals + 1,
-                       lv0, lv1, lv2, lv3, P, D, G)
+                       lv0, lv1, lv2, lv3, P, D, G, PACKING)
     else:
         _token_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (P * (D // G) * 2), removals + 1,
-                     lv0, lv1, lv2, lv3, P, D, G)
+                     lv0, lv1, lv2, lv3, P, D, G, PACKING)
 
 
 # ---- the rotated-input path: the whole page as one tile (the basis change needs full rows) -------------------
@@ -302,7 +352,8 @@ def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
 
 @triton.jit
 def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
-                P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr):
+                P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
+                PACKING: tl.constexpr = 0):
     """Quantize the tile ``x [P, D]`` fp32 and store it as page-head ``page_head`` (int64) of the pool."""
     Q: tl.constexpr = G // 4
     NG: tl.constexpr = D // G
@@ -313,20 +364,26 @@ def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv
     if CHANNEL:
         xt = tl.trans(x)  # [D, P]: one group per channel, over the P tokens of the page
         codes, scale16, lo16 = _clip_quantize(tl.abs(xt), xt, removals, lv0, lv1, lv2, lv3, P)
-        c4 = tl.reshape(codes, (NG, 4, Q, P))
-        packed = tl.sum(c4 * shifts[None, :, None, None], axis=1)  # [NG, Q, P]
-        packed = tl.reshape(packed, (D // 4, P))
-        tl.store(codes_ptr + page_head * (P * D // 4) + t[None, :] * (D // 4) + b[:, None], packed.to(tl.uint8))
+        if PACKING != 0:
+            _store_codes_mma16(codes_ptr + page_head * (P * D // 4), tl.trans(codes), 0, P, D, P, PACKING)
+        else:
+            c4 = tl.reshape(codes, (NG, 4, Q, P))
+            packed = tl.sum(c4 * shifts[None, :, None, None], axis=1)  # [NG, Q, P]
+            packed = tl.reshape(packed, (D // 4, P))
+            tl.store(codes_ptr + page_head * (P * D // 4) + t[None, :] * (D // 4) + b[:, None], packed.to(tl.uint8))
         prm = params_ptr + page_head * (2 * D)
         tl.store(prm + i, scale16)
         tl.store(prm + D + i, lo16)
     else:
         xg = tl.reshape(x, (P * NG, G))  # one group per row segment
         codes, scale16, lo16 = _clip_quantize(tl.abs(xg), xg, removals, lv0, lv1, lv2, lv3, G)
-        c4 = tl.reshape(codes, (P * NG, 4, Q))
-        packed = tl.sum(c4 * shifts[None, :, None], axis=1)  # [P*NG, Q]
-        packed = tl.reshape(packed, (P, D // 4))
-        tl.store(codes_ptr + page_head * (P * D // 4) + t[:, None] * (D // 4) + b[None, :], packed.to(tl.uint8))
+        if PACKING != 0:
+            _store_codes_mma16(codes_ptr + page_head * (P * D // 4), tl.reshape(codes, (P, D)), 0, P, D, P, PACKING)
+        else:
+            c4 = tl.reshape(codes, (P * NG, 4, Q))
+            packed = tl.sum(c4 * shifts[None, :, None], axis=1)  # [P*NG, Q]
+            packed = tl.reshape(packed, (P, D // 4))
+            tl.store(codes_ptr + page_head * (P * D // 4) + t[:, None] * (D // 4) + b[None, :], packed.to(tl.uint8))
         rg = tl.arange(0, P * NG)
         prm = params_ptr + page_head * (P * NG * 2)
         tl.store(prm + rg * 2, scale16)
@@ -340,6 +397,7 @@ def _quant_pack_kernel(
     stride_xn, stride_xh, stride_xp,
     H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_FP16: tl.constexpr,
+    PACKING: tl.constexpr,
 ):
     """Quantize page ``n`` of KV head ``h`` into pool page ``page_ids[n]``. Grid ``(N, H_kv)``.
 
@@ -353,7 +411,8 @@ def _quant_pack_kernel(
         params_ptr   fp16 pool, token ``[N_pool, H_kv, P, D // G, 2]``, channel ``[N_pool, H_kv, 2, D]``
         stride_xn, stride_xh, stride_xp  int32 element strides of x
         constexpr: H_KV, P, D, G, CHANNEL (per-channel-within-page groups), ROTATE, ROUND_BF16/ROUND_FP16
-        (round the rotated rows through that dtype before quantizing).
+        (round the rotated rows through that dtype before quantizing), PACKING (``layout.packing_code`` of the
+        pool: linear, mma16 keys, mma16 values).
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -382,10 +441,11 @@ def _quant_pack_kernel(
             x = _round_bf16(x)
         if ROUND_FP16:
             x = x.to(tl.float16).to(tl.float32)
-        _store_tile(x, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3, P, D, G, CHANNEL)
+        _store_tile(x, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3, P, D, G, CHANNEL,
+                    PACKING)
     else:
         _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3,
-                       P, D, G, CHANNEL)
+                       P, D, G, CHANNEL, PACKING)
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------
@@ -404,6 +464,8 @@ def check_format(fmt: RowFormat, page_size: int, what: str) -> None:
         )
     if fmt.head_dim > 256 or page_size > 256:
         raise NotImplementedError(f"{what}: head_dim and page_size <= 256 supported, got {fmt.head_dim}, {page_size}")
+    if fmt.packing == "mma16" and fmt.head_dim < 64:
+        raise NotImplementedError(f"{what}: the Triton kernels write 'mma16' pages for head_dim >= 64, got {fmt.head_dim}")
 
 
 def removal_counts(clip: torch.Tensor, group: int) -> torch.Tensor:
@@ -461,6 +523,7 @@ def write_pages(
     *,
     fused_rotation: bool = False,
     num_warps: int | None = None,
+    operand: str = "key",
 ) -> None:
     """Quantize ``x`` page by page into the pool (in place), like ``reference.write_pages`` for one of K/V.
 
@@ -477,9 +540,12 @@ def write_pages(
             ``fused_rotation``: then inside it, an fp32 FMA product (the AOT bundle's ``_rot`` kernel),
             ~10x slower on the H200.
         num_warps: launch width (benchmark sweeps); None: the default, which the AOT bundle mirrors.
+        operand: ``"key"`` or ``"value"``, the pool written (``fmt.packing == "mma16"`` orders them
+            differently: ``reference.pack_page_codes``).
     """
     h, p, d = layout.num_kv_heads, layout.page_size, layout.head_dim
     check_format(fmt, p, "write_pages")
+    packing = packing_code(fmt, operand)
     if fmt.head_dim != d:
         raise ValueError(f"fmt.head_dim: expected {d}, got {fmt.head_dim}")
     dev = x.device
@@ -526,7 +592,7 @@ def write_pages(
         x.stride(0), x.stride(1), x.stride(2),
         H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
         ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16, ROUND_FP16=fuse and round_dtype == torch.float16,
-        **warps,
+        PACKING=packing, **warps,
     )
 
 
@@ -541,17 +607,18 @@ def quantize_pages(
     *,
     fused_rotation: bool = False,
     num_warps: int | None = None,
+    operand: str = "key",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.quantize_pages`` on the GPU: ``x [N, H_kv, P, D]`` -> (codes uint8, params fp16).
 
-    ``fused_rotation``, ``num_warps``: as :func:`write_pages`.
+    ``fused_rotation``, ``num_warps``, ``operand``: as :func:`write_pages`.
     """
     n = x.shape[0] if x.dim() == 4 else 0
     codes = torch.empty(layout.codes_shape(n), dtype=torch.uint8, device=x.device)
     params = torch.empty(layout.params_shape(fmt, n), dtype=torch.float16, device=x.device)
     ids = torch.arange(n, dtype=torch.int32, device=x.device)
     write_pages(x, ids, codes, params, layout, fmt, clip, levels, rotation, round_dtype,
-                fused_rotation=fused_rotation, num_warps=num_warps)
+                fused_rotation=fused_rotation, num_warps=num_warps, operand=operand)
     return codes, params
 
 

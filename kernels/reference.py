@@ -54,6 +54,102 @@ def unpack_codes(packed: torch.Tensor, group_size: int) -> torch.Tensor:
     return c.reshape(*lead, nb * CODES_PER_BYTE)
 
 
+# ---- the mma16 packing (RowFormat.packing == "mma16") ---------------------------------------------------------
+
+
+def mma16_group(rows: int, cols: int) -> int:
+    """``MB``: 16-row blocks interleaved per lane so that one lane's run of bytes is 16 bytes when ``cols < 128``
+    (``MB = 128 // cols`` where that divides the ``rows // 16`` blocks, else 1). See :func:`pack_mma16`."""
+    mb = 128 // cols if cols < 128 else 1
+    return mb if (rows // 16) % mb == 0 else 1
+
+
+def pack_mma16(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., R, C]`` uint8 codes in 0..3 (``R % 16 == 0``, ``C % 32 == 0``) -> ``[..., R * C // 4]`` uint8 in the
+    fragment order of ``mma.sync.m16n8k16`` (and of ``wgmma`` with A from registers): the matrix is the MMA's
+    A operand, R on M, C on K. Keys pack their ``[P, D]`` codes (tokens on M), values their transposed
+    ``[D, P]`` codes (dims on M, tokens on K): see :func:`pack_page_codes`.
+
+    Bit mapping. Write a row as ``r = 16 * (MB * mo + mi) + 8 * hr + g`` and a column as
+    ``c = 32 * w + 16 * kb + 8 * hc + 2 * tq + e`` (``g < 8, tq < 4``; ``hr, kb, hc, e`` bits; ``MB`` from
+    :func:`mma16_group`). Code ``(r, c)`` sits in byte
+
+        ``(((mo * 32 + lane) * MB + mi) * (C // 32) + w) * 4 + 2 * e + kb``,  ``lane = 4 * g + tq``,
+
+    at bits ``2 * (2 * hc + hr)``. Read as little-endian 32-bit words (word ``((mo * 32 + lane) * MB + mi) *
+    (C // 32) + w``), field ``k = 4 * kb + 2 * hc + hr`` of a word is at bits ``2k`` (column ``c``, ``e = 0``)
+    and ``16 + 2k`` (column ``c + 1``, ``e = 1``), so ``(word >> 2k) & 0x00030003`` are the two codes of one
+    ``half2`` register: A-fragment register ``a[hr + 2 * hc]`` of lane ``lane`` for the 16x16 tile (row block
+    ``MB * mo + mi``, column block ``2 * w + kb``), which holds rows ``g + 8 * hr`` and columns
+    ``2 * tq + 8 * hc + {0, 1}`` (PTX ISA, m16n8k16 f16 A layout). One lane's ``MB * C / 8`` bytes are
+    contiguous (16 bytes for C = 128, or C = 64 with MB = 2), lanes follow each other: a warp's
+    ``MB`` row blocks are one coalesced 512-byte load, one 16-byte vector per thread, and ``OR 0x64006400``
+    turns each masked pair into ``1024 + c`` as fp16x2 (the LOP3 / magic-number conversion).
+
+    Worked example, R = 16, C = 32 (MB = 1, 128 bytes): code (0, 0) -> byte 0 bits 0-1; (8, 0) -> byte 0 bits
+    2-3 (hr); (0, 8) -> byte 0 bits 4-5 (hc); (0, 1) -> byte 2 bits 0-1 (e); (0, 16) -> byte 1 (kb);
+    (0, 2) -> byte 4 (lane 1); (1, 0) -> byte 16 (lane 4).
+    """
+    *lead, r, c = codes.shape
+    if r % 16 or c % 32:
+        raise ValueError(f"pack_mma16: expected [..., R, C] with R % 16 == 0 and C % 32 == 0, got {list(codes.shape)}")
+    mb = mma16_group(r, c)
+    n = len(lead)
+    x = codes.to(torch.uint8).reshape(*lead, r // (16 * mb), mb, 2, 8, c // 32, 2, 2, 4, 2)
+    # axes after lead: mo mi hr g w kb hc tq e  ->  mo g tq mi w e kb hc hr
+    x = x.permute(*range(n), n + 0, n + 3, n + 7, n + 1, n + 4, n + 8, n + 5, n + 6, n + 2)
+    x = x.reshape(*lead, r * c // 4, 4)  # [..., byte, field 2*hc + hr]
+    packed = x[..., 0] | (x[..., 1] << 2) | (x[..., 2] << 4) | (x[..., 3] << 6)
+    return packed
+
+
+def unpack_mma16(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``[..., rows * cols // 4]`` uint8 -> ``[..., rows, cols]`` uint8 codes (inverse of :func:`pack_mma16`)."""
+    *lead, nb = packed.shape
+    if nb * 4 != rows * cols or rows % 16 or cols % 32:
+        raise ValueError(f"unpack_mma16: {nb} bytes cannot hold [{rows}, {cols}] codes in mma16 order")
+    mb = mma16_group(rows, cols)
+    n = len(lead)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    f = (packed.unsqueeze(-1) >> shifts) & 3  # [..., byte, field]
+    x = f.reshape(*lead, rows // (16 * mb), 8, 4, mb, cols // 32, 2, 2, 2, 2)
+    # axes after lead: mo g tq mi w e kb hc hr  ->  mo mi hr g w kb hc tq e
+    x = x.permute(*range(n), n + 0, n + 3, n + 8, n + 1, n + 4, n + 6, n + 7, n + 2, n + 5)
+    return x.reshape(*lead, rows, cols)
+
+
+def pack_page_codes(codes: torch.Tensor, fmt: RowFormat, operand: str = "key") -> torch.Tensor:
+    """``[..., P, D]`` codes of whole pages -> ``[..., P, D // 4]`` bytes in ``fmt.packing``.
+
+    ``operand`` (``"key"`` or ``"value"``) matters for ``"mma16"`` only: keys are packed as the ``[P, D]`` A
+    operand of ``S^T = K q^T`` (tokens on M), values as the ``[D, P]`` A operand of ``O^T = V^T p^T`` (dims
+    on M). A round trip through :func:`unpack_page_codes` with the same arguments is exact either way; pages
+    for the V pool must say ``operand="value"``.
+    """
+    if fmt.packing == "linear":
+        return pack_codes(codes, fmt.group_size)
+    *lead, p, d = codes.shape
+    if operand == "key":
+        return pack_mma16(codes).reshape(*lead, p, d // CODES_PER_BYTE)
+    if operand == "value":
+        return pack_mma16(codes.transpose(-1, -2)).reshape(*lead, p, d // CODES_PER_BYTE)
+    raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
+
+
+def unpack_page_codes(packed: torch.Tensor, fmt: RowFormat, operand: str = "key") -> torch.Tensor:
+    """``[..., P, D // 4]`` bytes in ``fmt.packing`` -> ``[..., P, D]`` codes (inverse of :func:`pack_page_codes`)."""
+    if fmt.packing == "linear":
+        return unpack_codes(packed, fmt.group_size)
+    *lead, p, nb = packed.shape
+    d = nb * CODES_PER_BYTE
+    flat = packed.reshape(*lead, p * nb)
+    if operand == "key":
+        return unpack_mma16(flat, p, d)
+    if operand == "value":
+        return unpack_mma16(flat, d, p).transpose(-1, -2)
+    raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
+
+
 # ---- one quantization group along the last axis ----------------------------------------------------------
 
 
@@ -109,7 +205,7 @@ def dequantize_groups(
 
 
 def quantize_pages(
-    x: torch.Tensor, fmt: RowFormat, clip: torch.Tensor, levels: torch.Tensor
+    x: torch.Tensor, fmt: RowFormat, clip: torch.Tensor, levels: torch.Tensor, operand: str = "key"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize whole pages of rows already in the stored basis.
 
@@ -118,8 +214,10 @@ def quantize_pages(
         fmt: row format (token or channel granularity).
         clip: ``[H_kv]`` clip ratios.
         levels: ``[H_kv, 4]`` code levels.
+        operand: ``"key"`` or ``"value"``: which pool the pages are for (``fmt.packing == "mma16"`` packs the
+            two differently, :func:`pack_page_codes`).
     Returns:
-        codes ``[N, H_kv, P, D // 4]`` uint8 and params fp16 (``[N, H_kv, P, D // G, 2]`` token,
+        codes ``[N, H_kv, P, D // 4]`` uint8 (in ``fmt.packing``) and params fp16 (``[N, H_kv, P, D // G, 2]`` token,
         ``[N, H_kv, 2, D]`` channel).
     """
     n, h, p, d = x.shape
@@ -127,21 +225,22 @@ def quantize_pages(
         g = fmt.group_size
         rank = clip_rank(clip.to(x.device), g).view(1, h, 1, 1, 1)
         codes, scale, lo = quantize_groups(x.reshape(n, h, p, d // g, g), rank, levels.view(1, h, 1, 1, 4))
-        return pack_codes(codes.reshape(n, h, p, d), g), torch.stack([scale, lo], dim=-1)
+        return pack_page_codes(codes.reshape(n, h, p, d), fmt, operand), torch.stack([scale, lo], dim=-1)
     rank = clip_rank(clip.to(x.device), p).view(1, h, 1, 1)
     codes, scale, lo = quantize_groups(x.transpose(-1, -2), rank, levels.view(1, h, 1, 4))  # [N, H, D, P]
     codes = codes.transpose(-1, -2)
-    return pack_codes(codes, fmt.group_size), torch.stack([scale, lo], dim=-2)
+    return pack_page_codes(codes, fmt, operand), torch.stack([scale, lo], dim=-2)
 
 
 def dequantize_pages(
-    codes: torch.Tensor, params: torch.Tensor, fmt: RowFormat, levels: torch.Tensor
+    codes: torch.Tensor, params: torch.Tensor, fmt: RowFormat, levels: torch.Tensor, operand: str = "key"
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_pages`: ``[..., H_kv, P, D // 4]`` -> ``[..., H_kv, P, D]`` float32.
 
-    Leading dims are free (``[N]`` for the pool, ``[B, M]`` for gathered block tables); ``levels [H_kv, 4]``.
+    Leading dims are free (``[N]`` for the pool, ``[B, M]`` for gathered block tables); ``levels [H_kv, 4]``;
+    ``operand`` as in :func:`quantize_pages`.
     """
-    c = unpack_codes(codes, fmt.group_size)  # [..., H, P, D]
+    c = unpack_page_codes(codes, fmt, operand)  # [..., H, P, D]
     *lead, h, p, d = c.shape
     if fmt.granularity == "token":
         g = fmt.group_size
@@ -170,7 +269,7 @@ def gather_context(
     pool = state.k_codes.shape[0]
     ids = state.block_table.long().clamp(0, pool - 1)  # entries past num_pages are masked below
     k_hist = dequantize_pages(state.k_codes[ids], state.k_params[ids], layout.key, k_levels)  # [B, M, H, P, D]
-    v_hist = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels)
+    v_hist = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels, "value")
     h, d = layout.num_kv_heads, layout.head_dim
     k_hist = k_hist.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
     v_hist = v_hist.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
@@ -197,7 +296,7 @@ def read_sequence(
     recent = int(state.recent_len[b])
     ids = state.block_table[b, :pages].long()
     k_pg = dequantize_pages(state.k_codes[ids], state.k_params[ids], layout.key, k_levels)  # [n, H, P, D]
-    v_pg = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels)
+    v_pg = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels, "value")
     h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
     slots = layout.recent_slot(torch.arange(pages * p, pages * p + recent, device=state.recent_k.device))
     parts_k = [state.sink_k[b, :, :sink].float(), k_pg.transpose(0, 1).reshape(h, -1, d), state.recent_k[b][:, slots].float()]
@@ -303,7 +402,7 @@ def write_pages(
 ) -> None:
     """Quantize ``k, v [N, H_kv, P, D]`` (stored basis) into the pool pages ``page_ids``."""
     kc, kp = quantize_pages(k, layout.key, transform.k_clip, transform.k_levels)
-    vc, vp = quantize_pages(v, layout.value, transform.v_clip, transform.v_levels)
+    vc, vp = quantize_pages(v, layout.value, transform.v_clip, transform.v_levels, "value")
     idx = torch.tensor(page_ids, dtype=torch.long, device=state.k_codes.device)
     state.k_codes.index_copy_(0, idx, kc)
     state.k_params.index_copy_(0, idx, kp)
@@ -432,12 +531,12 @@ def decode_append(
     due = ok & ~to_sink & (state.recent_len == layout.recent_capacity)
     rows = layout.recent_slot(n[:, None] * p + torch.arange(p, device=k.device))  # [B, P]
     page = state.block_table[bi, n.clamp(max=state.block_table.shape[1] - 1)].long()  # [B]
-    for x, fmt, clip, levels, codes, params in (
-        (state.recent_k, layout.key, transform.k_clip, transform.k_levels, state.k_codes, state.k_params),
-        (state.recent_v, layout.value, transform.v_clip, transform.v_levels, state.v_codes, state.v_params),
+    for x, fmt, clip, levels, codes, params, operand in (
+        (state.recent_k, layout.key, transform.k_clip, transform.k_levels, state.k_codes, state.k_params, "key"),
+        (state.recent_v, layout.value, transform.v_clip, transform.v_levels, state.v_codes, state.v_params, "value"),
     ):
         rows_x = x[bi[:, None], :, rows].permute(0, 2, 1, 3)  # [B, H_kv, P, D]
-        qc, qp = quantize_pages(rows_x, fmt, clip, levels)
+        qc, qp = quantize_pages(rows_x, fmt, clip, levels, operand)
         codes[page] = torch.where(due.view(-1, 1, 1, 1), qc, codes[page])
         params[page] = torch.where(due.view(-1, *([1] * (qp.dim() - 1))), qp, params[page])
     # the token
@@ -461,13 +560,18 @@ __all__ = [
     "dequantize_pages",
     "gather_context",
     "masked_attention",
+    "mma16_group",
     "pack_codes",
+    "pack_mma16",
+    "pack_page_codes",
     "quantize_groups",
     "span_inverse",
     "quantize_pages",
     "read_sequence",
     "recent_valid",
     "unpack_codes",
+    "unpack_mma16",
+    "unpack_page_codes",
     "write_pages",
     "write_tokens",
 ]

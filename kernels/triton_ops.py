@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import check_decode_inputs, launch_decode
-from .layout import KVCacheLayout, PagedKV
+from .layout import KVCacheLayout, PagedKV, packing_code
 from .decode_step import APPEND_WARPS, ROT_BLOCK, _decode_append_kernel, check_decode_append_inputs, removals
 from .pages import STATUS_NONFINITE
 from .transform import LayerTransform
@@ -80,7 +80,7 @@ def _decode_append_op(
     v_params: torch.Tensor, k_removals: torch.Tensor, v_removals: torch.Tensor, k_levels: torch.Tensor,
     v_levels: torch.Tensor, block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor,
     recent_len: torch.Tensor, status: torch.Tensor, page_size: int, sink: int, recent_slots: int,
-    recent_capacity: int, group_size: int, k_channel: bool, fused_transform: bool,
+    recent_capacity: int, group_size: int, k_channel: bool, fused_transform: bool, k_packing: int, v_packing: int,
 ) -> None:
     bsz, h, d = k.shape
     torch.library.wrap_triton(_decode_append_kernel)[(bsz, h)](
@@ -89,7 +89,7 @@ def _decode_append_op(
         block_table, sink_len, num_pages, recent_len, status, block_table.shape[1],
         H_KV=h, P=page_size, D=d, G=group_size, S0=sink, C=recent_slots, RCAP=recent_capacity,
         K_CHANNEL=k_channel, TRANSFORM=fused_transform, RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE,
-        num_warps=APPEND_WARPS,
+        K_PACKING=k_packing, V_PACKING=v_packing, num_warps=APPEND_WARPS,
     )
 
 
@@ -106,7 +106,8 @@ def decode_append(
         k, v, tr.k_rotation, tr.k_scale, tr.k_mean, tr.v_mean, *(getattr(state, f) for f in _STATE[:8]),
         k_rem, v_rem, tr.k_levels, tr.v_levels, *(getattr(state, f) for f in _STATE[8:]), status,
         layout.page_size, layout.sink, layout.recent_slots, layout.recent_capacity, layout.value.group_size,
-        layout.key.granularity == "channel", fused_transform,
+        layout.key.granularity == "channel", fused_transform, packing_code(layout.key, "key"),
+        packing_code(layout.value, "value"),
     )
 
 

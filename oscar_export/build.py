@@ -111,7 +111,7 @@ def load_packaged_artifact(export_dir: Path, section: dict[str, Any], shape: dic
     if shape["model_type"] != fp["model_type"]:
         raise ValueError(f"{export_dir}: config has model_type {shape['model_type']!r}, its artifact "
                          f"{fp['model_type']!r}")
-    if section.get("layout") != lay.to_dict():
+    if not lay.matches_dict(section.get("layout")):
         raise ValueError(f"{export_dir}: the 'oscar' section's layout disagrees with the artifact's "
                          f"({section.get('layout')!r:.200} vs {lay.to_dict()!r:.200})")
     return art
@@ -217,7 +217,8 @@ def build_deployment(
     specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"])
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")
-        build_bundle(specs, tmp / "kernels", archs=archs, progress=progress)
+        build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
+                     packing={"key": layout.key.packing, "value": layout.value.packing})
         trtllm = write_trtllm_files(tmp, layout)
         if onnx:
             from oscar_export.onnx_export import export_decode_attention_onnx

@@ -41,20 +41,31 @@ def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
     k = "kch" if layout.key.granularity == "channel" else "ktok"
     cb = "_cb" if (layout.key.codebook or layout.value.codebook) else ""
     g = "" if layout.value.group_size == layout.head_dim else f"g{layout.value.group_size}"
+    pk = {"linear": "", "mma16": "_mma16"}.get(layout.packing, f"_k{layout.key.packing}v{layout.value.packing}")
     return (f"h{num_heads}kv{layout.num_kv_heads}d{layout.head_dim}{g}p{layout.page_size}"
-            f"s{layout.sink}w{layout.window}_{k}{cb}")
+            f"s{layout.sink}w{layout.window}_{k}{cb}{pk}")
 
 
 def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: bool, tag: str) -> KernelSpec:
     plan = lp.QUANT_PACK_ROT if rotate else lp.QUANT_PACK
     spec = KernelSpec.from_plan(plan, f"quant_pack_{which}{'_rot' if rotate else ''}_{tag}",
-                                lp.quant_pack_constexprs(layout, fmt, rotate))
+                                lp.quant_pack_constexprs(layout, fmt, rotate, "key" if which == "k" else "value"))
     return spec
 
 
 def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> KernelSpec:
-    return KernelSpec.from_plan(lp.DECODE_SPLIT, f"decode_split_{tag}",
-                                lp.decode_split_constexprs(layout, num_heads, sm_scale))
+    """The split kernel for the layout's packing: v1 (``decode_attention.py``) for linear pages, v2
+    (``decode_attention_v2.py``: same parameters, grid and merge) for mma16 pages."""
+    if layout.packing == "linear":
+        return KernelSpec.from_plan(lp.DECODE_SPLIT, f"decode_split_{tag}",
+                                    lp.decode_split_constexprs(layout, num_heads, sm_scale))
+    if layout.packing == "mma16":
+        if layout.page_size < 64:
+            raise NotImplementedError(f"decode_split v2: page_size 64 or 128, got {layout.page_size}")
+        return KernelSpec.from_plan(lp.DECODE_SPLIT_V2, f"decode_split_{tag}",
+                                    lp.decode_split_v2_constexprs(layout, num_heads, sm_scale))
+    raise NotImplementedError(f"decode_split: keys packed {layout.key.packing!r}, values {layout.value.packing!r}; "
+                              "both linear (v1) or both mma16 (v2) are supported")
 
 
 def decode_merge_spec(layout: KVCacheLayout, tag: str) -> KernelSpec:
@@ -67,7 +78,10 @@ def decode_step_specs(layout: KVCacheLayout, tag: str) -> list[KernelSpec]:
 
 
 def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> list[KernelSpec]:
-    """The decode kernels in TensorRT's plugin order (same constexprs, warps and stages as the originals)."""
+    """The decode kernels in TensorRT's plugin order (same constexprs, warps and stages as the originals).
+    Linear pages only: there is no TensorRT-order v2 (mma16) kernel yet."""
+    if layout.packing != "linear":
+        raise NotImplementedError(f"trt_specs: TensorRT-order kernels exist for linear pages only, got {layout.packing!r}")
     return [
         KernelSpec.from_plan(lp.TRT_DECODE_SPLIT, f"trt_decode_split_{tag}",
                              lp.decode_split_constexprs(layout, num_heads, sm_scale)),
@@ -77,7 +91,8 @@ def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) 
 
 def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes: bool = True,
                   trt: bool = True) -> list[KernelSpec]:
-    """Every kernel variant serving ``layout`` needs (see the module doc)."""
+    """Every kernel variant serving ``layout`` needs (see the module doc). ``trt``: the TensorRT-order decode
+    kernels, built for linear pages only (an mma16 bundle has none: the TensorRT plugin refuses it on load)."""
     tag = layout_tag(layout, num_heads)
     specs = [
         quant_pack_spec(layout, layout.key, "k", False, tag),
@@ -88,7 +103,7 @@ def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes
         decode_merge_spec(layout, tag),
         *decode_step_specs(layout, tag),
     ]
-    if trt:
+    if trt and layout.packing == "linear":
         specs += trt_specs(layout, num_heads, sm_scale, tag)
     if probes:
         specs += probe_specs(layout.head_dim, layout.value.group_size)

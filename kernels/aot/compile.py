@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .manifest import (
-    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, parse_arch,
-    ptx_entry_params, write_manifest,
+    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, manifest_packing,
+    parse_arch, ptx_entry_params, write_manifest,
 )
 from .spec import KernelSpec
 
@@ -131,10 +131,13 @@ def build_bundle(
     archs: Iterable[str] = DEFAULT_ARCHS,
     ptx_version: int | None = DEFAULT_PTX_VERSION,
     progress=None,
+    packing: dict[str, str] | None = None,
 ) -> Path:
     """Compile every spec for every arch into ``out_dir`` (written atomically: temp dir, then rename).
 
-    ``out_dir`` must not exist. ``progress``, if given, is called with ``(done, total, name)``.
+    ``out_dir`` must not exist. ``progress``, if given, is called with ``(done, total, name)``. ``packing``:
+    the code packing of the K and V pages the kernels read and write (``{"key": .., "value": ..}``, layout
+    ``RowFormat.packing``), recorded in the manifest; default both ``"linear"``.
     """
     triton, _, _ = _require_triton()
     out = Path(out_dir)
@@ -167,6 +170,7 @@ def build_bundle(
             "ptx_version": ptx_version,
             "hidden_params": "two trailing NULL pointers (global, profile scratch); both sizes are 0",
             "kernels": kernels,
+            "packing": manifest_packing(packing),
         })
         os.chmod(tmp, 0o755)
         tmp.rename(out)

@@ -47,6 +47,7 @@ TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
 
 _DA = "oscar_export.kernels.decode_attention"
 _DS = "oscar_export.kernels.decode_step"
+_DA2 = "oscar_export.kernels.decode_attention_v2"
 _QP = "oscar_export.kernels.quant_pack"
 _TRT = "oscar_export.kernels.aot.trt_order"
 
@@ -140,6 +141,17 @@ DECODE_SPLIT = KernelPlan(
     num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention, one split of sink/INT2 pages/recent per program (query rotation fused)",
 )
+#: v2 split kernel (mma16 pages): v1's parameters in v1's order, v1's constexprs without NB.
+_SPLIT_V2_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
+                        "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK")
+DECODE_SPLIT_V2 = KernelPlan(
+    name="decode_split_v2", kernel=f"{_DA2}:_decode_split_v2f_kernel",
+    params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_V2_CONSTEXPRS,
+    num_warps=2, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
+    doc="decode attention v2 over mma16 pages (keys on the MMA's M, GQ heads on N, dots split by mma16 field; "
+        "page_size 64 or 128); merged by decode_merge. 2 warps: fewest instructions per page-head in the sm_90 SASS "
+        "(benchmarks/NOTES-kernels.md); not yet tuned on a GPU",
+)
 DECODE_MERGE = KernelPlan(
     name="decode_merge", kernel=f"{_DA}:_merge_kernel",
     params=(("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"), ("out_ptr", "*bf16"), ("n_splits", "i32")),
@@ -151,7 +163,7 @@ _QP_PARAMS = (
     ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"), ("mean_ptr", "*fp32"), ("codes_ptr", "*u8"),
     ("params_ptr", "*fp16"), ("stride_xn", "i32"), ("stride_xh", "i32"), ("stride_xp", "i32"),
 )
-_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16")
+_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16", "PACKING")
 QUANT_PACK = KernelPlan(
     name="quant_pack", kernel=f"{_QP}:_quant_pack_kernel", params=_QP_PARAMS, constexprs=_QP_CONSTEXPRS,
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("N", "H_KV", "1"), sizes=("N",),
@@ -171,7 +183,8 @@ DECODE_APPEND = KernelPlan(
             ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
             ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
             ("max_pages", "i32")),
-    constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE"),
+    constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE", "K_PACKING",
+                "V_PACKING"),
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
     doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
         "full (decided on the device; lengths are read, the page book commits them)",
@@ -189,7 +202,7 @@ TRT_DECODE_MERGE = KernelPlan(
     constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
     grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
 )
-PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
                              TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
 
 
@@ -228,24 +241,51 @@ def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack
     }
 
 
+def gq_pad_v2(gq: int) -> int:
+    """v2's padding of the query heads per KV head (the dots' N): a power of two, at least 8."""
+    return max(8, 1 << max(0, (gq - 1).bit_length()))
+
+
+def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
+    """Constexprs of the v2 split kernel for ``layout`` (mma16 pages), BF16 queries in the model basis;
+    ``fast_unpack``: the inline-PTX field masks (uniform levels only), what the wrapper uses on a GPU."""
+    hkv = layout.num_kv_heads
+    if num_heads % hkv:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
+    gq = num_heads // hkv
+    codebook = bool(layout.key.codebook or layout.value.codebook)
+    return {
+        "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad_v2(gq), "D": layout.head_dim, "P": layout.page_size,
+        "S0": layout.sink, "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
+        "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
+        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook,
+    }
+
+
 def decode_merge_constexprs(layout) -> dict[str, Any]:
     return {"D": layout.head_dim, "CH": MERGE_CHUNK}
 
 
-def quant_pack_constexprs(layout, fmt, rotate: bool) -> dict[str, Any]:
+def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> dict[str, Any]:
+    """``operand``: the pool written, ``"key"`` or ``"value"`` (it decides the mma16 order)."""
+    from ..layout import packing_code
+
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": fmt.group_size,
-            "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False}
+            "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False,
+            "PACKING": packing_code(fmt, operand)}
 
 
 def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str, Any]:
     """Constexprs of the decode-step writer: ``C`` the ring's slots (``W + 2P``), ``RCAP`` the window's most
     recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``)."""
+    from ..layout import packing_code
     from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
 
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": layout.value.group_size,
             "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
             "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
-            "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE}
+            "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE,
+            "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value")}
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------
@@ -309,9 +349,9 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_V2", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
     "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
     "TRT_DECODE_SPLIT",
-    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
+    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs", "decode_split_v2_constexprs",
     "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
 ]

@@ -6,7 +6,12 @@ plus one ``manifest.json``::
     {"format": 1, "triton_version": "3.9.0", "ptxas": {"sm_90": "13.x"}, "ptx_version": 88,
      "kernels": [{"name", "arch", "symbol", "params": [{"name", "type", "bytes"}], "hidden_params": 2,
                   "constexprs", "grid", "num_warps", "num_stages", "shared", "spec",
-                  "cubin": {"file", "sha256", "bytes"}, "ptx": {"file", "sha256", "bytes"}}]}
+                  "cubin": {"file", "sha256", "bytes"}, "ptx": {"file", "sha256", "bytes"}}],
+     "packing": {"key": "linear", "value": "linear"}}
+
+``packing`` is the code packing of the pages the kernels read and write (``RowFormat.packing``); a manifest
+without it (built before the field existed) means ``"linear"``, one naming a packing this version does not
+know is refused.
 
 ``read_manifest`` validates the structure and, unless told not to, every binary's sha256 and that the
 cubin and PTX name the manifest's symbol with the manifest's parameter count. Errors name the file and
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..layout import check_packing
 from .spec import KernelSpec
 
 MANIFEST = "manifest.json"
@@ -35,6 +41,20 @@ TARGETS = {"sm_80": 80, "sm_86": 86, "sm_89": 89, "sm_90": 90}
 
 class BundleError(ValueError):
     """A kernel bundle that is missing, malformed or does not match its manifest."""
+
+
+def manifest_packing(packing: Any, where: str = "packing") -> dict[str, str]:
+    """The manifest's ``packing`` section, checked: ``{"key": .., "value": ..}``, ``None`` = both linear."""
+    if packing is None:
+        return {"key": "linear", "value": "linear"}
+    if not isinstance(packing, dict) or sorted(packing) != ["key", "value"]:
+        raise BundleError(f"{where}: expected {{'key': .., 'value': ..}}, got {packing!r:.200}")
+    for side in ("key", "value"):
+        try:
+            check_packing(packing[side], f"{where}.{side}")
+        except ValueError as e:
+            raise BundleError(str(e)) from None
+    return {"key": packing["key"], "value": packing["value"]}
 
 
 def parse_arch(arch: str | int) -> int:
@@ -121,6 +141,11 @@ class Manifest:
         have = sorted({(e.name, arch_name(e.arch)) for e in self.entries})
         raise BundleError(f"bundle {self.root}: no kernel {name!r} for {arch_name(cap)}; it holds {have}")
 
+    @property
+    def packing(self) -> dict[str, str]:
+        """``{"key": .., "value": ..}``: the page packing the bundle's kernels were built for."""
+        return manifest_packing(self.data.get("packing"))
+
     def archs(self) -> list[str]:
         return sorted({arch_name(e.arch) for e in self.entries})
 
@@ -155,6 +180,7 @@ def read_manifest(root: str | Path, verify: bool = True) -> Manifest:
         raise BundleError(f"{path}: not valid JSON ({e})") from None
     if data.get("format") != FORMAT_VERSION:
         raise BundleError(f"{path}: format {data.get('format')!r}, expected {FORMAT_VERSION}")
+    manifest_packing(data.get("packing"), f"{path}: packing")
     entries = []
     for k in data.get("kernels", []):
         try:
@@ -186,5 +212,5 @@ def read_manifest(root: str | Path, verify: bool = True) -> Manifest:
 
 __all__ = [
     "FORMAT_VERSION", "HIDDEN_PARAMS", "MANIFEST", "SHARED_LIMIT", "TARGETS", "BundleError", "KernelEntry",
-    "Manifest", "arch_name", "parse_arch", "ptx_entry_params", "read_manifest", "sha256", "write_manifest",
+    "Manifest", "arch_name", "manifest_packing", "parse_arch", "ptx_entry_params", "read_manifest", "sha256", "write_manifest",
 ]

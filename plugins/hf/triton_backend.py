@@ -32,7 +32,8 @@ def _write(state: PagedKV, page_ids: list[int], k: torch.Tensor, v: torch.Tensor
 
     ids = torch.tensor(page_ids, dtype=torch.int32, device=state.k_codes.device)
     write_pages(k, ids, state.k_codes, state.k_params, layout, layout.key, transform.k_clip, transform.k_levels)
-    write_pages(v, ids, state.v_codes, state.v_params, layout, layout.value, transform.v_clip, transform.v_levels)
+    write_pages(v, ids, state.v_codes, state.v_params, layout, layout.value, transform.v_clip, transform.v_levels,
+                operand="value")
 
 
 def write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch.Tensor) -> None:

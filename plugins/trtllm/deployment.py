@@ -94,7 +94,7 @@ class OscarDeployment:
         if not all(t.values_prerotated for t in self.artifact.transforms):
             raise ValueError(f"{checkpoint}: the artifact is not values_prerotated; serve an exported checkpoint")
         self.layout = self.artifact.layout
-        if "layout" in section and section["layout"] != self.layout.to_dict():
+        if "layout" in section and not self.layout.matches_dict(section["layout"]):
             raise ValueError(f"{checkpoint}: the oscar section's layout does not match its artifact's")
         self.num_layers = self.artifact.num_layers
         #: the attention facts of the checkpoint (the family table: heads, head_dim, the model's softmax scale)
@@ -106,6 +106,10 @@ class OscarDeployment:
         self.sm_scale = self.facts.scaling
         self.tag = layout_tag(self.layout, self.num_heads)
         self.manifest = read_manifest(bundle)
+        want = {"key": self.layout.key.packing, "value": self.layout.value.packing}
+        if self.manifest.packing != want:
+            raise BundleError(f"{bundle}: kernels built for page packing {self.manifest.packing}, the checkpoint's "
+                              f"layout has {want}")
         names = {e.name for e in self.manifest.entries}
         missing = [k for k in REQUIRED_KERNELS if f"{k}_{self.tag}" not in names]
         if missing:

@@ -239,3 +239,28 @@ def test_layers_sharing_one_transform_save(tmp_path):
     shared = OscarArtifact(art.layout, [art.transforms[0]] * 3, art.fingerprint, art.config, art.stats)
     shared.save(tmp_path)
     assert_same(shared, load_artifact(tmp_path, tiny_config()))
+
+
+# ---- the page packing (RowFormat.packing) ----------------------------------------------------------------
+
+
+def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
+    cfg = tiny_config(head_dim=32, hidden_size=128)
+    art = random_artifact(cfg)
+    mma = replace(art.layout, key=replace(art.layout.key, packing="mma16"),
+                  value=replace(art.layout.value, packing="mma16"))
+    art = OscarArtifact(mma, art.transforms, art.fingerprint, art.config, art.stats)
+    art.save(tmp_path / "a")
+    back = load_artifact(tmp_path / "a", cfg)
+    assert back.layout.key.packing == back.layout.value.packing == "mma16"
+    assert json.loads((tmp_path / "a" / META_FILE).read_text())["layout"]["key"]["packing"] == "mma16"
+    # an artifact written before the field existed: no "packing" key -> linear
+    old = tamper(tmp_path / "b", edit_meta=lambda m: (m["layout"]["key"].pop("packing"), m["layout"]["value"].pop("packing")))
+    assert load_artifact(old).layout.packing == "linear"
+
+
+def test_unknown_packing_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"layout.value.packing: unknown packing 'zigzag'; this version knows \['linear', 'mma16'\]"):
+        load_artifact(tamper(tmp_path, edit_meta=lambda m: m["layout"]["value"].__setitem__("packing", "zigzag")))
+    with pytest.raises(ValueError, match="unknown packing 3"):
+        load_artifact(tamper(tmp_path / "x", edit_meta=lambda m: m["layout"]["key"].__setitem__("packing", 3)))

@@ -73,6 +73,7 @@ def _budget(got, q, st, lay, tr, scale):
     err_bf16 = (attend(torch.bfloat16) - want).abs().max().item()
     print(f"\n  kernel err {err:.3e}, BF16 PyTorch err {err_bf16:.3e}")
     assert err <= 2 * err_bf16 + 1e-5, f"max error {err:.3e} > 2 x BF16 error {err_bf16:.3e} + 1e-5"
+    return err, err_bf16
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
@@ -280,3 +281,140 @@ def test_hf_triton_backend_matches_reference_ops():
         assert torch.equal(getattr(g, f), getattr(a, f)), f"state.{f} differs"
     q = torch.randn(2, 32, 128, device=DEV)
     _budget(ops.decode_attention(layer, q, g, 128**-0.5), q, a, lay, tr, 128**-0.5)
+
+
+# ---- v2: mma16 pages (kernels/decode_attention_v2.py) -----------------------------------------------------------
+# Written on a CPU machine; the fragment test needs CuPy (NVRTC) on the GPU machine. Untested until run there.
+
+_FRAG_SRC = r"""
+extern "C" __global__ void frag_mma(const unsigned int* words, const unsigned short* b, float* out, int C, int MB) {
+    // one warp per 16*MB-row group mo; out [R, 8] = (codes + 1024) @ B, B [C, 8] fp16 row-major (bit patterns)
+    const int lane = threadIdx.x, g = lane >> 2, tq = lane & 3, mo = blockIdx.x, W = C / 32;
+    const unsigned int* mine = words + (mo * 32 + lane) * MB * W;  // this lane's MB * W words, contiguous
+    unsigned int reg[8];
+    if (MB * W == 4) {  // the 16-byte load per thread
+        uint4 v = *reinterpret_cast<const uint4*>(mine);
+        reg[0] = v.x; reg[1] = v.y; reg[2] = v.z; reg[3] = v.w;
+    } else {
+        for (int i = 0; i < MB * W && i < 8; ++i) reg[i] = mine[i];
+    }
+    for (int mi = 0; mi < MB; ++mi) {
+        float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+        for (int w = 0; w < W; ++w) {
+            unsigned int word = reg[mi * W + w];
+            for (int kb = 0; kb < 2; ++kb) {
+                unsigned int a[4];
+                for (int r = 0; r < 4; ++r)  // field k = 4kb + r -> fp16x2 (1024 + c_lo, 1024 + c_hi)
+                    a[r] = ((word >> (2 * (4 * kb + r))) & 0x00030003u) | 0x64006400u;
+                const int k0 = 16 * (2 * w + kb) + 2 * tq;
+                unsigned int b0 = b[(k0) * 8 + g] | ((unsigned int)b[(k0 + 1) * 8 + g] << 16);
+                unsigned int b1 = b[(k0 + 8) * 8 + g] | ((unsigned int)b[(k0 + 9) * 8 + g] << 16);
+                asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+                             "{%8,%9}, {%0,%1,%2,%3};"
+                             : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+                             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+            }
+        }
+        const int row = 16 * (mo * MB + mi) + g;
+        out[row * 8 + 2 * tq] = c0; out[row * 8 + 2 * tq + 1] = c1;
+        out[(row + 8) * 8 + 2 * tq] = c2; out[(row + 8) * 8 + 2 * tq + 1] = c3;
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 128), (128, 64), (16, 32)], ids=["K-P64-D128", "V-D128-P64", "tiny"])
+def test_mma16_fragment_mapping_with_mma_sync(rows, cols):
+    """The mma16 bytes of a ``[rows, cols]`` code matrix, loaded 16 bytes per lane and turned into fp16x2 by one
+    ``and`` + ``or 0x64006400`` per register, fed to ``mma.sync.m16n8k16`` as the A operand, give exactly
+    ``(codes + 1024) @ B``: the hardware reads the fragments where ``reference.pack_mma16`` says they are."""
+    cp = pytest.importorskip("cupy")
+    torch.manual_seed(0)
+    codes = torch.randint(0, 4, (rows, cols), dtype=torch.uint8)
+    words = ref.pack_mma16(codes).view(torch.int32).cuda()
+    bmat = torch.randint(-2, 3, (cols, 8)).to(torch.float16)
+    out = torch.zeros(rows, 8, dtype=torch.float32, device=DEV)
+    kern = cp.RawKernel(_FRAG_SRC, "frag_mma", options=("--std=c++17",))
+    mb = ref.mma16_group(rows, cols)
+    bits = bmat.view(torch.int16).cuda()
+    with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        kern((rows // (16 * mb),), (32,), (cp.asarray(words), cp.asarray(bits), cp.asarray(out), cp.int32(cols),
+                                           cp.int32(mb)))
+    torch.cuda.synchronize()
+    want = (codes.double() + 1024) @ bmat.double()  # small integers: exact in fp32
+    assert torch.equal(out.cpu().double(), want), f"{(out.cpu().double() != want).sum().item()} outputs differ"
+
+
+def _mma16_layout(gran: str, p: int = 64) -> KVCacheLayout:
+    from dataclasses import replace
+
+    lay = KVCacheLayout.default(8, 128, gran, page_size=p)
+    return replace(lay, key=replace(lay.key, packing="mma16"), value=replace(lay.value, packing="mma16"))
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_quantize_mma16_real_shape_bit_exact(gran):
+    """Prefill pages written in mma16 order (keys and values) bit-exact with the reference on the GPU."""
+    lay = _mma16_layout(gran)
+    x = (torch.randn(512, 8, 64, 128, device=DEV) * torch.linspace(0.1, 3, 128, device=DEV)).bfloat16().float()
+    clip = torch.tensor([1.0, 0.99, 0.96, 0.92, 0.9, 0.8, 0.7, 0.5], device=DEV)
+    levels = torch.tensor([0.0, 1.0, 2.0, 3.0], device=DEV).repeat(8, 1)
+    for operand, fmt in (("key", lay.key), ("value", lay.value)):
+        want = ref.quantize_pages(x, fmt, clip, levels, operand)
+        got = quantize_pages(x, lay, fmt, clip, levels, operand=operand)
+        for name, g, w in zip(("codes", "params"), got, want):
+            mism = (g != w).sum().item()
+            assert mism == 0, f"{gran} {operand} {name}: {mism} mismatches, first at {(g != w).nonzero()[:3].tolist()}"
+
+
+@pytest.mark.parametrize("variant", ["fields", "plain", "tile"])
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_attention_v2_real_shape_and_vs_v1(gran, variant):
+    """v2 over mma16 pages within budget at the Llama-3-8B shape (32 / 8 heads, D 128, P 64), and close to v1
+    reading the same tokens from linear pages. ``fields``: the default kernel with its inline-PTX field masks
+    (only the GPU runs them), ``plain``: the same kernel's Triton-ops path (what the CPU tests run), ``tile``."""
+    from dataclasses import replace
+
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    lay = _mma16_layout(gran)
+    lin = KVCacheLayout.default(8, 128, gran, page_size=64)
+    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    lengths = [33000, 8192, 385, 17]
+    torch.manual_seed(0)
+    st = _random_cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), 32, 128, device=DEV)
+    kw = dict(variant="fields", fast_unpack=False) if variant == "plain" else dict(variant=variant)
+    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, **kw)
+    e2, _ = _budget(got, q, st, lay, tr, 128**-0.5)
+    st_lin = replace(st, k_codes=ref.pack_page_codes(ref.unpack_page_codes(st.k_codes, lay.key, "key"), lin.key),
+                     v_codes=ref.pack_page_codes(ref.unpack_page_codes(st.v_codes, lay.value, "value"), lin.value))
+    want = decode_attention(q, st_lin, lin, tr.k_levels, tr.v_levels, 128**-0.5)
+    diff = (got - want).abs().max().item()
+    print(f"\n  v2 vs v1 (same tokens): max abs diff {diff:.3e}")
+    e1, _ = _budget(want, q, st_lin, lin, tr, 128**-0.5)
+    assert diff <= e1 + e2 + 1e-6, (diff, e1, e2)  # both against the same fp64 output of the same tokens
+
+
+def test_decode_append_mma16_on_gpu_equals_reference():
+    """The decode-step demotion writes mma16 pages equal to the reference's on the GPU (real shape)."""
+    from oscar_export.kernels.decode_step import decode_append
+
+    lay = _mma16_layout("channel")
+    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    lengths = [lay.sink + lay.recent_capacity, lay.sink + lay.recent_capacity - 1, 2000]  # slot 0 demotes
+    torch.manual_seed(2)
+    book_r, st_r = _book_cache(lay, lengths, tr, 2500)
+    book_g, st_g = _book_cache(lay, [0, 0, 0], tr, 2500)
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        getattr(st_g, f).copy_(getattr(st_r, f))
+    book_g.seq_len.copy_(book_r.seq_len)
+    book_g.commit(0)
+    k, v = torch.randn(3, 8, 128, device=DEV), torch.randn(3, 8, 128, device=DEV)
+    for book, st, fn in ((book_r, st_r, ref.decode_append), (book_g, st_g, decode_append)):
+        book.begin(1)
+        fn(book.state_view(st, book.committed), k, v, book.status, lay, tr)
+        book.commit(1)
+    assert int(book_r.committed.num_pages[0]) == 1
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"state.{f} differs"

@@ -275,3 +275,27 @@ def test_probe_kernels_match_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _PROBE_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "probe ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_manifest_records_packing_and_refuses_unknown(bundle, tmp_path):
+    """The page packing is recorded (default linear); an old manifest without it reads as linear; an unknown
+    packing is refused on load with one clear error."""
+    assert read_manifest(bundle, verify=False).packing == {"key": "linear", "value": "linear"}
+    for name, edit, ok in (
+        ("old", lambda d: d.pop("packing"), True),
+        ("mma", lambda d: d.__setitem__("packing", {"key": "mma16", "value": "mma16"}), True),
+        ("bad", lambda d: d.__setitem__("packing", {"key": "linear", "value": "zigzag"}), False),
+        ("shape", lambda d: d.__setitem__("packing", "mma16"), False),
+    ):
+        copy = tmp_path / name
+        shutil.copytree(bundle, copy)
+        data = json.loads((copy / MANIFEST).read_text())
+        edit(data)
+        (copy / MANIFEST).write_text(json.dumps(data))
+        if ok:
+            assert read_manifest(copy).packing["key"] == ("linear" if name == "old" else "mma16")
+        else:
+            with pytest.raises(BundleError, match="packing"):
+                read_manifest(copy)
+    with pytest.raises(BundleError, match=r"packing.value: unknown packing 'zigzag'; this version knows"):
+        read_manifest(tmp_path / "bad")

@@ -17,6 +17,8 @@ LAYOUTS = {
     "channel_keys": (KVCacheLayout.default(3, 64, key_granularity="channel"), 9),
     "d128_gqa4": (KVCacheLayout.default(2, 128), 8),
     "gemma3_12b": (KVCacheLayout.default(8, 256), 16),  # head_dim 256: two groups of 128 per row, P = 128
+    "mma16_llama": (KVCacheLayout.default(8, 128, packing="mma16", page_size=64), 32),
+    "mma16_channel": (KVCacheLayout.default(3, 64, key_granularity="channel", packing="mma16"), 9),
 }
 
 
@@ -97,3 +99,25 @@ def test_head_dim_256_channel_keys_compile_for_sm90():
     layout = KVCacheLayout.default(8, 256, "channel")
     ck = compile_kernel(bundle.decode_split_spec(layout, 16, 256 ** -0.5, bundle.layout_tag(layout, 16)), "sm_90")
     assert ck.entry.shared <= SHARED_LIMIT[90]
+
+
+@pytest.mark.parametrize("name", ["mma16_llama", "mma16_channel"])
+def test_mma16_bundle_carries_v2_and_records_the_packing(name, tmp_path):
+    """An mma16 layout's bundle: the split kernel is v2, the writers have PACKING set, no TensorRT-order
+    kernels (linear only), the manifest records the packing; every serving kernel compiles for sm_90."""
+    from oscar_export.kernels.aot.compile import build_bundle
+    from oscar_export.kernels.aot.manifest import read_manifest
+
+    layout, heads = LAYOUTS[name]
+    specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5, probes=False)
+    by = {s.name.split("_h")[0]: s for s in specs}
+    assert by["decode_split"].kernel.endswith(":_decode_split_v2f_kernel")
+    assert by["quant_pack_k"].constexpr_dict["PACKING"] == 1 and by["quant_pack_v"].constexpr_dict["PACKING"] == 2
+    assert not any(s.name.startswith("trt_") for s in specs) and all(s.name.endswith("_mma16") for s in specs)
+    with pytest.raises(NotImplementedError, match="linear pages only"):
+        bundle.trt_specs(layout, heads, 0.125, "t")
+    out = build_bundle([s for s in specs if not s.name.startswith("quant_pack_k_rot")], tmp_path / "b",
+                       archs=["sm_90"], packing={"key": "mma16", "value": "mma16"})
+    m = read_manifest(out)
+    assert m.packing == {"key": "mma16", "value": "mma16"}
+    assert m.entry(by["decode_split"].name, "sm_90").symbol == "_decode_split_v2f_kernel"

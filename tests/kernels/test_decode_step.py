@@ -144,6 +144,25 @@ def test_triton_decode_append_two_groups_per_row(ds, device, d, g):
         _assert_equal(f"d={d} g={g} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
 
 
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_triton_decode_append_mma16_matches_reference(ds, device, gran):
+    """The demotion writes mma16 pages (keys tokens-on-M, values dims-on-M) equal to the reference's."""
+    lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran, packing="mma16"), RowFormat(64, 64, packing="mma16"),
+                        sink=16, window=32, page_size=32)
+    tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    bsz, steps = 2, 150  # > S0 + W + P + P: two demotions per slot
+    book_r, st_r = _book_state(lay, bsz, 200, "cpu")
+    book_g, st_g = _book_state(lay, bsz, 200, device)
+    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                  steps, bsz, seed=4)
+    trd = tr.to(device)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                  steps, bsz, seed=4)
+    assert int(book_r.committed.num_pages.min()) >= 2
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+
+
 def test_triton_fused_transform_and_nonfinite_flag(ds, device):
     """Keys transformed in the kernel (R_K, d_K, mu_K) and mu_V removed: the windows within one BF16 rounding
     of the reference's (fp32 FMA order differs from torch.matmul), and a NaN/Inf row flags and writes nothing."""

@@ -54,6 +54,53 @@ def test_quantize_pages_bit_exact(qp, device, d, g, gran):
     _assert_equal("params", got_p.cpu(), want_p)
 
 
+def _mma16(lay: KVCacheLayout) -> KVCacheLayout:
+    from dataclasses import replace
+
+    value = replace(lay.value, packing="mma16") if lay.page_size % 32 == 0 else lay.value  # mma16 values: P % 32
+    return replace(lay, key=replace(lay.key, packing="mma16"), value=value)
+
+
+@pytest.mark.parametrize("d,g,p,gran,operand", [
+    (64, 64, 64, "token", "key"), (128, 128, 128, "token", "key"), (128, 64, 32, "token", "key"),
+    (64, 64, 16, "token", "key"), (64, 64, 64, "channel", "key"), (128, 128, 32, "channel", "key"),
+    (64, 64, 64, "token", "value"), (128, 128, 128, "token", "value"), (128, 64, 32, "token", "value"),
+])
+def test_quantize_pages_mma16_bit_exact(qp, device, d, g, p, gran, operand):
+    """mma16 pages (keys tokens-on-M, values dims-on-M) bit-exact with the reference, both granularities."""
+    lay = _mma16(_layout(d, gran, g, p=p))
+    fmt = lay.key if operand == "key" else lay.value
+    x = _rows(3, 3, p, d)
+    want_c, want_p = ref.quantize_pages(x, fmt, CLIPS, LEVELS, operand)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, fmt, CLIPS.to(device), LEVELS.to(device), operand=operand)
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+
+
+@pytest.mark.parametrize("gran,operand", [("token", "key"), ("channel", "key"), ("token", "value")])
+def test_fused_rotation_mma16_is_the_linear_result_reordered(qp, device, gran, operand):
+    """The in-kernel rotation path (the AOT ``_rot`` kernel) writes the same codes in mma16 order as in linear."""
+    lin = _layout(64, gran)
+    mma = _mma16(lin)
+    h, p, d = 3, lin.page_size, 64
+    rot = torch.linalg.qr(torch.randn(h, d, d))[0].contiguous().to(device)
+    rotation = (rot, (torch.rand(h, d) + 0.5).to(device), (torch.randn(h, d) * 0.1).to(device))
+    x = (torch.randn(2, h, p, d) * 2).to(device)
+    fl, fm = (lin.key, mma.key) if operand == "key" else (lin.value, mma.value)
+    kw = dict(rotation=rotation, fused_rotation=True)
+    cl, pl = qp.quantize_pages(x, lin, fl, CLIPS.to(device), LEVELS.to(device), **kw)
+    cm, pm = qp.quantize_pages(x, mma, fm, CLIPS.to(device), LEVELS.to(device), operand=operand, **kw)
+    _assert_equal("params", pm.cpu(), pl.cpu())
+    _assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d), fm, operand))
+
+
+def test_mma16_unsupported_head_dim_raises(qp, device):
+    lay = _mma16(KVCacheLayout(1, 32, RowFormat(32, 32), RowFormat(32, 32), page_size=32))
+    with pytest.raises(NotImplementedError, match="'mma16' pages for head_dim >= 64, got 32"):
+        qp.quantize_pages(torch.randn(1, 1, 32, 32, device=device), lay, lay.key, CLIPS[:1].to(device),
+                          LEVELS[:1].to(device))
+
+
 def _hard_groups(p: int, g: int, h: int) -> torch.Tensor:
     """``[1, h, p, g]``: one quantization group per row, built to break a top-k threshold search."""
     gen = torch.Generator().manual_seed(7)

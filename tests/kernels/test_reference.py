@@ -60,6 +60,115 @@ def test_golden_byte_pins_the_bit_order():
     assert two_groups.tolist() == [57, 0, 0, 79, 0b11_11_00_01, 0, 0, 0b01_10_11_00]
 
 
+# ---- the mma16 packing ----------------------------------------------------------------------------------------
+
+
+def mma16_byte_and_bit(r: int, c: int, rows: int, cols: int) -> tuple[int, int]:
+    """Byte index and bit of code (r, c) under mma16, straight from ``pack_mma16``'s docstring formula."""
+    mb = ref.mma16_group(rows, cols)
+    blk, rr = divmod(r, 16)
+    mo, mi = divmod(blk, mb)
+    hr, g = divmod(rr, 8)
+    w, cc = divmod(c, 32)
+    kb, cc = divmod(cc, 16)
+    hc, cc = divmod(cc, 8)
+    tq, e = divmod(cc, 2)
+    lane = 4 * g + tq
+    byte = (((mo * 32 + lane) * mb + mi) * (cols // 32) + w) * 4 + 2 * e + kb
+    return byte, 2 * (2 * hc + hr)
+
+
+def test_mma16_golden_bytes_worked_example():
+    """R = 16, C = 32 (128 bytes): the worked example of ``pack_mma16``'s docstring, code by code."""
+    cases = {(0, 0): (0, 0), (8, 0): (0, 2), (0, 8): (0, 4), (8, 8): (0, 6), (0, 1): (2, 0), (0, 16): (1, 0),
+             (0, 17): (3, 0), (0, 2): (4, 0), (1, 0): (16, 0), (15, 31): (127, 6)}
+    for (r, c), (byte, bit) in cases.items():
+        codes = torch.zeros(16, 32, dtype=torch.uint8)
+        codes[r, c] = 3
+        packed = ref.pack_mma16(codes)
+        want = torch.zeros(128, dtype=torch.uint8)
+        want[byte] = 3 << bit
+        assert torch.equal(packed, want), ((r, c), packed.nonzero().tolist())
+        assert mma16_byte_and_bit(r, c, 16, 32) == (byte, bit)
+    # four codes of byte 0: rows 0/8 x columns 0/8 at bits 0, 2, 4, 6
+    codes = torch.zeros(16, 32, dtype=torch.uint8)
+    codes[0, 0], codes[8, 0], codes[0, 8], codes[8, 8] = 1, 2, 3, 0
+    assert ref.pack_mma16(codes)[0].item() == 0b00_11_10_01
+
+
+@pytest.mark.parametrize("rows, cols", [(16, 32), (32, 64), (64, 128), (128, 64), (48, 64), (16, 256), (64, 32)])
+def test_mma16_matches_the_formula_and_round_trips(rows, cols):
+    torch.manual_seed(rows + cols)
+    codes = torch.randint(0, 4, (2, rows, cols), dtype=torch.uint8)
+    packed = ref.pack_mma16(codes)
+    assert packed.shape == (2, rows * cols // 4)
+    assert torch.equal(ref.unpack_mma16(packed, rows, cols), codes)
+    want = torch.zeros(2, rows * cols // 4, dtype=torch.int32)
+    for r in range(rows):
+        for c in range(cols):
+            byte, bit = mma16_byte_and_bit(r, c, rows, cols)
+            want[:, byte] |= codes[:, r, c].to(torch.int32) << bit
+    assert torch.equal(packed.to(torch.int32), want)
+
+
+@pytest.mark.parametrize("rows, cols", [(64, 128), (32, 64), (128, 64)])
+def test_mma16_lane_load_is_the_m16n8k16_a_fragment(rows, cols):
+    """One lane's contiguous bytes, read as words, are its A-fragment registers: for word ``w`` of row block
+    ``blk`` and field ``k = 4kb + 2hc + hr``, ``(word >> 2k) & 0x00030003`` holds codes (g + 8hr, 2tq + 8hc)
+    and (.., +1) of the 16x16 tile (blk, 2w + kb): the PTX ISA's m16n8k16 fp16 A layout, a_i for i = hr + 2hc."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 4, (rows, cols), dtype=torch.uint8)
+    words = ref.pack_mma16(codes).view(torch.int32)  # little-endian words
+    mb = ref.mma16_group(rows, cols)
+    run = mb * cols // 32  # words per lane run
+    assert run * 4 == 16 or (mb == 1 and cols < 128)  # the 16-byte load per thread
+    for mo in range(rows // (16 * mb)):
+        for lane in range(32):
+            g, tq = divmod(lane, 4)
+            mine = words[(mo * 32 + lane) * run : (mo * 32 + lane + 1) * run]
+            for i, word in enumerate(mine.tolist()):
+                mi, w = divmod(i, cols // 32)
+                blk = mo * mb + mi
+                for kb in range(2):
+                    for reg in range(4):  # a0..a3
+                        hr, hc = reg % 2, reg // 2
+                        k = 4 * kb + 2 * hc + hr
+                        pair = (word >> (2 * k)) & 0x00030003
+                        row = 16 * blk + g + 8 * hr
+                        col = 16 * (2 * w + kb) + 2 * tq + 8 * hc
+                        assert (pair & 0xFFFF, pair >> 16) == (codes[row, col].item(), codes[row, col + 1].item())
+
+
+@pytest.mark.parametrize("granularity", ["token", "channel"])
+def test_quantize_pages_mma16_is_a_reordering_of_linear(granularity):
+    """Same codes and params as linear, only reordered; keys as [P, D], values as the transposed [D, P]."""
+    lin = KVCacheLayout.default(2, 64, granularity)
+    mma = KVCacheLayout.default(2, 64, granularity, packing="mma16")
+    x = torch.randn(3, 2, 64, 64)
+    clip, lev = torch.tensor([0.95, 1.0]), torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(2, 4)
+    for operand, fl, fm in (("key", lin.key, mma.key), ("value", lin.value, mma.value)):
+        if operand == "value" and granularity == "channel":
+            continue
+        cl, pl = ref.quantize_pages(x, fl, clip, lev)
+        cm, pm = ref.quantize_pages(x, fm, clip, lev, operand)
+        assert torch.equal(pl, pm)
+        codes = ref.unpack_codes(cl, 64)  # [N, H, P, D]
+        mat = codes if operand == "key" else codes.transpose(-1, -2)
+        assert torch.equal(cm.flatten(-2), ref.pack_mma16(mat)), operand
+        assert torch.equal(ref.dequantize_pages(cm, pm, fm, lev, operand), ref.dequantize_pages(cl, pl, fl, lev))
+        if operand == "value":  # the other operand's order is a different (wrong) page
+            assert not torch.equal(ref.dequantize_pages(cm, pm, fm, lev, "key"), ref.dequantize_pages(cl, pl, fl, lev))
+
+
+def test_mma16_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="R % 16 == 0 and C % 32 == 0"):
+        ref.pack_mma16(torch.zeros(16, 48, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="cannot hold"):
+        ref.unpack_mma16(torch.zeros(100, dtype=torch.uint8), 16, 32)
+    with pytest.raises(ValueError, match="operand: expected 'key' or 'value'"):
+        ref.pack_page_codes(torch.zeros(64, 64, dtype=torch.uint8), RowFormat(64, 64, packing="mma16"), "k")
+
+
 # ---- quantizer and params -----------------------------------------------------------------------------------
 
 

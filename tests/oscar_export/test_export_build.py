@@ -200,8 +200,9 @@ def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
     ckpt = export_checkpoint(model, None, OscarArtifact.identity(model), tmp_path / "ckpt")
     seen = {}
 
-    def record_bundle(specs, out, archs, progress=None):
+    def record_bundle(specs, out, archs, progress=None, packing=None):
         seen["specs"] = specs
+        seen["packing"] = packing
         out.mkdir()
         (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
 
@@ -211,6 +212,7 @@ def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
     out = build_deployment(ckpt, tmp_path / "deploy", ["sm_90"], onnx=True)
     scales = {dict(s.constexprs)["SM_SCALE"] for s in seen["specs"] if "SM_SCALE" in dict(s.constexprs)}
     assert scales == {256**-0.5} and seen["onnx_scale"] == 256**-0.5
+    assert seen["packing"] == {"key": "linear", "value": "linear"}  # the layout's page packing goes to the manifest
     assert json.loads((out / "deploy.json").read_text())["model"]["sm_scale"] == 256**-0.5
     # the TensorRT-LLM adapter serves llama only: no module, no options, the checkpoint's architectures kept
     assert json.loads((out / "deploy.json").read_text())["trtllm_module"] is False
