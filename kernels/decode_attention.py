@@ -362,6 +362,33 @@ def _columns(x, NB: tl.constexpr, NG: tl.constexpr, GQ_PAD: tl.constexpr, G4: tl
 
 
 @triton.jit
+def window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+                 b, h, c, tb, H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, S0: tl.constexpr,
+                 RC: tl.constexpr, BN: tl.constexpr):
+    """BF16 chunk ``c`` of sequence ``b``, KV head ``h``: chunks ``c < cdiv(S0, BN)`` are the sink's, the others
+    the recent ring's. Returns the K and V base pointers of the chunk's ``BN`` rows (bf16, row ``t`` at
+    ``base + t * D``) and the mask ``[BN]`` of its tokens (``tb = tl.arange(0, BN)``) that hold a cached token.
+
+    The split kernels of v1 and v2 (:mod:`.decode_attention_v2`) read their BF16 windows through this one helper.
+    """
+    NSINK: tl.constexpr = (S0 + BN - 1) // BN
+    if c < NSINK:
+        kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
+        kb = sink_k_ptr + kv_off
+        vb = sink_v_ptr + kv_off
+        tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
+    else:
+        kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
+        kb = recent_k_ptr + kv_off
+        vb = recent_v_ptr + kv_off
+        # the recent ring (layout.py): slots (start + j) mod RC, j < recent_len, start = (num_pages * P) mod RC
+        slot = (c - NSINK) * BN + tb
+        start = (tl.load(num_pages_ptr + b) * P) % RC
+        tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
+    return kb, vb, tmask
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, rot_ptr, dscale_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
@@ -563,22 +590,9 @@ def _decode_split_kernel(
             acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
             acclo = tl.sum(blo * w, axis=0)[:, None]
     else:
-        NSINK: tl.constexpr = (S0 + BN - 1) // BN
-        c = s - n_page_splits
         tb = tl.arange(0, BN)
-        if c < NSINK:
-            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
-            kb = sink_k_ptr + kv_off
-            vb = sink_v_ptr + kv_off
-            tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
-        else:
-            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
-            kb = recent_k_ptr + kv_off
-            vb = recent_v_ptr + kv_off
-            # the recent ring (layout.py): slots (start + j) mod RC, j < recent_len, start = (num_pages * P) mod RC
-            slot = (c - NSINK) * BN + tb
-            start = (tl.load(num_pages_ptr + b) * P) % RC
-            tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
+        kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                                     recent_len_ptr, b, h, s - n_page_splits, tb, H_KV, D, P, S0, RC, BN)
         rows = tb[:, None] * D
         kk = kb + rows
         scb = tl.dot(q0, tl.trans(tl.load(kk + e0[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)))
@@ -786,29 +800,51 @@ def launch_decode(
 
     ``group_size``: the layout's value (= token key) group size G; None means ``G = D``.
 
-    ``wrap`` wraps each kernel before launch (``torch.library.wrap_triton`` in :mod:`.triton_ops`).
-    Grid rules: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages,
-    pages_per_split)``, ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``.
+    ``wrap`` wraps each kernel before launch (``torch.library.wrap_triton`` in :mod:`.triton_ops`). Grids:
+    :func:`launch_split_merge`.
+    """
+    _, hq, d = q.shape
+    gq = hq // num_kv_heads
+    return launch_split_merge(
+        _decode_split_kernel, q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,
+        k_levels, v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots,
+        pages_per_split, out_dtype,
+        dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, G=group_size or d, P=page_size, S0=sink,
+             RC=recent_slots, BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook,
+             V_CODEBOOK=codebook, ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots),
+        num_warps, num_stages, wrap,
+    )
+
+
+def launch_split_merge(
+    split_kernel, q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+    v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads: int, sink: int, recent_slots: int,
+    pages_per_split: int, out_dtype: torch.dtype, constexprs: dict, num_warps: int, num_stages: int,
+    wrap=lambda k: k,
+) -> torch.Tensor:
+    """Allocate the partials, launch ``split_kernel`` (v1's or a v2 one: the same parameters in the same order,
+    then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
+
+    Grids: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages, pages_per_split)``,
+    ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``. ``wrap`` wraps each kernel before launch.
     """
     bsz, hq, d = q.shape
     max_pages = block_table.shape[1]
-    gq = hq // num_kv_heads
     n_page_splits = -(-max_pages // pages_per_split)
     n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_slots // BF16_CHUNK)
     n_splits = n_page_splits + n_bf16
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
-    wrap(_decode_split_kernel)[(bsz * num_kv_heads, n_splits)](
+    wrap(split_kernel)[(bsz * num_kv_heads, n_splits)](
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, G=group_size or d, P=page_size, S0=sink, RC=recent_slots,
-        BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
-        ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, num_warps=num_warps, num_stages=num_stages,
+        **constexprs, num_warps=num_warps, num_stages=num_stages,
     )
     wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
     return out
 
 
-__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "check_decode_inputs", "check_decode_layout", "decode_attention", "default_pages_per_split", "gq_pad", "launch_decode"]
+__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "check_decode_inputs", "check_decode_layout", "decode_attention", "default_pages_per_split", "gq_pad", "launch_decode", "launch_split_merge",
+           "window_block"]

@@ -38,15 +38,13 @@ import triton.language as tl
 
 from . import decode_attention as _v1
 from .aot import launch_plan as _plan
-from .decode_attention import _merge_kernel, check_decode_inputs
+from .decode_attention import check_decode_inputs, launch_split_merge, window_block
 from .layout import KVCacheLayout, PagedKV
 from .mma16 import load_mma16
 
 BF16_CHUNK = _plan.BF16_CHUNK
 SPLIT_WARPS = _plan.DECODE_SPLIT_V2.num_warps
 SPLIT_STAGES = _plan.DECODE_SPLIT_V2.num_stages
-MERGE_WARPS = _plan.DECODE_MERGE.num_warps
-MERGE_CHUNK = _plan.MERGE_CHUNK
 #: GQA ratios (query heads per KV head) the v2 kernel is built for; others: v1 or a clear error.
 GQ_SUPPORTED = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 #: head dims the v2 kernel is built for (multiples of 32, at most 256 values per row).
@@ -160,22 +158,9 @@ def _decode_split_v2_kernel(
             acclo = acclo * alpha + tl.sum(pt * vlo[:, None], axis=0)
         out = tl.trans(acc) + acclo[:, None]  # [GQ_PAD, D]
     else:
-        NSINK: tl.constexpr = (S0 + BN - 1) // BN
-        c = s - n_page_splits
         tb = tl.arange(0, BN)
-        if c < NSINK:
-            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
-            kb = sink_k_ptr + kv_off
-            vb = sink_v_ptr + kv_off
-            tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
-        else:
-            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
-            kb = recent_k_ptr + kv_off
-            vb = recent_v_ptr + kv_off
-            # the recent ring (layout.py): slots (start + j) mod RC, j < recent_len, start = (num_pages * P) mod RC
-            slot = (c - NSINK) * BN + tb
-            start = (tl.load(num_pages_ptr + b) * P) % RC
-            tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
+        kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                                     recent_len_ptr, b, h, s - n_page_splits, tb, H_KV, D, P, S0, RC, BN)
         rows = tb[:, None] * D + dd[None, :]
         kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
         scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
@@ -455,21 +440,9 @@ def _decode_split_v2f_kernel(
         ot = tl.reshape(tl.join(acc0, acc1 * VR), (D // 32, 2, 8, GQ_PAD, 2))  # (i, hr', g, g', hr)
         out = tl.reshape(tl.permute(ot, (3, 0, 1, 4, 2)), (GQ_PAD, D)) * VU + acclo[:, None]
     else:
-        NSINK: tl.constexpr = (S0 + BN - 1) // BN
-        c = s - n_page_splits
         tb = tl.arange(0, BN)
-        if c < NSINK:
-            kv_off = (b * H_KV + h).to(tl.int64) * (S0 * D) + c * (BN * D)
-            kb = sink_k_ptr + kv_off
-            vb = sink_v_ptr + kv_off
-            tmask = tb < tl.minimum(tl.load(sink_len_ptr + b), S0) - c * BN
-        else:
-            kv_off = (b * H_KV + h).to(tl.int64) * (RC * D) + (c - NSINK) * (BN * D)
-            kb = recent_k_ptr + kv_off
-            vb = recent_v_ptr + kv_off
-            slot = (c - NSINK) * BN + tb
-            start = (tl.load(num_pages_ptr + b) * P) % RC
-            tmask = (slot < RC) & ((slot - start + RC) % RC < tl.load(recent_len_ptr + b))
+        kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                                     recent_len_ptr, b, h, s - n_page_splits, tb, H_KV, D, P, S0, RC, BN)
         rows = tb[:, None] * D + dd[None, :]
         kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
         scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
@@ -574,29 +547,22 @@ def launch_decode_v2(
 ) -> torch.Tensor:
     """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs. Grid rules: the launch
     plan's ``DECODE_SPLIT_V2`` (as v1's split) and ``DECODE_MERGE``."""
-    bsz, hq, d = q.shape
-    max_pages = block_table.shape[1]
+    _, hq, d = q.shape
     gq = hq // num_kv_heads
-    n_page_splits = -(-max_pages // pages_per_split)
-    n_splits = n_page_splits + -(-sink // BF16_CHUNK) + -(-recent_slots // BF16_CHUNK)
-    part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
-    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
     if variant not in KERNELS:
         raise ValueError(f"variant: expected one of {sorted(KERNELS)}, got {variant!r}")
     if variant == "fields" and page_size < 64:
         raise NotImplementedError(f"decode_attention_v2 'fields': page_size 64 or 128, got {page_size} (use 'tile')")
     extra = dict(FAST_UNPACK=fast_unpack and not codebook) if variant == "fields" else {}
-    wrap(KERNELS[variant])[(bsz * num_kv_heads, n_splits)](
-        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, part_o, part_lse,
-        max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
-        BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
-        ROTATE_Q=rotate_q, num_warps=num_warps, num_stages=num_stages, **extra,
+    return launch_split_merge(
+        KERNELS[variant], q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,
+        k_levels, v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots,
+        pages_per_split, out_dtype,
+        dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
+             BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
+             ROTATE_Q=rotate_q, **extra),
+        num_warps, num_stages, wrap,
     )
-    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
-    return out
 
 
 #: the v2 split kernels by variant name (the launch plan's DECODE_SPLIT_V2 names the default one).
