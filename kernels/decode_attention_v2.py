@@ -71,6 +71,63 @@ def _token_pair(params_ptr, word_off, ok, P: tl.constexpr):
 
 
 @triton.jit
+def _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr,
+           D: tl.constexpr, SM_SCALE: tl.constexpr, ROTATE_Q: tl.constexpr):
+    """The ``GQ`` query heads of KV head ``h`` (rows past ``GQ`` zero), rotated if ``ROTATE_Q``, times
+    ``sm_scale·log2(e)``: fp16 ``[GQ_PAD, D]``."""
+    H: tl.constexpr = H_KV * GQ
+    g = tl.arange(0, GQ_PAD)
+    gmask = g < GQ
+    dd = tl.arange(0, D)
+    qrow = (b * H + h * GQ + g).to(tl.int64) * D
+    qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)  # [GQ_PAD, D]
+    if ROTATE_Q:
+        rot = tl.load(rot_ptr + h * D * D + dd[:, None] * D + dd[None, :])
+        qf = tl.dot(qf, rot, input_precision="ieee") / tl.load(dscale_ptr + h * D + dd)[None, :]
+    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
+    return (qf * qscale).to(tl.float16)
+
+
+@triton.jit
+def _window_split(q16, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                  recent_len_ptr, b, h, c, H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, S0: tl.constexpr,
+                  RC: tl.constexpr, BN: tl.constexpr):
+    """Attention of ``q16 [GQ_PAD, D]`` over BF16 chunk ``c`` (:func:`.decode_attention.window_block`): returns
+    ``m, l [GQ_PAD]`` (log2 units) and the unnormalised output ``[GQ_PAD, D]``."""
+    dd = tl.arange(0, D)
+    tb = tl.arange(0, BN)
+    kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                                 recent_len_ptr, b, h, c, tb, H_KV, D, P, S0, RC, BN)
+    rows = tb[:, None] * D + dd[None, :]
+    kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
+    scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
+    scb = tl.where(tmask[None, :], scb, float("-inf"))
+    m = tl.max(scb, axis=1)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    pw_ = tl.exp2(scb - m_use[:, None])
+    l = tl.sum(pw_, axis=1)
+    vv = tl.load(vb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)
+    return m, l, tl.dot(pw_.to(tl.float16), vv)  # [GQ_PAD, D]
+
+
+@triton.jit
+def _store_partial(part_o_ptr, part_lse_ptr, m, l, out, b, h, s, n_splits, H_KV: tl.constexpr, GQ: tl.constexpr,
+                   GQ_PAD: tl.constexpr, D: tl.constexpr):
+    """Write split ``s``'s normalised output ``out / l`` and its log2-sum-exp ``m + log2(l)`` (``-inf`` and
+    zeros when nothing was attended) for the ``GQ`` query heads of KV head ``h``."""
+    H: tl.constexpr = H_KV * GQ
+    g = tl.arange(0, GQ_PAD)
+    gmask = g < GQ
+    dd = tl.arange(0, D)
+    nonempty = l > 0.0
+    inv = tl.where(nonempty, 1.0 / l, 0.0)
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
+    tl.store(part_lse_ptr + prow, lse, mask=gmask)
+    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], out * inv[:, None], mask=gmask[:, None])
+
+
+@triton.jit
 def _decode_split_v2_kernel(
     q_ptr, rot_ptr, dscale_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
@@ -94,17 +151,8 @@ def _decode_split_v2_kernel(
     s = tl.program_id(1)
     b = bh // H_KV
     h = bh % H_KV
-    H: tl.constexpr = H_KV * GQ
-    g = tl.arange(0, GQ_PAD)
-    gmask = g < GQ
     dd = tl.arange(0, D)
-    qrow = (b * H + h * GQ + g).to(tl.int64) * D
-    qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)  # [GQ_PAD, D]
-    if ROTATE_Q:
-        rot = tl.load(rot_ptr + h * D * D + dd[:, None] * D + dd[None, :])
-        qf = tl.dot(qf, rot, input_precision="ieee") / tl.load(dscale_ptr + h * D + dd)[None, :]
-    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
-    q16 = (qf * qscale).to(tl.float16)  # [GQ_PAD, D]
+    q16 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q)  # [GQ_PAD, D]
     if s < n_page_splits:
         # mma16 row-block grouping of the K [P, D] and V [D, P] matrices (reference.mma16_group)
         KB0: tl.constexpr = 128 // D if D < 128 else 1
@@ -158,25 +206,9 @@ def _decode_split_v2_kernel(
             acclo = acclo * alpha + tl.sum(pt * vlo[:, None], axis=0)
         out = tl.trans(acc) + acclo[:, None]  # [GQ_PAD, D]
     else:
-        tb = tl.arange(0, BN)
-        kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
-                                     recent_len_ptr, b, h, s - n_page_splits, tb, H_KV, D, P, S0, RC, BN)
-        rows = tb[:, None] * D + dd[None, :]
-        kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
-        scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
-        scb = tl.where(tmask[None, :], scb, float("-inf"))
-        m = tl.max(scb, axis=1)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        pw_ = tl.exp2(scb - m_use[:, None])
-        l = tl.sum(pw_, axis=1)
-        vv = tl.load(vb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)
-        out = tl.dot(pw_.to(tl.float16), vv)  # [GQ_PAD, D]
-    nonempty = l > 0.0
-    inv = tl.where(nonempty, 1.0 / l, 0.0)
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
-    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
-    tl.store(part_lse_ptr + prow, lse, mask=gmask)
-    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], out * inv[:, None], mask=gmask[:, None])
+        m, l, out = _window_split(q16, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
+                                  num_pages_ptr, recent_len_ptr, b, h, s - n_page_splits, H_KV, D, P, S0, RC, BN)
+    _store_partial(part_o_ptr, part_lse_ptr, m, l, out, b, h, s, n_splits, H_KV, GQ, GQ_PAD, D)
 
 
 # ---- the field-split variant: every dot operand an elementwise function of the loaded words ----------------
@@ -297,17 +329,7 @@ def _decode_split_v2f_kernel(
     s = tl.program_id(1)
     b = bh // H_KV
     h = bh % H_KV
-    H: tl.constexpr = H_KV * GQ
-    g = tl.arange(0, GQ_PAD)
-    gmask = g < GQ
-    dd = tl.arange(0, D)
-    qrow = (b * H + h * GQ + g).to(tl.int64) * D
-    qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)  # [GQ_PAD, D]
-    if ROTATE_Q:
-        rot = tl.load(rot_ptr + h * D * D + dd[:, None] * D + dd[None, :])
-        qf = tl.dot(qf, rot, input_precision="ieee") / tl.load(dscale_ptr + h * D + dd)[None, :]
-    qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
-    q16 = (qf * qscale).to(tl.float16)  # [GQ_PAD, D]
+    q16 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q)  # [GQ_PAD, D]
     if s < n_page_splits:
         KB0: tl.constexpr = 128 // D if D < 128 else 1
         KMB: tl.constexpr = KB0 if (P // 16) % KB0 == 0 else 1
@@ -440,25 +462,9 @@ def _decode_split_v2f_kernel(
         ot = tl.reshape(tl.join(acc0, acc1 * VR), (D // 32, 2, 8, GQ_PAD, 2))  # (i, hr', g, g', hr)
         out = tl.reshape(tl.permute(ot, (3, 0, 1, 4, 2)), (GQ_PAD, D)) * VU + acclo[:, None]
     else:
-        tb = tl.arange(0, BN)
-        kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
-                                     recent_len_ptr, b, h, s - n_page_splits, tb, H_KV, D, P, S0, RC, BN)
-        rows = tb[:, None] * D + dd[None, :]
-        kk = tl.load(kb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)  # [BN, D]
-        scb = tl.dot(q16, tl.trans(kk))  # [GQ_PAD, BN]
-        scb = tl.where(tmask[None, :], scb, float("-inf"))
-        m = tl.max(scb, axis=1)
-        m_use = tl.where(m == float("-inf"), 0.0, m)
-        pw_ = tl.exp2(scb - m_use[:, None])
-        l = tl.sum(pw_, axis=1)
-        vv = tl.load(vb + rows, mask=tmask[:, None], other=0.0).to(tl.float16)
-        out = tl.dot(pw_.to(tl.float16), vv)  # [GQ_PAD, D]
-    nonempty = l > 0.0
-    inv = tl.where(nonempty, 1.0 / l, 0.0)
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
-    prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
-    tl.store(part_lse_ptr + prow, lse, mask=gmask)
-    tl.store(part_o_ptr + prow[:, None] * D + dd[None, :], out * inv[:, None], mask=gmask[:, None])
+        m, l, out = _window_split(q16, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
+                                  num_pages_ptr, recent_len_ptr, b, h, s - n_page_splits, H_KV, D, P, S0, RC, BN)
+    _store_partial(part_o_ptr, part_lse_ptr, m, l, out, b, h, s, n_splits, H_KV, GQ, GQ_PAD, D)
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------
