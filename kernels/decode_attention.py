@@ -826,7 +826,8 @@ def launch_split_merge(
     then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
 
     Grids: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages, pages_per_split)``,
-    ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``. ``wrap`` wraps each kernel before launch.
+    ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``. ``wrap`` wraps each
+    kernel before launch.
     """
     bsz, hq, d = q.shape
     max_pages = block_table.shape[1]
@@ -846,5 +847,6 @@ def launch_split_merge(
     return out
 
 
-__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "check_decode_inputs", "check_decode_layout", "decode_attention", "default_pages_per_split", "gq_pad", "launch_decode", "launch_split_merge",
+__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "check_decode_inputs", "check_decode_layout",
+           "decode_attention", "default_pages_per_split", "gq_pad", "launch_decode", "launch_split_merge",
            "window_block"]

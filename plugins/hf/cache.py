@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from oscar_export.kernels.decode_attention import default_pages_per_split
 from oscar_export.kernels.decode_step import removals
@@ -38,6 +38,7 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.pages import PageBook
 from oscar_export.kernels.transform import LayerTransform
 
+from .cache_layer import OscarCacheLayer
 from .ops import CacheOps, get_ops
 from .sliding import SlidingLayer
 
@@ -72,7 +73,7 @@ class TransformFlags:
         return cls(k_id, v_id, bool((t.v_mean == 0).all()))
 
 
-class OscarLayer(CacheLayerMixin):
+class OscarLayer(OscarCacheLayer):
     """One attention layer's mixed-precision paged cache (see the module doc).
 
     Args:
@@ -116,11 +117,7 @@ class OscarLayer(CacheLayerMixin):
         self.step_state = book.state_view(state, book.in_step)
         self.is_initialized = True
 
-    # ---- transformers' CacheLayerMixin interface ------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Buffers are allocated up front; only check what arrives."""
-        self.check_new(key_states, value_states)
-
+    # ---- transformers' CacheLayerMixin interface (the rest: cache_layer.OscarCacheLayer) ----------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hand the new tokens to the attention function (nothing is written here).
 
@@ -132,39 +129,9 @@ class OscarLayer(CacheLayerMixin):
         self.check_new(key_states, value_states)
         return LayerStep(self, key_states, value_states), value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.book.max_length, 0
-
-    def get_seq_length(self) -> torch.Tensor:
-        return self.cache.seen
-
-    def get_max_length(self) -> int:
-        return self.cache.book.max_length
-
-    def get_max_cache_shape(self) -> int:  # transformers 5.17 name
-        return self.cache.book.max_length
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    def offload(self) -> None:  # windows and pool stay where they are
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
             raise NotImplementedError("OscarCache cannot be cropped (INT2 pages cannot be un-demoted)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("OscarCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("OscarCache is allocated for a fixed batch: use num_return_sequences=1")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("OscarCache is allocated for a fixed batch")
 
     # ---- checks ---------------------------------------------------------------------------------------------
     def check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import CacheLayerMixin
 
 from oscar_export.kernels.pages import STATUS_NONFINITE
 
+from .cache_layer import OscarCacheLayer
 
-class SlidingLayer(CacheLayerMixin):
+
+class SlidingLayer(OscarCacheLayer):
     """One sliding-window attention layer's BF16 ring (see the module doc); duck-types ``OscarLayer``'s cache side.
 
     Args:
@@ -58,10 +59,7 @@ class SlidingLayer(CacheLayerMixin):
         self.v = torch.zeros(shape, dtype=dtype, device=book.device)
         self.is_initialized = True
 
-    # ---- transformers' cache-layer interface (what OscarLayer offers too) -----------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.check_new(key_states, value_states)
-
+    # ---- transformers' cache-layer interface (the rest: cache_layer.OscarCacheLayer) --------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hand the new tokens to the attention function (nothing is written here), like ``OscarLayer.update``."""
         from .cache import LayerStep
@@ -69,39 +67,9 @@ class SlidingLayer(CacheLayerMixin):
         self.check_new(key_states, value_states)
         return LayerStep(self, key_states, value_states), value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.book.max_length, 0
-
-    def get_seq_length(self) -> torch.Tensor:
-        return self.cache.seen
-
-    def get_max_length(self) -> int:
-        return self.cache.book.max_length
-
-    def get_max_cache_shape(self) -> int:
-        return self.cache.book.max_length
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
             raise NotImplementedError("OscarCache cannot be cropped")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("OscarCache does not support beam search")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("OscarCache is allocated for a fixed batch: use num_return_sequences=1")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("OscarCache is allocated for a fixed batch")
 
     def check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
         rows = len(self.cache.active_slots)

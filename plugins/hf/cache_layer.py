@@ -1,0 +1,53 @@
+"""What every layer of an ``OscarCache`` answers to transformers' ``CacheLayerMixin`` the same way.
+
+Both layer kinds (``cache.OscarLayer``, the OSCAR paged cache; ``sliding.SlidingLayer``, a model-dtype ring)
+belong to one ``OscarCache``: their length, mask sizes and reset are the cache's (its page book), and both
+refuse what a fixed-batch cache cannot do (beam reordering, batch resizing). Each layer keeps its own
+``check_new``, ``update`` and ``crop``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+
+class OscarCacheLayer(CacheLayerMixin):
+    """The cache-wide part of a layer's ``CacheLayerMixin`` interface; ``self.cache`` is the ``OscarCache``."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers are allocated up front; only check what arrives."""
+        self.check_new(key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.book.max_length, 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        return self.cache.seen
+
+    def get_max_length(self) -> int:
+        return self.cache.book.max_length
+
+    def get_max_cache_shape(self) -> int:  # transformers 5.17 name
+        return self.cache.book.max_length
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def offload(self) -> None:  # buffers stay where they are
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("OscarCache does not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("OscarCache is allocated for a fixed batch: use num_return_sequences=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("OscarCache is allocated for a fixed batch")
+
+
+__all__ = ["OscarCacheLayer"]
