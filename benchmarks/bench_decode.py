@@ -180,9 +180,9 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
         eager = median_ms(call, sets, 30)
         graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
         floor = nbytes / (copy_tbps * 1e12) * 1e6
-        rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
-                         graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor,
-                         pct_copy=100 * floor / (graph * 1e3), v2_vs_v1=diff, **{**kw, "variant": name}))
+        rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq,
+                         bytes=nbytes, eager_us=eager * 1e3, graph_us=graph * 1e3,
+                         tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor, pct_copy=100 * floor / (graph * 1e3), v2_vs_v1=diff, **{**kw, "variant": name}))
     del states
     return rows
 
