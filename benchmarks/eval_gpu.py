@@ -129,12 +129,16 @@ def main(argv=None) -> int:
 
     result = None
     for phase in ("text", "niah"):
-        if phase in phases:
-            part = run_eval(model, tok, preset, artifact, names, split=args.split, log=log,
+        if phase not in phases:
+            continue
+        # NIAH one named method at a time, each written when done (a time limit loses only the method it cuts)
+        groups = [[n] for n in names] if phase == "niah" and names else [names]
+        for group in groups:
+            part = run_eval(model, tok, preset, artifact, group, split=args.split, log=log,
                             text=phase == "text", niah=phase == "niah")
             part["command"] = command
             result = save(part if result is None else merge(result, part))
-            log(f"{phase} phase done: {part['timings']}; written to {out}")
+            log(f"{phase} phase ({', '.join(group) if group else 'all'}) done: {part['timings']}; written to {out}")
     if result is None:
         if earlier is None:
             raise SystemExit("--phases deployed needs the text/niah results of an earlier call in --out")

@@ -174,7 +174,7 @@ def merge(old: dict, new: dict) -> dict:
     Lets a later run add methods (e.g. ours, once calibrated) to an earlier one; BF16 is recomputed by every
     run, and a mismatch of its perplexity means the two runs are not comparable.
     """
-    out = json.loads(json.dumps(new, default=str))
+    old, out = (json.loads(json.dumps(d, default=str)) for d in (old, new))  # tuples -> lists, as written
     have = {m["name"] for m in out["methods"]}
     out["methods"] += [m for m in old["methods"] if m["name"] not in have]
     if "text" in old:

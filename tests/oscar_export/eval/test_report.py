@@ -56,3 +56,18 @@ def test_merge_adds_methods_and_refuses_incomparable_runs():
         merge(res(["bf16", "a"]), res(["bf16", "b"], ppl=10.5))
     with pytest.raises(ValueError, match="text windows at 1024 differ"):
         merge(res(["bf16", "a"]), res(["bf16", "b"], windows=2))
+
+
+def test_merge_of_two_in_memory_niah_runs_compares_configs_as_written():
+    """A run merges its own earlier in-memory part (tuples in its NIAH config), not only a JSON file's."""
+    a, b = result(), result()
+    for r, name in ((a, "a"), (b, "c")):
+        r["niah"]["config"]["lengths"] = (1024,)  # NiahConfig.to_dict() keeps the tuple
+        for row in r["niah"]["rows"]:
+            row["method"] = "bf16" if row["method"] == "bf16" else name
+        r["niah"]["methods"] = ["bf16", name]
+    m = merge(a, b)
+    assert {r["method"] for r in m["niah"]["rows"]} == {"bf16", "a", "c"}
+    b["niah"]["config"]["needles"] = 5
+    with pytest.raises(ValueError, match="NIAH configs differ"):
+        merge(a, b)
