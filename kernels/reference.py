@@ -146,7 +146,7 @@ def unpack_page_codes(packed: torch.Tensor, fmt: RowFormat, operand: str = "key"
     if operand == "key":
         return unpack_mma16(flat, p, d)
     if operand == "value":
-        return unpack_mma16(flat, d, p).transpose(-1, -2)
+        return unpack_mma16(flat, d, p).transpose(-1, -2).contiguous()
     raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
 
 

@@ -111,6 +111,19 @@ def test_mma16_matches_the_formula_and_round_trips(rows, cols):
     assert torch.equal(packed.to(torch.int32), want)
 
 
+@pytest.mark.parametrize("operand", ["key", "value"])
+def test_page_codes_convert_between_packings_into_contiguous_pools(operand):
+    """mma16 -> codes -> linear gives a pool the kernels accept (the value unpack was a transposed view, and the
+    linear pack kept it: the H200 test of v2 against v1 was refused with 'state.v_codes: expected a contiguous
+    tensor')."""
+    lin = RowFormat(head_dim=128, group_size=128, granularity="token")
+    mma = RowFormat(head_dim=128, group_size=128, granularity="token", packing="mma16")
+    codes = torch.randint(0, 4, (3, 2, 64, 128), dtype=torch.uint8)
+    back = ref.unpack_page_codes(ref.pack_page_codes(codes, mma, operand), mma, operand)
+    assert torch.equal(back, codes) and back.is_contiguous()
+    assert ref.pack_page_codes(back, lin, operand).is_contiguous()
+
+
 @pytest.mark.parametrize("rows, cols", [(64, 128), (32, 64), (128, 64)])
 def test_mma16_lane_load_is_the_m16n8k16_a_fragment(rows, cols):
     """One lane's contiguous bytes, read as words, are its A-fragment registers: for word ``w`` of row block
