@@ -7,6 +7,7 @@
 #                                       QuantizedCache methods (HF=0 skips)
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh c   # deployed beside niah_diagnose.py
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh d   # deployed beside the HF NIAH
+#   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh e   # HF NIAH beside niah_diagnose.py
 # Results accumulate in /tmp/eval_gpu on the device (eval_gpu.py --phases merges) and are copied to $OUT after each.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -34,4 +35,9 @@ elif [ "${1:-}" = d ]; then  # deployed runs (background) beside the HF Quantize
     ( ev "${DEP_S:-480}" --phases deployed ${DEP_ARGS:-} >/dev/null ) &
     RES=/tmp/eval_gpu_hf ev "${HF_S:-480}" --phases niah --methods "${HF_METHODS:-hf-quanto-int2,hf-hqq-int2,hf-quanto-int4,hf-hqq-int4}"
     wait; tail -n 30 "$OUT/eval.log"
+elif [ "${1:-}" = e ]; then  # HF QuantizedCache NIAH (background, own out dir) beside niah_diagnose.py (DIAG_ARGS)
+    ( RES=/tmp/eval_gpu_hf ev "${HF_S:-400}" --phases niah --methods "${HF_METHODS:-hf-quanto-int4,hf-hqq-int4}" >/dev/null ) &
+    timeout "${DIAG_S:-400}" python3 benchmarks/niah_diagnose.py "$G" --artifact art/ --out "$OUT/diag" \
+        --budget-s "${DIAG_BUDGET:-330}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 60
+    wait; tail -n 12 "$OUT/eval.log"
 fi

@@ -4,7 +4,7 @@
     python benchmarks/niah_diagnose.py tiny-random --tiny --out /tmp/diag          # CPU, seconds: every code path
     python benchmarks/niah_diagnose.py default --artifact art/ --tiny --out /tmp/diag  # the embedded model, CPU
 
-The ``dev`` NIAH split only (never tune on ``report``), every method fake-quantized decode-as-deployed from one
+The ``dev`` NIAH split (phases 1-5; never tune on ``report``, which only phase 6 reads), every method fake-quantized decode-as-deployed from one
 full-precision prefill (``oscar_export.eval.niah.run_niah``), the model in fp32, every cached row rounded to BF16.
 Phases, each written to ``--out`` (``diagnose.json``, ``diagnose.md``) as soon as it ends:
 
@@ -17,6 +17,9 @@ Phases, each written to ``--out`` (``diagnose.json``, ``diagnose.md``) as soon a
 3. ``heads``   one (layer, KV head)'s K or V at BF16, for the ``--worst`` layers per side of phase 1.
 4. ``tasks``   the other tasks (``--tasks``, e.g. multikey) at the first length: BF16, ours and the best levers.
 5. ``long``    the first task at the other lengths (``--lengths``, e.g. 8192): BF16, ours and the best levers.
+6. ``report``  the candidates on the ``report`` split, every task and length: BF16, ours, every K page 4-bit, the
+   4-bit key layer sets named by ``--k4 NAME=L1,L2,..`` (chosen from the dev phases) and those
+   ``oscar_export.eval.sensitivity`` allocates from calibration text alone (``--sens-budgets``, ``--sens-metrics``).
 
 Methods of a phase go through ``run_niah`` in chunks whose decode-time rows fit ``--mem-gib`` (estimate below);
 before each chunk the time of the last one predicts whether ``--budget-s`` still allows it, else the phase stops
@@ -40,7 +43,7 @@ from oscar_export.eval.levers import PageVariant, variant
 from oscar_export.eval.niah import NiahConfig, build_prompts, numbers, run_niah
 
 GIB = 1 << 30
-PHASES = ("layers", "levers", "heads", "tasks", "long")
+PHASES = ("layers", "levers", "heads", "tasks", "long", "report")
 
 
 # ---- the toy setup (CPU tests) ------------------------------------------------------------------------------
@@ -178,17 +181,17 @@ class Diagnosis:
         self.chunk_s_per_method: float | None = None
 
     # -- running ------------------------------------------------------------------------------------------------
-    def prompts(self, task: str, length: int):
-        cfg = NiahConfig(lengths=(length,), needles=self.args.needles, tasks=(task,), split="dev",
+    def prompts(self, task: str, length: int, split: str = "dev"):
+        cfg = NiahConfig(lengths=(length,), needles=self.args.needles, tasks=(task,), split=split,
                          digits=self.args.digits, values=self.args.values)
         return cfg, build_prompts(self.tok, cfg, self.lines)
 
-    def run_phase(self, name: str, methods: list[CacheModel], task: str, length: int) -> dict:
-        """Every method on the (task, length) prompts, chunked to fit memory and the time budget."""
-        cfg, prompts = self.prompts(task, length)
+    def run_phase(self, name: str, methods: list[CacheModel], task: str, length: int, split: str = "dev") -> dict:
+        """Every method on the (task, length) prompts of ``split``, chunked to fit memory and the time budget."""
+        cfg, prompts = self.prompts(task, length, split)
         fold = max(1, min(len(prompts), self.args.max_tokens // max(1, len(prompts[0].ids))))
-        phase = {"task": task, "length": length, "prompts": len(prompts), "fold": fold, "configs": {},
-                 "complete": False, "skipped": []}
+        phase = {"task": task, "length": length, "split": split, "prompts": len(prompts), "fold": fold,
+                 "configs": {}, "complete": False, "skipped": []}
         self.result["phases"][name] = phase
         for m in methods:
             self.result["methods"][m.name] = {**m.summary(), **bits(m)}
@@ -340,6 +343,38 @@ class Diagnosis:
         ok = [(c["ok"], c["digits"], n) for n, c in ph.items() if within(n)]
         return [built[n] for *_, n in sorted(ok, reverse=True)[:k]]
 
+    def report_configs(self) -> list[CacheModel]:
+        """Phase ``report``: BF16, ours, every K page 4-bit, the layer sets ``--k4`` names (chosen on the dev
+        split) and the allocations of ``oscar_export.eval.sensitivity`` on calibration text (no needles)."""
+        from oscar_export.eval import sensitivity
+
+        L = self.n_layers
+        ms: list[CacheModel] = [BF16Cache("bf16", "BF16 cache"), self.ours,
+                                variant(self.ours, "K4-all", "every K page 4-bit",
+                                        units=tuple((i, -1, "k", 4) for i in range(L)))]
+        for spec in self.args.k4:
+            name, _, layers = spec.partition("=")
+            chosen = sorted({int(x) for x in layers.split(",") if x.strip()})
+            ms.append(variant(self.ours, name, f"4-bit K pages in layers {chosen} (chosen on the dev split)",
+                              units=tuple((i, -1, "k", 4) for i in chosen)))
+        if self.args.sens_budgets:
+            t = time.perf_counter()
+            ids = sensitivity.calibration_windows(self.tok, self.args.sens_len, self.args.sens_seqs)
+            col = sensitivity.capture(self.model, ids)
+            errors = sensitivity.layer_errors(col, self.ours, queries=self.args.sens_queries)
+            sens = {"tokens": [int(x) for x in ids.shape], "queries": self.args.sens_queries,
+                    "errors": {str(b): e for b, e in errors.items()}, "allocations": {}}
+            for metric in self.args.sens_metrics:
+                for budget in self.args.sens_budgets:
+                    m, chosen = sensitivity.allocate(self.ours, errors, budget, metric=metric)
+                    sens["allocations"][m.name] = chosen
+                    if chosen:  # an empty allocation is ours again
+                        ms.append(m)
+            sens["s"] = round(time.perf_counter() - t, 1)
+            self.result["sensitivity"] = sens
+            self.log(f"sensitivity on calibration text: {sens['allocations']} ({sens['s']} s)")
+        return ms
+
     # -- the run ----------------------------------------------------------------------------------------------------
     def run(self) -> dict:
         task, length = self.args.tasks[0], self.args.lengths[0]
@@ -362,6 +397,12 @@ class Diagnosis:
         for L in self.args.lengths[1:] if "long" in want else []:
             self.log(f"phase long: {task} @ {L}")
             self.run_phase(f"long-{L}", top, task, L)
+        if "report" in want:  # the candidates on the report split: every task and length
+            cands = self.report_configs()
+            for t in self.args.tasks:
+                for L in self.args.lengths:
+                    self.log(f"phase report: {t} @ {L}, {len(cands)} configs")
+                    self.run_phase(f"report-{t}-{L}", cands, t, L, split="report")
         self.result["wall_s"] = round(self.budget.elapsed(), 1)
         self.write()
         return self.result
@@ -372,12 +413,13 @@ class Diagnosis:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# NIAH diagnosis (dev split, {res['needles']} needles per phase)", "",
+    lines = [f"# NIAH diagnosis ({res['needles']} needles per phase; dev split unless a phase says report)", "",
              f"Command: `{res['command']}`", f"Environment: {res['environment']}", ""]
     meth = res["methods"]
     for name, ph in res["phases"].items():
         state = "complete" if ph["complete"] else "INCOMPLETE: " + ph.get("stopped", "")
-        lines += [f"## {name}: {ph['task']} @ {ph['length']} tokens ({ph['prompts']} prompts, {state}, "
+        lines += [f"## {name}: {ph['task']} @ {ph['length']} tokens, {ph.get('split', 'dev')} split "
+                  f"({ph['prompts']} prompts, {state}, "
                   f"{ph.get('s', '?')} s)", "",
                   "| config | ok / n | leading digits | page bits | bits @8K | bits @32K | needle mass (mean) |",
                   "|---|---|---|---|---|---|---|"]
@@ -389,6 +431,7 @@ def markdown(res: dict) -> str:
         if ph.get("skipped"):
             lines.append(f"\nNot run (budget): {', '.join(ph['skipped'])}")
         lines.append("")
+    lines += report_summary(res)
     lay = res["phases"].get("layers", {}).get("configs", {})
     if "bf16" in lay and lay["bf16"]["mass_layer"]:
         ours = res.get("ours")
@@ -401,6 +444,38 @@ def markdown(res: dict) -> str:
                 lines.append(f"| {i} | {a:.4f} | {b:.4f} | {c:.4f} | {d:.4f} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def report_summary(res: dict) -> list[str]:
+    """The report phases side by side (needles correct per task and length, and in total), then the
+    calibration-text sensitivity per layer and what it allocated."""
+    rep = {n: p for n, p in res["phases"].items() if n.startswith("report-")}
+    out: list[str] = []
+    if rep:
+        names = list(next(iter(rep.values()))["configs"])
+        cols = list(rep)
+        out += ["## Report split, all phases: needles correct (of the phase's prompts)", "",
+                "| config | page bits | bits @8K | bits @32K | " + " | ".join(c[len("report-"):] for c in cols)
+                + " | total |", "|---" * (len(cols) + 5) + "|"]
+        for m in names:
+            got = [rep[c]["configs"].get(m) for c in cols]
+            tot = sum(g["ok"] for g in got if g), sum(g["n"] for g in got if g)
+            b = res["methods"].get(m, {})
+            out.append(f"| {m} | {b.get('page_bits', '-')} | {b.get('bits_8k', '-')} | {b.get('bits_32k', '-')} | "
+                       + " | ".join("-" if g is None else f"{g['ok']}/{g['n']}" for g in got)
+                       + f" | {tot[0]}/{tot[1]} |")
+        out.append("")
+    sens = res.get("sensitivity")
+    if sens:
+        out += [f"## Key attention error per layer on calibration text ({sens['tokens'][0]} windows of "
+                f"{sens['tokens'][1]} tokens, last {sens['queries']} queries)", "",
+                "| layer | KL, 2-bit K | KL, 4-bit K | top-row shift, 2-bit K | top-row shift, 4-bit K |",
+                "|---|---|---|---|---|"]
+        e2, e4 = sens["errors"]["2"], sens["errors"]["4"]
+        for i, (a, b) in enumerate(zip(e2, e4)):
+            out.append(f"| {i} | {a['kl']:.4f} | {b['kl']:.4f} | {a['top']:.4f} | {b['top']:.4f} |")
+        out += [""] + [f"- `{n}`: layers {layers}" for n, layers in sens["allocations"].items()] + [""]
+    return out
 
 
 def environment() -> dict:
@@ -456,7 +531,16 @@ def main(argv=None) -> int:
     ap.add_argument("--page-bits", type=float, default=3.0, help="budget: bits per element over the pages")
     ap.add_argument("--mem-gib", type=float, default=70.0, help="decode rows per chunk of methods (estimate)")
     ap.add_argument("--max-tokens", type=int, default=81920, help="prompt tokens decoded together")
-    ap.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)} (in that order)")
+    ap.add_argument("--phases", default=",".join(PHASES[:-1]),
+                    help=f"subset of {','.join(PHASES)} (in that order; default: all but report)")
+    ap.add_argument("--k4", action="append", default=[], metavar="NAME=L1,L2,..",
+                    help="report phase: a config with 4-bit K pages in these layers (repeatable)")
+    ap.add_argument("--sens-budgets", default="2.75,3.0", help="report phase: page-bit budgets of the calibration-"
+                    "text allocations (empty: none)")
+    ap.add_argument("--sens-metrics", default="kl,top", help="report phase: sensitivity metrics (kl, top)")
+    ap.add_argument("--sens-len", type=int, default=2048, help="calibration window length (tokens)")
+    ap.add_argument("--sens-seqs", type=int, default=2, help="calibration windows")
+    ap.add_argument("--sens-queries", type=int, default=64, help="last positions of a window used as queries")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--tiny", action="store_true", help="toy sizes: 1 needle, 512 tokens, 3 digits, one value")
     args = ap.parse_args(argv)
@@ -464,6 +548,8 @@ def main(argv=None) -> int:
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    args.sens_budgets = [float(x) for x in args.sens_budgets.split(",") if x.strip()]
+    args.sens_metrics = [m.strip() for m in args.sens_metrics.split(",") if m.strip()]
     if not args.tasks or any(p not in PHASES for p in args.phases):
         print(f"niah_diagnose: --phases: expected a subset of {','.join(PHASES)}, got {args.phases}; "
               f"--tasks: at least one", file=sys.stderr)
@@ -472,6 +558,7 @@ def main(argv=None) -> int:
         args.needles, args.lengths, args.digits = 1, [512], min(args.digits, 3)
         args.values = 1
         args.worst, args.top = min(args.worst, 1), min(args.top, 2)
+        args.sens_len, args.sens_queries = 256, 32
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("niah_diagnose: --device cuda but CUDA is not available", file=sys.stderr)

@@ -54,3 +54,20 @@ def test_diagnosis_stops_phases_when_the_budget_is_spent(tmp_path):
     later = [p for n, p in res["phases"].items() if n != "layers"]
     assert later and all(not p["complete"] and p["skipped"] and "budget" in p["stopped"] for p in later)
     assert "INCOMPLETE" in (tmp_path / "diagnose.md").read_text()
+
+
+def test_report_phase_reads_the_report_split_with_the_named_and_allocated_configs(tmp_path):
+    nd = _script()
+    assert nd.main(["tiny-random", "--tiny", "--out", str(tmp_path), "--phases", "report", "--tasks",
+                    "single,multivalue", "--k4", "devset=1", "--sens-budgets", "3.0,3.75"]) == 0
+    res = json.loads((tmp_path / "diagnose.json").read_text())
+    assert list(res["phases"]) == ["report-single-512", "report-multivalue-512"]
+    for p in res["phases"].values():
+        assert p["split"] == "report" and p["complete"]
+        assert list(p["configs"])[:4] == ["bf16", "ours", "K4-all", "devset"]
+    alloc = res["sensitivity"]["allocations"]
+    assert alloc["k4-kl-3"] == [] and len(alloc["k4-kl-3.75"]) == 1  # toy base 3.25: one 4-bit K layer fits
+    assert "k4-kl-3.75" in res["phases"]["report-single-512"]["configs"]
+    assert "k4-kl-3" not in res["phases"]["report-single-512"]["configs"]
+    md = (tmp_path / "diagnose.md").read_text()
+    assert "## Report split, all phases" in md and "| devset | 3.75 |" in md and "KL, 2-bit K" in md
