@@ -12,6 +12,12 @@ of a page, KIVI-style). Either way each quantization group stores an fp16 ``(sca
 element a 2-bit code ``c``; it reads back as ``lo + scale * levels[c]`` with ``levels = (0, 1, 2, 3)``
 unless a fitted codebook replaces them.
 
+Wider keys (``RowFormat.bits == 4``, issue 17): the layers whose artifact entry says so store 4-bit key codes,
+uniform levels ``0..15``, the same fp16 ``(scale, lo)`` params and the same rule with 16 levels; in ``"linear"``
+packing byte ``b`` of a packing group holds elements ``b, b + G/2`` at bits 0, 4 (the general rule: elements
+``b + j G / c`` at bits ``j * bits`` for the ``c = 8 / bits`` codes of a byte). Their K pool is ``[N, H_kv, P,
+D / 2]``; values stay 2-bit.
+
 Packing (``RowFormat.packing``, the same for both granularities) says where each 2-bit code sits inside
 the ``P * D / 4`` code bytes of one page of one KV head:
 
@@ -61,7 +67,7 @@ heads * (K 16 + 4, V 16 + 4 bytes) = 76,800; total 353,280 vs 768,000 for a BF16
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 Granularity = Literal["token", "channel"]
@@ -71,8 +77,11 @@ PACKINGS = ("linear", "mma16")
 
 #: fp32 value of 1/3: the quantizer multiplies by it instead of dividing (bit-exact in torch and Triton).
 ONE_THIRD_F32 = 0.3333333432674408
-#: 2-bit codes per byte.
+#: 2-bit codes per byte (the default row format; ``RowFormat.codes_per_byte`` is the general one).
 CODES_PER_BYTE = 4
+#: code widths a row format may have: 2 (the cache's INT2) and 4 (wider key pages of the layers that need
+#: them, issue 17: uniform levels 0..15, linear packing, no codebook).
+CODE_BITS = (2, 4)
 #: uniform 2-bit levels (a fitted codebook replaces them; level 0 is 0 and level 3 is 3 in both).
 UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
 
@@ -112,7 +121,8 @@ class RowFormat:
             divides ``head_dim`` and is a multiple of 4.
         granularity: ``"token"`` (one (scale, lo) per G elements of a row) or ``"channel"`` (one
             (scale, lo) per channel over the P tokens of a page; keys only).
-        bits: bits per code; only 2 is implemented.
+        bits: bits per code, one of :data:`CODE_BITS`: 2 (levels 0..3 or a fitted codebook) or 4 (uniform levels
+            0..15, ``"linear"`` packing only, no codebook).
         codebook: False for the uniform levels 0..3; True when the artifact supplies fitted levels.
         packing: order of the codes inside a page (module doc): ``"linear"`` (default) or ``"mma16"``
             (fragment order of the v2 decode kernel; needs ``head_dim`` a multiple of 32).
@@ -126,8 +136,11 @@ class RowFormat:
     packing: Packing = "linear"
 
     def __post_init__(self) -> None:
-        if self.bits != 2:
-            raise NotImplementedError(f"RowFormat.bits: only 2-bit codes are implemented, got {self.bits}")
+        if self.bits not in CODE_BITS:
+            raise NotImplementedError(f"RowFormat.bits: {list(CODE_BITS)} are implemented, got {self.bits}")
+        if self.bits != 2 and (self.codebook or self.packing != "linear"):
+            raise NotImplementedError(f"RowFormat.bits {self.bits}: only uniform levels in 'linear' packing "
+                                      f"(got codebook={self.codebook}, packing={self.packing!r})")
         if self.head_dim < 16 or self.head_dim % 4:
             raise ValueError(f"RowFormat.head_dim: expected a multiple of 4 >= 16, got {self.head_dim}")
         if self.group_size <= 0 or self.group_size % 4 or self.head_dim % self.group_size:
@@ -151,8 +164,17 @@ class RowFormat:
         return self.head_dim // self.group_size
 
     @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits
+
+    @property
+    def levels(self) -> int:
+        """Number of code levels, ``2 ** bits``."""
+        return 1 << self.bits
+
+    @property
     def bytes_per_row_codes(self) -> int:
-        return self.head_dim // CODES_PER_BYTE
+        return self.head_dim // self.codes_per_byte
 
     def param_bytes_per_page(self, page_size: int) -> int:
         """fp16 (scale, lo) bytes for one KV head of one page."""
@@ -273,9 +295,28 @@ class KVCacheLayout:
         return self.split(length)[1]
 
     # ---- shapes -----------------------------------------------------------------------------------------
-    def codes_shape(self, num_pages: int) -> tuple[int, ...]:
-        """uint8 codes of K or V: ``[N_pages, H_kv, P, D // 4]``."""
-        return (num_pages, self.num_kv_heads, self.page_size, self.head_dim // CODES_PER_BYTE)
+    def codes_shape(self, num_pages: int, fmt: RowFormat | None = None) -> tuple[int, ...]:
+        """uint8 codes of one pool: ``[N_pages, H_kv, P, D * bits / 8]`` of ``fmt`` (``key`` / ``value``); without
+        ``fmt`` the two formats must have the same code bytes (a 2-bit layout), else ``ValueError``."""
+        if fmt is None:
+            if self.key.bytes_per_row_codes != self.value.bytes_per_row_codes:
+                raise ValueError(f"codes_shape: keys ({self.key.bits}-bit) and values ({self.value.bits}-bit) "
+                                 "differ; use key_codes_shape / value_codes_shape")
+            fmt = self.value
+        return (num_pages, self.num_kv_heads, self.page_size, fmt.bytes_per_row_codes)
+
+    def key_codes_shape(self, num_pages: int) -> tuple[int, ...]:
+        return self.codes_shape(num_pages, self.key)
+
+    def value_codes_shape(self, num_pages: int) -> tuple[int, ...]:
+        return self.codes_shape(num_pages, self.value)
+
+    def with_key_bits(self, bits: int) -> "KVCacheLayout":
+        """This layout with ``bits``-bit key codes (``bits`` 4: uniform levels, linear packing; the layer
+        layout of a layer whose artifact entry says so)."""
+        if bits == self.key.bits:
+            return self
+        return replace(self, key=replace(self.key, bits=bits, codebook=False))
 
     def params_shape(self, fmt: RowFormat, num_pages: int) -> tuple[int, ...]:
         """fp16 params: token ``[N, H_kv, P, D // G, 2]``; channel ``[N, H_kv, 2, D]`` (scale row, lo row)."""
@@ -299,7 +340,7 @@ class KVCacheLayout:
     # ---- bytes --------------------------------------------------------------------------------------------
     def page_bytes(self) -> int:
         """Bytes of one INT2 page (K and V, all KV heads) in one layer."""
-        per_head = 2 * self.page_size * (self.head_dim // CODES_PER_BYTE)
+        per_head = self.page_size * (self.key.bytes_per_row_codes + self.value.bytes_per_row_codes)
         per_head += self.key.param_bytes_per_page(self.page_size)
         per_head += self.value.param_bytes_per_page(self.page_size)
         return self.num_kv_heads * per_head
@@ -314,7 +355,8 @@ class KVCacheLayout:
         return (sink + recent) * self.bf16_token_bytes() + pages * self.page_bytes()
 
     def int2_bits_per_element(self) -> float:
-        """Bits per element of the INT2 history alone (K and V averaged)."""
+        """Bits per element of the quantized history alone (K and V averaged; "INT2 part", 4-bit keys
+        included where the layout has them)."""
         return 8.0 * self.page_bytes() / (2 * self.num_kv_heads * self.page_size * self.head_dim)
 
     def effective_bits_per_element(self, length: int) -> float:
@@ -358,7 +400,7 @@ class PagedKV:
     Args:
         sink_k, sink_v: ``[B, H_kv, S0, D]`` BF16 (any float dtype works for the reference).
         recent_k, recent_v: ``[B, H_kv, C, D]`` rings, ``C = W + 2P`` (recent index ``i`` in slot ``i mod C``).
-        k_codes, v_codes: ``[N_pages, H_kv, P, D // 4]`` uint8.
+        k_codes, v_codes: ``[N_pages, H_kv, P, D * bits / 8]`` uint8 (``layout.key_codes_shape`` / ``value_...``).
         k_params, v_params: fp16, ``layout.key_params_shape(N)`` / ``layout.value_params_shape(N)``.
         block_table: ``[B, max_pages]`` int32 page ids (entries past ``num_pages[b]`` are ignored).
         sink_len, num_pages, recent_len: ``[B]`` int32.
@@ -394,9 +436,9 @@ class PagedKV:
             sink_v=z(layout.sink_shape(batch), dtype),
             recent_k=z(layout.recent_shape(batch), dtype),
             recent_v=z(layout.recent_shape(batch), dtype),
-            k_codes=z(layout.codes_shape(pool_pages), torch.uint8),
+            k_codes=z(layout.key_codes_shape(pool_pages), torch.uint8),
             k_params=z(layout.key_params_shape(pool_pages), torch.float16),
-            v_codes=z(layout.codes_shape(pool_pages), torch.uint8),
+            v_codes=z(layout.value_codes_shape(pool_pages), torch.uint8),
             v_params=z(layout.value_params_shape(pool_pages), torch.float16),
             block_table=z((batch, max_pages), torch.int32),
             sink_len=z((batch,), torch.int32),
@@ -417,6 +459,7 @@ def check_pages_fit(layout: KVCacheLayout, num_pages: int, batch: int, max_lengt
 
 __all__ = [
     "CODES_PER_BYTE",
+    "CODE_BITS",
     "ONE_THIRD_F32",
     "UNIFORM_LEVELS",
     "Granularity",

@@ -16,8 +16,9 @@ Quantization of one group ``x`` (DESIGN §3.1), bit-exact in every implementatio
     x_hat = float(lo) + float(scale) * levels[code]
 
 No division anywhere, so torch and Triton agree to the bit. The same rule with ``2**b`` levels (``levels``
-of length ``2**b``, ``1/3`` replaced by ``fp32(1 / (2**b - 1))``, :func:`span_inverse`) is the ``b``-bit quantizer
-the evaluation's wider-code levers use; the cache format itself is 2-bit.
+of length ``2**b``, ``1/3`` replaced by ``fp32(1 / (2**b - 1))``, :func:`span_inverse`) is the ``b``-bit quantizer:
+the 4-bit key pages of ``RowFormat.bits == 4`` (uniform levels ``0..15``, :func:`format_levels`) and the
+evaluation's wider-code levers.
 """
 
 from __future__ import annotations
@@ -33,25 +34,30 @@ from .transform import LayerTransform, clip_rank
 # ---- packing ------------------------------------------------------------------------------------------------
 
 
-def pack_codes(codes: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[..., D]`` uint8 codes in 0..3 -> ``[..., D // 4]`` uint8.
+def pack_codes(codes: torch.Tensor, group_size: int, bits: int = 2) -> torch.Tensor:
+    """``[..., D]`` uint8 codes in ``0 .. 2**bits - 1`` -> ``[..., D * bits / 8]`` uint8 (``c = 8 / bits`` per byte).
 
-    Within each group of ``G`` elements, byte ``b`` holds elements ``b, b+G/4, b+G/2, b+3G/4`` at bits 0, 2, 4, 6.
+    Within each group of ``G`` elements, byte ``b`` holds elements ``b + j G / c`` at bits ``j * bits``
+    (2-bit: ``b, b+G/4, b+G/2, b+3G/4`` at bits 0, 2, 4, 6; 4-bit: ``b, b+G/2`` at bits 0, 4).
     """
     *lead, d = codes.shape
-    c = codes.to(torch.uint8).reshape(*lead, d // group_size, CODES_PER_BYTE, group_size // CODES_PER_BYTE)
-    packed = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
-    return packed.reshape(*lead, d // CODES_PER_BYTE)
+    per = 8 // bits
+    c = codes.to(torch.uint8).reshape(*lead, d // group_size, per, group_size // per)
+    packed = c[..., 0, :]
+    for j in range(1, per):
+        packed = packed | (c[..., j, :] << (j * bits))
+    return packed.reshape(*lead, d // per)
 
 
-def unpack_codes(packed: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[..., D // 4]`` uint8 -> ``[..., D]`` uint8 codes in 0..3 (inverse of :func:`pack_codes`)."""
+def unpack_codes(packed: torch.Tensor, group_size: int, bits: int = 2) -> torch.Tensor:
+    """``[..., D * bits / 8]`` uint8 -> ``[..., D]`` uint8 codes (inverse of :func:`pack_codes`)."""
     *lead, nb = packed.shape
-    q = group_size // CODES_PER_BYTE
+    per = 8 // bits
+    q = group_size // per
     p = packed.reshape(*lead, nb // q, 1, q)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device).view(4, 1)
-    c = (p >> shifts) & 3  # [..., D/G, 4, G/4]
-    return c.reshape(*lead, nb * CODES_PER_BYTE)
+    shifts = (torch.arange(per, dtype=torch.uint8, device=packed.device) * bits).view(per, 1)
+    c = (p >> shifts) & ((1 << bits) - 1)  # [..., D/G, per, G/per]
+    return c.reshape(*lead, nb * per)
 
 
 # ---- the mma16 packing (RowFormat.packing == "mma16") ---------------------------------------------------------
@@ -127,7 +133,7 @@ def pack_page_codes(codes: torch.Tensor, fmt: RowFormat, operand: str = "key") -
     for the V pool must say ``operand="value"``.
     """
     if fmt.packing == "linear":
-        return pack_codes(codes, fmt.group_size)
+        return pack_codes(codes, fmt.group_size, fmt.bits)
     *lead, p, d = codes.shape
     if operand == "key":
         return pack_mma16(codes).reshape(*lead, p, d // CODES_PER_BYTE)
@@ -139,7 +145,7 @@ def pack_page_codes(codes: torch.Tensor, fmt: RowFormat, operand: str = "key") -
 def unpack_page_codes(packed: torch.Tensor, fmt: RowFormat, operand: str = "key") -> torch.Tensor:
     """``[..., P, D // 4]`` bytes in ``fmt.packing`` -> ``[..., P, D]`` codes (inverse of :func:`pack_page_codes`)."""
     if fmt.packing == "linear":
-        return unpack_codes(packed, fmt.group_size)
+        return unpack_codes(packed, fmt.group_size, fmt.bits)
     *lead, p, nb = packed.shape
     d = nb * CODES_PER_BYTE
     flat = packed.reshape(*lead, p * nb)
@@ -204,6 +210,15 @@ def dequantize_groups(
 # ---- pages ------------------------------------------------------------------------------------------------------
 
 
+def format_levels(fmt: RowFormat, levels: torch.Tensor) -> torch.Tensor:
+    """The code levels pages of ``fmt`` use: ``levels [H_kv, 4]`` (the transform's, uniform or a codebook) for
+    2-bit codes, the uniform ``0 .. 2**bits - 1`` (``[H_kv, 2**bits]``) for wider ones."""
+    if fmt.bits == 2:
+        return levels
+    lv = torch.arange(fmt.levels, dtype=torch.float32, device=levels.device)
+    return lv.expand(levels.shape[0], fmt.levels)
+
+
 def quantize_pages(
     x: torch.Tensor, fmt: RowFormat, clip: torch.Tensor, levels: torch.Tensor, operand: str = "key"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,21 +228,23 @@ def quantize_pages(
         x: ``[N, H_kv, P, D]`` float.
         fmt: row format (token or channel granularity).
         clip: ``[H_kv]`` clip ratios.
-        levels: ``[H_kv, 4]`` code levels.
+        levels: ``[H_kv, 4]`` code levels of the 2-bit format (ignored for wider codes: :func:`format_levels`).
         operand: ``"key"`` or ``"value"``: which pool the pages are for (``fmt.packing == "mma16"`` packs the
             two differently, :func:`pack_page_codes`).
     Returns:
-        codes ``[N, H_kv, P, D // 4]`` uint8 (in ``fmt.packing``) and params fp16 (``[N, H_kv, P, D // G, 2]`` token,
-        ``[N, H_kv, 2, D]`` channel).
+        codes ``[N, H_kv, P, D * bits / 8]`` uint8 (in ``fmt.packing``) and params fp16 (``[N, H_kv, P, D // G, 2]``
+        token, ``[N, H_kv, 2, D]`` channel).
     """
     n, h, p, d = x.shape
+    levels = format_levels(fmt, levels)
+    nl = levels.shape[-1]
     if fmt.granularity == "token":
         g = fmt.group_size
         rank = clip_rank(clip.to(x.device), g).view(1, h, 1, 1, 1)
-        codes, scale, lo = quantize_groups(x.reshape(n, h, p, d // g, g), rank, levels.view(1, h, 1, 1, 4))
+        codes, scale, lo = quantize_groups(x.reshape(n, h, p, d // g, g), rank, levels.view(1, h, 1, 1, nl))
         return pack_page_codes(codes.reshape(n, h, p, d), fmt, operand), torch.stack([scale, lo], dim=-1)
     rank = clip_rank(clip.to(x.device), p).view(1, h, 1, 1)
-    codes, scale, lo = quantize_groups(x.transpose(-1, -2), rank, levels.view(1, h, 1, 4))  # [N, H, D, P]
+    codes, scale, lo = quantize_groups(x.transpose(-1, -2), rank, levels.view(1, h, 1, nl))  # [N, H, D, P]
     codes = codes.transpose(-1, -2)
     return pack_page_codes(codes, fmt, operand), torch.stack([scale, lo], dim=-2)
 
@@ -235,19 +252,21 @@ def quantize_pages(
 def dequantize_pages(
     codes: torch.Tensor, params: torch.Tensor, fmt: RowFormat, levels: torch.Tensor, operand: str = "key"
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_pages`: ``[..., H_kv, P, D // 4]`` -> ``[..., H_kv, P, D]`` float32.
+    """Inverse of :func:`quantize_pages`: ``[..., H_kv, P, D * bits / 8]`` -> ``[..., H_kv, P, D]`` float32.
 
-    Leading dims are free (``[N]`` for the pool, ``[B, M]`` for gathered block tables); ``levels [H_kv, 4]``;
-    ``operand`` as in :func:`quantize_pages`.
+    Leading dims are free (``[N]`` for the pool, ``[B, M]`` for gathered block tables); ``levels [H_kv, 4]``
+    (:func:`format_levels`); ``operand`` as in :func:`quantize_pages`.
     """
     c = unpack_page_codes(codes, fmt, operand)  # [..., H, P, D]
     *lead, h, p, d = c.shape
+    levels = format_levels(fmt, levels)
+    nl = levels.shape[-1]
     if fmt.granularity == "token":
         g = fmt.group_size
-        lv = levels.view(*([1] * len(lead)), h, 1, 1, 4)
+        lv = levels.reshape(*([1] * len(lead)), h, 1, 1, nl)
         out = dequantize_groups(c.reshape(*lead, h, p, d // g, g), params[..., 0], params[..., 1], lv)
         return out.reshape(*lead, h, p, d)
-    lv = levels.view(*([1] * len(lead)), h, 1, 4)
+    lv = levels.reshape(*([1] * len(lead)), h, 1, nl)
     out = dequantize_groups(c.transpose(-1, -2), params[..., 0, :], params[..., 1, :], lv)
     return out.transpose(-1, -2)
 
