@@ -37,7 +37,9 @@ from typing import Any, Mapping
 
 import torch
 
-from oscar_export.calibration.artifact import TENSOR_FIELDS, OscarArtifact, load_artifact, printable
+from oscar_export.calibration.artifact import (
+    LIMITS, TENSOR_FIELDS, ArtifactError, OscarArtifact, load_artifact, printable,
+)
 from oscar_export.calibration.families import FoldSpec
 
 #: the projections of one rank, beside its artifact in ``tp{N}/rank{r}/``.
@@ -57,6 +59,21 @@ class RankHeads:
         """The fingerprint's ``"tensor_parallel"`` entry (head ranges as ``[start, stop)``)."""
         return {"size": self.size, "rank": self.rank, "kv_heads": [self.kv_heads.start, self.kv_heads.stop],
                 "query_heads": [self.query_heads.start, self.query_heads.stop]}
+
+    @classmethod
+    def of_fingerprint(cls, fp: dict[str, Any], where: str) -> "RankHeads":
+        """The entry of a rank artifact's (untrusted) fingerprint, checked against its per-rank head counts."""
+        entry = fp.get("tensor_parallel")
+        size = entry.get("size") if isinstance(entry, dict) else None
+        rank = entry.get("rank") if isinstance(entry, dict) else None
+        if type(size) is not int or type(rank) is not int or not 0 <= rank < size <= LIMITS.max_kv_heads:
+            raise ArtifactError(f"{where}: fingerprint.tensor_parallel: expected {{size, rank, kv_heads, query_heads}} "
+                                f"with 0 <= rank < size, got {printable(repr(entry), 120)}")
+        heads = rank_heads(size * fp["num_attention_heads"], size * fp["num_key_value_heads"], size)[rank]
+        if entry != heads.to_dict():
+            raise ArtifactError(f"{where}: fingerprint.tensor_parallel: expected {heads.to_dict()} for "
+                                f"{fp['num_key_value_heads']} KV heads per rank, got {printable(repr(entry), 160)}")
+        return heads
 
 
 def rank_heads(num_heads: int, num_kv_heads: int, tp: int) -> list[RankHeads]:
@@ -157,18 +174,19 @@ def write_ranks(
     return dirs
 
 
-def load_rank(directory: str | Path) -> tuple[OscarArtifact, dict[str, torch.Tensor]]:
-    """``(artifact, projections)`` of one rank directory, the artifact validated by ``load_artifact``."""
+def load_rank(directory: str | Path) -> tuple[OscarArtifact, RankHeads, dict[str, torch.Tensor]]:
+    """``(artifact, heads, projections)`` of one rank directory, the artifact validated by ``load_artifact``."""
     from safetensors.torch import load_file
 
     d = Path(directory)
     art = load_artifact(d)
     if "tensor_parallel" not in art.fingerprint:
-        raise ValueError(f"{printable(d)}: not a tensor-parallel rank (its fingerprint has no 'tensor_parallel')")
+        raise ArtifactError(f"{printable(d)}: not a tensor-parallel rank (its fingerprint has no 'tensor_parallel')")
+    heads = RankHeads.of_fingerprint(art.fingerprint, printable(d))
     path = d / RANK_TENSORS
     if not path.is_file():
         raise FileNotFoundError(f"{printable(path)} is missing")
-    return art, load_file(str(path))
+    return art, heads, load_file(str(path))
 
 
 def check_ranks(
@@ -186,11 +204,11 @@ def check_ranks(
     """
     fp = artifact.fingerprint
     heads = rank_heads(fp["num_attention_heads"], fp["num_key_value_heads"], tp)
-    ranks = [load_rank(rank_dir(root, h)) for h in heads]
-    for h, (art, _) in zip(heads, ranks):
-        if art.fingerprint["tensor_parallel"] != h.to_dict():
-            raise ValueError(f"{printable(rank_dir(root, h))}: expected tensor_parallel {h.to_dict()}, "
-                             f"got {art.fingerprint['tensor_parallel']}")
+    loaded = [load_rank(rank_dir(root, h)) for h in heads]
+    for h, (_, got, _) in zip(heads, loaded):
+        if got != h:
+            raise ValueError(f"{printable(rank_dir(root, h))}: expected the heads {h.to_dict()}, got {got.to_dict()}")
+    ranks = [(art, tensors) for art, _, tensors in loaded]
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     for i, t in enumerate(artifact.transforms):
         for f in TENSOR_FIELDS:

@@ -125,7 +125,9 @@ def _fold(model):
 
 
 def ranks_of(ckpt, tp: int):
-    return [load_rank(rank_dir(ckpt, h)) for h in rank_heads(HEADS, KV_HEADS, tp)]
+    """``[(artifact, projections)]`` of every rank."""
+    loaded = [load_rank(rank_dir(ckpt, h)) for h in rank_heads(HEADS, KV_HEADS, tp)]
+    return [(art, tensors) for art, _, tensors in loaded]
 
 
 # ---- the files -------------------------------------------------------------------------------------------------
@@ -218,6 +220,28 @@ def test_swapped_rank_transforms_change_the_quantized_share(exported):
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry,msg", [
+    ({"size": 3, "rank": 3, "kv_heads": [6, 8], "query_heads": [12, 16]}, "with 0 <= rank < size"),
+    ("rank 1", "with 0 <= rank < size"),
+    ({"size": 3, "rank": 1, "kv_heads": [0, 2], "query_heads": [4, 8]}, r"expected \{'size': 3, 'rank': 1, 'kv_heads': "
+                                                                        r"\[2, 4\]"),
+])
+def test_load_rank_checks_its_heads(exported, tmp_path, entry, msg):
+    import json
+    import shutil
+
+    d = tmp_path / "rank1"
+    shutil.copytree(rank_dir(exported["ckpts"][3], rank_heads(HEADS, KV_HEADS, 3)[1]), d)
+    meta = json.loads((d / "oscar.json").read_text())
+    meta["fingerprint"]["tensor_parallel"] = entry
+    (d / "oscar.json").write_text(json.dumps(meta))
+    with pytest.raises(ArtifactError, match=msg):
+        load_rank(d)
+    with pytest.raises(ArtifactError, match="not a tensor-parallel rank"):
+        load_rank(exported["ckpts"][3] / ARTIFACT_DIR)
+
 
 
 def test_tp_that_does_not_divide_the_kv_heads_is_refused(tmp_path):
