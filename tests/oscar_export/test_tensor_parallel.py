@@ -284,3 +284,7 @@ def test_cli_writes_and_checks_the_ranks(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 ranks; their 24 tensors concatenate to the unsharded export" in out, out
     assert (tmp_path / "out" / "tp2" / "rank1" / RANK_TENSORS).is_file()
+    assert main(["inspect", str(tmp_path / "out" / "tp2" / "rank1")]) == 0
+    out = capsys.readouterr().out
+    assert "6 query / 3 KV heads" in out, out
+    assert 'tp rank    {"kv_heads": [3, 6], "query_heads": [6, 12], "rank": 1, "size": 2}' in out, out
