@@ -177,7 +177,7 @@ def export_checkpoint(
     ``out`` must be absent or empty; with ``force`` an earlier checkpoint (a directory with a ``config.json``)
     is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
     With ``tp`` the per-rank view ``out/tp{tp}/rank{r}/`` is written in the same transaction
-    (``tensor_parallel.write_ranks``; a ``tp`` that does not divide the KV heads is refused before folding).
+    (``tensor_parallel.write_ranks``; a ``tp`` that does not fit the heads is refused before folding).
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.tensor_parallel import rank_heads, write_ranks
@@ -316,7 +316,8 @@ def add_arguments(p) -> None:
     p.add_argument("--force", action="store_true", help="replace an earlier checkpoint at --out (atomically)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
     p.add_argument("--tp", type=int, default=None, metavar="N",
-                   help="also write the tensor-parallel view out/tpN/rank{0..N-1}/ (N must divide the KV heads)")
+                   help="also write the tensor-parallel view out/tpN/rank{0..N-1}/ (N divides the KV heads, or is "
+                        "a multiple of them: KV heads replicated, as TensorRT-LLM does)")
 
 
 def run(args) -> int:

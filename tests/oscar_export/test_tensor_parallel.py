@@ -20,6 +20,8 @@ from oscar_export.tensor_parallel import (  # noqa: E402
 )
 
 HEADS, KV_HEADS, D, LAYERS = 12, 6, 16, 2
+#: tp sizes that fit 12 query / 6 KV heads: split (1, 2, 3) and replicated (12: each KV head on 2 ranks)
+TPS = (1, 2, 3, 12)
 
 
 def model_of(kind: str):
@@ -42,7 +44,7 @@ def exported(request, tmp_path_factory):
     ref = logits(original, ids)
     art = random_artifact(original)
     ckpts = {}
-    for tp in (1, 2, 3):
+    for tp in TPS:
         ckpts[tp] = export_checkpoint(model_of(kind), None, art, root / f"ckpt{tp}", tp=tp)
     return {"kind": kind, "ckpts": ckpts, "io": io, "ids": ids, "logits": ref, "original": original}
 
@@ -133,13 +135,14 @@ def ranks_of(ckpt, tp: int):
 # ---- the files -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", TPS)
 def test_ranks_concatenate_to_the_unsharded_export(exported, tp):
     ckpt = exported["ckpts"][tp]
-    assert sorted(p.name for p in (ckpt / f"tp{tp}").iterdir()) == [f"rank{r}" for r in range(tp)]
+    assert sorted(p.name for p in (ckpt / f"tp{tp}").iterdir()) == sorted(f"rank{r}" for r in range(tp))
     n = check_tp_export(ckpt, tp)
-    per_layer = 10 + 2 + (exported["kind"] == "qwen2")  # artifact fields + v_proj/o_proj (+ v_proj bias)
-    assert n == LAYERS * per_layer
+    kv = 10 + 1 + (exported["kind"] == "qwen2")  # per KV head: artifact fields, v_proj rows (and bias)
+    replicas = tp - KV_HEADS if tp > KV_HEADS else 0  # ranks holding a second copy of a KV head
+    assert n == LAYERS * (kv + replicas * kv + 1)  # + o_proj
     loaded = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     assert (logits(loaded, exported["ids"]) - exported["logits"]).abs().max().item() < 1e-4  # export unchanged
 
@@ -156,36 +159,49 @@ def test_check_finds_a_wrong_rank(exported, tmp_path):
     ta, tb = load_file(str(a / RANK_TENSORS)), load_file(str(b / RANK_TENSORS))
     save_file(tb, str(a / RANK_TENSORS))
     save_file(ta, str(b / RANK_TENSORS))
-    with pytest.raises(ValueError, match=r"tp 3: model\.layers\.0\.self_attn\.v_proj\.weight: the ranks concatenate"):
+    with pytest.raises(ValueError, match=r"tp 3: model\.layers\.0\.self_attn\.v_proj\.weight: the ranks give"):
         check_tp_export(ckpt, 3)
 
+    # replicated KV heads (tp 12: KV head h on ranks 2h, 2h+1): a second copy that differs from the first is caught
+    ckpt = tmp_path / "ckpt12"
+    shutil.copytree(exported["ckpts"][12], ckpt)
+    one, three = (rank_dir(ckpt, rank_heads(HEADS, KV_HEADS, 12)[r]) for r in (1, 3))
+    t1, t3 = load_file(str(one / RANK_TENSORS)), load_file(str(three / RANK_TENSORS))
+    v = "model.layers.0.self_attn.v_proj.weight"
+    t1[v] = t3[v]
+    save_file(t1, str(one / RANK_TENSORS))
+    with pytest.raises(ValueError, match=r"tp 12: rank 1 replica of model\.layers\.0\.self_attn\.v_proj\.weight"):
+        check_tp_export(ckpt, 12)
 
-@pytest.mark.parametrize("tp", [2, 3])
+
+@pytest.mark.parametrize("tp", [2, 3, 12])
 def test_rank_artifacts_load_and_validate(exported, tp):
     ckpt = exported["ckpts"][tp]
     full = load_artifact(ckpt / ARTIFACT_DIR)
     for heads, (art, tensors) in zip(rank_heads(HEADS, KV_HEADS, tp), ranks_of(ckpt, tp)):
         fp = art.fingerprint
-        assert (fp["num_attention_heads"], fp["num_key_value_heads"]) == (HEADS // tp, KV_HEADS // tp)
-        assert fp["tensor_parallel"] == {"size": tp, "rank": heads.rank, "kv_heads": [heads.kv_heads.start,
-                                         heads.kv_heads.stop], "query_heads": [heads.query_heads.start,
-                                                                               heads.query_heads.stop]}
-        assert art.layout.num_kv_heads == KV_HEADS // tp and all(t.values_prerotated for t in art.transforms)
+        kv_per_rank, rep = max(KV_HEADS // tp, 1), max(tp // KV_HEADS, 1)
+        assert (fp["num_attention_heads"], fp["num_key_value_heads"]) == (HEADS // tp, kv_per_rank)
+        r = heads.rank
+        assert fp["tensor_parallel"] == {"size": tp, "rank": r, "kv_replicas": rep,
+                                         "kv_heads": [r // rep * kv_per_rank, (r // rep + 1) * kv_per_rank],
+                                         "query_heads": [r * HEADS // tp, (r + 1) * HEADS // tp]}
+        assert art.layout.num_kv_heads == kv_per_rank and all(t.values_prerotated for t in art.transforms)
         kv = slice(heads.kv_heads.start, heads.kv_heads.stop)
         assert torch.equal(art.transforms[1].k_rotation, full.transforms[1].k_rotation[kv])
         assert torch.equal(art.transforms[0].v_mean, full.transforms[0].v_mean[kv])
         names = projection_names(_fold(exported["original"]), 1)
-        assert tensors[names["v_weight"]].shape == (KV_HEADS // tp * D, 48)
+        assert tensors[names["v_weight"]].shape == (kv_per_rank * D, 48)
         assert tensors[names["o_weight"]].shape == (48, HEADS // tp * D)
         # a rank is not the whole model: its artifact is refused for the unsharded config, naming the heads
-        with pytest.raises(ArtifactError, match=f"num_key_value_heads: artifact {KV_HEADS // tp}, model {KV_HEADS}"):
+        with pytest.raises(ArtifactError, match=f"num_key_value_heads: artifact {kv_per_rank}, model {KV_HEADS}"):
             load_artifact(rank_dir(ckpt, heads), exported["original"].config)
 
 
 # ---- the real check: each rank's slices and transforms give its share of the attention output ---------------------
 
 
-@pytest.mark.parametrize("tp", [1, 2, 3])
+@pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("layer", [0, 1])
 def test_rank_shares_sum_to_the_attention_output(exported, tp, layer):
     original, ckpt = exported["original"], exported["ckpts"][tp]
@@ -223,10 +239,13 @@ def test_swapped_rank_transforms_change_the_quantized_share(exported):
 
 
 @pytest.mark.parametrize("entry,msg", [
-    ({"size": 3, "rank": 3, "kv_heads": [6, 8], "query_heads": [12, 16]}, "with 0 <= rank < size"),
+    ({"size": 3, "rank": 3, "kv_heads": [6, 8], "query_heads": [12, 16], "kv_replicas": 1}, "with 0 <= rank < size"),
     ("rank 1", "with 0 <= rank < size"),
-    ({"size": 3, "rank": 1, "kv_heads": [0, 2], "query_heads": [4, 8]}, r"expected \{'size': 3, 'rank': 1, 'kv_heads': "
-                                                                        r"\[2, 4\]"),
+    ({"size": 3, "rank": 1, "kv_heads": [2, 4], "query_heads": [4, 8]}, "with 0 <= rank < size"),  # no kv_replicas
+    ({"size": 3, "rank": 1, "kv_heads": [0, 2], "query_heads": [4, 8], "kv_replicas": 1},
+     r"expected \{'size': 3, 'rank': 1, 'kv_heads': \[2, 4\]"),
+    ({"size": 3, "rank": 1, "kv_heads": [2, 4], "query_heads": [4, 8], "kv_replicas": 3},
+     "fingerprint.tensor_parallel: tensor parallelism: tp 3 does not fit the model's 2 KV heads"),  # 3 x 2 / 3
 ])
 def test_load_rank_checks_its_heads(exported, tmp_path, entry, msg):
     import json
@@ -245,16 +264,20 @@ def test_load_rank_checks_its_heads(exported, tmp_path, entry, msg):
 
 
 def test_tp_that_does_not_divide_the_kv_heads_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"tp 4 does not divide the model's 6 KV heads \(H_kv\).*use tp in "
-                                         r"\[1, 2, 3, 6\].*TensorRT-LLM replicates KV heads when tp > H_kv"):
+    with pytest.raises(ValueError, match=r"tp 4 does not fit the model's 6 KV heads \(H_kv\) and 12 query heads: "
+                                         r"tp must divide H_kv, or \(TensorRT-LLM replicates KV heads when tp > H_kv\)"
+                                         r" be a multiple of H_kv that divides the query heads; use tp in "
+                                         r"\[1, 2, 3, 6, 12\]"):
         rank_heads(HEADS, KV_HEADS, 4)
-    with pytest.raises(ValueError, match="tp 8 does not divide the model's 6 KV heads"):
+    with pytest.raises(ValueError, match="tp 8 does not fit the model's 6 KV heads"):
         rank_heads(HEADS, KV_HEADS, 8)
+    with pytest.raises(ValueError, match="tp 24 does not fit the model's 6 KV heads"):  # a multiple, but > H
+        rank_heads(HEADS, KV_HEADS, 24)
     with pytest.raises(ValueError, match="expected a tp size >= 1, got 0"):
         rank_heads(HEADS, KV_HEADS, 0)
     model = model_of("llama")
     before = model.model.layers[0].self_attn.v_proj.weight.clone()
-    with pytest.raises(ValueError, match="tp 4 does not divide the model's 6 KV heads"):
+    with pytest.raises(ValueError, match="tp 4 does not fit the model's 6 KV heads"):
         export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt", tp=4)
     assert not any(tmp_path.iterdir())  # nothing written
     assert torch.equal(model.model.layers[0].self_attn.v_proj.weight, before)  # nothing folded
@@ -267,7 +290,7 @@ def test_cli_bad_tp_refused_before_model_load(tmp_path, capsys, monkeypatch):
     random_artifact(model_of("llama")).save(tmp_path / "art")
     assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path / "out"), "--tp", "4"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "tp 4 does not divide the model's 6 KV heads" in err, err
+    assert err.count("\n") == 1 and "tp 4 does not fit the model's 6 KV heads" in err, err
 
 
 def test_cli_writes_and_checks_the_ranks(tmp_path, capsys):
@@ -287,4 +310,4 @@ def test_cli_writes_and_checks_the_ranks(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "out" / "tp2" / "rank1")]) == 0
     out = capsys.readouterr().out
     assert "6 query / 3 KV heads" in out, out
-    assert 'tp rank    {"kv_heads": [3, 6], "query_heads": [6, 12], "rank": 1, "size": 2}' in out, out
+    assert 'tp rank    {"kv_heads": [3, 6], "kv_replicas": 1, "query_heads": [6, 12], "rank": 1, "size": 2}' in out, out
