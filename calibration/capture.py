@@ -9,7 +9,10 @@ The collector either accumulates float64 statistics (:class:`covariance.LayerSta
 for the held-out sequences, keeps the fp32 tensors on the CPU (bounded by the held-out budget). NaN/Inf in
 any captured tensor raises ``ValueError`` naming the layer (checked on the per-batch sums, which any
 non-finite element poisons, so the check costs nothing).
-Models sharded with ``device_map="auto"`` work: each layer's statistics live on that layer's device.
+Models sharded with ``device_map="auto"`` work: each layer's float64 statistics are accumulated on that layer's
+device and moved to the CPU once, when the layer is fitted (``pipeline``); held-out tensors go to the CPU as
+they are captured. Checked on the CPU through accelerate's hooks (``tests/calibration/test_pipeline.py``); a
+run over several GPUs is untested here (``benchmarks/calibrate_tp.py`` measures one).
 """
 
 from __future__ import annotations

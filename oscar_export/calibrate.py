@@ -5,6 +5,16 @@ float64 statistics of the post-RoPE queries, keys and values of every layer, fit
 transforms on held-out sequences with the exact INT2 reference quantizer, and writes ``oscar.json`` +
 ``rotations.safetensors``. Prints a per-layer summary: held-out attention-aware error relative to plain
 INT2 (identity, no clip) and to Hadamard + the research code's global clips.
+
+Models larger than one GPU: ``--device-map auto`` (or ``balanced``, ``sequential``, a device such as ``cuda:0``,
+or a JSON object ``{"module name": device}``) loads the model through accelerate, layers spread over the GPUs.
+Capture then runs where each layer lives: a layer's float64 statistics are accumulated on that layer's device
+(``calibration.capture.Collector``) and moved to the CPU once, when that layer is fitted; held-out rows go to
+the CPU as they are captured (they are bounded by ``--heldout``). Fitting runs on the CPU. At the end the peak
+memory torch allocated on each GPU is printed and recorded in the artifact's stats (``peak_gpu_memory_bytes``).
+On the CPU, a device map (accelerate hooks on every layer) gives the same artifact as a plain run
+(``tests/calibration/test_capture.py``, ``tests/oscar_export/test_calibrate_cli.py``). The multi-GPU run itself
+is untested here (no multi-GPU machine): ``benchmarks/calibrate_tp.py`` is the script that measures it.
 """
 
 from __future__ import annotations
@@ -55,7 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--device-map", default=None, help="e.g. 'auto' to shard a large model over the GPUs (accelerate)")
+    p.add_argument("--device-map", default=None,
+                   help="spread a large model over the GPUs (accelerate): 'auto', 'balanced', 'sequential', a device, "
+                        "or a JSON object {module: device}; prints the peak memory per GPU at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-layer table")
 
 
@@ -64,6 +76,50 @@ MAX_TOKENS = 1 << 31
 MAX_SEQ_LEN = 1 << 20
 MAX_BATCH_SIZE = 4096
 MAX_SEED = 2**63 - 1
+
+
+#: the named strategies ``--device-map`` passes to transformers / accelerate as they are.
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def parse_device_map(text: str | None) -> str | dict | None:
+    """``--device-map``: a strategy name, a device (``cpu``, ``cuda``, ``cuda:1``) or a JSON object mapping
+    module names to devices (a GPU index, ``"cpu"``, ``"cuda:1"``); raises ``UserError`` for anything else."""
+    import json
+    import re
+
+    from oscar_export.cli import UserError
+
+    if text is None or text in DEVICE_MAP_STRATEGIES or re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        return text
+    if text.lstrip().startswith("{"):
+        try:
+            dm = json.loads(text)
+        except ValueError as e:
+            raise UserError(f"--device-map: not a JSON object ({e})") from None
+        bad = [k for k, v in dm.items() if not (type(v) is int and v >= 0 or isinstance(v, str)
+                                                and re.fullmatch(r"cpu|cuda(:\d+)?", v))]
+        if bad:
+            raise UserError(f"--device-map: expected devices (a GPU index, 'cpu', 'cuda:N'), got {dm[bad[0]]!r} "
+                            f"for {bad[0]!r}")
+        return dm
+    raise UserError(f"--device-map: expected one of {list(DEVICE_MAP_STRATEGIES)}, a device ('cpu', 'cuda:N') or a "
+                    f"JSON object {{module: device}}, got {text!r}")
+
+
+def gpu_peak_memory() -> dict[str, int]:
+    """Peak bytes torch allocated on each CUDA device since the process started (or the last reset); ``{}``
+    when CUDA was never used."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {f"cuda:{i}": int(torch.cuda.max_memory_allocated(i)) for i in range(torch.cuda.device_count())}
+
+
+def format_peak_memory(peaks: dict[str, int]) -> str:
+    """``"cuda:0 12.3 GiB, cuda:1 11.9 GiB"``."""
+    return ", ".join(f"{dev} {b / 2**30:.1f} GiB" for dev, b in peaks.items())
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -83,6 +139,7 @@ def check_args(args: argparse.Namespace) -> None:
         if src not in ("pydoc", "generate") and not Path(src).is_file():
             raise UserError(f"--data {src}: no such file (expected 'pydoc', 'generate', or a .txt/.jsonl file)")
     check_out_dir(args.out, args.force, looks_like=META_FILE)
+    parse_device_map(args.device_map)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -119,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if (Path(args.model) / "config.json").is_file():
         family_for_pretrained(args.model)  # refuse what serving cannot run (enable_oscar's message) before loading
     t0 = time.perf_counter()
-    kw = {"device_map": args.device_map} if args.device_map else {}
+    kw = {"device_map": parse_device_map(args.device_map)} if args.device_map else {}
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), **kw)
     t_load = time.perf_counter() - t0
     total = cfg.num_sequences * cfg.seq_len
@@ -143,6 +200,9 @@ def run(args: argparse.Namespace) -> int:
 
     art = calibrate(model, tok, cfg, progress=bar.update, on_layer=on_layer)
     art.stats["seconds_load"] = round(t_load, 2)
+    peaks = gpu_peak_memory()
+    if peaks:
+        art.stats["peak_gpu_memory_bytes"] = peaks
     with atomic_dir(args.out, force=args.force, looks_like=META_FILE) as tmp:
         art.save(tmp)
     layers = art.stats["layers"]
@@ -156,4 +216,6 @@ def run(args: argparse.Namespace) -> int:
         f"V {mean('v', 'vs_identity')}, vs Hadamard+clip K {mean('k', 'vs_hadamard')} V {mean('v', 'vs_hadamard')}; "
         f"{time.perf_counter() - t0:.0f} s (load {t_load:.0f} s)"
     )
+    if peaks:
+        print(f"peak GPU memory (torch allocated): {format_peak_memory(peaks)}")
     return 0

@@ -17,6 +17,7 @@ failure, Ctrl-C or SIGTERM leaves nothing that looks complete)::
     out/model.safetensors    folded weights
     out/tokenizer*           the tokenizer
     out/oscar_artifact/      the artifact (oscar.json, rotations.safetensors), values_prerotated=True
+    out/tp{N}/rank{r}/       with --tp N: rank r's artifact and v_proj/o_proj slices (``oscar_export.tensor_parallel``)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from oscar_export.calibration.families import family_for, family_for_pretrained
 EPILOG = """example:
   oscar-export calibrate --model default --out art/
   oscar-export export --model default --artifact art/ --out ckpt/
+  oscar-export export --model ./my-llama --artifact art/ --out ckpt/ --tp 2   # also ckpt/tp2/rank{0,1}/
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('ckpt/')"
 """
 
@@ -168,19 +170,25 @@ def _plain_float_model(model) -> Iterator[None]:
 
 def export_checkpoint(
     model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None,
-    force: bool = False,
+    force: bool = False, tp: int | None = None,
 ) -> Path:
     """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically.
 
     ``out`` must be absent or empty; with ``force`` an earlier checkpoint (a directory with a ``config.json``)
     is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
+    With ``tp`` the per-rank view ``out/tp{tp}/rank{r}/`` is written in the same transaction
+    (``tensor_parallel.write_ranks``; a ``tp`` that does not fit the heads is refused before folding).
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
+    from oscar_export.tensor_parallel import rank_heads, write_ranks
 
     if getattr(model.config, "oscar", None):
         raise ValueError("export: this model is already an OSCAR export (its config has an 'oscar' section)")
     artifact.check_model(model.config)
     check_out_dir(out, force, looks_like="config.json")
+    facts = family_for(model)
+    if tp is not None:
+        rank_heads(facts.num_heads, facts.num_kv_heads, tp)  # refused before anything is folded
     fold_value_transforms(model, artifact.transforms)
     if dtype is not None:
         model.to(dtype)
@@ -194,16 +202,58 @@ def export_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         artifact.with_values_prerotated(True).save(tmp / ARTIFACT_DIR)
+        if tp is not None:
+            write_ranks(model.state_dict(), artifact.with_values_prerotated(True), facts.family.fold, tmp, tp)
     return Path(out)
+
+
+def checkpoint_tensors(ckpt: str | Path, names: Any = None) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's ``model.safetensors`` (or its shards, ``model.safetensors.index.json``),
+    all of them or those whose name is in ``names``."""
+    from safetensors import safe_open
+
+    ckpt = Path(ckpt)
+    index = ckpt / "model.safetensors.index.json"
+    files = sorted(set(read_json_object(index)["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    out = {}
+    for name in files:
+        with safe_open(str(ckpt / name), framework="pt") as f:
+            for k in f.keys():
+                if names is None or k in names:
+                    out[k] = f.get_tensor(k)
+    return out
+
+
+def check_tp_export(ckpt: str | Path, tp: int) -> int:
+    """Check that ``ckpt/tp{tp}/rank*/`` concatenate to the unsharded export (``tensor_parallel.check_ranks``);
+    returns the number of tensors compared."""
+    from oscar_export.calibration.artifact import load_artifact
+    from oscar_export.calibration.families import family_for_config_dict
+    from oscar_export.tensor_parallel import check_ranks, projection_names
+
+    section = read_export(ckpt)
+    config = read_config_json(ckpt)
+    fold = family_for_config_dict({k: v for k, v in config.items() if k != "oscar"}).family.fold
+    artifact = load_artifact(artifact_path(ckpt, section))
+    names = {n for i in range(artifact.num_layers) for n in projection_names(fold, i).values()}
+    return check_ranks(checkpoint_tensors(ckpt, names), artifact, fold, ckpt, tp)
 
 
 def read_config_json(ckpt: str | Path) -> dict[str, Any]:
     """``ckpt/config.json`` as a dict, read with the artifact loader's bounds (size, strict JSON, nesting)."""
-    from oscar_export.calibration.artifact import LIMITS, parse_json, printable
+    from oscar_export.calibration.artifact import printable
 
     cfg = Path(ckpt) / "config.json"
     if not cfg.is_file():
         raise FileNotFoundError(f"{printable(ckpt)}: not a Hugging Face checkpoint (no config.json)")
+    return read_json_object(cfg)
+
+
+def read_json_object(cfg: Path) -> dict[str, Any]:
+    """A JSON object file of a checkpoint, read with the artifact loader's bounds (size, strict JSON, nesting)."""
+    from oscar_export.calibration.artifact import LIMITS, parse_json, printable
+
     size = cfg.stat().st_size
     if size > LIMITS.max_meta_bytes:
         raise ValueError(f"{printable(cfg)}: expected at most {LIMITS.max_meta_bytes:,} bytes, got {size:,}")
@@ -265,12 +315,16 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="new checkpoint directory (absent or empty; see --force)")
     p.add_argument("--force", action="store_true", help="replace an earlier checkpoint at --out (atomically)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="also write the tensor-parallel view out/tpN/rank{0..N-1}/ (N divides the KV heads, or is "
+                        "a multiple of them: KV heads replicated, as TensorRT-LLM does)")
 
 
 def run(args) -> int:
     from oscar_export.atomic_dir import check_out_dir
     from oscar_export.calibration.artifact import load_artifact
     from oscar_export.models import load_model
+    from oscar_export.tensor_parallel import rank_heads
 
     check_out_dir(args.out, args.force, looks_like="config.json")  # everything checked before the model loads
     if not Path(args.artifact).is_dir():
@@ -278,14 +332,19 @@ def run(args) -> int:
     if (Path(args.model) / "config.json").is_file():
         family_for_pretrained(args.model)  # refuse what serving cannot run before loading any weights
     artifact = load_artifact(args.artifact)
+    if args.tp is not None:  # the artifact's head counts (the family table's, at calibration) before the load
+        rank_heads(artifact.fingerprint["num_attention_heads"], artifact.fingerprint["num_key_value_heads"], args.tp)
     model, tok = load_model(args.model, dtype=torch.float32)
     out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype],
-                            force=args.force)
+                            force=args.force, tp=args.tp)
     print(f"wrote {out} ({len(artifact.transforms)} layers folded, artifact in {out / ARTIFACT_DIR})")
+    if args.tp is not None:
+        n = check_tp_export(out, args.tp)
+        print(f"wrote {out / f'tp{args.tp}'}: {args.tp} ranks; their {n} tensors concatenate to the unsharded export")
     return 0
 
 
 __all__ = [
-    "ARTIFACT_DIR", "artifact_path", "attention_modules", "export_checkpoint",
+    "ARTIFACT_DIR", "artifact_path", "attention_modules", "check_tp_export", "checkpoint_tensors", "export_checkpoint",
     "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_config_json", "read_export",
 ]

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model      {_text(fp.get('name') or '?', 80)} {_text(fp['model_type'], 40)}: {fp['num_hidden_layers']} "
           f"layers, {fp['num_attention_heads']} query / {fp['num_key_value_heads']} KV heads, head_dim "
           f"{fp['head_dim']}, rope {_text(fp['rope'], 200)}")
+    if "tensor_parallel" in fp:  # a rank of `oscar-export export --tp N` (oscar_export/tensor_parallel.py)
+        print(f"tp rank    {_text(fp['tensor_parallel'], 200)}")
     print(f"layout     keys {lay.key.granularity} (G={lay.key.group_size}, codebook {lay.key.codebook}), values "
           f"{lay.value.granularity} (G={lay.value.group_size}, codebook {lay.value.codebook}); sink {lay.sink}, "
           f"window {lay.window}, page {lay.page_size}")

@@ -111,3 +111,21 @@ def test_non_power_of_two_head_dim_falls_back(tmp_path):
     load_artifact(tmp_path, model.config)
     with pytest.raises(NotImplementedError, match="power of two, got 48"):
         calibrate(model, CharTokenizer(256), small_cfg(rotation="hadamard"))
+
+
+def test_device_map_with_hooks_gives_the_plain_artifact(tiny):
+    """A model dispatched by accelerate (hooks on every layer, as ``--device-map`` loads it) calibrates to the same
+    tensors as the plain model. On the CPU only: the multi-GPU run is benchmarks/calibrate_tp.py --small (untested)."""
+    import copy
+
+    accelerate = pytest.importorskip("accelerate")
+    plain = calibrate(tiny, CharTokenizer(256), small_cfg())
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    hooked = accelerate.dispatch_model(copy.deepcopy(tiny), device_map, main_device="cpu", force_hooks=True)
+    assert all(hasattr(layer, "_hf_hook") for layer in hooked.model.layers)  # the collector passes through hooks
+    mapped = calibrate(hooked, CharTokenizer(256), small_cfg())
+    a, b = plain.tensors(), mapped.tensors()
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, different[:4]

@@ -82,6 +82,10 @@ def no_model_load(monkeypatch):
         (["--tokens", "10000000000000"], "--tokens: expected an int in \\[1, "),
         (["--batch-size", "100000"], "--batch-size: expected an int in \\[1, 4096\\]"),
         (["--data", "/nonexistent/notes.txt"], "--data /nonexistent/notes.txt: no such file"),
+        (["--device-map", "everywhere"], "--device-map: expected one of \\['auto', 'balanced', .* got 'everywhere'"),
+        (["--device-map", "{\"model.layers.0\": 0,"], "--device-map: not a JSON object"),
+        (["--device-map", '{"lm_head": "gpu7"}'], "--device-map: expected devices .* got 'gpu7' for 'lm_head'"),
+        (["--device-map", '{"lm_head": -1}'], "--device-map: expected devices .* got -1 for 'lm_head'"),
     ],
 )
 def test_calibrate_options_checked_before_model_load(tmp_path, capsys, no_model_load, argv, msg):
@@ -188,3 +192,52 @@ def test_inspect_deep_nesting_is_one_line(tmp_path, capsys):
     assert main(["inspect", str(d)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nested deeper than" in err, err
+
+
+# ---- issue 15: --device-map (models larger than one GPU); on the CPU, the same artifact as a plain run ----------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight Llama with a word-level tokenizer (the 200 commonest pydoc words), saved as an HF dir."""
+    from collections import Counter
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from oscar_export.calibration.data import pydoc_text
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    words = [w for w, _ in Counter(pydoc_text().split()).most_common(200)]
+    tk = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", eos_token="[UNK]").save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=201, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+SMALL = ["--tokens", "768", "--seq-len", "96", "--heldout", "2", "--batch-size", "3", "--sink", "16", "--window", "32",
+         "--page-size", "16", "--quiet"]
+
+
+def test_calibrate_with_a_device_map_equals_the_plain_run(tiny_model_dir, tmp_path, capsys):
+    import torch
+
+    from oscar_export.calibration.artifact import load_artifact
+
+    layers = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+              "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    runs = {"plain": [], "cpu": ["--device-map", "cpu"], "json": ["--device-map", json.dumps(layers)]}
+    arts = {}
+    for name, extra in runs.items():
+        rc = main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / name), *SMALL, *extra])
+        assert rc == 0, capsys.readouterr().err
+        arts[name] = load_artifact(tmp_path / name).tensors()
+    assert "peak GPU memory" not in capsys.readouterr().out  # printed only where CUDA ran
+    for name in ("cpu", "json"):
+        different = [k for k in arts["plain"] if not torch.equal(arts["plain"][k], arts[name][k])]
+        assert not different, (name, different[:4])
