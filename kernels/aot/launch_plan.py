@@ -163,7 +163,7 @@ _QP_PARAMS = (
     ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"), ("mean_ptr", "*fp32"), ("codes_ptr", "*u8"),
     ("params_ptr", "*fp16"), ("stride_xn", "i32"), ("stride_xh", "i32"), ("stride_xp", "i32"),
 )
-_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16", "PACKING")
+_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16", "PACKING", "BITS")
 QUANT_PACK = KernelPlan(
     name="quant_pack", kernel=f"{_QP}:_quant_pack_kernel", params=_QP_PARAMS, constexprs=_QP_CONSTEXPRS,
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("N", "H_KV", "1"), sizes=("N",),
@@ -272,7 +272,7 @@ def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> di
 
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": fmt.group_size,
             "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False,
-            "PACKING": packing_code(fmt, operand)}
+            "PACKING": packing_code(fmt, operand), "BITS": fmt.bits}
 
 
 def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str, Any]:
