@@ -184,7 +184,7 @@ DECODE_APPEND = KernelPlan(
             ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
             ("max_pages", "i32")),
     constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE", "K_PACKING",
-                "V_PACKING"),
+                "V_PACKING", "K_BITS"),
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
     doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
         "full (decided on the device; lengths are read, the page book commits them)",
@@ -285,7 +285,8 @@ def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str,
             "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
             "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
             "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE,
-            "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value")}
+            "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value"),
+            "K_BITS": layout.key.bits}
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------
