@@ -131,7 +131,7 @@ _SPLIT_INPUTS = (
 _SPLIT_OUTPUTS = (("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"))
 _SPLIT_SCALARS = (("max_pages", "i32"), ("pages_per_split", "i32"), ("n_page_splits", "i32"), ("n_splits", "i32"))
 _SPLIT_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "G", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
-                     "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK", "NB")
+                     "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK", "NB", "KEY_BITS")
 _SPLIT_DERIVED = (("n_page_splits", "cdiv(max_pages, pages_per_split)"),
                   ("n_splits", "n_page_splits + cdiv(S0, BN) + cdiv(RC, BN)"))
 
@@ -237,7 +237,7 @@ def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack
         "P": layout.page_size, "S0": layout.sink,
         "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS,
+        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
     }
 
 
