@@ -139,8 +139,8 @@ def test_4bit_key_bundle_compiles_and_records_key_bits(name, tmp_path):
         assert e.shared <= SHARED_LIMIT[90] and e.spec.constexpr_dict.get("KEY_BITS", e.spec.constexpr_dict.get("BITS")) == 4
 
 
-@pytest.mark.slow  # ~15 s: the decode-step writer through ptxas once more
 def test_4bit_key_decode_append_compiles_for_sm90():
+    """The 4-bit-key decode-step writer (K_BITS 4) passes the AOT gates for sm_90 (~13 s)."""
     layout, heads = LAYOUTS["k4_llama"]
     for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")
