@@ -631,10 +631,14 @@ def _decode_split_kernel(
                     qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
                     const = tl.sum(qlo, axis=2)
                     if KEY_BITS == 4:
-                        st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
-                        st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK),
+                                     tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
+                        st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK),
+                                     tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK),
+                                     tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK),
+                                     tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
                     else:
                         st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
                         st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .manifest import (
-    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, manifest_key_bits, manifest_packing,
+    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, manifest_key_bits,
+    manifest_packing,
     parse_arch, ptx_entry_params, write_manifest,
 )
 from .spec import KernelSpec

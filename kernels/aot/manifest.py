@@ -233,5 +233,6 @@ def read_manifest(root: str | Path, verify: bool = True) -> Manifest:
 
 __all__ = [
     "FORMAT_VERSION", "HIDDEN_PARAMS", "MANIFEST", "SHARED_LIMIT", "TARGETS", "BundleError", "KernelEntry",
-    "Manifest", "arch_name", "manifest_key_bits", "manifest_packing", "parse_arch", "ptx_entry_params", "read_manifest", "sha256", "write_manifest",
+    "Manifest", "arch_name", "manifest_key_bits", "manifest_packing",
+    "parse_arch", "ptx_entry_params", "read_manifest", "sha256", "write_manifest",
 ]

@@ -136,7 +136,8 @@ def test_4bit_key_bundle_compiles_and_records_key_bits(name, tmp_path):
     assert m.key_bits == [2, 4]
     for s in specs:
         e = m.entry(s.name, "sm_90")
-        assert e.shared <= SHARED_LIMIT[90] and e.spec.constexpr_dict.get("KEY_BITS", e.spec.constexpr_dict.get("BITS")) == 4
+        cx = e.spec.constexpr_dict
+        assert e.shared <= SHARED_LIMIT[90] and cx.get("KEY_BITS", cx.get("BITS")) == 4
 
 
 def test_4bit_key_decode_append_compiles_for_sm90():
