@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json] [--kernels v1,v2]
     python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
+    python benchmarks/bench_decode.py --key-bits 2,4 --shapes 1x8192,1x131072,8x32768
 
 Heads (``--heads``): 32 query / 8 KV heads, head_dim 128 by default (DESIGN §6); Gemma-3-12B (16 / 8) and
 Gemma-3-27B (32 / 16) at head_dim 256, two groups of 128 per row.
@@ -10,6 +11,10 @@ queries and outputs); times are medians of CUDA-event timings over input sets ro
 (enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
 captured decode step runs), ``eager`` times plain launches. ``--sweep`` also runs the last of ``--variants`` at half and
 double its pages per split.
+
+``--key-bits 2,4`` times v1 on layouts with 2-bit and with 4-bit key pages (``layout.with_key_bits``; values
+stay 2-bit) in the same run; each row's bytes are that layout's (4-bit keys read ``D / 2`` code bytes a row), so
+TB/s compare honestly. v2 reads 2-bit pages only: with ``--kernels v1,v2`` it runs for ``key_bits`` 2 alone.
 
 ``--kernels v1,v2`` runs both decode kernels in the same process: v1 (``decode_attention.py``) on linear pages,
 v2 (``decode_attention_v2.py``) on ``mma16`` pages of the same bytes per page (the layout says so), each row
@@ -188,9 +193,9 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
 
 
 def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("default",),
-                copy_tbps: float | None = None, heads: str = "llama3-8b") -> list[dict]:
+                copy_tbps: float | None = None, heads: str = "llama3-8b", key_bits: int = 2) -> list[dict]:
     HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
-    lay = KVCacheLayout.default(HKV, D, gran)
+    lay = KVCacheLayout.default(HKV, D, gran).with_key_bits(key_bits)
     scale = D**-0.5
     kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
     nbytes = batch * lay.sequence_bytes(seq) + 2 * batch * HQ * D * 2  # cache + q in + out (bf16)
@@ -217,7 +222,7 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
         eager = median_ms(call, sets, 30)
         graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
         rows.append(dict(kernel="oscar-int2", heads=heads, hq=HQ, hkv=HKV, d=D, g=lay.key.group_size, gran=gran,
-                         batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
+                         key_bits=key_bits, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
                          graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, **var))
         if copy_tbps:
             rows[-1]["roofline_us"] = nbytes / (copy_tbps * 1e12) * 1e6
@@ -250,7 +255,15 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
     ap.add_argument("--kernels", default="v1", help="comma list of v1 (linear pages), v2 (mma16 pages)")
     ap.add_argument("--v2-variants", default="default", help=f"comma list of {sorted(V2_VARIANTS)}")
+    ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4): v1 on each")
     args = ap.parse_args(argv)
+    try:
+        key_bits = [int(x) for x in args.key_bits.split(",")]
+        for kb in key_bits:
+            KVCacheLayout.default(HKV, D).with_key_bits(kb)  # the layout's own check of the width
+    except (ValueError, NotImplementedError) as e:
+        print(f"--key-bits {args.key_bits}: {e}")
+        return 2
     print(env_line(args.commit))
     bw = copy_bandwidth()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
@@ -260,18 +273,18 @@ def main(argv=None) -> int:
         for shape in args.shapes.split(","):
             b, s = (int(x) for x in shape.split("x"))
             grans = args.gran.split(",")
-            for gran in grans:
+            for gran, kb in ((g, k) for g in grans for k in key_bits):
                 names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
                 try:
-                    got = bench_shape(b, s, gran, args.sweep, names.split(","), bw, heads)
+                    got = bench_shape(b, s, gran, args.sweep, names.split(","), bw, heads, kb)
                 except Exception as e:  # keep the other shapes' rows
-                    print(f"FAILED {heads} {shape} {gran}: {type(e).__name__}: {e}", flush=True)
+                    print(f"FAILED {heads} {shape} {gran} key_bits={kb}: {type(e).__name__}: {e}", flush=True)
                     continue
                 if "v1" not in kernels:
                     got = [r for r in got if r["kernel"] == "sdpa-bf16"]
-                if gran != grans[0]:
+                if gran != grans[0] or kb != key_bits[0]:
                     got = [r for r in got if r["kernel"] != "sdpa-bf16"]
-                if "v2" in kernels:
+                if "v2" in kernels and kb == 2:
                     try:
                         got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads)
                     except Exception as e:  # a v2 failure must not lose the v1/SDPA rows of the run
@@ -282,13 +295,14 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(args.commit), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>13} {'var':>7} {'gran':>7} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} "
+    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>13} {'var':>7} {'gran':>7} {'kb':>2} {'pps':>4} {'w':>2} {'st':>2} {'asm':>3} "
           f"{'eager us':>9} {'graph us':>9} {'TB/s':>5} {'x SDPA':>6} {'%copy':>5}")
     sdpa = {(r["heads"], r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
     for r in rows:
         x = sdpa.get((r["heads"], r["batch"], r["seq"]), float("nan")) / r["graph_us"]
         pct = f"{r['pct_copy']:5.1f}" if "pct_copy" in r else "    -"
-        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>13} {r.get('variant', '-'):>7} {r['gran']:>7} {r.get('pages_per_split', '-'):>4} "
+        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>13} {r.get('variant', '-'):>7} {r['gran']:>7} "
+              f"{r.get('key_bits', '-'):>2} {r.get('pages_per_split', '-'):>4} "
               f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {'n' if r.get('fast_unpack') is False else 'y':>3} "
               f"{r['eager_us']:9.1f} {r['graph_us']:9.1f} "
               f"{r['tbps']:5.2f} {x:6.2f} {pct}")

@@ -68,10 +68,10 @@ def bench_write(n_pages: int, gran: str, rotate: bool, **kw) -> dict:
         r = torch.linalg.qr(torch.randn(H, D, D, device="cuda"))[0].contiguous()
         rot = (r, torch.ones(H, D, device="cuda"), torch.zeros(H, D, device="cuda"))
     in_bytes = n_pages * H * lay.page_size * D * 2
-    out_bytes = n_pages * (H * lay.page_size * D // 4 + lay.key.param_bytes_per_page(lay.page_size) * H)
+    out_bytes = n_pages * H * (lay.page_size * fmt.bytes_per_row_codes + fmt.param_bytes_per_page(lay.page_size))
     sets = copies_for(in_bytes)
     xs = [torch.randn(n_pages, H, lay.page_size, D, device="cuda").bfloat16() for _ in range(sets)]
-    codes = torch.empty(lay.codes_shape(n_pages * sets), dtype=torch.uint8, device="cuda")
+    codes = torch.empty(lay.codes_shape(n_pages * sets, fmt), dtype=torch.uint8, device="cuda")
     params = torch.empty(lay.params_shape(fmt, n_pages * sets), dtype=torch.float16, device="cuda")
     ids = [torch.arange(i * n_pages, (i + 1) * n_pages, dtype=torch.int32, device="cuda") for i in range(sets)]
     fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot, **kw) for i in range(sets)]

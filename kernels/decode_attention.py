@@ -18,7 +18,11 @@ p_t lo_t``. The four 2-bit fields of a code byte belong to the four quarters of 
 packing), so quarter ``j`` of the query meets field ``j`` of the bytes and the output comes out as four
 quarter accumulators. Per element only the field extraction remains: uniform codes become exact fp16
 *subnormals* ``c·4^j·2^-24`` with three PTX instructions per four codes (the powers of two are folded into
-the query, the key scale and the value quarters). Scores are computed transposed (``S^T = K·q^T``: the
+the query, the key scale and the value quarters). 4-bit key pages (``KEY_BITS == 4``, uniform levels 0..15)
+hold ``D/2`` bytes a row: bytes ``g G/2 + c`` and ``g G/2 + G/4 + c`` carry quarters 0 | 2 and 1 | 3 of the
+same position in their low | high nibbles, so the same query quarters meet two ``[P, D/4]`` byte tiles, a
+nibble masked in place becoming the subnormal ``c·16^n·2^-24`` (:func:`_nibble_scaled`); the 2-bit path is a
+separate constexpr branch and compiles as before. Scores are computed transposed (``S^T = K·q^T``: the
 keys are the MMA's M operand, GQ sits on N), the per-token ``(scale, lo)`` pairs are read as 32-bit words so
 the pipeliner prefetches them with the codes. How each of these was chosen, with H200 numbers, is in
 ``benchmarks/NOTES-kernels.md``.
@@ -72,6 +76,12 @@ _SUBNORMAL_ASM = [tl.constexpr(
     "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }"
 ) for j in range(4)]
 _SUB0, _SUB1, _SUB2, _SUB3 = _SUBNORMAL_ASM
+#: the same for the two 4-bit nibbles of a byte (4-bit key pages): ``c·16^n·2^-24``, c in 0..15.
+_NIBBLE_ASM = [tl.constexpr(
+    "{ .reg .b32 t; and.b32 t, $2, " + hex(0x0F0F0F0F << (4 * n)) + "; "
+    "prmt.b32 $0, t, 0, 0x4140; prmt.b32 $1, t, 0, 0x4342; }"
+) for n in range(2)]
+_NIB0, _NIB1 = _NIBBLE_ASM
 #: 2^-24, the fp16 subnormal unit
 TINY = tl.constexpr(5.960464477539063e-08)
 
@@ -92,6 +102,18 @@ def _field_scaled(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr
             return tl.inline_asm_elementwise(_SUB3, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
     else:
         return ((codes & (3 << (2 * J))).to(tl.float32) * TINY).to(tl.float16)
+
+
+@triton.jit
+def _nibble_scaled(codes, N: tl.constexpr, FAST: tl.constexpr):
+    """Nibble ``N`` (0 low, 1 high) of every byte of 4-bit key codes as the exact fp16 ``c·16^N·2^-24``."""
+    if FAST:
+        if N == 0:
+            return tl.inline_asm_elementwise(_NIB0, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_NIB1, "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return ((codes & (15 << (4 * N))).to(tl.float32) * TINY).to(tl.float16)
 
 
 @triton.jit
@@ -192,7 +214,7 @@ def _grouped_pages(
     block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
     H_KV: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, FAST_UNPACK: tl.constexpr,
-    NB: tl.constexpr,
+    NB: tl.constexpr, KEY_BITS: tl.constexpr = 2,
 ):
     """The INT2 pages of split ``s`` when a row holds ``NG = D // G > 1`` token groups (values, and keys unless
     ``K_CHANNEL``: then keys are scored as in the ``G == D`` path, one dot over all ``D/4`` bytes per field with
@@ -205,9 +227,11 @@ def _grouped_pages(
     the query ``q_j [GQ_PAD, Q4]`` holds the elements :func:`_field_cols` ``(c, j)``, so column ``g·G/4 + c'``
     is group ``g``, byte ``c'``. Returns ``m, l [GQ_PAD]``, the four output quarters ``[GQ_PAD, Q4]`` (levels
     unscaled) and the value lows ``[GQ_PAD, Q4]`` (per group, spread over its columns), like the ``G == D`` path.
+    ``KEY_BITS == 4``: key rows of ``D/2`` bytes, quarters 0 | 2 in bytes ``g G/2 + c'``, 1 | 3 in ``g G/2 + G/4 + c'``.
     """
     Q4: tl.constexpr = D // 4
     G4: tl.constexpr = G // 4
+    KR: tl.constexpr = D * KEY_BITS // 8  # key code bytes per row
     NG: tl.constexpr = D // G
     NBG: tl.constexpr = NB * NG
     kl0 = tl.load(k_levels_ptr + h * 4 + 0)
@@ -226,7 +250,13 @@ def _grouped_pages(
     qsum = tl.trans(tl.sum(tl.reshape(f0 + f1 + f2 + f3, (GQ_PAD, NG, G4)), axis=2))  # [NG, GQ_PAD]
     qsum = tl.reshape(tl.broadcast_to(qsum[None, :, :], (NB, NG, GQ_PAD)), (NBG, GQ_PAD))
     # uniform codes arrive as c·4^j·2^-24 (_field_scaled): the same powers of two as the G == D path
-    if K_CODEBOOK:
+    if KEY_BITS == 4:  # nibbles arrive as c·16^n·2^-24 (_nibble_scaled): quarters 2, 3 are high nibbles
+        KU = 16777216.0
+        qt0 = _per_group(f0, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt1 = _per_group(f1, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt2 = _per_group(f2 * 0.0625, NB, NG, G4, GQ_PAD).to(tl.float16)
+        qt3 = _per_group(f3 * 0.0625, NB, NG, G4, GQ_PAD).to(tl.float16)
+    elif K_CODEBOOK:
         KU = 1.0
         qt0 = _per_group(f0, NB, NG, G4, GQ_PAD).to(tl.float16)
         qt1 = _per_group(f1, NB, NG, G4, GQ_PAD).to(tl.float16)
@@ -256,11 +286,21 @@ def _grouped_pages(
     ktile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]: a page's key codes (channel keys)
     # channel keys: quarter j of the query times the page's channel scales, [NB, GQ_PAD, Q4] (4^-j folded in as
     # for the token scores); w_j the 32-bit words of the channel pairs (e_j(2m), e_j(2m) + 1), m < Q4 / 2
-    kf: tl.constexpr = 1.0 if K_CODEBOOK else 0.25
-    qc0 = tl.broadcast_to(f0[None, :, :], (NB, GQ_PAD, Q4))
-    qc1 = tl.broadcast_to(f1[None, :, :] * kf, (NB, GQ_PAD, Q4))
-    qc2 = tl.broadcast_to(f2[None, :, :] * (kf * kf), (NB, GQ_PAD, Q4))
-    qc3 = tl.broadcast_to(f3[None, :, :] * (kf * kf * kf), (NB, GQ_PAD, Q4))
+    if KEY_BITS == 4:  # quarters 2, 3 meet high nibbles (16^-1 folded in)
+        qc0 = tl.broadcast_to(f0[None, :, :], (NB, GQ_PAD, Q4))
+        qc1 = tl.broadcast_to(f1[None, :, :], (NB, GQ_PAD, Q4))
+        qc2 = tl.broadcast_to(f2[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
+        qc3 = tl.broadcast_to(f3[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
+        # 4-bit key bytes of column c4 (quarters 0 | 2; + G4: quarters 1 | 3), channel keys: [1, P, Q4]
+        ktile4 = (t[:, None] * KR + (c4 // G4)[None, :] * (G // 2) + (c4 % G4)[None, :])[None, :, :]
+        # token keys: the bytes of (group g, position c') [1, NG, P, G4]
+        tile4 = (gi[:, None, None] * (G // 2) + t[None, :, None] * KR + cg[None, None, :])[None, :, :, :]
+    else:
+        kf: tl.constexpr = 1.0 if K_CODEBOOK else 0.25
+        qc0 = tl.broadcast_to(f0[None, :, :], (NB, GQ_PAD, Q4))
+        qc1 = tl.broadcast_to(f1[None, :, :] * kf, (NB, GQ_PAD, Q4))
+        qc2 = tl.broadcast_to(f2[None, :, :] * (kf * kf), (NB, GQ_PAD, Q4))
+        qc3 = tl.broadcast_to(f3[None, :, :] * (kf * kf * kf), (NB, GQ_PAD, Q4))
     m2 = 2 * tl.arange(0, Q4 // 2)
     w0 = _field_cols(m2, 0, G, Q4) // 2
     w1 = _field_cols(m2, 1, G, Q4) // 2
@@ -287,7 +327,12 @@ def _grouped_pages(
         ok4 = ok[:, None, None, None]
         vc = tl.reshape(tl.load(v_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0), (NBG, P, G4))
         if K_CHANNEL:  # [2, D] fp16 per page-head (scales row, lows row) = D words
-            kc = tl.load(k_codes_ptr + code_off[:, None, None] + ktile, mask=ok[:, None, None], other=0)  # [NB, P, Q4]
+            if KEY_BITS == 4:
+                koff = tl.multiple_of(ph * (P * KR), 16)
+                ka = tl.load(k_codes_ptr + koff[:, None, None] + ktile4, mask=ok[:, None, None], other=0)
+                kb = tl.load(k_codes_ptr + koff[:, None, None] + ktile4 + G4, mask=ok[:, None, None], other=0)
+            else:
+                kc = tl.load(k_codes_ptr + code_off[:, None, None] + ktile, mask=ok[:, None, None], other=0)  # [NB, P, Q4]
             kw = ph * D
             ks0 = _slot_cols(k_params_ptr, kw, ok, w0)
             ks1 = _slot_cols(k_params_ptr, kw, ok, w1)
@@ -298,26 +343,45 @@ def _grouped_pages(
             qlo += f2[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w2)
             qlo += f3[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w3)
             const = tl.sum(qlo, axis=2)  # [NB, GQ_PAD]
-            st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                         tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
-            st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                         tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
-            st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                         tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
-            st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                         tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+            if KEY_BITS == 4:
+                st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
+                st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+            else:
+                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                             tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
+                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                             tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                             tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                             tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
             st_ = st_ * KU + const[:, None, :]
         else:
-            kc = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
-                            (NBG, P, G4))
+            if KEY_BITS == 4:
+                koff = tl.multiple_of(ph * (P * KR), 16)
+                ka = tl.reshape(tl.load(k_codes_ptr + koff[:, None, None, None] + tile4, mask=ok4, other=0),
+                                (NBG, P, G4))
+                kb = tl.reshape(tl.load(k_codes_ptr + koff[:, None, None, None] + tile4 + G4, mask=ok4, other=0),
+                                (NBG, P, G4))
+            else:
+                kc = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
+                                (NBG, P, G4))
             ks, klo = _group_params(k_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])  # [NB, NG, P]
             ks = tl.reshape(ks, (NBG, P))
             klo = tl.reshape(klo, (NBG, P))
             # scores transposed per (slot, group): [NBG, P, GQ_PAD], summed over the groups of each slot
-            st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-            st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-            st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-            st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+            if KEY_BITS == 4:
+                st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), qt0)
+                st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), qt1, st_)
+                st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), qt2, st_)
+                st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), qt3, st_)
+            else:
+                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
             st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[:, None, :]
             st_ = tl.sum(tl.reshape(st_, (NB, NG, P, GQ_PAD)), axis=1)  # [NB, P, GQ_PAD]
         st_ = tl.where(ok[:, None, None], st_, float("-inf"))
@@ -399,7 +463,7 @@ def _decode_split_kernel(
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     P: tl.constexpr, S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
-    FAST_UNPACK: tl.constexpr, NB: tl.constexpr,
+    FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, split). Grid ``(B * H_kv, n_splits)``.
 
@@ -408,7 +472,7 @@ def _decode_split_kernel(
         rot_ptr, dscale_ptr  fp32 ``[H_kv, D, D]`` R_K and ``[H_kv, D]`` d_K (read iff ROTATE_Q: q_s = (q @ R) / d)
         sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
         recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` rings (RC = layout.recent_slots = W + 2P)
-        k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D // 4]``
+        k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D * KEY_BITS / 8]``, ``[N_pool, H_kv, P, D // 4]``
         k_params_ptr  fp16 ``[N_pool, H_kv, P, D // G, 2]`` (token) or ``[N_pool, H_kv, 2, D]`` (K_CHANNEL)
         v_params_ptr  fp16 ``[N_pool, H_kv, P, D // G, 2]``
         k_levels_ptr, v_levels_ptr   fp32 ``[H_kv, 4]``
@@ -419,7 +483,8 @@ def _decode_split_kernel(
         values; ``D // G`` groups per row, see :func:`_grouped_pages`), P, S0, RC, BN (BF16 chunk),
         SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK (PTX field extraction of
         uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path), NB (pow2,
-        INT2 pages per loop iteration; one per warp with ``num_warps == NB``).
+        INT2 pages per loop iteration; one per warp with ``num_warps == NB``), KEY_BITS (``layout.key.bits``: 2, or
+        4 with uniform levels, ``k_levels_ptr`` then unread; values are 2-bit).
     With ``G == D`` one (scale, lo) per token row; ``G < D`` (token keys) takes :func:`_grouped_pages`. Field
     ``j`` of code byte ``c`` is row element :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads
     and the output quarters use the same element map, so every part of the split agrees. Each page slot keeps
@@ -433,6 +498,7 @@ def _decode_split_kernel(
     h = bh % H_KV
     H: tl.constexpr = H_KV * GQ
     Q4: tl.constexpr = D // 4
+    KR: tl.constexpr = D * KEY_BITS // 8  # key code bytes per row
     g = tl.arange(0, GQ_PAD)
     gmask = g < GQ
     c4 = tl.arange(0, Q4)
@@ -476,7 +542,7 @@ def _decode_split_kernel(
             m, l, acc0, acc1, acc2, acc3, acclo = _grouped_pages(
                 q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
                 block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
-                H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB)
+                H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB, KEY_BITS)
         else:
             kl0 = tl.load(k_levels_ptr + h * 4 + 0)
             kl1 = tl.load(k_levels_ptr + h * 4 + 1)
@@ -490,7 +556,13 @@ def _decode_split_kernel(
             # every page slot sees the same queries: [NB, GQ_PAD, Q4]
             # uniform codes arrive as c·4^j·2^-24 (_field_scaled): quarter j of q carries 4^-j (exact), the
             # scores 2^24 (KU), the value quarters 2^24·4^-j (VU, after the loop)
-            if K_CODEBOOK:
+            if KEY_BITS == 4:  # nibbles arrive as c·16^n·2^-24 (_nibble_scaled): quarters 2, 3 are high nibbles
+                KU = 16777216.0
+                qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+                qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
+                qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
+                qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
+            elif K_CODEBOOK:
                 KU = 1.0
                 qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
                 qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
@@ -520,6 +592,7 @@ def _decode_split_kernel(
             nb = tl.arange(0, NB)
             t = tl.arange(0, P)
             tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
+            ktile4 = (t[:, None] * KR + c4[None, :])[None, :, :]  # 4-bit keys: quarters 0 | 2 (+ Q4: 1 | 3)
             bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
             bl = tl.zeros([NB, GQ_PAD], tl.float32)
             b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
@@ -537,7 +610,12 @@ def _decode_split_kernel(
                 code_off = tl.multiple_of(ph * (P * Q4), 16)
                 word_off = tl.multiple_of(ph * P, 16)  # token rows' (scale, lo) as one 32-bit word each
                 okc = ok[:, None, None]
-                kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
+                if KEY_BITS == 4:
+                    koff = tl.multiple_of(ph * (P * KR), 16)
+                    ka = tl.load(k_codes_ptr + koff[:, None, None] + ktile4, mask=okc, other=0)  # [NB, P, Q4] uint8
+                    kb = tl.load(k_codes_ptr + koff[:, None, None] + ktile4 + Q4, mask=okc, other=0)
+                else:
+                    kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
                 vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
                 # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
                 if K_CHANNEL:
@@ -552,17 +630,33 @@ def _decode_split_kernel(
                     qlo += q2.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 2 * Q4) // 2, ok, Q4)
                     qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
                     const = tl.sum(qlo, axis=2)
-                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
-                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
-                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
-                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
+                    if KEY_BITS == 4:
+                        st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK),
+                                     tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
+                        st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK),
+                                     tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK),
+                                     tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK),
+                                     tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
+                    else:
+                        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
+                        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
                     st_ = st_ * KU + const[:, None, :]
                 else:
                     ks, klo = _token_params(k_params_ptr, word_off, t, ok)
-                    st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-                    st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-                    st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-                    st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+                    if KEY_BITS == 4:
+                        st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), qt0)
+                        st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), qt1, st_)
+                        st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), qt2, st_)
+                        st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), qt3, st_)
+                    else:
+                        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
+                        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
+                        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
+                        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
                     st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
                 st_ = tl.where(okc, st_, float("-inf"))
                 m_new = tl.maximum(bm, tl.max(st_, axis=1))
@@ -666,6 +760,9 @@ def check_decode_layout(layout: KVCacheLayout) -> None:
     supported with one ``G`` for keys (token or channel) and values.
     """
     d = layout.head_dim
+    if layout.value.bits != 2:
+        raise NotImplementedError(f"decode_attention: values are 2-bit (only keys may be wider), got "
+                                  f"{layout.value.bits}-bit")
     if layout.packing != "linear":  # mma16 pages: kernels/decode_attention_v2.py
         raise ValueError(f"decode_attention (v1): reads 'linear' pages, the layout's are {layout.packing!r} "
                          f"(mma16 pages: decode_attention_v2)")
@@ -741,6 +838,7 @@ def decode_attention(
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
         out_dtype, num_warps, num_stages, page_slots=page_slots, group_size=layout.value.group_size,
+        key_bits=layout.key.bits,
     )
 
 
@@ -794,11 +892,12 @@ def launch_decode(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES,
-    wrap=lambda k: k, page_slots: int = PAGE_SLOTS, group_size: int | None = None,
+    wrap=lambda k: k, page_slots: int = PAGE_SLOTS, group_size: int | None = None, key_bits: int = 2,
 ) -> torch.Tensor:
     """Allocate the partials and launch split + merge on validated inputs (:func:`decode_attention` checks).
 
-    ``group_size``: the layout's value (= token key) group size G; None means ``G = D``.
+    ``group_size``: the layout's value (= token key) group size G; None means ``G = D``. ``key_bits``:
+    ``layout.key.bits`` (the K pool holds ``D * key_bits / 8`` bytes a row).
 
     ``wrap`` wraps each kernel before launch (``torch.library.wrap_triton`` in :mod:`.triton_ops`). Grids:
     :func:`launch_split_merge`.
@@ -811,7 +910,7 @@ def launch_decode(
         pages_per_split, out_dtype,
         dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, G=group_size or d, P=page_size, S0=sink,
              RC=recent_slots, BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook,
-             V_CODEBOOK=codebook, ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots),
+             V_CODEBOOK=codebook, ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, KEY_BITS=key_bits),
         num_warps, num_stages, wrap,
     )
 

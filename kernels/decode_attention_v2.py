@@ -472,7 +472,13 @@ def _decode_split_v2f_kernel(
 
 def check_decode_v2_layout(layout: KVCacheLayout, num_heads: int) -> None:
     """Raise for what the v2 kernel does not handle: pages not both mma16 (``ValueError``: read them with
-    v1), an unsupported head_dim or GQA ratio (``NotImplementedError``), token groups smaller than a row."""
+    v1), an unsupported head_dim or GQA ratio (``NotImplementedError``), token groups smaller than a row, codes
+    wider than 2 bits (``NotImplementedError``: 4-bit keys are linear pages, read by v1)."""
+    if layout.key.bits != 2 or layout.value.bits != 2:
+        raise NotImplementedError(
+            f"decode_attention_v2: reads 2-bit pages only, the layout has {layout.key.bits}-bit keys and "
+            f"{layout.value.bits}-bit values (4-bit keys are 'linear' pages: kernels.decode_attention, v1)"
+        )
     if layout.key.packing != "mma16" or layout.value.packing != "mma16":
         raise ValueError(
             f"decode_attention_v2: reads 'mma16' pages, the layout has key {layout.key.packing!r}, value "

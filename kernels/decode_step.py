@@ -10,7 +10,7 @@
    such a token is written, whatever order the programs run in);
 3. if the recent ring is full (``recent_len == W + P``), quantizes page ``n = num_pages[b]``'s ring rows
    ``(nP + j) mod C`` into pool page ``block_table[b, n]`` (the :mod:`.quant_pack` quantizer, bit-exact with
-   the reference), moving nothing;
+   the reference; ``K_BITS``-bit key codes, 4 for the layers with wider keys), moving nothing;
 4. writes the token into sink slot ``sink_len`` (sink not full) or ring slot ``(nP + recent_len) mod C``.
 
 Lengths are read, never written: the page book commits them once per step (:mod:`.pages`). Every write
@@ -52,6 +52,7 @@ def _decode_append_kernel(
     H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, S0: tl.constexpr,
     C: tl.constexpr, RCAP: tl.constexpr, K_CHANNEL: tl.constexpr, TRANSFORM: tl.constexpr,
     RB: tl.constexpr, NONFINITE: tl.constexpr, K_PACKING: tl.constexpr, V_PACKING: tl.constexpr,
+    K_BITS: tl.constexpr,
 ):
     """One token of one (sequence, KV head). Grid ``(B, H_kv)``.
 
@@ -64,7 +65,7 @@ def _decode_append_kernel(
     status_ptr int32 ``[B]`` step status (read; NONFINITE or-ed in); max_pages int32;
     constexpr H_KV, P, D, G (value/token group size), S0, C (ring slots W + 2P), RCAP (W + P), K_CHANNEL,
     TRANSFORM, RB (rows of R per step), NONFINITE (the status bit), K_PACKING / V_PACKING (``layout.packing_code``
-    of each pool).
+    of each pool), K_BITS (``layout.key.bits``: 2, or 4 with uniform levels; values are 2-bit).
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -110,11 +111,11 @@ def _decode_append_kernel(
                 _quantize_page(recent_k_ptr + first, D, k_codes_ptr, k_params_ptr, page * H_KV + h,
                                tl.load(k_rank_ptr + h), tl.load(k_levels_ptr + h * 4),
                                tl.load(k_levels_ptr + h * 4 + 1), tl.load(k_levels_ptr + h * 4 + 2),
-                               tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL, K_PACKING)
+                               tl.load(k_levels_ptr + h * 4 + 3), P, D, G, K_CHANNEL, K_PACKING, K_BITS)
                 _quantize_page(recent_v_ptr + first, D, v_codes_ptr, v_params_ptr, page * H_KV + h,
                                tl.load(v_rank_ptr + h), tl.load(v_levels_ptr + h * 4),
                                tl.load(v_levels_ptr + h * 4 + 1), tl.load(v_levels_ptr + h * 4 + 2),
-                               tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False, V_PACKING)
+                               tl.load(v_levels_ptr + h * 4 + 3), P, D, G, False, V_PACKING, 2)
             dst = ring + ((npg * P + rl) % C) * D + i
             tl.store(recent_k_ptr + dst, k16.to(tl.bfloat16))
             tl.store(recent_v_ptr + dst, v16.to(tl.bfloat16))
@@ -154,7 +155,7 @@ def decode_append(
         H_KV=h, P=p, D=d, G=layout.value.group_size, S0=layout.sink, C=layout.recent_slots,
         RCAP=layout.recent_capacity, K_CHANNEL=layout.key.granularity == "channel", TRANSFORM=fused_transform,
         RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE, K_PACKING=packing_code(layout.key, "key"),
-        V_PACKING=packing_code(layout.value, "value"), num_warps=APPEND_WARPS,
+        V_PACKING=packing_code(layout.value, "value"), K_BITS=layout.key.bits, num_warps=APPEND_WARPS,
     )
 
 
@@ -172,6 +173,8 @@ def check_decode_append_inputs(
     h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
     check_format(layout.key, p, "decode_append key")
     check_format(layout.value, p, "decode_append value")
+    if layout.value.bits != 2:
+        raise NotImplementedError(f"decode_append: values are 2-bit (only keys may be wider), got {layout.value.bits}")
     if layout.window % p:
         raise NotImplementedError(f"decode_append: the window ({layout.window}) must be a multiple of P={p}")
     if k.dim() != 3:

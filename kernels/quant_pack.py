@@ -11,6 +11,11 @@ per-thread top-8 lists in registers (:mod:`.clip_threshold`); the scale is
 so the codes and params are bit-identical to the reference on the same stored-basis input. A page takes
 two passes over its rows: the threshold (with min/max), then the codes.
 
+4-bit pages (``RowFormat.bits == 4``, constexpr ``BITS``; keys of the layers that have them) take the same
+threshold pass; the scale uses ``reference.span_inverse(16)`` and the code compares with the 15 uniform
+midpoints. The code pass still loads the four quarters of a group: a 4-bit byte of ``reference.pack_codes``
+holds quarters 0 and 2 (bytes ``0 .. G/4``) or 1 and 3 (bytes ``G/4 .. G/2``) of the same position.
+
 Rows given in the model basis (``rotation``) are turned into ``x_s = (x @ R[h]) * d[h] - mu[h]`` by
 ``torch.matmul`` first, rounded to ``round_dtype`` (the BF16 the recent buffer would have held), exactly as
 ``LayerTransform.transform_keys`` does. ``fused_rotation=True`` does the product inside the kernel instead
@@ -29,10 +34,13 @@ from .aot import launch_plan as _plan
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
 from .layout import ONE_THIRD_F32, PACK_MMA16_KEY, KVCacheLayout, PagedKV, RowFormat, packing_code
 from .mma16 import store_mma16
+from .reference import span_inverse
 from .transform import clip_rank
 
 #: fp32 1/3 as a compile-time constant (Triton kernels read only constexpr globals).
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
+#: fp32 1/15, the range factor of 4-bit pages (16 levels), as a compile-time constant.
+_ONE_FIFTEENTH = tl.constexpr(span_inverse(16))
 #: rows of R per step of the fused rotation when ``D > 128`` (the whole fp32 ``[D, D]`` exceeds shared memory).
 ROT_K = tl.constexpr(32)
 #: the PACKING constexpr of mma16 keys (layout.packing_code), as a constexpr global.
@@ -77,13 +85,15 @@ def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constex
 
 @triton.jit
 def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
-                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0):
+                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0,
+                 BITS: tl.constexpr = 2):
     """Quantize one page-head of token groups: ``x_base`` rows ``[P, D]`` (row stride ``stride_xp``).
 
     Rows go in blocks of S; each thread holds C contiguous values of a quarter row per load, the four
     quarters (bits 0, 2, 4, 6 of a code byte) are loaded separately so a byte is packed in one thread.
     ``PACKING`` (``layout.packing_code``) != 0: the codes of a row block are computed on whole rows after its
-    groups' thresholds (same arithmetic) and stored in mma16 order (:mod:`.mma16`).
+    groups' thresholds (same arithmetic) and stored in mma16 order (:mod:`.mma16`). ``BITS == 4``: 16 uniform
+    levels (``lv*`` unused), quarters 0 | 2 << 4 into bytes ``g G/2 + q``, 1 | 3 << 4 into ``g G/2 + G/4 + q``.
     """
     Q: tl.constexpr = G // 4
     C: tl.constexpr = 8 if Q >= 8 else Q
@@ -117,14 +127,27 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                     kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
             lo = tl.minimum(tl.maximum(mn, -thr), thr)
             hi = tl.minimum(tl.maximum(mx, -thr), thr)
-            scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
+            if BITS == 4:
+                scale16 = ((hi - lo) * _ONE_FIFTEENTH).to(tl.float16)
+            else:
+                scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
             lo16 = lo.to(tl.float16)
             s = scale16.to(tl.float32)
             lof = lo16.to(tl.float32)[:, None]
             ts0 = (t0p * s)[:, None]
             ts1 = (t1p * s)[:, None]
             ts2 = (t2p * s)[:, None]
-            if PACKING == 0:
+            if BITS == 4:
+                th = thr[:, None]
+                s2 = s[:, None]
+                low = _code16(tl.load(ptrs).to(tl.float32), th, lof, s2)
+                low |= _code16(tl.load(ptrs + 2 * Q).to(tl.float32), th, lof, s2) << 4
+                high = _code16(tl.load(ptrs + Q).to(tl.float32), th, lof, s2)
+                high |= _code16(tl.load(ptrs + 3 * Q).to(tl.float32), th, lof, s2) << 4
+                dst = codes_base + (rb + r)[:, None] * (D // 2) + (g * (G // 2) + q)[None, :]
+                tl.store(dst, low.to(tl.uint8))
+                tl.store(dst + Q, high.to(tl.uint8))
+            elif PACKING == 0:
                 packed = tl.zeros((S, Q), tl.int32)
                 for k in tl.static_range(4):
                     x = tl.load(ptrs + k * Q).to(tl.float32)
@@ -222,8 +245,10 @@ def _quarter(v, k: tl.constexpr, NG: tl.constexpr, Q: tl.constexpr):
 
 @triton.jit
 def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
-                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0):
-    """Quantize one page-head of channel groups (each channel over the P tokens; bytes packed along D by G)."""
+                   P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0,
+                   BITS: tl.constexpr = 2):
+    """Quantize one page-head of channel groups (each channel over the P tokens; bytes packed along D by G);
+    ``BITS`` as in :func:`_token_pages`."""
     Q: tl.constexpr = G // 4
     NG: tl.constexpr = D // G
     T: tl.constexpr = 4 if P >= 32 else (P // 8 if P >= 8 else 1)
@@ -241,7 +266,10 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
             kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
     lo = tl.minimum(tl.maximum(mn, -thr), thr)
     hi = tl.minimum(tl.maximum(mx, -thr), thr)
-    scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
+    if BITS == 4:
+        scale16 = ((hi - lo) * _ONE_FIFTEENTH).to(tl.float16)
+    else:
+        scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
     lo16 = lo.to(tl.float16)
     tl.store(params_base + i, scale16)
     tl.store(params_base + D + i, lo16)
@@ -262,6 +290,26 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     T3: tl.constexpr = 2 * T if P >= 2 * T else T  # tokens per step of the code pass
     t = tl.arange(0, T3)[:, None, None]
     col = (tl.arange(0, NG)[:, None] * G + tl.arange(0, Q)[None, :])[None, :, :]  # [1, NG, Q], quarter 0
+    if BITS == 4:  # quarters 0 | 2 << 4 into bytes g G/2 + q, 1 | 3 << 4 into g G/2 + G/4 + q
+        byte2 = (tl.arange(0, NG)[:, None] * (G // 2) + tl.arange(0, Q)[None, :])[None, :, :]
+        th0, lo0, s0 = (_quarter(thr, 0, NG, Q)[None, :, :], _quarter(lof, 0, NG, Q)[None, :, :],
+                        _quarter(s, 0, NG, Q)[None, :, :])
+        th1, lo1, s1 = (_quarter(thr, 1, NG, Q)[None, :, :], _quarter(lof, 1, NG, Q)[None, :, :],
+                        _quarter(s, 1, NG, Q)[None, :, :])
+        th2, lo2, s2 = (_quarter(thr, 2, NG, Q)[None, :, :], _quarter(lof, 2, NG, Q)[None, :, :],
+                        _quarter(s, 2, NG, Q)[None, :, :])
+        th3, lo3, s3 = (_quarter(thr, 3, NG, Q)[None, :, :], _quarter(lof, 3, NG, Q)[None, :, :],
+                        _quarter(s, 3, NG, Q)[None, :, :])
+        for tb in range(0, P, T3):
+            rows = x_base + (tb + t) * stride_xp + col
+            low = _code16(tl.load(rows).to(tl.float32), th0, lo0, s0)
+            low |= _code16(tl.load(rows + 2 * Q).to(tl.float32), th2, lo2, s2) << 4
+            high = _code16(tl.load(rows + Q).to(tl.float32), th1, lo1, s1)
+            high |= _code16(tl.load(rows + 3 * Q).to(tl.float32), th3, lo3, s3) << 4
+            dst = codes_base + (tb + t) * (D // 2) + byte2
+            tl.store(dst, low.to(tl.uint8))
+            tl.store(dst + Q, high.to(tl.uint8))
+        return
     byte = (tl.arange(0, NG)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
     th0, lo0 = _quarter(thr, 0, NG, Q)[None, :, :], _quarter(lof, 0, NG, Q)[None, :, :]
     a0, b0, c0 = (_quarter(ts0, 0, NG, Q)[None, :, :], _quarter(ts1, 0, NG, Q)[None, :, :],
@@ -292,6 +340,17 @@ def _code(x, thr, lof, ts0, ts1, ts2):
 
 
 @triton.jit
+def _code16(x, thr, lof, s):
+    """The 4-bit code of ``x`` (int32): ``Σ_j [d >= (j + 1/2) s]`` over the 15 midpoints of the uniform levels
+    ``0..15`` (the reference's ``t_j * s`` in fp32), ``s`` = float(scale16)."""
+    d = tl.minimum(tl.maximum(x, -thr), thr) - lof
+    code = (d >= 0.5 * s).to(tl.int32)
+    for j in tl.static_range(1, 15):
+        code += (d >= (j + 0.5) * s).to(tl.int32)
+    return code
+
+
+@triton.jit
 def _store_codes_mma16(codes_base, code, t0, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
                        PACKING: tl.constexpr):
     """Store the codes ``code [T, D]`` of tokens ``t0 .. t0 + T`` of a page-head in mma16 order: keys as rows of
@@ -310,25 +369,26 @@ def _store_codes_mma16(codes_base, code, t0, P: tl.constexpr, D: tl.constexpr, T
 @triton.jit
 def _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
                    P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
-                   PACKING: tl.constexpr = 0):
+                   PACKING: tl.constexpr = 0, BITS: tl.constexpr = 2):
     """Quantize the rows ``[P, D]`` at ``x_base`` (row stride ``stride_xp``) into page-head ``page_head`` (int64);
-    ``PACKING``: ``layout.packing_code`` of the pool."""
-    codes_base = codes_ptr + page_head * (P * D // 4)
+    ``PACKING``: ``layout.packing_code`` of the pool; ``BITS``: its code width (2, or 4: uniform levels)."""
+    codes_base = codes_ptr + page_head * (P * D * BITS // 8)
     if CHANNEL:
         _channel_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (2 * D), removals + 1,
-                       lv0, lv1, lv2, lv3, P, D, G, PACKING)
+                       lv0, lv1, lv2, lv3, P, D, G, PACKING, BITS)
     else:
         _token_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (P * (D // G) * 2), removals + 1,
-                     lv0, lv1, lv2, lv3, P, D, G, PACKING)
+                     lv0, lv1, lv2, lv3, P, D, G, PACKING, BITS)
 
 
 # ---- the rotated-input path: the whole page as one tile (the basis change needs full rows) -------------------
 
 
 @triton.jit
-def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
+def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr, BITS: tl.constexpr = 2):
     """Quantize the groups laid along axis 1 of ``x [R, N]`` (``a = |x|``); the threshold by removing the
-    current max one occurrence (lowest index) at a time. Returns codes int32, scale16 ``[R]``, lo16 ``[R]``.
+    current max one occurrence (lowest index) at a time. Returns codes int32, scale16 ``[R]``, lo16 ``[R]``
+    (``BITS == 4``: 16 uniform levels, ``lv*`` unused).
     """
     col = tl.arange(0, N)[None, :]
     for _ in range(rank_removals):
@@ -339,6 +399,10 @@ def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
     xc = tl.minimum(tl.maximum(x, -thr), thr)
     lo = tl.min(xc, axis=1)
     hi = tl.max(xc, axis=1)
+    if BITS == 4:
+        scale16 = ((hi - lo) * _ONE_FIFTEENTH).to(tl.float16)
+        lo16 = lo.to(tl.float16)
+        return _code16(xc, thr, lo16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None]), scale16, lo16
     scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
     lo16 = lo.to(tl.float16)
     s = scale16.to(tl.float32)[:, None]
@@ -353,37 +417,40 @@ def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr):
 @triton.jit
 def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
                 P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
-                PACKING: tl.constexpr = 0):
-    """Quantize the tile ``x [P, D]`` fp32 and store it as page-head ``page_head`` (int64) of the pool."""
-    Q: tl.constexpr = G // 4
+                PACKING: tl.constexpr = 0, BITS: tl.constexpr = 2):
+    """Quantize the tile ``x [P, D]`` fp32 and store it as page-head ``page_head`` (int64) of the pool
+    (``BITS``-bit codes, ``reference.pack_codes`` order)."""
+    CPB: tl.constexpr = 8 // BITS  # codes per byte
+    Q: tl.constexpr = G // CPB
     NG: tl.constexpr = D // G
+    RB_: tl.constexpr = D // CPB  # code bytes per row
     t = tl.arange(0, P)
     i = tl.arange(0, D)
-    b = tl.arange(0, D // 4)
-    shifts = (1 << (2 * tl.arange(0, 4)))  # [4]: bit position of quarter j as a multiplier
+    b = tl.arange(0, RB_)
+    shifts = (1 << (BITS * tl.arange(0, CPB)))  # [CPB]: bit position of field j as a multiplier
     if CHANNEL:
         xt = tl.trans(x)  # [D, P]: one group per channel, over the P tokens of the page
-        codes, scale16, lo16 = _clip_quantize(tl.abs(xt), xt, removals, lv0, lv1, lv2, lv3, P)
+        codes, scale16, lo16 = _clip_quantize(tl.abs(xt), xt, removals, lv0, lv1, lv2, lv3, P, BITS)
         if PACKING != 0:
             _store_codes_mma16(codes_ptr + page_head * (P * D // 4), tl.trans(codes), 0, P, D, P, PACKING)
         else:
-            c4 = tl.reshape(codes, (NG, 4, Q, P))
+            c4 = tl.reshape(codes, (NG, CPB, Q, P))
             packed = tl.sum(c4 * shifts[None, :, None, None], axis=1)  # [NG, Q, P]
-            packed = tl.reshape(packed, (D // 4, P))
-            tl.store(codes_ptr + page_head * (P * D // 4) + t[None, :] * (D // 4) + b[:, None], packed.to(tl.uint8))
+            packed = tl.reshape(packed, (RB_, P))
+            tl.store(codes_ptr + page_head * (P * RB_) + t[None, :] * RB_ + b[:, None], packed.to(tl.uint8))
         prm = params_ptr + page_head * (2 * D)
         tl.store(prm + i, scale16)
         tl.store(prm + D + i, lo16)
     else:
         xg = tl.reshape(x, (P * NG, G))  # one group per row segment
-        codes, scale16, lo16 = _clip_quantize(tl.abs(xg), xg, removals, lv0, lv1, lv2, lv3, G)
+        codes, scale16, lo16 = _clip_quantize(tl.abs(xg), xg, removals, lv0, lv1, lv2, lv3, G, BITS)
         if PACKING != 0:
             _store_codes_mma16(codes_ptr + page_head * (P * D // 4), tl.reshape(codes, (P, D)), 0, P, D, P, PACKING)
         else:
-            c4 = tl.reshape(codes, (P * NG, 4, Q))
+            c4 = tl.reshape(codes, (P * NG, CPB, Q))
             packed = tl.sum(c4 * shifts[None, :, None], axis=1)  # [P*NG, Q]
-            packed = tl.reshape(packed, (P, D // 4))
-            tl.store(codes_ptr + page_head * (P * D // 4) + t[:, None] * (D // 4) + b[None, :], packed.to(tl.uint8))
+            packed = tl.reshape(packed, (P, RB_))
+            tl.store(codes_ptr + page_head * (P * RB_) + t[:, None] * RB_ + b[None, :], packed.to(tl.uint8))
         rg = tl.arange(0, P * NG)
         prm = params_ptr + page_head * (P * NG * 2)
         tl.store(prm + rg * 2, scale16)
@@ -397,7 +464,7 @@ def _quant_pack_kernel(
     stride_xn, stride_xh, stride_xp,
     H_KV: tl.constexpr, P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, ROUND_FP16: tl.constexpr,
-    PACKING: tl.constexpr,
+    PACKING: tl.constexpr, BITS: tl.constexpr,
 ):
     """Quantize page ``n`` of KV head ``h`` into pool page ``page_ids[n]``. Grid ``(N, H_kv)``.
 
@@ -407,12 +474,13 @@ def _quant_pack_kernel(
         rank_ptr     int32 ``[H_kv]`` removals per group, ``group - 1 - clip_rank``
         levels_ptr   fp32 ``[H_kv, 4]`` code levels
         rot_ptr, dscale_ptr, mean_ptr  fp32 ``[H_kv, D, D]``, ``[H_kv, D]``, ``[H_kv, D]`` (read iff ROTATE)
-        codes_ptr    uint8 pool ``[N_pool, H_kv, P, D // 4]``
+        codes_ptr    uint8 pool ``[N_pool, H_kv, P, D * BITS / 8]``
         params_ptr   fp16 pool, token ``[N_pool, H_kv, P, D // G, 2]``, channel ``[N_pool, H_kv, 2, D]``
         stride_xn, stride_xh, stride_xp  int32 element strides of x
         constexpr: H_KV, P, D, G, CHANNEL (per-channel-within-page groups), ROTATE, ROUND_BF16/ROUND_FP16
         (round the rotated rows through that dtype before quantizing), PACKING (``layout.packing_code`` of the
-        pool: linear, mma16 keys, mma16 values).
+        pool: linear, mma16 keys, mma16 values), BITS (``RowFormat.bits`` of the pool: 2, or 4 with uniform
+        levels, ``levels_ptr`` then unread).
     """
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -442,10 +510,10 @@ def _quant_pack_kernel(
         if ROUND_FP16:
             x = x.to(tl.float16).to(tl.float32)
         _store_tile(x, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3, P, D, G, CHANNEL,
-                    PACKING)
+                    PACKING, BITS)
     else:
         _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3,
-                       P, D, G, CHANNEL, PACKING)
+                       P, D, G, CHANNEL, PACKING, BITS)
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------
@@ -466,6 +534,8 @@ def check_format(fmt: RowFormat, page_size: int, what: str) -> None:
         raise NotImplementedError(f"{what}: head_dim and page_size <= 256 supported, got {fmt.head_dim}, {page_size}")
     if fmt.packing == "mma16" and fmt.head_dim < 64:
         raise NotImplementedError(f"{what}: the Triton kernels write 'mma16' pages for head_dim >= 64, got {fmt.head_dim}")
+    if fmt.bits not in (2, 4):
+        raise NotImplementedError(f"{what}: the Triton kernels write 2- and 4-bit codes, got {fmt.bits}-bit")
 
 
 def removal_counts(clip: torch.Tensor, group: int) -> torch.Tensor:
@@ -495,8 +565,8 @@ def check_paged_state(state: PagedKV, layout: KVCacheLayout, batch: int, device)
         ("state.sink_v", state.sink_v, layout.sink_shape(batch), torch.bfloat16),
         ("state.recent_k", state.recent_k, layout.recent_shape(batch), torch.bfloat16),
         ("state.recent_v", state.recent_v, layout.recent_shape(batch), torch.bfloat16),
-        ("state.k_codes", state.k_codes, layout.codes_shape(pool), torch.uint8),
-        ("state.v_codes", state.v_codes, layout.codes_shape(pool), torch.uint8),
+        ("state.k_codes", state.k_codes, layout.key_codes_shape(pool), torch.uint8),
+        ("state.v_codes", state.v_codes, layout.value_codes_shape(pool), torch.uint8),
         ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
         ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
         ("state.block_table", state.block_table, (batch, max_pages), torch.int32),
@@ -531,9 +601,11 @@ def write_pages(
         x: ``[N, H_kv, P, D]`` float32/bf16/fp16, last dim contiguous; stored basis, or model basis when
             ``rotation`` is given.
         page_ids: ``[N]`` int32 destination pool pages.
-        codes: ``[N_pool, H_kv, P, D // 4]`` uint8 pool; params: fp16 pool (``layout.params_shape``).
+        codes: ``[N_pool, H_kv, P, D * fmt.bits / 8]`` uint8 pool (``layout.codes_shape(N_pool, fmt)``); params:
+            fp16 pool (``layout.params_shape``).
         fmt: ``layout.key`` or ``layout.value``.
-        clip: ``[H_kv]`` fp32 clip ratios; levels: ``[H_kv, 4]`` fp32.
+        clip: ``[H_kv]`` fp32 clip ratios; levels: ``[H_kv, 4]`` fp32 (the transform's 2-bit levels; 4-bit pages
+            ignore them: ``reference.format_levels``).
         rotation: optional ``(R [H_kv, D, D], d [H_kv, D], mu [H_kv, D])`` fp32: quantize
             ``(x @ R) * d - mu`` rounded through ``round_dtype`` (None: not rounded). Computed with
             ``torch.matmul`` (as ``LayerTransform.transform_keys``) before the kernel unless
@@ -558,7 +630,7 @@ def write_pages(
     n = x.shape[0]
     _check("page_ids", page_ids, (n,), torch.int32, dev)
     pool = codes.shape[0] if codes.dim() == 4 else -1
-    _check("codes", codes, layout.codes_shape(pool), torch.uint8, dev)
+    _check("codes", codes, layout.codes_shape(pool, fmt), torch.uint8, dev)
     _check("params", params, layout.params_shape(fmt, pool), torch.float16, dev)
     if not (codes.is_contiguous() and params.is_contiguous()):
         raise ValueError("codes/params: the page pool must be contiguous")
@@ -592,7 +664,7 @@ def write_pages(
         x.stride(0), x.stride(1), x.stride(2),
         H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
         ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16, ROUND_FP16=fuse and round_dtype == torch.float16,
-        PACKING=packing, **warps,
+        PACKING=packing, BITS=fmt.bits, **warps,
     )
 
 
@@ -614,7 +686,7 @@ def quantize_pages(
     ``fused_rotation``, ``num_warps``, ``operand``: as :func:`write_pages`.
     """
     n = x.shape[0] if x.dim() == 4 else 0
-    codes = torch.empty(layout.codes_shape(n), dtype=torch.uint8, device=x.device)
+    codes = torch.empty(layout.codes_shape(n, fmt), dtype=torch.uint8, device=x.device)
     params = torch.empty(layout.params_shape(fmt, n), dtype=torch.float16, device=x.device)
     ids = torch.arange(n, dtype=torch.int32, device=x.device)
     write_pages(x, ids, codes, params, layout, fmt, clip, levels, rotation, round_dtype,

@@ -34,13 +34,13 @@ def _decode_attention_op(
     block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor, recent_len: torch.Tensor,
     num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float, k_channel: bool,
     codebook: bool, rotate_q: bool, fast_unpack: bool, pages_per_split: int, out_dtype: torch.dtype,
-    group_size: int,
+    group_size: int, key_bits: int,
 ) -> torch.Tensor:
     return launch_decode(
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
         k_channel, codebook, rotate_q, fast_unpack, pages_per_split, out_dtype, wrap=torch.library.wrap_triton,
-        group_size=group_size,
+        group_size=group_size, key_bits=key_bits,
     )
 
 
@@ -65,6 +65,7 @@ def decode_attention(
         *(getattr(state, f) for f in _STATE[8:]), layout.num_kv_heads, layout.page_size,
         layout.sink, layout.recent_slots, float(scale), layout.key.granularity == "channel", codebook,
         q_rotation is not None, q.device.type == "cuda" and not codebook, pps, out_dtype, layout.value.group_size,
+        layout.key.bits,
     )
 
 
@@ -81,6 +82,7 @@ def _decode_append_op(
     v_levels: torch.Tensor, block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor,
     recent_len: torch.Tensor, status: torch.Tensor, page_size: int, sink: int, recent_slots: int,
     recent_capacity: int, group_size: int, k_channel: bool, fused_transform: bool, k_packing: int, v_packing: int,
+    key_bits: int,
 ) -> None:
     bsz, h, d = k.shape
     torch.library.wrap_triton(_decode_append_kernel)[(bsz, h)](
@@ -89,7 +91,7 @@ def _decode_append_op(
         block_table, sink_len, num_pages, recent_len, status, block_table.shape[1],
         H_KV=h, P=page_size, D=d, G=group_size, S0=sink, C=recent_slots, RCAP=recent_capacity,
         K_CHANNEL=k_channel, TRANSFORM=fused_transform, RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE,
-        K_PACKING=k_packing, V_PACKING=v_packing, num_warps=APPEND_WARPS,
+        K_PACKING=k_packing, V_PACKING=v_packing, K_BITS=key_bits, num_warps=APPEND_WARPS,
     )
 
 
@@ -107,7 +109,7 @@ def decode_append(
         k_rem, v_rem, tr.k_levels, tr.v_levels, *(getattr(state, f) for f in _STATE[8:]), status,
         layout.page_size, layout.sink, layout.recent_slots, layout.recent_capacity, layout.value.group_size,
         layout.key.granularity == "channel", fused_transform, packing_code(layout.key, "key"),
-        packing_code(layout.value, "value"),
+        packing_code(layout.value, "value"), layout.key.bits,
     )
 
 

@@ -218,7 +218,7 @@ def build_deployment(
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
-                     packing={"key": layout.key.packing, "value": layout.value.packing})
+                     packing={"key": layout.key.packing, "value": layout.value.packing}, key_bits=[layout.key.bits])
         trtllm = write_trtllm_files(tmp, layout)
         if onnx:
             from oscar_export.onnx_export import export_decode_attention_onnx

@@ -57,6 +57,9 @@ def _io(layout, num_heads: int, types: dict[str, str] | None = None):
     """Graph inputs and the output ``out``. ``types`` (plugin tensor name -> the kernel's pointer type) gives
     the dtypes of the TensorRT form; without it ``q`` and ``out`` are FLOAT (the semantic node)."""
     _, T, helper = _onnx()
+    if layout.key.bits != 2 or layout.value.bits != 2:  # the reference function below unpacks 2-bit codes
+        raise NotImplementedError(f"ONNX export: 2-bit pages only, the layout has {layout.key.bits}-bit keys and "
+                                  f"{layout.value.bits}-bit values")
     h, hkv, d, p = num_heads, layout.num_kv_heads, layout.head_dim, layout.page_size
     kp = ["N", hkv, p, layout.key.groups, 2] if layout.key.granularity == "token" else ["N", hkv, 2, d]
     spec = {

@@ -16,6 +16,10 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
   order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
 
+Layers with 4-bit keys (``layout.with_key_bits(4)``) need their own variants of every kernel (the key pool and
+the constexprs differ): :func:`layout_tag` gives them the suffix ``_k4``, and ``serving_specs(..., key_bits=(2,
+4))`` builds both sets; the manifest records the widths (``manifest.key_bits``).
+
 Parameters, constexprs, warps, stages and grid rules come from ``launch_plan.py`` (the one statement of them,
 which the JIT wrappers read too), so the AOT binaries compute what the JIT launches compute, bit for bit.
 :func:`decode_plan` evaluates the split kernel's derived int32 arguments for a host that launches the binaries.
@@ -24,6 +28,7 @@ which the JIT wrappers read too), so the AOT binaries compute what the JIT launc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..layout import KVCacheLayout, RowFormat
 from . import launch_plan as lp
@@ -37,8 +42,10 @@ MERGE_CHUNK = lp.MERGE_CHUNK
 
 def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
     """Short variant tag, e.g. ``h9kv3d64p64s64w256_ktok``; ``g128`` after ``d`` when groups are shorter than a
-    row (``h16kv8d256g128p128s64w256_ktok``, Gemma 3)."""
+    row (``h16kv8d256g128p128s64w256_ktok``, Gemma 3); ``_k4`` after the key granularity for 4-bit keys
+    (``h32kv8d128p128s64w256_ktok_k4``)."""
     k = "kch" if layout.key.granularity == "channel" else "ktok"
+    k += "" if layout.key.bits == 2 else f"_k{layout.key.bits}"
     cb = "_cb" if (layout.key.codebook or layout.value.codebook) else ""
     g = "" if layout.value.group_size == layout.head_dim else f"g{layout.value.group_size}"
     pk = {"linear": "", "mma16": "_mma16"}.get(layout.packing, f"_k{layout.key.packing}v{layout.value.packing}")
@@ -90,21 +97,29 @@ def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) 
 
 
 def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes: bool = True,
-                  trt: bool = True) -> list[KernelSpec]:
+                  trt: bool = True, key_bits: Sequence[int] | None = None) -> list[KernelSpec]:
     """Every kernel variant serving ``layout`` needs (see the module doc). ``trt``: the TensorRT-order decode
-    kernels, built for linear pages only (an mma16 bundle has none: the TensorRT plugin refuses it on load)."""
-    tag = layout_tag(layout, num_heads)
-    specs = [
-        quant_pack_spec(layout, layout.key, "k", False, tag),
-        quant_pack_spec(layout, layout.key, "k", True, tag),
-        quant_pack_spec(layout, layout.value, "v", False, tag),
-        quant_pack_spec(layout, layout.value, "v", True, tag),
-        decode_split_spec(layout, num_heads, sm_scale, tag),
-        decode_merge_spec(layout, tag),
-        *decode_step_specs(layout, tag),
-    ]
-    if trt and layout.packing == "linear":
-        specs += trt_specs(layout, num_heads, sm_scale, tag)
+    kernels, built for linear pages only (an mma16 bundle has none: the TensorRT plugin refuses it on load).
+    ``key_bits``: the key code widths of the model's layers (``(2, 4)`` when some layers have 4-bit keys): one
+    set of variants per width, for ``layout.with_key_bits(b)``; default ``layout.key.bits`` alone."""
+    widths = (layout.key.bits,) if key_bits is None else tuple(sorted(set(key_bits)))
+    if not widths:
+        raise ValueError("serving_specs: key_bits must name at least one code width")
+    specs = []
+    for bits in widths:
+        lay = layout.with_key_bits(bits)
+        tag = layout_tag(lay, num_heads)
+        specs += [
+            quant_pack_spec(lay, lay.key, "k", False, tag),
+            quant_pack_spec(lay, lay.key, "k", True, tag),
+            quant_pack_spec(lay, lay.value, "v", False, tag),
+            quant_pack_spec(lay, lay.value, "v", True, tag),
+            decode_split_spec(lay, num_heads, sm_scale, tag),
+            decode_merge_spec(lay, tag),
+            *decode_step_specs(lay, tag),
+        ]
+        if trt and lay.packing == "linear":
+            specs += trt_specs(lay, num_heads, sm_scale, tag)
     if probes:
         specs += probe_specs(layout.head_dim, layout.value.group_size)
     return specs

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .manifest import (
-    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, manifest_packing,
+    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, manifest_key_bits,
+    manifest_packing,
     parse_arch, ptx_entry_params, write_manifest,
 )
 from .spec import KernelSpec
@@ -132,14 +133,17 @@ def build_bundle(
     ptx_version: int | None = DEFAULT_PTX_VERSION,
     progress=None,
     packing: dict[str, str] | None = None,
+    key_bits: Sequence[int] | None = None,
 ) -> Path:
     """Compile every spec for every arch into ``out_dir`` (written atomically: temp dir, then rename).
 
     ``out_dir`` must not exist. ``progress``, if given, is called with ``(done, total, name)``. ``packing``:
     the code packing of the K and V pages the kernels read and write (``{"key": .., "value": ..}``, layout
-    ``RowFormat.packing``), recorded in the manifest; default both ``"linear"``.
+    ``RowFormat.packing``), recorded in the manifest; default both ``"linear"``. ``key_bits``: the key code
+    widths the specs have variants for (``bundle.serving_specs(..., key_bits=)``), recorded; default ``[2]``.
     """
     triton, _, _ = _require_triton()
+    bits = manifest_key_bits(None if key_bits is None else list(key_bits))
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new output directory")
@@ -171,6 +175,7 @@ def build_bundle(
             "hidden_params": "two trailing NULL pointers (global, profile scratch); both sizes are 0",
             "kernels": kernels,
             "packing": manifest_packing(packing),
+            "key_bits": bits,
         })
         os.chmod(tmp, 0o755)
         tmp.rename(out)

@@ -131,7 +131,7 @@ _SPLIT_INPUTS = (
 _SPLIT_OUTPUTS = (("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"))
 _SPLIT_SCALARS = (("max_pages", "i32"), ("pages_per_split", "i32"), ("n_page_splits", "i32"), ("n_splits", "i32"))
 _SPLIT_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "G", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
-                     "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK", "NB")
+                     "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK", "NB", "KEY_BITS")
 _SPLIT_DERIVED = (("n_page_splits", "cdiv(max_pages, pages_per_split)"),
                   ("n_splits", "n_page_splits + cdiv(S0, BN) + cdiv(RC, BN)"))
 
@@ -163,7 +163,7 @@ _QP_PARAMS = (
     ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"), ("mean_ptr", "*fp32"), ("codes_ptr", "*u8"),
     ("params_ptr", "*fp16"), ("stride_xn", "i32"), ("stride_xh", "i32"), ("stride_xp", "i32"),
 )
-_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16", "PACKING")
+_QP_CONSTEXPRS = ("H_KV", "P", "D", "G", "CHANNEL", "ROTATE", "ROUND_BF16", "ROUND_FP16", "PACKING", "BITS")
 QUANT_PACK = KernelPlan(
     name="quant_pack", kernel=f"{_QP}:_quant_pack_kernel", params=_QP_PARAMS, constexprs=_QP_CONSTEXPRS,
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("N", "H_KV", "1"), sizes=("N",),
@@ -184,7 +184,7 @@ DECODE_APPEND = KernelPlan(
             ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
             ("max_pages", "i32")),
     constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE", "K_PACKING",
-                "V_PACKING"),
+                "V_PACKING", "K_BITS"),
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
     doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
         "full (decided on the device; lengths are read, the page book commits them)",
@@ -237,7 +237,7 @@ def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack
         "P": layout.page_size, "S0": layout.sink,
         "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS,
+        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
     }
 
 
@@ -272,7 +272,7 @@ def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> di
 
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": fmt.group_size,
             "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False,
-            "PACKING": packing_code(fmt, operand)}
+            "PACKING": packing_code(fmt, operand), "BITS": fmt.bits}
 
 
 def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str, Any]:
@@ -285,7 +285,8 @@ def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str,
             "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
             "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
             "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE,
-            "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value")}
+            "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value"),
+            "K_BITS": layout.key.bits}
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------

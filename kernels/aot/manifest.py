@@ -7,11 +7,13 @@ plus one ``manifest.json``::
      "kernels": [{"name", "arch", "symbol", "params": [{"name", "type", "bytes"}], "hidden_params": 2,
                   "constexprs", "grid", "num_warps", "num_stages", "shared", "spec",
                   "cubin": {"file", "sha256", "bytes"}, "ptx": {"file", "sha256", "bytes"}}],
-     "packing": {"key": "linear", "value": "linear"}}
+     "packing": {"key": "linear", "value": "linear"}, "key_bits": [2, 4]}
 
 ``packing`` is the code packing of the pages the kernels read and write (``RowFormat.packing``); a manifest
 without it (built before the field existed) means ``"linear"``, one naming a packing this version does not
-know is refused.
+know is refused. ``key_bits`` lists the key code widths (``RowFormat.bits``) the bundle has variants for (the
+``_k4`` variants of ``bundle.layout_tag`` serve the layers with 4-bit keys); without it ``[2]``; a width this
+version does not know (``layout.CODE_BITS``) is refused.
 
 ``read_manifest`` validates the structure and, unless told not to, every binary's sha256 and that the
 cubin and PTX name the manifest's symbol with the manifest's parameter count. Errors name the file and
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..layout import check_packing
+from ..layout import CODE_BITS, check_packing
 from .spec import KernelSpec
 
 MANIFEST = "manifest.json"
@@ -55,6 +57,19 @@ def manifest_packing(packing: Any, where: str = "packing") -> dict[str, str]:
         except ValueError as e:
             raise BundleError(str(e)) from None
     return {"key": packing["key"], "value": packing["value"]}
+
+
+def manifest_key_bits(key_bits: Any, where: str = "key_bits") -> list[int]:
+    """The manifest's ``key_bits`` section, checked: a non-empty list of known code widths, ``None`` = ``[2]``."""
+    if key_bits is None:
+        return [2]
+    if (not isinstance(key_bits, list) or not key_bits
+            or not all(type(b) is int for b in key_bits) or len(set(key_bits)) != len(key_bits)):
+        raise BundleError(f"{where}: expected a list of distinct code widths, got {key_bits!r:.200}")
+    unknown = [b for b in key_bits if b not in CODE_BITS]
+    if unknown:
+        raise BundleError(f"{where}: unknown key code widths {unknown}; this version knows {list(CODE_BITS)}")
+    return sorted(key_bits)
 
 
 def parse_arch(arch: str | int) -> int:
@@ -146,6 +161,11 @@ class Manifest:
         """``{"key": .., "value": ..}``: the page packing the bundle's kernels were built for."""
         return manifest_packing(self.data.get("packing"))
 
+    @property
+    def key_bits(self) -> list[int]:
+        """The key code widths the bundle has kernel variants for (``[2]``, or ``[2, 4]`` with 4-bit key layers)."""
+        return manifest_key_bits(self.data.get("key_bits"))
+
     def archs(self) -> list[str]:
         return sorted({arch_name(e.arch) for e in self.entries})
 
@@ -181,6 +201,7 @@ def read_manifest(root: str | Path, verify: bool = True) -> Manifest:
     if data.get("format") != FORMAT_VERSION:
         raise BundleError(f"{path}: format {data.get('format')!r}, expected {FORMAT_VERSION}")
     manifest_packing(data.get("packing"), f"{path}: packing")
+    manifest_key_bits(data.get("key_bits"), f"{path}: key_bits")
     entries = []
     for k in data.get("kernels", []):
         try:
@@ -212,5 +233,6 @@ def read_manifest(root: str | Path, verify: bool = True) -> Manifest:
 
 __all__ = [
     "FORMAT_VERSION", "HIDDEN_PARAMS", "MANIFEST", "SHARED_LIMIT", "TARGETS", "BundleError", "KernelEntry",
-    "Manifest", "arch_name", "manifest_packing", "parse_arch", "ptx_entry_params", "read_manifest", "sha256", "write_manifest",
+    "Manifest", "arch_name", "manifest_key_bits", "manifest_packing",
+    "parse_arch", "ptx_entry_params", "read_manifest", "sha256", "write_manifest",
 ]

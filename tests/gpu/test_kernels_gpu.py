@@ -7,7 +7,9 @@ key granularities; decode attention (32 query / 8 KV heads, head_dim 128, sequen
 the error budget (<= 2x a BF16 PyTorch computation's error against fp64, + 1e-5); a decode step (append,
 demotion when due, attention) captured in a CUDA graph and replayed across a demotion, equal to eager;
 head_dim 256 with two groups of 128 per row (Gemma-3-12B/27B heads): decode attention within the budget (plain
-and fused query rotation), quantize and decode_append bit-exact.
+and fused query rotation), quantize and decode_append bit-exact; 4-bit key pages (Llama-3-8B and Gemma-3-12B
+heads): decode attention within the budget (PTX and plain nibble extraction, fused rotation), quantize and
+decode_append bit-exact.
 """
 
 from __future__ import annotations
@@ -418,3 +420,71 @@ def test_decode_append_mma16_on_gpu_equals_reference():
     assert int(book_r.committed.num_pages[0]) == 1
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"state.{f} differs"
+
+
+# ---- 4-bit key pages (layout.with_key_bits(4), issue 17): values stay 2-bit -------------------------------------
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+@pytest.mark.parametrize("variant", [{}, dict(page_slots=1, num_warps=1), dict(fast_unpack=False)],
+                         ids=["default", "slots1", "plain"])
+def test_decode_attention_4bit_keys_real_shape(gran, variant):
+    """Llama-3-8B's shape (32 / 8 heads, head_dim 128) with 4-bit key pages within budget: the PTX nibble masks
+    (default) and the plain extraction (the path the CPU tests run) both; the fused query rotation too."""
+    lay = KVCacheLayout.default(8, 128, gran).with_key_bits(4)
+    tr = _rotated(8, 128)
+    lengths = [33000, 8192, 385, 17]
+    torch.manual_seed(0)
+    st = _random_cache(lay, lengths, tr)
+    assert st.k_codes.shape[-1] == 64 and int(ref.unpack_codes(st.k_codes, 128, 4).max()) == 15
+    q_model = torch.randn(len(lengths), 32, 128, device=DEV)
+    q = tr.transform_queries(q_model[:, :, None]).squeeze(2).contiguous()
+    got = decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, **variant)
+    _budget(got, q, st, lay, tr, 128**-0.5)
+    fused = decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 128**-0.5,
+                             q_rotation=(tr.k_rotation, tr.k_scale), out_dtype=torch.bfloat16, **variant)
+    _budget(fused.float(), q, st, lay, tr, 128**-0.5)
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_attention_4bit_keys_head_dim_256(gran):
+    """Gemma-3-12B's heads (16 / 8, head_dim 256, two groups of 128) with 4-bit key pages within budget."""
+    lay = KVCacheLayout.default(8, 256, gran).with_key_bits(4)
+    tr = LayerTransform.identity(8, 256, 0.96, 0.92).to(DEV)
+    lengths = [16500, 449, 17]
+    torch.manual_seed(0)
+    st = _random_cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), 16, 256, device=DEV)
+    _budget(decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 256**-0.5), q, st, lay, tr, 256**-0.5)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_quantize_and_decode_append_4bit_keys_bit_exact(gran, d):
+    """4-bit key pages at a prefill's size (the quantizer) and the decode step's writer across a demotion: every
+    buffer equal to the reference's on the GPU."""
+    from oscar_export.kernels.decode_step import decode_append
+
+    lay = KVCacheLayout.default(8, d, gran, sink=16, window=128).with_key_bits(4)
+    tr = LayerTransform.identity(8, d, 0.96, 0.92).to(DEV)
+    x = (torch.randn(128, 8, lay.page_size, d, device=DEV) * torch.linspace(0.1, 3, d, device=DEV)).bfloat16().float()
+    for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
+                          ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
+        assert torch.equal(g, w), f"quantize 4-bit {gran} keys {name}: {(g != w).sum().item()} mismatches"
+    lengths = [lay.sink + lay.recent_capacity - 1, 700, 5]  # slot 0 demotes at the first step
+    books, states = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        book, st = _book_cache(lay, lengths, tr, 1200)
+        books.append(book)
+        states.append(st)
+    ks, vs = torch.randn(4, 3, 8, d, device=DEV), torch.randn(4, 3, 8, d, device=DEV)
+    for i in range(4):
+        for book, st, fn in ((books[0], states[0], ref.decode_append), (books[1], states[1], decode_append)):
+            book.begin(1)
+            fn(book.state_view(st, book.committed), ks[i].bfloat16(), vs[i].bfloat16(), book.status, lay, tr)
+            book.commit(1)
+    assert int(books[0].committed.num_pages[0]) == lay.pages_for(lengths[0] + 4) >= 1, "no demotion crossed"
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        g, w = getattr(states[1], f), getattr(states[0], f)
+        assert torch.equal(g, w), f"decode_append 4-bit {gran} d={d} {f}: {(g != w).sum().item()} mismatches"

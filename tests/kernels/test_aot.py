@@ -277,6 +277,29 @@ def test_probe_kernels_match_reference_under_the_interpreter():
     assert proc.returncode == 0 and "probe ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_manifest_records_key_bits_and_refuses_unknown(bundle, tmp_path):
+    """The key code widths are recorded (default [2]); an old manifest without them reads as [2]; a width this
+    version does not know, or a malformed field, is refused on load with one clear error."""
+    assert read_manifest(bundle, verify=False).key_bits == [2]
+    for name, value, ok in (("old", None, True), ("k4", [4, 2], True), ("k8", [2, 8], False), ("int", 4, False),
+                            ("dup", [2, 2], False), ("empty", [], False)):
+        copy = tmp_path / name
+        shutil.copytree(bundle, copy)
+        data = json.loads((copy / MANIFEST).read_text())
+        if value is None:
+            data.pop("key_bits")
+        else:
+            data["key_bits"] = value
+        (copy / MANIFEST).write_text(json.dumps(data))
+        if ok:
+            assert read_manifest(copy).key_bits == ([2] if value is None else [2, 4])
+        else:
+            with pytest.raises(BundleError, match="key_bits"):
+                read_manifest(copy)
+    with pytest.raises(BundleError, match=r"key_bits: unknown key code widths \[8\]; this version knows \[2, 4\]"):
+        read_manifest(tmp_path / "k8")
+
+
 def test_manifest_records_packing_and_refuses_unknown(bundle, tmp_path):
     """The page packing is recorded (default linear); an old manifest without it reads as linear; an unknown
     packing is refused on load with one clear error."""

@@ -19,6 +19,8 @@ LAYOUTS = {
     "gemma3_12b": (KVCacheLayout.default(8, 256), 16),  # head_dim 256: two groups of 128 per row, P = 128
     "mma16_llama": (KVCacheLayout.default(8, 128, packing="mma16", page_size=64), 32),
     "mma16_channel": (KVCacheLayout.default(3, 64, key_granularity="channel", packing="mma16"), 9),
+    "k4_llama": (KVCacheLayout.default(8, 128).with_key_bits(4), 32),  # 4-bit keys (issue 17)
+    "k4_channel_d256": (KVCacheLayout.default(8, 256, "channel").with_key_bits(4), 16),
 }
 
 
@@ -99,6 +101,51 @@ def test_head_dim_256_channel_keys_compile_for_sm90():
     layout = KVCacheLayout.default(8, 256, "channel")
     ck = compile_kernel(bundle.decode_split_spec(layout, 16, 256 ** -0.5, bundle.layout_tag(layout, 16)), "sm_90")
     assert ck.entry.shared <= SHARED_LIMIT[90]
+
+
+def test_4bit_key_variants_are_named_and_set():
+    """``key_bits=(2, 4)``: one set of variants per key width, the 4-bit one tagged ``_k4`` with the key constexprs
+    at 4 and the value writer at 2; an mma16 layout cannot have 4-bit keys (refused, not silently built)."""
+    layout, heads = LAYOUTS["d128_gqa4"]
+    specs = bundle.serving_specs(layout, heads, 0.125, probes=False, key_bits=(2, 4))
+    names = {s.name: s for s in specs}
+    assert len(names) == len(specs) == 2 * len(bundle.serving_specs(layout, heads, 0.125, probes=False))
+    tag4 = bundle.layout_tag(layout.with_key_bits(4), heads)
+    assert tag4 == "h8kv2d128p128s64w256_ktok_k4" and bundle.layout_tag(layout, heads) == "h8kv2d128p128s64w256_ktok"
+    cx = lambda name: names[f"{name}_{tag4}"].constexpr_dict  # noqa: E731
+    assert cx("decode_split")["KEY_BITS"] == cx("trt_decode_split")["KEY_BITS"] == cx("decode_append")["K_BITS"] == 4
+    assert cx("quant_pack_k")["BITS"] == cx("quant_pack_k_rot")["BITS"] == 4 and cx("quant_pack_v")["BITS"] == 2
+    assert names[f"decode_split_{bundle.layout_tag(layout, heads)}"].constexpr_dict["KEY_BITS"] == 2
+    with pytest.raises(NotImplementedError, match="bits 4: only uniform levels in 'linear' packing"):
+        bundle.serving_specs(LAYOUTS["mma16_llama"][0], 32, 0.125, key_bits=(2, 4))
+
+
+@pytest.mark.parametrize("name", ["k4_llama", pytest.param("k4_channel_d256", marks=pytest.mark.slow)])  # d256: ~30 s
+def test_4bit_key_bundle_compiles_and_records_key_bits(name, tmp_path):
+    """The 4-bit-key decode split (Llama-3-8B's shape; channel keys at head_dim 256, two groups per row) and
+    key writer pass the AOT gates for sm_90; the manifest records the key widths."""
+    from oscar_export.kernels.aot.compile import build_bundle
+    from oscar_export.kernels.aot.manifest import read_manifest
+
+    layout, heads = LAYOUTS[name]
+    tag = bundle.layout_tag(layout, heads)
+    specs = [bundle.decode_split_spec(layout, heads, layout.head_dim ** -0.5, tag),
+             bundle.quant_pack_spec(layout, layout.key, "k", False, tag)]
+    out = build_bundle(specs, tmp_path / "b", archs=["sm_90"], key_bits=[4, 2])
+    m = read_manifest(out)
+    assert m.key_bits == [2, 4]
+    for s in specs:
+        e = m.entry(s.name, "sm_90")
+        cx = e.spec.constexpr_dict
+        assert e.shared <= SHARED_LIMIT[90] and cx.get("KEY_BITS", cx.get("BITS")) == 4
+
+
+def test_4bit_key_decode_append_compiles_for_sm90():
+    """The 4-bit-key decode-step writer (K_BITS 4) passes the AOT gates for sm_90 (~13 s)."""
+    layout, heads = LAYOUTS["k4_llama"]
+    for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
+        ck = compile_kernel(spec, "sm_90")
+        assert ck.entry.symbol in ck.ptx.decode() and ck.entry.shared <= SHARED_LIMIT[90]
 
 
 @pytest.mark.parametrize("name", ["mma16_llama", "mma16_channel"])

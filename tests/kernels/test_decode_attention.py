@@ -202,6 +202,55 @@ def test_two_groups_codebook_and_rotation(da, device, gran):
     _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"two groups, codebook + rotation, {gran} keys")
 
 
+# ---- 4-bit key pages (layout.with_key_bits(4)): values stay 2-bit ------------------------------------------------
+
+
+@pytest.mark.parametrize("gran,hq,hkv,d,g", [("token", 9, 3, 64, 64), ("channel", 8, 2, 64, 64),
+                                             ("token", 16, 2, 64, 64), ("token", 8, 2, 128, 64),
+                                             ("channel", 4, 2, 128, 64)])
+def test_4bit_keys_within_budget(da, device, gran, hq, hkv, d, g):
+    """4-bit key pages within budget: both granularities, GQ 2/3/4/8, one and two groups per row, an empty row,
+    page slots 1 and 2 over a partly empty last iteration."""
+    lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran), RowFormat(d, g), sink=16, window=32, page_size=64)
+    lay = lay.with_key_bits(4)
+    tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
+    lengths = [0, 3, 16 + 32 + 64 + 1, 16 + 32 + 5 * 64 + 17]
+    st = _cache(lay, lengths, tr)
+    assert st.k_codes.shape[-1] == d // 2 and int(ref.unpack_codes(st.k_codes, g, 4).max()) > 3
+    q = torch.randn(len(lengths), hq, d) * 2
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    for kw in (dict(pages_per_split=3), dict(pages_per_split=1, page_slots=1, num_warps=1)):
+        got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, **kw)
+        assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
+        _check_budget(got, q, st, lay, tr, d**-0.5, f"4-bit keys {gran} d={d} g={g} {hq}/{hkv} {kw}")
+
+
+@pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 128, 64)])
+def test_4bit_keys_codebook_values_and_rotation(da, device, gran, d, g):
+    """4-bit keys read with their uniform levels while the values have a fitted codebook (the kernel's codebook
+    flag then covers values only), q·R_K/d fused into the prologue."""
+    hkv, hq = 2, 4
+    lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, bits=4), RowFormat(d, g, codebook=True),
+                        sink=16, window=32, page_size=64)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
+    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
+    tr = LayerTransform(
+        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
+        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
+        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),  # ignored by 4-bit keys
+        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
+    )
+    st = _cache(lay, [200, 500], tr)
+    q_model = torch.randn(2, hq, d)
+    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
+                                q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
+    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"4-bit keys, codebook values + rotation, {gran}")
+
+
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
 
 
@@ -248,14 +297,20 @@ def test_bad_inputs_raise(da, device):
     mixed = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 128), page_size=64)
     with pytest.raises(NotImplementedError, match="key and value group sizes must match"):
         call(layout=mixed, state=PagedKV.allocate(mixed, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
+    wide_v = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64, bits=4), sink=16, window=32)
+    with pytest.raises(NotImplementedError, match="values are 2-bit"):
+        call(layout=wide_v, state=PagedKV.allocate(wide_v, 2, 4, 2, device=device))
+    with pytest.raises(ValueError, match=r"state.k_codes: expected shape \[4, 2, 64, 32\], got \[4, 2, 64, 16\]"):
+        call(layout=lay.with_key_bits(4))  # a 2-bit pool handed to a 4-bit key layout
 
 
-def test_custom_op_matches_wrapper(da, device):
+@pytest.mark.parametrize("bits", [2, 4])
+def test_custom_op_matches_wrapper(da, device, bits):
     """``oscar::decode_attention`` (torch.library.triton_op) launches the same kernels: bitwise equal."""
     from oscar_export.kernels import triton_ops
     from oscar_export.plugins.hf.triton_backend import triton_ops as backend
 
-    lay = _layout(2, 64, "channel", sink=16, window=32)
+    lay = _layout(2, 64, "channel", sink=16, window=32).with_key_bits(bits)
     tr = LayerTransform.identity(2, 64, 0.95, 0.9)
     st = _cache(lay, [7, 300], tr)
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})

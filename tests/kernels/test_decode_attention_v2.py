@@ -120,6 +120,9 @@ def test_v2_bad_inputs_raise(da2, device):
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
     with pytest.raises(ValueError, match="reads 'mma16' pages, the layout has key 'linear'"):
         da2.decode_attention(q, st, lin, *lv, 0.125)
+    k4 = KVCacheLayout(1, 64, RowFormat(64, 64, bits=4), RowFormat(64, 64, packing="mma16"), sink=16, window=32)
+    with pytest.raises(NotImplementedError, match="2-bit pages only, the layout has 4-bit keys"):
+        da2.decode_attention(q, PagedKV.allocate(k4, 1, 2, 2, device=device), k4, *lv, 0.125)
     mixed = KVCacheLayout(1, 64, RowFormat(64, 64, packing="mma16"), RowFormat(64, 64), sink=16, window=32)
     with pytest.raises(NotImplementedError, match="both linear \\(v1\\) or both mma16 \\(v2\\)"):
         da2.decode_attention_any(q, st, mixed, *lv, 0.125)

@@ -63,10 +63,11 @@ def _decode_steps(append, lay, tr, book, st, steps, bsz, seed, transform_in_kern
     return torch.stack(fed_k, 2), torch.stack(fed_v, 2)  # [B, H_kv, steps, D]
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("gran", ["token", "channel"])
-def test_reference_decode_append_equals_bulk_append(gran):
+def test_reference_decode_append_equals_bulk_append(gran, bits):
     """Token by token through the book == one bulk write of the same rows (ragged lengths, demotions)."""
-    lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    lay, tr = _layout(gran).with_key_bits(bits), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     bsz, steps = 3, 70  # 70 > S0 + W + P: several demotions per slot
     book, st = _book_state(lay, bsz, 200, "cpu")
     k, v = _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book, st,
@@ -163,6 +164,27 @@ def test_triton_decode_append_mma16_matches_reference(ds, device, gran):
         _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
 
 
+@pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 64, 64), ("token", 128, 64)])
+def test_triton_decode_append_4bit_keys_matches_reference(ds, device, gran, d, g):
+    """4-bit key pages (``layout.with_key_bits(4)``; values 2-bit): every buffer equal to the reference's."""
+    lay = KVCacheLayout(2, d, RowFormat(d, g, gran), RowFormat(d, g), sink=16, window=16, page_size=16)
+    lay = lay.with_key_bits(4)
+    tr = LayerTransform.identity(2, d, k_clip=0.9, v_clip=0.95)
+    bsz, steps = 2, 52  # 52 > S0 + W + P: demotions of both slots
+    book_r, st_r = _book_state(lay, bsz, 100, "cpu")
+    book_g, st_g = _book_state(lay, bsz, 100, device)
+    assert tuple(st_g.k_codes.shape[-1:]) == (d // 2,)
+    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                  steps, bsz, seed=6)
+    trd = tr.to(device)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                  steps, bsz, seed=6)
+    assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
+    assert int(ref.unpack_codes(st_r.k_codes, g, 4).max()) > 3, "the key pages must use 4-bit codes"
+    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+        _assert_equal(f"4-bit keys {gran} d={d} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+
+
 def test_triton_fused_transform_and_nonfinite_flag(ds, device):
     """Keys transformed in the kernel (R_K, d_K, mu_K) and mu_V removed: the windows within one BF16 rounding
     of the reference's (fp32 FMA order differs from torch.matmul), and a NaN/Inf row flags and writes nothing."""
@@ -208,6 +230,12 @@ def test_decode_append_bad_inputs(ds, device):
     bad = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64), sink=16, window=24, page_size=16)
     with pytest.raises(NotImplementedError, match="multiple of P"):
         ds.decode_append(PagedKV.allocate(bad, 2, 4, 2, device=device), k, k, book.status, bad, tr)
+    wide_v = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64, bits=4), sink=16, window=16, page_size=16)
+    with pytest.raises(NotImplementedError, match="values are 2-bit"):
+        ds.decode_append(PagedKV.allocate(wide_v, 2, 4, 2, device=device), k, k, book.status, wide_v, tr)
+    k4 = lay.with_key_bits(4)
+    with pytest.raises(ValueError, match=r"state.k_codes: expected shape \[\d+, 2, 16, 32\], got \[\d+, 2, 16, 16\]"):
+        ds.decode_append(PagedKV.allocate(lay, 2, 4, 2, device=device), k, k, book.status, k4, tr)
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])

@@ -94,6 +94,62 @@ def test_fused_rotation_mma16_is_the_linear_result_reordered(qp, device, gran, o
     _assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d), fm, operand))
 
 
+# ---- 4-bit key pages (RowFormat.bits == 4, layout.with_key_bits(4)) --------------------------------------------
+
+
+@pytest.mark.parametrize("d,g,p,gran", [(64, 64, 64, "token"), (128, 128, 128, "token"), (128, 64, 32, "token"),
+                                        (256, 128, 64, "token"), (64, 64, 64, "channel"), (128, 128, 32, "channel"),
+                                        (256, 128, 64, "channel")])
+def test_quantize_4bit_key_pages_bit_exact(qp, device, d, g, p, gran):
+    """4-bit key pages ``[N, H_kv, P, D / 2]``: codes and params equal to the reference's 16-level rule."""
+    lay = _layout(d, gran, g, p=p).with_key_bits(4)
+    x = _rows(2, 3, p, d)
+    want_c, want_p = ref.quantize_pages(x, lay.key, CLIPS, LEVELS)
+    assert tuple(want_c.shape) == lay.key_codes_shape(2)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, CLIPS.to(device), LEVELS.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+    assert int(ref.unpack_codes(want_c, g, 4).max()) == 15  # the test reaches the top level
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_4bit_threshold_ties_and_rank_edges_bit_exact(qp, device, gran):
+    """The hard groups of the 2-bit test (ties, repeated maxima, all-equal, zero) on 4-bit key pages."""
+    h, n = len(HARD_CLIPS), 64
+    lay = KVCacheLayout(h, n, RowFormat(n, n, gran), RowFormat(n, n), sink=64, window=256, page_size=n)
+    lay = lay.with_key_bits(4)
+    x = _hard_groups(n, n, h)
+    if gran == "channel":
+        x = x.transpose(-1, -2).contiguous()
+    levels = LEVELS[torch.arange(h) % 3]  # ignored by 4-bit pages (reference.format_levels)
+    want_c, want_p = ref.quantize_pages(x, lay.key, HARD_CLIPS, levels)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+
+
+def test_4bit_pool_shape_checked(qp, device):
+    """A 4-bit key pool must be ``[N, H_kv, P, D / 2]``: a 2-bit-shaped pool is refused before the launch."""
+    lay = _layout(64, "token").with_key_bits(4)
+    x = torch.randn(2, 3, 64, 64, device=device)
+    ids = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    codes = torch.zeros(lay.value_codes_shape(4), dtype=torch.uint8, device=device)
+    params = torch.zeros(lay.key_params_shape(4), dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match=r"codes: expected shape \[4, 3, 64, 32\], got \[4, 3, 64, 16\]"):
+        qp.write_pages(x, ids, codes, params, lay, lay.key, CLIPS.to(device), LEVELS.to(device))
+
+
+def test_unknown_code_width_raises(qp, device):
+    """A row format with a code width the kernels do not write (only reachable past RowFormat's own check)."""
+    from dataclasses import replace
+
+    lay = _layout(64, "token")
+    fmt = replace(lay.key)
+    object.__setattr__(fmt, "bits", 8)
+    with pytest.raises(NotImplementedError, match="2- and 4-bit codes, got 8-bit"):
+        qp.check_format(fmt, 64, "quantize_pages")
+
+
 def test_mma16_unsupported_head_dim_raises(qp, device):
     lay = _mma16(KVCacheLayout(1, 32, RowFormat(32, 32), RowFormat(32, 32), page_size=32))
     with pytest.raises(NotImplementedError, match="'mma16' pages for head_dim >= 64, got 32"):
@@ -179,14 +235,15 @@ def test_write_pages_into_pool_at_page_ids(qp, device):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 64, 64), ("token", 256, 128)])
-def test_fused_rotation_within_tolerance(qp, device, gran, fused, d, g):
+@pytest.mark.parametrize("gran,d,g,bits", [("token", 64, 64, 2), ("channel", 64, 64, 2), ("token", 256, 128, 2),
+                                           ("token", 64, 64, 4), ("channel", 64, 64, 4)])
+def test_fused_rotation_within_tolerance(qp, device, gran, fused, d, g, bits):
     """(x @ R) * d - mu, rounded to BF16, then quantized: only exact-boundary flips may differ.
 
     ``fused``: the product inside the kernel (the AOT ``_rot`` kernel; at D = 256 R is read ROT_K rows at a
-    time), else ``torch.matmul`` before it.
+    time), else ``torch.matmul`` before it. ``bits``: the key pages' code width.
     """
-    lay = _layout(d, gran, g, p=64 if d > 128 else None)
+    lay = _layout(d, gran, g, p=64 if d > 128 else None).with_key_bits(bits)
     h, p = 3, lay.page_size
     rot = torch.linalg.qr(torch.randn(h, d, d))[0].contiguous()
     tr = LayerTransform(
@@ -204,7 +261,7 @@ def test_fused_rotation_within_tolerance(qp, device, gran, fused, d, g):
     got_c, got_p = got_c.cpu(), got_p.cpu()
     deq_want = ref.dequantize_pages(want_c, want_p, lay.key, LEVELS)
     deq_got = ref.dequantize_pages(got_c, got_p, lay.key, LEVELS)
-    code_flips = (ref.unpack_codes(got_c, g) != ref.unpack_codes(want_c, g)).float().mean().item()
+    code_flips = (ref.unpack_codes(got_c, g, bits) != ref.unpack_codes(want_c, g, bits)).float().mean().item()
     rel = ((deq_got - deq_want).norm() / deq_want.norm()).item()
     # a flip needs an fp32 summation-order difference to cross a BF16 rounding or code boundary: rare
     assert code_flips <= 2e-3, f"fused rotation flipped {code_flips:.2%} of codes"
@@ -241,7 +298,7 @@ def test_bad_inputs_raise(qp, device):
     with pytest.raises(ValueError, match="rotation: expected shape"):
         qp.quantize_pages(x, lay, lay.key, clip, lev, rotation=(torch.eye(64, device=device),
                           torch.ones(3, 64, device=device), torch.zeros(3, 64, device=device)))
-    codes = torch.zeros(lay.codes_shape(4), dtype=torch.uint8, device=device)
+    codes = torch.zeros(lay.key_codes_shape(4), dtype=torch.uint8, device=device)
     params = torch.zeros(lay.key_params_shape(4), dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="page_ids: expected dtype torch.int32"):
         qp.write_pages(x, torch.tensor([0, 1], device=device), codes, params, lay, lay.key, clip, lev)

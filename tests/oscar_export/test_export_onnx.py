@@ -135,3 +135,11 @@ def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
 def test_bad_heads():
     with pytest.raises(ValueError, match="not a multiple"):
         decode_attention_model(KVCacheLayout.default(3, 64), 8, SCALE)
+
+
+def test_4bit_keys_refused():
+    """4-bit key pages (``layout.with_key_bits(4)``) have no ONNX form yet: refused, not exported as 2-bit."""
+    lay = KVCacheLayout.default(2, 64).with_key_bits(4)
+    for build in (decode_attention_model, decode_attention_trt_model):
+        with pytest.raises(NotImplementedError, match="2-bit pages only, the layout has 4-bit keys"):
+            build(lay, 4, SCALE)
