@@ -188,3 +188,19 @@ def test_inspect_deep_nesting_is_one_line(tmp_path, capsys):
     assert main(["inspect", str(d)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nested deeper than" in err, err
+
+
+def test_inspect_shows_per_layer_key_bits(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from oscar_export.calibration.artifact import OscarArtifact
+
+    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             num_hidden_layers=3, head_dim=16, vocab_size=10)).with_key_bits([2, 4, 4])
+    art.save(tmp_path)
+    assert main(["inspect", str(tmp_path), "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "key bits   2-bit keys except 2 of 3 layers at [4] bits: layers [1, 2]" in out, out
+    assert f"INT2 part {art.bits_per_element():.3f}" in out and out.count(" K4\n") == 2, out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["key_bits"] == [2, 4, 4]
