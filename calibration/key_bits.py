@@ -134,15 +134,14 @@ def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budg
                       wide: int = WIDE_BITS) -> list[int]:
     """The layers to give ``wide``-bit keys, sorted: largest ``gains[i]`` first (the metric ``wide`` bits remove;
     None = a layer without pages, e.g. sliding, never chosen), while the page bits per element averaged over the
-    paged layers stay within ``budget``; layers whose gain is not positive are never chosen."""
+    paged layers stay within ``budget``; layers whose gain is not positive are never chosen (a budget below
+    2-bit pages' bits chooses none)."""
     if not math.isfinite(budget):
         raise ValueError(f"key_bits_budget: expected a finite number of bits per element, got {budget}")
     paged = [i for i, g in enumerate(gains) if g is not None]
     if not paged:
         return []
     base, wider = layout.int2_bits_per_element(), layout.with_key_bits(wide).int2_bits_per_element()
-    if budget < base - 1e-9:
-        raise ValueError(f"key_bits_budget: {budget:g} bits per element is below the {base:g} of 2-bit pages")
     chosen: list[int] = []
     for i in sorted(paged, key=lambda j: (-gains[j], j)):
         if gains[i] <= 0 or ((len(paged) - len(chosen) - 1) * base + (len(chosen) + 1) * wider) / len(paged) > budget + 1e-9:
@@ -167,6 +166,9 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
     """
     if metric not in METRICS:
         raise ValueError(f"key_bits_metric: expected one of {METRICS}, got {metric!r}")
+    if budget < layout.int2_bits_per_element() - 1e-9:
+        raise ValueError(f"key_bits_budget: {budget:g} bits per element is below the "
+                         f"{layout.int2_bits_per_element():g} of this layout's 2-bit pages")
     errors: list[dict | None] = []
     for i, t in enumerate(transforms):
         errors.append(None if i in skip else layer_key_errors(heldout(i), t, layout, queries, wide))
