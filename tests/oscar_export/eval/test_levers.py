@@ -128,3 +128,14 @@ def test_bad_variants_are_clear_errors():
         variant(ours, "x", anchors=1, anchor_score="mass")
     with pytest.raises(NotImplementedError, match="float16"):
         PageVariant("x", layout=LAY, transforms=(t, t), param_dtype="float32")
+
+
+@pytest.mark.parametrize("lay", [LAY, LAY_CH], ids=["token-keys", "channel-keys"])
+def test_wide_rule_at_four_bits_is_the_reference_four_bit_format(lay):
+    """Issue 17: the evaluation's 4-bit keys (min-max) are the row format's 4-bit pages with clip 1."""
+    from dataclasses import replace
+
+    t = uniform(random_transform())
+    x = torch.randn(2, 64, 64) * 3
+    ones = replace(t, k_clip=torch.ones(2), v_clip=torch.ones(2))
+    assert torch.equal(wide_page_roundtrip(x, lay, t, "k", 4, clip=False), page_roundtrip(x, lay.with_key_bits(4), ones, "k"))
