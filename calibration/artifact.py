@@ -12,6 +12,12 @@ On disk, a directory::
                             layers.{i}.k_clip  / v_clip     fp32 [H_kv]     (in (0, 1])
                             layers.{i}.k_levels / v_levels  fp32 [H_kv, 4]  (strictly ascending, in [0, 3])
 
+``oscar.json`` may also hold ``key_bits``: one code width per layer (each in ``layout.CODE_BITS``; issue 17's
+wider keys). Absent means every layer stores 2-bit keys (every artifact written before the field existed);
+the writer leaves it out unless a layer has 4-bit keys. ``layout`` stays the base (2-bit) layout; layer ``i``
+uses :meth:`OscarArtifact.layer_layout` ``= layout.with_key_bits(key_bits[i])``. Layers the model-family table
+marks sliding (kept in BF16, never paged) must say 2 (:meth:`OscarArtifact.check_model`).
+
 No pickle anywhere: JSON and safetensors only, so loading an artifact from a stranger runs no code.
 :func:`load_artifact` treats both files as hostile: it bounds its work before trusting anything (file sizes,
 counts and nesting checked against :data:`LIMITS` before any allocation that depends on them; the tensor file
@@ -36,7 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
-from oscar_export.kernels.layout import UNIFORM_LEVELS, KVCacheLayout, check_packing
+from oscar_export.kernels.layout import CODE_BITS, UNIFORM_LEVELS, KVCacheLayout, check_packing
 from oscar_export.kernels.transform import LayerTransform
 
 from .families import family_for, rope_parameters
@@ -330,6 +336,7 @@ class OscarArtifact:
         fingerprint: :func:`model_fingerprint` of the calibrated model.
         config: the calibration config (JSON-serialisable dict).
         stats: calibration statistics (JSON-serialisable dict, e.g. per-layer errors).
+        key_bits: key code width per layer (each in ``CODE_BITS``); empty (the default) = 2 in every layer.
     """
 
     layout: KVCacheLayout
@@ -337,14 +344,32 @@ class OscarArtifact:
     fingerprint: dict[str, Any]
     config: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    key_bits: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transforms", tuple(self.transforms))
+        bits = self.key_bits
+        if isinstance(bits, (list, tuple)) and len(bits) == 0:
+            bits = (2,) * len(self.transforms)
+        object.__setattr__(self, "key_bits", tuple(bits) if isinstance(bits, (list, tuple)) else bits)
         validate(self)
 
     @property
     def num_layers(self) -> int:
         return len(self.transforms)
+
+    def layer_layout(self, i: int) -> KVCacheLayout:
+        """The cache layout of layer ``i``: :attr:`layout` with its ``key_bits[i]``-bit key codes."""
+        return self.layout.with_key_bits(self.key_bits[i])
+
+    @property
+    def mixed_key_bits(self) -> bool:
+        """Whether any layer stores keys wider than the base layout's 2 bits."""
+        return any(b != self.layout.key.bits for b in self.key_bits)
+
+    def with_key_bits(self, key_bits: Sequence[int]) -> "OscarArtifact":
+        """The same artifact with per-layer key widths ``key_bits`` (validated)."""
+        return replace(self, key_bits=key_bits)
 
     @classmethod
     def identity(
@@ -362,23 +387,30 @@ class OscarArtifact:
         return cls(layout, tuple(ts), fp, {"method": "identity", **config}, {})
 
     def check_model(self, config: Any) -> None:
-        """Raise :class:`ArtifactError` unless ``config`` (a HF config or model) is the model calibrated for."""
+        """Raise :class:`ArtifactError` unless ``config`` (a HF config or model) is the model calibrated for
+        (and its sliding-window layers, which the cache keeps in BF16, have 2-bit ``key_bits``)."""
         bad = fingerprint_mismatches(self.fingerprint, model_fingerprint(config))
         if bad:
             raise ArtifactError(
                 f"OSCAR artifact does not match this model ({self.fingerprint.get('name')!r} "
                 f"{self.fingerprint.get('model_type')} calibrated): " + "; ".join(bad)
             )
+        wide = [i for i in family_for(_text_config(config)).sliding_layers if self.key_bits[i] != 2]
+        if wide:
+            raise ArtifactError(f"key_bits: layers {wide} are sliding-window layers (kept in BF16, never paged) "
+                                f"and must be 2, got {[self.key_bits[i] for i in wide]}")
 
     def with_values_prerotated(self, flag: bool = True) -> "OscarArtifact":
         """The same artifact for a checkpoint whose ``v_proj``/``o_proj`` already fold ``R_V``/``d_V``."""
         return replace(self, transforms=tuple(replace(t, values_prerotated=flag) for t in self.transforms))
 
     def bits_per_element(self, length: int | None = None) -> float:
-        """INT2 history bits per K/V element, or of a whole ``length``-token sequence with the BF16 windows."""
+        """INT2 history bits per K/V element, or of a whole ``length``-token sequence with the BF16 windows
+        (averaged over the layers' own layouts, :meth:`layer_layout`)."""
+        lays = [self.layer_layout(i) for i in range(self.num_layers)]
         if length is None:
-            return self.layout.int2_bits_per_element()
-        return self.layout.effective_bits_per_element(length)
+            return sum(lay.int2_bits_per_element() for lay in lays) / len(lays)
+        return sum(lay.effective_bits_per_element(length) for lay in lays) / len(lays)
 
     # ---- files ---------------------------------------------------------------------------------------------
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -391,6 +423,7 @@ class OscarArtifact:
 
     def metadata(self, tensor_sha256: str) -> dict[str, Any]:
         prerot = {t.values_prerotated for t in self.transforms}
+        wide = {"key_bits": list(self.key_bits)} if self.mixed_key_bits else {}
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -398,6 +431,7 @@ class OscarArtifact:
             "values_prerotated": prerot.pop() if len(prerot) == 1 else None,
             "fingerprint": _jsonable(self.fingerprint),
             "layout": self.layout.to_dict(),
+            **wide,
             "config": _jsonable(self.config),
             "stats": _jsonable(self.stats),
             "tensor_file": TENSOR_FILE,
@@ -526,6 +560,25 @@ def validate(art: OscarArtifact) -> None:
         )
     for i, t in enumerate(art.transforms):
         _check_transform(i, t, art.layout)
+    parse_key_bits(art.key_bits, art.num_layers, art.layout)
+
+
+def parse_key_bits(x: Any, num_layers: int, layout: KVCacheLayout, where: str = "key_bits") -> tuple[int, ...]:
+    """Per-layer key code widths from untrusted JSON: a list of ``num_layers`` ints, each in ``CODE_BITS``,
+    every wider one a row format ``layout`` can take (``layout.with_key_bits``)."""
+    if not isinstance(x, (list, tuple)) or len(x) != num_layers:
+        got = f"{len(x)} entries" if isinstance(x, (list, tuple)) else _kind(x)
+        raise ArtifactError(f"{where}: expected a list of {num_layers} code widths (one per layer, each in "
+                            f"{list(CODE_BITS)}), got {got}")
+    for i, b in enumerate(x):
+        if type(b) is not int or b not in CODE_BITS:
+            raise ArtifactError(f"{where}[{i}]: expected one of {list(CODE_BITS)}, got {_got(b)}")
+    for b in sorted(set(x) - {layout.key.bits}):
+        try:
+            layout.with_key_bits(b)
+        except (ValueError, NotImplementedError) as e:
+            raise ArtifactError(f"{where}: {b}-bit keys do not fit the layout's key format ({printable(e)})") from None
+    return tuple(x)
 
 
 # ---- reading: every field typed and bounded before it is used --------------------------------------------------
@@ -785,7 +838,8 @@ def load_artifact(directory: str | Path, model_config: Any = None) -> OscarArtif
             transforms.append(LayerTransform(**kw, values_prerotated=prerot))
         except ValueError as e:
             raise ArtifactError(f"layers.{i}: {e}") from None
-    art = OscarArtifact(layout, tuple(transforms), fp, meta.get("config", {}), meta.get("stats", {}))
+    key_bits = parse_key_bits(meta["key_bits"], n, layout, f"{where}: key_bits") if "key_bits" in meta else ()
+    art = OscarArtifact(layout, tuple(transforms), fp, meta.get("config", {}), meta.get("stats", {}), key_bits)
     if model_config is not None:
         art.check_model(model_config)
     return art
@@ -816,6 +870,7 @@ __all__ = [
     "json_int",
     "parse_fingerprint",
     "parse_json",
+    "parse_key_bits",
     "parse_layout",
     "printable",
     "transforms_from_rotations",

@@ -8,7 +8,9 @@ Per layer and (by default) per KV head, for keys and values separately:
    clip ratios fitted on the held-out rows (``clipping.fit_clip`` over ``objective.LayerObjective``,
    the exact reference quantizer with the real row format);
 3. ``rotation="auto"`` keeps, per head, the candidate with the lowest held-out error; a fixed kind keeps it;
-4. a Lloyd-Max codebook is fitted and kept where it lowers the error (``codebook="auto"``).
+4. a Lloyd-Max codebook is fitted and kept where it lowers the error (``codebook="auto"``);
+5. with ``key_bits_budget``, the layers whose held-out key attention error 4-bit keys reduce most get 4-bit
+   keys within that page-bit budget (``key_bits.py``); their key clip is 1 (min-max: what was measured).
 
 The statistics recorded in the artifact give, per layer, the error of the result next to identity
 (no clip / global clip), Hadamard + global clip and the research recipe (shared ``U·H``, global clips), all
@@ -33,6 +35,8 @@ from .codebook import lloyd_levels, normalized_positions, uniform_levels
 from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
 from .families import family_for
+from .key_bits import METRICS as KEY_BITS_METRICS
+from .key_bits import choose_key_bits
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
@@ -65,6 +69,10 @@ class CalibrationConfig:
         sink, window, page_size: cache layout (DESIGN §3.2).
         data: sources (``"pydoc"``, ``"generate"``, file paths).
         seed: data sampling and random rotations.
+        key_bits_budget: None (every layer 2-bit keys) or the average page bits per element (K and V, over the
+            paged layers) within which layers get 4-bit keys (``key_bits.py``; e.g. 3.0); needs ``seq_len >
+            sink + window + page_size`` so the held-out queries read pages.
+        key_bits_metric: what the 4-bit keys must reduce, one of ``key_bits.METRICS`` (``"kl"``, ``"top"``).
     """
 
     tokens: int = 20_000
@@ -85,6 +93,8 @@ class CalibrationConfig:
     page_size: int = 64
     data: tuple[str, ...] = ("pydoc",)
     seed: int = 0
+    key_bits_budget: float | None = None
+    key_bits_metric: str = "kl"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))
@@ -92,6 +102,7 @@ class CalibrationConfig:
             "rotation": ("auto", *ROTATION_KINDS), "scale": ("auto", "none", "whiten"),
             "clip": ("fitted", "global", "none"), "key_granularity": ("token", "channel"),
             "value_weighting": VALUE_WEIGHTINGS, "codebook": ("auto", "off", "on"),
+            "key_bits_metric": KEY_BITS_METRICS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -103,6 +114,15 @@ class CalibrationConfig:
                 f"CalibrationConfig.seq_len: expected >= sink + page_size = {self.sink + self.page_size}, "
                 f"got {self.seq_len}"
             )
+        if self.key_bits_budget is not None:
+            b = self.key_bits_budget
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < float("inf"):
+                raise ValueError(f"CalibrationConfig.key_bits_budget: expected None or bits per element > 0, got {b!r}")
+            if self.seq_len <= self.sink + self.window + self.page_size:
+                raise ValueError(
+                    f"CalibrationConfig.key_bits_budget: the held-out queries read no page unless seq_len > sink + "
+                    f"window + page_size = {self.sink + self.window + self.page_size}, got {self.seq_len}"
+                )
         if self.heldout < 1 or self.batch_size < 1:
             raise ValueError(f"CalibrationConfig: heldout and batch_size must be >= 1, got {self.heldout}, {self.batch_size}")
         if self.num_sequences <= self.heldout:
@@ -369,6 +389,13 @@ def calibrate(
         )
         for f in fits
     ]
+    key_bits: tuple[int, ...] = ()
+    extra = {}
+    if cfg.key_bits_budget is not None:
+        key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
+                                                      cfg.key_bits_metric, skip=col.sliding_layers)
+        transforms = [replace(t, k_clip=torch.ones_like(t.k_clip)) if b != layout.key.bits else t
+                      for t, b in zip(transforms, key_bits)]
     stats = {
         "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(len(fitted), 1)),
         "heldout_sequences": cfg.heldout,
@@ -377,8 +404,9 @@ def calibrate(
         "seconds_fit": round(t_fit, 2),
         "seconds_total": round(time.perf_counter() - t0, 2),
         "layers": per_layer,
+        **extra,
     }
-    return OscarArtifact(layout, transforms, fp, {"method": "oscar-calibrate", **cfg.to_dict()}, stats)
+    return OscarArtifact(layout, transforms, fp, {"method": "oscar-calibrate", **cfg.to_dict()}, stats, key_bits)
 
 
 __all__ = ["AUTO_CANDIDATES", "CalibrationConfig", "SideFit", "calibrate", "capture", "fit_layer", "fit_side"]

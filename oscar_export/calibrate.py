@@ -29,11 +29,13 @@ EPILOG = """examples:
   oscar-export calibrate --model ./my-llama --out art --data notes.txt chats.jsonl --seq-len 1024 --shared
   oscar-export calibrate --model default --out art --key-granularity token --clip global --rotation oscar
   oscar-export calibrate --model default --out art --force     # replace the artifact in art/ (atomically)
+  oscar-export calibrate --model default --out art --key-bits-budget 3.0   # 4-bit keys where they help most
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from oscar_export.calibration.covariance import VALUE_WEIGHTINGS
+    from oscar_export.calibration.key_bits import METRICS
     from oscar_export.calibration.pipeline import CalibrationConfig
     from oscar_export.calibration.rotation import ROTATION_KINDS
 
@@ -64,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--key-bits-budget", type=float, default=d.key_bits_budget, metavar="BITS",
+                   help="give 4-bit keys to the layers whose held-out key attention error they reduce most, while the "
+                        "pages average at most BITS bits per element (e.g. 3.0; 2-bit pages are 2.5 for G = P = 64); "
+                        "default: 2-bit keys everywhere")
+    p.add_argument("--key-bits-metric", choices=METRICS, default=d.key_bits_metric,
+                   help="what 4-bit keys must reduce: 'kl' (attention KL, default) or 'top' (probability moved on the "
+                        "most-attended page rows)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device-map", default=None,
                    help="spread a large model over the GPUs (accelerate): 'auto', 'balanced', 'sequential', a device, "
@@ -150,13 +159,22 @@ def config_from_args(args: argparse.Namespace):
         per_head=args.per_head, rotation=args.rotation, scale=args.scale, clip=args.clip,
         key_granularity=args.key_granularity, value_weighting=args.value_weighting, key_mean=args.key_mean,
         value_mean=args.value_mean, codebook=args.codebook, sink=args.sink, window=args.window,
-        page_size=args.page_size, data=tuple(args.data), seed=args.seed,
+        page_size=args.page_size, data=tuple(args.data), seed=args.seed, key_bits_budget=args.key_bits_budget,
+        key_bits_metric=args.key_bits_metric,
     )
 
 
 def _r(x: float | None) -> str:
     """A ratio to 3 decimals, or '-' where the baseline does not exist (no Hadamard for this head_dim)."""
     return "-" if x is None else f"{x:.3f}"
+
+
+def key_bits_line(art) -> str:
+    """One line naming the layers calibration gave wider keys (``--key-bits-budget``)."""
+    wide = [i for i, b in enumerate(art.key_bits) if b != art.layout.key.bits]
+    kb = art.stats.get("key_bits", {})
+    return (f"key bits: 4-bit keys in {len(wide)} of {art.num_layers} layers {wide} (budget {kb.get('budget')} page "
+            f"bits, metric {kb.get('metric')}; pages now {art.bits_per_element():.3f} bits/element)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{i:5d} " + "   ".join(cols), file=sys.stderr)
 
     art = calibrate(model, tok, cfg, progress=bar.update, on_layer=on_layer)
+    if cfg.key_bits_budget is not None:
+        print(key_bits_line(art), file=sys.stderr)
     art.stats["seconds_load"] = round(t_load, 2)
     peaks = gpu_peak_memory()
     if peaks:

@@ -134,6 +134,7 @@ def oscar_section(artifact, source: str) -> dict[str, Any]:
         "artifact": ARTIFACT_DIR,
         "values_prerotated": True,
         "layout": artifact.layout.to_dict(),
+        "key_bits": list(artifact.key_bits),
         "fingerprint": artifact.fingerprint,
         "source_model": source,
     }

@@ -66,6 +66,7 @@ def summarize(art) -> dict:
     return {
         "fingerprint": art.fingerprint,
         "layout": lay.to_dict(),
+        "key_bits": list(art.key_bits),
         "bits_per_element": {"int2": round(art.bits_per_element(), 4),
                              **{str(n): round(art.bits_per_element(n), 4) for n in LENGTHS}},
         "values_prerotated": art.transforms[0].values_prerotated,
@@ -110,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"layout     keys {lay.key.granularity} (G={lay.key.group_size}, codebook {lay.key.codebook}), values "
           f"{lay.value.granularity} (G={lay.value.group_size}, codebook {lay.value.codebook}); sink {lay.sink}, "
           f"window {lay.window}, page {lay.page_size}")
+    wide = [i for i, b in enumerate(art.key_bits) if b != lay.key.bits]
+    if wide:
+        print(f"key bits   {lay.key.bits}-bit keys except {len(wide)} of {art.num_layers} layers at "
+              f"{sorted({art.key_bits[i] for i in wide})} bits: layers {wide}")
     bits = info["bits_per_element"]
     print("bits/elem  INT2 part {:.3f}; whole sequence ".format(bits["int2"])
           + ", ".join(f"{n} tok {bits[str(n)]:.3f}" for n in LENGTHS))
@@ -128,5 +133,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'layer':>5} | {'K rotation':>16} {'K clip':>14} {'':>2} {'K/id':>6} {'K/had':>6} | "
               f"{'V rotation':>16} {'V clip':>14} {'':>2} {'V/id':>6} {'V/had':>6}")
         for r in rows:
-            print(f"{r['layer']:5d} | {_fmt_side(r['k'])} | {_fmt_side(r['v'])}")
+            wide_k = f" K{art.key_bits[r['layer']]}" if art.key_bits[r["layer"]] != lay.key.bits else ""
+            print(f"{r['layer']:5d} | {_fmt_side(r['k'])} | {_fmt_side(r['v'])}{wide_k}")
     return 0

@@ -163,11 +163,13 @@ class PagedInt2(CacheModel):
         transforms: one ``LayerTransform`` per layer (rotation, scaling, mean, clips, levels).
         param_dtype: ``"float16"`` (our format, the reference quantizer bit-exactly) or ``"float32"`` (the
             research code's fp32 scale and minimum; token granularity only).
+        key_bits: key code width per layer (an artifact's ``key_bits``); empty = the layout's in every layer.
     """
 
     layout: KVCacheLayout | None = None
     transforms: tuple[LayerTransform, ...] = ()
     param_dtype: str = "float16"
+    key_bits: tuple[int, ...] = ()
 
     kind: ClassVar[str] = "pages"
 
@@ -179,6 +181,12 @@ class PagedInt2(CacheModel):
             raise ValueError(f"PagedInt2.param_dtype: expected one of {PARAM_DTYPES}, got {self.param_dtype!r}")
         if self.param_dtype == "float32" and self.layout.key.granularity != "token":
             raise NotImplementedError("PagedInt2: float32 params are implemented for token-granular keys only")
+        object.__setattr__(self, "key_bits", tuple(self.key_bits))
+        if self.key_bits and len(self.key_bits) != len(self.transforms):
+            raise ValueError(f"PagedInt2 {self.name!r}: key_bits: expected one per layer ({len(self.transforms)}), "
+                             f"got {len(self.key_bits)}")
+        if self.param_dtype == "float32" and any(b != self.layout.key.bits for b in self.key_bits):
+            raise NotImplementedError("PagedInt2: float32 params are implemented for the layout's 2-bit keys only")
         for i, t in enumerate(self.transforms):
             if t.num_kv_heads != self.layout.num_kv_heads or t.head_dim != self.layout.head_dim:
                 raise ValueError(
@@ -188,6 +196,10 @@ class PagedInt2(CacheModel):
 
     def transform(self, layer: int) -> LayerTransform:
         return self.transforms[layer]
+
+    def layer_layout(self, layer: int) -> KVCacheLayout:
+        """The layout of ``layer``'s pages: :attr:`layout` with that layer's ``key_bits``."""
+        return self.layout.with_key_bits(self.key_bits[layer]) if self.key_bits else self.layout
 
     def to(self, device) -> "PagedInt2":
         return replace(self, transforms=tuple(t.to(device) for t in self.transforms))
@@ -215,7 +227,8 @@ class PagedInt2(CacheModel):
         _check_length(length)
         lay = self.layout
         if self.param_dtype == "float16":
-            return lay.effective_bits_per_element(length)
+            n = len(self.transforms)
+            return sum(self.layer_layout(i).effective_bits_per_element(length) for i in range(n)) / n
         sink, pages, recent = lay.split(length)
         int2 = 2.0 + 2 * 32.0 / lay.key.group_size  # fp32 (scale, lo) per G elements, K and V alike
         return ((sink + recent) * 16.0 + pages * lay.page_size * int2) / length
@@ -239,7 +252,7 @@ class PagedInt2(CacheModel):
         """What the pages hold: ``x [H_kv, N*P, D]`` stored-basis rows of whole pages (``side`` "k" or "v"; ``keys``
         the same tokens' stored keys) -> dequantized rows ``[H_kv, N*P, D]`` float32, or None where the layer
         keeps them at full precision. The one place a variant of the page format (``levers``) changes."""
-        return page_roundtrip(x, self.layout, self.transforms[layer], side, self.param_dtype)
+        return page_roundtrip(x, self.layer_layout(layer), self.transforms[layer], side, self.param_dtype)
 
     def _reads_quantized(self, pos, prefill_len):
         lo, k_hi, _ = self.int2_ranges(pos)

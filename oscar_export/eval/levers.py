@@ -4,8 +4,9 @@
 three options, alone or combined:
 
 * ``units``: per (layer, KV head, K or V) a different code width for the pages: 16 (kept at full precision,
-  the BF16 swap of the diagnosis) or 4 (4-bit codes, uniform levels, the reference rule with 16 levels and the
-  same fp16 params as the row format: ``quantizers.wide_page_roundtrip``). Everything else: our 2-bit pages.
+  the BF16 swap of the diagnosis) or 4 (the row format's 4-bit codes, ``quantizers.with_side_bits``: uniform
+  levels, the reference rule with 16 levels, the same fp16 params). Everything else: our pages (2-bit, or the
+  base model's ``key_bits``).
 * ``anchors``: per page, KV head and side, the ``anchors`` rows chosen at demotion are also kept in BF16
   (stored beside the page with a one-byte row index); chosen by ``anchor_score`` = ``"error"`` (largest
   ``|x - x_hat|^2`` of that side's row, the quantizer's own output) or ``"keynorm"`` (largest stored key norm,
@@ -30,7 +31,7 @@ import torch
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 
 from .cache_models import PagedInt2
-from .quantizers import page_roundtrip, wide_page_roundtrip
+from .quantizers import page_roundtrip, with_side_bits
 
 SIDES = ("k", "v")
 UNIT_BITS = (4, 16)
@@ -50,7 +51,8 @@ class PageVariant(PagedInt2):
         anchor_score: one of ``ANCHOR_SCORES``.
         anchor_sides: ``"kv"``, ``"k"`` or ``"v"``.
         anchor_exclude: keep anchors out of the page's quantization statistics.
-        wide_clip: 4-bit units use the transform's (2-bit) clip ratios; False: plain min-max.
+        wide_clip: 4-bit units use the transform's (2-bit) clip ratios; False: plain min-max (except the keys of
+            a layer the base model already stores at 4 bits: its own clips).
         base_kv_heads: KV heads of one prompt (set from the layout; ``fold`` keeps it).
     """
 
@@ -91,8 +93,11 @@ class PageVariant(PagedInt2):
 
     # ---- what each (layer, head, side) holds -------------------------------------------------------------
     def unit_bits(self) -> torch.Tensor:
-        """``[L, H_kv, 2]`` long: code bits per (layer, KV head of one prompt, side K=0 / V=1); 2 = our pages."""
+        """``[L, H_kv, 2]`` long: code bits per (layer, KV head of one prompt, side K=0 / V=1); by default our
+        pages' (2, or the layer's ``key_bits`` for K)."""
         out = torch.full((len(self.transforms), self.base_kv_heads, 2), 2, dtype=torch.long)
+        for layer in range(len(self.transforms)):
+            out[layer, :, 0] = self.layer_layout(layer).key.bits
         for layer, head, side, bits in self.units:
             out[layer, slice(None) if head < 0 else head, SIDES.index(side)] = bits
         return out
@@ -136,7 +141,10 @@ class PageVariant(PagedInt2):
         t = self.transforms[layer]
         out = page_roundtrip(x, self.layout, t, side, self.param_dtype)
         if bool((bits == 4).any()):
-            wide = wide_page_roundtrip(x, self.layout, t, side, 4, clip=self.wide_clip)
+            own = side == "k" and self.layer_layout(layer).key.bits == 4  # the base model's 4-bit keys
+            if not (self.wide_clip or own):
+                t = replace(t, k_clip=torch.ones_like(t.k_clip), v_clip=torch.ones_like(t.v_clip))
+            wide = page_roundtrip(x, with_side_bits(self.layout, side, 4), t, side, self.param_dtype)
             out = torch.where((bits == 4)[:, None, None], wide, out)
         return out
 
@@ -180,7 +188,7 @@ def variant(base: PagedInt2, name: str, description: str = "", value_group: int 
             **options) -> PageVariant:
     """A :class:`PageVariant` of ``base`` (our method: its layout and transforms) with ``options``."""
     lay = base.layout if value_group is None else with_value_group(base.layout, value_group)
-    return PageVariant(name, description, layout=lay, transforms=base.transforms, **options)
+    return PageVariant(name, description, layout=lay, transforms=base.transforms, key_bits=base.key_bits, **options)
 
 
 __all__ = ["ANCHOR_INDEX_BITS", "ANCHOR_SCORES", "SIDES", "UNIT_BITS", "PageVariant", "variant", "with_value_group"]

@@ -8,12 +8,14 @@
   (``quantize_groups`` always stores fp16 params). :func:`fp32_param_roundtrip` is that rule with the
   params kept in fp32, written as the reference's arithmetic with the two fp16 casts left out; a test pins
   it to the reference wherever fp16 rounding is exact.
-* wider codes (the evaluation's 4-bit levers): the same reference rule with ``2**b`` levels
-  (:func:`wide_page_roundtrip`; a test pins its 2-bit case to ``page_roundtrip``).
+* wider codes (the evaluation's 4-bit levers, an artifact's 4-bit key layers): :func:`page_roundtrip` on the
+  layout with that side's 4-bit row format (:func:`with_side_bits`), the reference's 16-level rule.
 * transformers' ``QuantizedCache``: the real backend layer (``HQQQuantizedLayer`` / ``QuantoQuantizedLayer``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -53,32 +55,14 @@ def page_roundtrip(x: torch.Tensor, layout: KVCacheLayout, transform: LayerTrans
     return out.transpose(0, 1).reshape(h, t, d)
 
 
-def wide_page_roundtrip(x: torch.Tensor, layout: KVCacheLayout, transform: LayerTransform, side: str, bits: int,
-                        clip: bool = False) -> torch.Tensor:
-    """As :func:`page_roundtrip` with ``bits``-bit codes (uniform levels ``0 .. 2**bits - 1``): the reference rule
-    (``quantize_groups`` with ``2**bits`` levels, fp16 scale and minimum) on the groups the row format defines
-    (token: ``G`` elements of a row; channel: one channel over the ``P`` tokens of a page). ``clip``: apply the
-    transform's clip ratios (fitted for 2 bits); False: plain min-max. ``x [H_kv, N*P, D]`` -> same shape."""
-    if bits < 2 or bits > 8:
-        raise ValueError(f"bits: expected 2..8, got {bits}")
-    h, t, d = x.shape
-    p = layout.page_size
-    pages = x.reshape(h, t // p, p, d).transpose(0, 1).float()  # [N, H_kv, P, D]
-    fmt = layout.key if side == "k" else layout.value
-    ratio = (transform.k_clip if side == "k" else transform.v_clip).to(x.device)
-    if not clip:
-        ratio = torch.ones_like(ratio)
-    levels = torch.arange(2**bits, dtype=torch.float32, device=x.device)
-    if fmt.granularity == "token":
-        g = fmt.group_size
-        grouped = pages.reshape(*pages.shape[:3], d // g, g)  # [N, H, P, D/G, G]
-        rank = clip_rank(ratio, g).view(1, h, 1, 1, 1)
-        out = dequantize_groups(*quantize_groups(grouped, rank, levels), levels).reshape(pages.shape)
-    else:
-        grouped = pages.transpose(-1, -2)  # [N, H, D, P]
-        rank = clip_rank(ratio, p).view(1, h, 1, 1)
-        out = dequantize_groups(*quantize_groups(grouped, rank, levels), levels).transpose(-1, -2)
-    return out.transpose(0, 1).reshape(h, t, d)
+def with_side_bits(layout: KVCacheLayout, side: str, bits: int) -> KVCacheLayout:
+    """``layout`` with ``bits``-bit codes on ``side`` (``"k"``: ``layout.with_key_bits``; ``"v"``: the value row
+    format likewise: uniform levels, no codebook)."""
+    if side == "k":
+        return layout.with_key_bits(bits)
+    if side != "v":
+        raise ValueError(f"side: expected 'k' or 'v', got {side!r}")
+    return layout if bits == layout.value.bits else replace(layout, value=replace(layout.value, bits=bits, codebook=False))
 
 
 def fp32_param_roundtrip(x: torch.Tensor, rank: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -163,5 +147,5 @@ def add_noise_like(x: torch.Tensor, seed: int) -> torch.Tensor:
 
 __all__ = [
     "HF_BACKENDS", "PARAM_DTYPES", "add_noise_like", "fp32_param_roundtrip", "hf_backend_layer", "hf_backend_missing",
-    "kivi_keys", "kivi_values", "minmax_roundtrip", "page_roundtrip", "wide_page_roundtrip",
+    "kivi_keys", "kivi_values", "minmax_roundtrip", "page_roundtrip", "with_side_bits",
 ]

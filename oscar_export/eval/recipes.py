@@ -113,13 +113,14 @@ def research_recipe(model, calib_ids: torch.Tensor, layout: KVCacheLayout | None
 
 
 def ours_method(artifact, name: str = "oscar", description: str = "") -> PagedInt2:
-    """Our calibrated cache from an ``OscarArtifact`` (layout, per-layer transforms, row formats)."""
+    """Our calibrated cache from an ``OscarArtifact`` (layout, per-layer transforms, row formats, key widths)."""
     cfg = getattr(artifact, "config", {}) or {}
     desc = description or "ours: " + ", ".join(
         f"{k}={cfg[k]}" for k in ("per_head", "rotation", "clip", "key_granularity", "key_mean", "value_mean",
                                   "codebook") if k in cfg
     )
-    return PagedInt2(name, desc, layout=artifact.layout, transforms=tuple(artifact.transforms))
+    return PagedInt2(name, desc, layout=artifact.layout, transforms=tuple(artifact.transforms),
+                     key_bits=tuple(getattr(artifact, "key_bits", ())))
 
 
 __all__ = ["RESEARCH_CLIPS", "attention_shape", "baseline_methods", "capture_qkv",

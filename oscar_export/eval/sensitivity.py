@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from oscar_export.calibration import key_bits
 from oscar_export.calibration.capture import Collector, run_batches
+from oscar_export.calibration.key_bits import QUERIES, TOP
 
 from .cache_models import PagedInt2
 from .levers import PageVariant, variant
@@ -41,53 +43,13 @@ def capture(model, ids: torch.Tensor) -> Collector:
     return col
 
 
-@torch.no_grad()
-def key_attention_error(col: Collector, layer: int, cache: PagedInt2, queries: int = 64, top: int = 8
+def key_attention_error(col: Collector, layer: int, cache: PagedInt2, queries: int = QUERIES, top: int = TOP
                         ) -> dict[str, float]:
-    """Attention error of ``layer``'s stored keys, means over the last ``queries`` positions and every query head
-    (``cache``: whose ``page_rows`` store the keys; its transform gives the stored basis):
-
-    * ``kl``: ``KL(p_bf16 || p_stored)`` over every key the query reads;
-    * ``top``: ``sum |p_bf16 - p_stored|`` over the ``top`` page rows with the largest ``p_bf16`` (the few
-      tokens a retrieving head attends to: a needle's digits are such rows).
-    """
-    h = col.heldout_layer(layer)
-    q, k, scale = h.q, h.k, h.scaling
-    n, hq, t, _ = q.shape
-    hkv = k.shape[1]
-    t_form = cache.transforms[layer]
-    dev = t_form.k_clip.device
-    pos = torch.arange(t - queries, t, device=dev)
-    lo, hi, _ = cache.int2_ranges(pos)  # rows [lo, hi) read INT2 for the query at pos
-    c0, c1 = cache.layout.sink, int(hi.max())
-    if c1 <= c0:
-        raise ValueError(f"key_attention_kl: {t} tokens leave no page before the last {queries} queries")
-    total = {"kl": 0.0, "top": 0.0}
-    for i in range(n):
-        ks = t_form.transform_keys(k[i : i + 1].to(dev))[0].to(torch.bfloat16).float()  # [H_kv, T, D]
-        qs = t_form.transform_queries(q[i : i + 1].to(dev))[0][:, -queries:].float()  # [H, Q, D]
-        rows = cache.page_rows(layer, ks[:, c0:c1], "k", ks[:, c0:c1])
-        k_hat = ks.clone()
-        if rows is not None:
-            k_hat[:, c0:c1] = rows
-        grp = hq // hkv
-        kk = ks.repeat_interleave(grp, 0)  # [H, T, D]
-        kh = k_hat.repeat_interleave(grp, 0)
-        s_ref = scale * qs @ kk.transpose(1, 2)  # [H, Q, T]
-        col_idx = torch.arange(t, device=dev)
-        stored = (col_idx[None] >= lo[:, None]) & (col_idx[None] < hi[:, None])  # [Q, T]: reads the page row
-        s_got = torch.where(stored[None], scale * qs @ kh.transpose(1, 2), s_ref)
-        causal = col_idx[None] <= pos[:, None]
-        lp = torch.log_softmax(s_ref.masked_fill(~causal[None], float("-inf")), -1)
-        lg = torch.log_softmax(s_got.masked_fill(~causal[None], float("-inf")), -1)
-        p_ref, p_got = lp.exp(), lg.exp()
-        kl = (p_ref * (lp - lg)).masked_fill(~causal[None], 0.0).sum(-1)  # [H, Q]
-        in_pages = p_ref.masked_fill(~stored[None], -1.0)
-        idx = in_pages.topk(min(top, c1 - c0), -1).indices  # [H, Q, top]: the most-attended page rows
-        shift = (p_ref.gather(-1, idx) - p_got.gather(-1, idx)).abs().sum(-1)  # [H, Q]
-        total["kl"] += float(kl.mean())
-        total["top"] += float(shift.mean())
-    return {k: v / n for k, v in total.items()}
+    """``calibration.key_bits.key_attention_error`` of ``layer``'s keys as ``cache`` stores them (its ``page_rows``;
+    its transform gives the stored basis): ``{"kl": ..., "top": ...}``, means over the last ``queries`` positions
+    and every query head."""
+    return key_bits.key_attention_error(col.heldout_layer(layer), cache.transforms[layer], cache.layout,
+                                        lambda x: cache.page_rows(layer, x, "k", x), queries, top)
 
 
 def layer_errors(col: Collector, ours: PagedInt2, bits=(2, 4), queries: int = 64) -> dict[int, list[dict]]:
@@ -103,20 +65,15 @@ def layer_errors(col: Collector, ours: PagedInt2, bits=(2, 4), queries: int = 64
 
 def allocate(ours: PagedInt2, errors: dict[int, list[dict]], budget_page_bits: float, metric: str = "kl",
              wide: int = 4, name: str = "", description: str = "") -> tuple[PageVariant, list[int]]:
-    """4-bit key pages for the layers where ``wide`` bits remove the most of ``metric`` (``errors[2] -
-    errors[wide]``), best first, while :meth:`PageVariant.page_bits` stays within ``budget_page_bits``. Returns
-    the variant and its layers."""
+    """``calibration.key_bits.allocate_key_bits`` on the gains ``errors[2] - errors[wide]`` of ``metric``, as a
+    variant of ``ours`` (a 2-bit model) with ``wide``-bit K pages in the chosen layers. Returns the variant and
+    its layers."""
     gain = [a[metric] - b[metric] for a, b in zip(errors[2], errors[wide])]
-    order = sorted(range(len(gain)), key=lambda i: -gain[i])
-    chosen: list[int] = []
-    for i in order:
-        trial = variant(ours, "probe", units=tuple((j, -1, "k", wide) for j in chosen + [i]))
-        if trial.page_bits() > budget_page_bits + 1e-9:
-            break
-        chosen.append(i)
+    chosen = key_bits.allocate_key_bits(gain, ours.layout, budget_page_bits, wide)
     desc = description or (f"{wide}-bit K pages in the {len(chosen)} layers whose calibration-text attention "
                            f"error ({metric}) {wide} bits reduce most (budget {budget_page_bits} page bits)")
-    return variant(ours, name or f"k{wide}-{metric}-{budget_page_bits:g}", desc, units=tuple((j, -1, "k", wide) for j in sorted(chosen))), sorted(chosen)
+    return variant(ours, name or f"k{wide}-{metric}-{budget_page_bits:g}", desc,
+                   units=tuple((j, -1, "k", wide) for j in chosen)), chosen
 
 
 __all__ = ["allocate", "calibration_windows", "capture", "key_attention_error", "layer_errors"]

@@ -4,7 +4,10 @@ One :class:`OscarLayer` per attention layer owns one ``PagedKV`` (``oscar_export
 (model dtype) sink and recent-ring windows ``[B, H_kv, S0 | C, D]`` and a pool of INT2 pages. All layers
 share one :class:`~oscar_export.kernels.pages.PageBook`: the pages reserved for each of the ``B`` sequence
 slots (``max_length`` tokens each, reserved when the cache is made) and the per-slot lengths, on the device.
-Everything stored is in the transformed basis of the layer's ``LayerTransform``.
+Everything stored is in the transformed basis of the layer's ``LayerTransform``. Layers may differ in their key
+code width (an artifact's ``key_bits``, issue 17): layer ``i`` allocates and quantizes with the base layout's
+``with_key_bits(key_bits[i])`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
+are the same for every layer.
 
 transformers calls ``cache.update(k, v, layer_idx)`` right before the attention function. ``update`` writes
 nothing: it returns a :class:`LayerStep` in place of the key tensor, and the ``"oscar"`` attention function
@@ -175,8 +178,10 @@ class OscarCache(Cache):
     """The whole model's OSCAR cache: one :class:`OscarLayer` per attention layer, one page book.
 
     Args:
-        layout: the layout every layer shares.
+        layout: the base layout (windows, page size, row formats) every layer shares.
         transforms: one ``LayerTransform`` per layer.
+        key_bits: key code width per layer (``layout.CODE_BITS``; an artifact's ``key_bits``); None: the layout's
+            in every layer. Layer ``i`` uses ``layout.with_key_bits(key_bits[i])`` (:meth:`layer_layout`).
         batch_size: B sequence slots.
         max_length: most tokens one slot may hold (prompt + generated); its pages are reserved up front.
         device, dtype: where and in which float dtype the windows live (fp32 on CPU, BF16 on GPU).
@@ -191,7 +196,7 @@ class OscarCache(Cache):
     def __init__(
         self, layout: KVCacheLayout, transforms, batch_size: int, max_length: int, *,
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
-        sliding_layers=(), sliding_window: int | None = None,
+        sliding_layers=(), sliding_window: int | None = None, key_bits=None,
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
@@ -199,8 +204,12 @@ class OscarCache(Cache):
             raise ValueError(f"batch_size and max_length: expected ints > 0, got {batch_size!r}, {max_length!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a float dtype for the windows, got {dtype}")
+        key_bits = tuple(key_bits) if key_bits is not None else (layout.key.bits,) * len(transforms)
+        if len(key_bits) != len(transforms):
+            raise ValueError(f"key_bits: expected one per layer ({len(transforms)}), got {len(key_bits)}")
         ops = get_ops(backend)
         self.book = PageBook(layout, batch_size, max_length, device)
+        self.key_bits = key_bits
         self.layout = layout
         self.max_length = max_length
         self.active_slots: list[int] = list(range(batch_size))
@@ -212,13 +221,21 @@ class OscarCache(Cache):
                              f"a sliding_window, got {sliding_window!r}")
         if len(sliding) == len(transforms):
             raise NotImplementedError("OscarCache: every layer slides; there is nothing for the OSCAR cache to hold")
+        wide_sliding = [i for i in sorted(sliding) if key_bits[i] != layout.key.bits]
+        if wide_sliding:
+            raise ValueError(f"key_bits: sliding layers {wide_sliding} hold no pages; expected {layout.key.bits}, got "
+                             f"{[key_bits[i] for i in wide_sliding]}")
         layers = [SlidingLayer(self, i, layout.num_kv_heads, layout.head_dim, sliding_window, dtype) if i in sliding
-                  else OscarLayer(self, i, layout, t, dtype, ops) for i, t in enumerate(transforms)]
+                  else OscarLayer(self, i, self.layer_layout(i), t, dtype, ops) for i, t in enumerate(transforms)]
         super().__init__(layers=layers)
         self.num_layers = len(layers)
         if not torch.compiler.is_compiling():
             for t in self.static_tensors():
                 torch._dynamo.mark_static_address(t)
+
+    def layer_layout(self, i: int) -> KVCacheLayout:
+        """The layout of layer ``i``: the base layout with its ``key_bits[i]``-bit keys."""
+        return self.layout.with_key_bits(self.key_bits[i])
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""
@@ -319,8 +336,8 @@ class OscarCache(Cache):
         return self.book.seq_len.tolist()
 
     def kv_bytes(self) -> int:
-        """Bytes the cached tokens occupy now, all layers: OSCAR layers from the layout (windows at BF16, pages
-        INT2), sliding layers the ``min(n, W)`` tokens their ring holds (:meth:`memory` splits them)."""
+        """Bytes the cached tokens occupy now, all layers: OSCAR layers from each layer's layout (windows at BF16,
+        pages INT2 / 4-bit keys), sliding layers the ``min(n, W)`` tokens their ring holds (:meth:`memory` splits them)."""
         mem = self.memory()
         return mem["oscar_kv"] + mem["sliding_kv"]
 
@@ -343,7 +360,7 @@ class OscarCache(Cache):
             "oscar_allocated": sum(nbytes(_layer_tensors(layer)) for layer in oscar),
             "sliding_allocated": sum(nbytes(_layer_tensors(layer)) for layer in sliding),
             "book_allocated": nbytes(self.book.tensors() + [self.seen]),
-            "oscar_kv": len(oscar) * sum(self.layout.sequence_bytes(n) for n in lengths),
+            "oscar_kv": sum(layer.layout.sequence_bytes(n) for layer in oscar for n in lengths),
             "sliding_kv": sum(layer.token_bytes() * min(n, layer.window) for layer in sliding for n in lengths),
         }
 

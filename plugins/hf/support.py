@@ -78,6 +78,7 @@ class OscarSetup:
     transforms: tuple[LayerTransform, ...]
     ops: CacheOps
     previous_attn_implementation: str
+    key_bits: tuple[int, ...] | None = None
 
     def make_cache(self, batch_size: int, max_length: int) -> OscarCache:
         """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
@@ -85,7 +86,7 @@ class OscarSetup:
         p = next(self.model.parameters())
         return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
                           backend=self.ops, sliding_layers=self.shape.sliding_layers,
-                          sliding_window=self.shape.sliding_window)
+                          sliding_window=self.shape.sliding_window, key_bits=self.key_bits)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
@@ -139,6 +140,7 @@ def enable_oscar(
     """
     shape = model_attention_shape(model)
     ops = get_ops(resolve_backend(model, backend))
+    key_bits = None
     if artifact is None:
         layout = layout or KVCacheLayout.default(shape.num_kv_heads, shape.head_dim, key_granularity)
         transforms: Sequence[LayerTransform] = [
@@ -150,15 +152,24 @@ def enable_oscar(
         art = _load_artifact(artifact)
         art.check_model(model.config)
         layout, transforms = art.layout, list(art.transforms)
+        key_bits = tuple(getattr(art, "key_bits", ())) or None
     _check_layout(layout, transforms, shape)
     if ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
         from oscar_export.kernels.decode_attention import check_decode_layout
 
-        check_decode_layout(layout)
+        for bits in sorted(set(key_bits or (layout.key.bits,))):
+            try:
+                check_decode_layout(layout.with_key_bits(bits))
+            except NotImplementedError as e:
+                if bits == layout.key.bits:
+                    raise
+                raise NotImplementedError(f"backend 'triton': this artifact stores {bits}-bit keys in layers "
+                                          f"{[i for i, b in enumerate(key_bits) if b == bits]}, which the Triton "
+                                          f"kernels do not read yet ({e}); use backend='torch'") from e
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous)
+    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits)
 
 
 def cache_kwargs(model: Any, cache: OscarCache) -> dict[str, OscarCache]:

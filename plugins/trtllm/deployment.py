@@ -93,6 +93,11 @@ class OscarDeployment:
         self.artifact = load_artifact(checkpoint / section["artifact"])
         if not all(t.values_prerotated for t in self.artifact.transforms):
             raise ValueError(f"{checkpoint}: the artifact is not values_prerotated; serve an exported checkpoint")
+        if self.artifact.mixed_key_bits:
+            wide = [i for i, b in enumerate(self.artifact.key_bits) if b != self.artifact.layout.key.bits]
+            raise NotImplementedError(f"{checkpoint}: per-layer key bits (4-bit keys in layers {wide}) are not "
+                                      "served by the OSCAR TensorRT-LLM adapter (one page pool per model); serve "
+                                      "it with the Hugging Face plugin, or export a 2-bit artifact")
         self.layout = self.artifact.layout
         if "layout" in section and not self.layout.matches_dict(section["layout"]):
             raise ValueError(f"{checkpoint}: the oscar section's layout does not match its artifact's")

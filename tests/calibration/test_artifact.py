@@ -13,6 +13,7 @@ from oscar_export.calibration.artifact import (
     META_FILE,
     ORTHO_TOL,
     TENSOR_FILE,
+    ArtifactError,
     OscarArtifact,
     load_artifact,
     model_fingerprint,
@@ -264,3 +265,65 @@ def test_unknown_packing_refused(tmp_path):
         load_artifact(tamper(tmp_path, edit_meta=lambda m: m["layout"]["value"].__setitem__("packing", "zigzag")))
     with pytest.raises(ValueError, match="unknown packing 3"):
         load_artifact(tamper(tmp_path / "x", edit_meta=lambda m: m["layout"]["key"].__setitem__("packing", 3)))
+
+
+# ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
+
+
+def test_key_bits_round_trip_and_layer_layouts(tmp_path):
+    art = random_artifact().with_key_bits([2, 4, 2])
+    assert art.key_bits == (2, 4, 2) and art.mixed_key_bits
+    assert art.layout.key.bits == 2  # the base layout stays 2-bit
+    assert art.layer_layout(1) == art.layout.with_key_bits(4) and art.layer_layout(0) == art.layout
+    art.save(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / META_FILE).read_text())["key_bits"] == [2, 4, 2]
+    back = load_artifact(tmp_path / "a", tiny_config())
+    assert_same(art, back)
+    assert back.key_bits == (2, 4, 2)
+    lays = [art.layer_layout(i) for i in range(3)]
+    assert art.bits_per_element() == pytest.approx(sum(x.int2_bits_per_element() for x in lays) / 3)
+    assert art.bits_per_element() > random_artifact().bits_per_element()
+
+
+def test_artifacts_without_key_bits_are_all_two_bit(tmp_path):
+    art = random_artifact()
+    assert art.key_bits == (2, 2, 2) and not art.mixed_key_bits
+    art.save(tmp_path / "a")
+    assert "key_bits" not in json.loads((tmp_path / "a" / META_FILE).read_text())  # the file is as before
+    assert load_artifact(tmp_path / "a").key_bits == (2, 2, 2)
+
+
+@pytest.mark.parametrize("value, match", [
+    ([2, 4], r"key_bits: expected a list of 3 code widths .* got 2 entries"),
+    ([2, 4, 2, 2], r"key_bits: expected a list of 3 code widths .* got 4 entries"),
+    ("2,4,2", r"key_bits: expected a list of 3 code widths .* got a str"),
+    (None, r"key_bits: expected a list of 3 code widths .* got null"),
+    ([2, 3, 2], r"key_bits\[1\]: expected one of \[2, 4\], got 3"),
+    ([2, 4.0, 2], r"key_bits\[1\]: expected one of \[2, 4\], got 4.0"),
+    ([2, True, 2], r"key_bits\[1\]: expected one of \[2, 4\], got True"),
+    ([2, "4", 2], r"key_bits\[1\]: expected one of \[2, 4\], got '4'"),
+    ([8, 2, 2], r"key_bits\[0\]: expected one of \[2, 4\], got 8"),
+])
+def test_hostile_key_bits_refused(tmp_path, value, match):
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(tamper(tmp_path, edit_meta=lambda m: m.__setitem__("key_bits", value)))
+    with pytest.raises(ArtifactError, match=match.split(":")[0]):
+        random_artifact().with_key_bits(value)  # the constructor runs the same check
+
+
+def test_four_bit_keys_refused_where_the_key_format_cannot_take_them(tmp_path):
+    cfg = tiny_config(head_dim=32, hidden_size=128)
+    art = random_artifact(cfg)
+    mma = replace(art.layout, key=replace(art.layout.key, packing="mma16"))
+    with pytest.raises(ArtifactError, match="key_bits: 4-bit keys do not fit the layout's key format"):
+        OscarArtifact(mma, art.transforms, art.fingerprint, key_bits=(4, 2, 2))
+
+
+def test_four_bit_keys_on_a_sliding_layer_refused():
+    from test_families import tiny_config as family_config
+
+    cfg = family_config("gemma3_sliding")  # layers 0 and 2 slide
+    art = OscarArtifact.identity(cfg)
+    art.with_key_bits([2, 4, 2]).check_model(cfg)  # the full-attention layer may be wider
+    with pytest.raises(ArtifactError, match=r"key_bits: layers \[2\] are sliding-window layers .* must be 2, got \[4\]"):
+        art.with_key_bits([2, 4, 4]).check_model(cfg)

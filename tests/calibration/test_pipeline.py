@@ -129,3 +129,29 @@ def test_device_map_with_hooks_gives_the_plain_artifact(tiny):
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, different[:4]
+
+
+def test_calibrate_gives_four_bit_keys_within_the_budget(tiny, tmp_path):
+    base = small_cfg().layout(2, 16)
+    one = (base.int2_bits_per_element() + base.with_key_bits(4).int2_bits_per_element()) / 2  # 1 of 2 layers
+    art = calibrate(tiny, CharTokenizer(256), small_cfg(key_bits_budget=one, key_bits_metric="top"))
+    kb = art.stats["key_bits"]
+    assert kb["budget"] == one and kb["metric"] == "top" and len(kb["errors"]) == 2
+    gains = [e["2"]["top"] - e["4"]["top"] for e in kb["errors"]]
+    best = max(range(2), key=lambda i: gains[i])
+    assert art.key_bits == tuple(4 if i == best else 2 for i in range(2)) and kb["layers"] == [best]
+    assert torch.equal(art.transforms[best].k_clip, torch.ones(2))  # min-max, as measured
+    assert art.bits_per_element() == pytest.approx(one)
+    art.save(tmp_path)
+    assert load_artifact(tmp_path, tiny.config).key_bits == art.key_bits
+    assert calibrate(tiny, CharTokenizer(256), small_cfg()).key_bits == (2, 2)
+
+
+def test_key_bits_config_validation():
+    with pytest.raises(ValueError, match="key_bits_metric: expected one of"):
+        small_cfg(key_bits_metric="mse")
+    for bad in (0.0, -1.0, float("inf"), True, "3"):
+        with pytest.raises(ValueError, match="key_bits_budget: expected None or bits per element > 0"):
+            small_cfg(key_bits_budget=bad)
+    with pytest.raises(ValueError, match=r"read no page unless seq_len > sink \+ window \+ page_size = 64, got 64"):
+        small_cfg(seq_len=64, key_bits_budget=3.0)

@@ -241,3 +241,40 @@ def test_calibrate_with_a_device_map_equals_the_plain_run(tiny_model_dir, tmp_pa
     for name in ("cpu", "json"):
         different = [k for k in arts["plain"] if not torch.equal(arts["plain"][k], arts[name][k])]
         assert not different, (name, different[:4])
+
+
+def test_inspect_shows_per_layer_key_bits(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from oscar_export.calibration.artifact import OscarArtifact
+
+    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             num_hidden_layers=3, head_dim=16, vocab_size=10)).with_key_bits([2, 4, 4])
+    art.save(tmp_path)
+    assert main(["inspect", str(tmp_path), "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert "key bits   2-bit keys except 2 of 3 layers at [4] bits: layers [1, 2]" in out, out
+    assert f"INT2 part {art.bits_per_element():.3f}" in out and out.count(" K4\n") == 2, out
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["key_bits"] == [2, 4, 4]
+
+
+def test_calibrate_key_bits_options_checked_before_the_model_loads(tmp_path, capsys):
+    rc = main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", "-1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "key_bits_budget: expected None or bits per element > 0" in err, err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-metric", "mse"])
+
+
+def test_key_bits_line_names_the_layers():
+    from transformers import LlamaConfig
+
+    from oscar_export.calibrate import key_bits_line
+    from oscar_export.calibration.artifact import OscarArtifact
+
+    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             num_hidden_layers=3, head_dim=16, vocab_size=10)).with_key_bits([4, 2, 4])
+    art = OscarArtifact(art.layout, art.transforms, art.fingerprint, stats={"key_bits": {"budget": 3.0, "metric": "kl"}},
+                        key_bits=art.key_bits)
+    assert key_bits_line(art).startswith("key bits: 4-bit keys in 2 of 3 layers [0, 2] (budget 3.0 page bits, metric kl")

@@ -263,3 +263,13 @@ def test_fold_checks_the_modules_the_family_table_names():
     del model.model.layers
     with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM has no \.model\.layers"):
         fold_value_transforms(model, art.transforms)
+
+
+def test_checkpoint_carries_per_layer_key_bits(tmp_path):
+    model = tiny_model()
+    art = random_artifact(model).with_key_bits([4, 2])
+    out = export_checkpoint(model, None, art, tmp_path / "ckpt", source="tiny")
+    assert read_export(out)["key_bits"] == [4, 2]
+    assert load_artifact(out / ARTIFACT_DIR, model.config).key_bits == (4, 2)
+    plain = export_checkpoint(model, None, random_artifact(model), tmp_path / "plain", source="tiny")
+    assert read_export(plain)["key_bits"] == [2, 2]

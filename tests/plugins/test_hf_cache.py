@@ -364,3 +364,58 @@ def test_attention_rejects_bad_queries_masks_and_indices():
     with pytest.raises(ValueError, match="expected distinct slot indices"):
         with cache.select([0, 0]):
             pass
+
+
+# ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
+
+
+def test_mixed_key_bits_layers_store_read_and_attend_in_their_own_layout():
+    """Layers with ``key_bits`` (2, 4, 2): each allocates and quantizes with ``layout.with_key_bits(b)`` (a 4-bit
+    K pool is ``[N, H_kv, P, D / 2]``); prompt, chunk and decode steps past a demotion read back exactly the
+    reference's pages of that layout (to fp32 rounding) and attend like the fp64 oracle over them; bytes follow each layout."""
+    h, h_kv, d = 4, 2, 32
+    lay = small_layout(h_kv, d, "channel")
+    trs = [rotated_transform(h_kv, d, seed=i) for i in range(3)]
+    cache = OscarCache(lay, trs, 2, 120, key_bits=(2, 4, 2))
+    assert [layer.layout.key.bits for layer in cache.layers] == [2, 4, 2]
+    assert cache.layers[1].layout == cache.layer_layout(1) == lay.with_key_bits(4)
+    assert cache.layers[1].state.k_codes.shape[-1] == d // 2 and cache.layers[0].state.k_codes.shape[-1] == d // 4
+    assert cache.layers[1].state.v_codes.shape == cache.layers[0].state.v_codes.shape
+    scale = d**-0.5
+    n0, n1, steps = 45, 23, 3
+    n = n0 + n1 + steps
+    q, k, v = torch.randn(3, 2, h, n, d), torch.randn(3, 2, h_kv, n, d), torch.randn(3, 2, h_kv, n, d)
+    spans = [(0, n0), (n0, n0 + n1)] + [(t, t + 1) for t in range(n0 + n1, n)]
+    for a, b in spans:
+        outs = {}
+        for layer in cache.layers:
+            i = layer.index
+            outs[i] = attend(layer, q[i, :, :, a:b], k[i, :, :, a:b], v[i, :, :, a:b], None, scale)
+        if b - a == 1:  # a decode step: every layer against the oracle over its own layout's pages
+            for i, layer in enumerate(cache.layers):
+                for s in range(2):
+                    ek, ev = expected_contents(layer.layout, trs[i], trs[i].transform_keys(k[i, s : s + 1, :, :b])[0],
+                                               trs[i].transform_values(v[i, s : s + 1, :, :b])[0])
+                    want = oracle(q[i, s, :, a:b], ek, ev, trs[i], scale)
+                    torch.testing.assert_close(outs[i][s], want, atol=2e-5, rtol=1e-4)
+    for i, layer in enumerate(cache.layers):
+        for s in range(2):
+            ek, ev = expected_contents(layer.layout, trs[i], trs[i].transform_keys(k[i, s : s + 1])[0],
+                                       trs[i].transform_values(v[i, s : s + 1])[0])
+            gk, gv = layer.read_sequence(s)  # decode tokens were transformed one at a time: fp32 rounding
+            torch.testing.assert_close(gk, ek, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(gv, ev, atol=1e-5, rtol=1e-5)
+    assert int(cache.layers[1].state.num_pages[0]) == lay.pages_for(n) == 3
+    mem = cache.memory()
+    assert mem["oscar_kv"] == 2 * (2 * lay.sequence_bytes(n) + lay.with_key_bits(4).sequence_bytes(n))
+    assert mem["oscar_kv"] > 3 * 2 * lay.sequence_bytes(n)
+
+
+def test_key_bits_refused_when_they_do_not_fit_the_layers():
+    tr = LayerTransform.identity(2, 32)
+    with pytest.raises(ValueError, match=r"key_bits: expected one per layer \(2\), got 1"):
+        OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(4,))
+    with pytest.raises(ValueError, match=r"key_bits: sliding layers \[0\] hold no pages; expected 2, got \[4\]"):
+        OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(4, 2), sliding_layers=(0,), sliding_window=8)
+    with pytest.raises(NotImplementedError, match="RowFormat.bits"):
+        OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(3, 2))

@@ -61,7 +61,7 @@ def _config(**over):
             "intermediate_size": 64, "vocab_size": 32, **over}
 
 
-def _checkpoint(root: Path, layout=LAYOUT, **over) -> Path:
+def _checkpoint(root: Path, layout=LAYOUT, key_bits=(), **over) -> Path:
     from transformers import LlamaConfig
 
     from oscar_export.calibration.artifact import OscarArtifact
@@ -70,7 +70,8 @@ def _checkpoint(root: Path, layout=LAYOUT, **over) -> Path:
     root.mkdir(parents=True)
     cfg = _config(**over)
     hf = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
-    OscarArtifact.identity(hf, layout).with_values_prerotated().save(root / "oscar")
+    art = OscarArtifact.identity(hf, layout).with_values_prerotated()
+    (art.with_key_bits(key_bits) if key_bits else art).save(root / "oscar")
     cfg = {**cfg, "oscar": {"format_version": 1, "artifact": "oscar", "layout": layout.to_dict()}}
     if cfg["model_type"] in ("llama",):
         cfg = trtllm_config(cfg)
@@ -335,6 +336,11 @@ def test_bad_deployments_fail_at_startup(ns, tmp_path):
         register(ckpt, _bundle(tmp_path / "b3", scale=0.1), arch="sm_90")
     with pytest.raises(NotImplementedError, match="model family 'qwen2' is not served"):
         register(_checkpoint(tmp_path / "q", model_type="qwen2"), _bundle(tmp_path / "b4"), arch="sm_90")
+    n = _config()["num_hidden_layers"]
+    mixed = _checkpoint(tmp_path / "k4", key_bits=(4,) + (2,) * (n - 1))
+    with pytest.raises(NotImplementedError, match=r"per-layer key bits \(4-bit keys in layers \[0\]\) are not served "
+                                                  "by the OSCAR TensorRT-LLM adapter"):
+        register(mixed, _bundle(tmp_path / "b5"), arch="sm_90")
 
 
 def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):

@@ -215,3 +215,28 @@ def test_missing_hf_backend_is_skipped_with_its_reason(monkeypatch):
     assert [m.name for m in methods] == ["bf16", "hf-quanto-int4"] and skipped == {"hf-hqq-int2": "no hqq here"}
     methods, skipped = driver.build_methods(model, None, preset, None, ["bf16", "kivi2"], log=lambda s: None)
     assert [m.name for m in methods] == ["bf16", "kivi2"] and skipped == {}
+
+
+def test_mixed_key_bits_fake_quant_agrees_with_real_hf_cache_token_by_token():
+    """Issue 17: an artifact with key_bits (4, 2): ``ours_method``'s fake-quantized pass == the plugins/hf
+    OscarCache (reference ops, layer 0 with 4-bit K pages) fed one token at a time."""
+    pytest.importorskip("oscar_export.plugins.hf")
+    from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
+    from oscar_export.eval.deployed import oscar_logits
+    from oscar_export.eval.recipes import ours_method
+
+    model = tiny_llama()
+    lay = KVCacheLayout.default(2, D, "token", sink=16, window=32, page_size=16)
+    lay = replace(lay, key=replace(lay.key, codebook=True), value=replace(lay.value, codebook=True))
+    ts = (replace(random_transform(seed=1), k_clip=torch.ones(2)), random_transform(seed=2))
+    art = OscarArtifact(lay, ts, model_fingerprint(model.config), key_bits=(4, 2))
+    T = 100
+    ids = torch.randint(0, 96, (T,))
+    ours = ours_method(art)
+    fake = model.get_output_embeddings()(final_hidden(model, ids, ours, torch.float32))
+    real = oscar_logits(model, art, "torch", ids[None], chunk=1)[0][0]
+    err = (real - fake).abs().max(-1).values
+    worst = int(err.argmax())
+    assert err.max() < 1e-3 * fake.abs().max(), f"worst position {worst}: {err[worst]:.3e}"
+    two = model.get_output_embeddings()(final_hidden(model, ids, ours_method(art.with_key_bits((2, 2))), torch.float32))
+    assert (two[-1] - fake[-1]).abs().max() > 100 * err.max(), "the 4-bit layer must matter"

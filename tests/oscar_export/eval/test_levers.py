@@ -4,6 +4,8 @@ anchors are the rows asked for, the byte counts, and bad input."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from eval_helpers import LAY, CharTokenizer, random_transform, tiny_llama
 from oscar_export.eval.cache_models import PagedInt2
 from oscar_export.eval.levers import PageVariant, variant
 from oscar_export.eval.niah import NiahConfig, build_prompts, run_niah
-from oscar_export.eval.quantizers import page_roundtrip, wide_page_roundtrip
+from oscar_export.eval.quantizers import page_roundtrip, with_side_bits
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
@@ -24,13 +26,21 @@ def uniform(t: LayerTransform) -> LayerTransform:
 
 
 @pytest.mark.parametrize("lay", [LAY, LAY_CH], ids=["token-keys", "channel-keys"])
-def test_wide_rule_at_two_bits_is_the_page_rule(lay):
+def test_four_bit_units_are_the_row_formats_four_bit_pages(lay):
+    """Issue 17: a 4-bit unit is ``page_roundtrip`` on the 4-bit row format (``layout.with_key_bits(4)`` for keys),
+    clip 1 unless ``wide_clip``; it is finer than our 2-bit pages."""
     t = uniform(random_transform())
     x = torch.randn(2, 64, 64) * 3
+    ones = replace(t, k_clip=torch.ones(2), v_clip=torch.ones(2))
+    ours = PagedInt2("ours", layout=lay, transforms=(t, t))
     for side in "kv":
-        assert torch.equal(wide_page_roundtrip(x, lay, t, side, 2, clip=True), page_roundtrip(x, lay, t, side))
-    w4 = wide_page_roundtrip(x, lay, t, "v", 4)
-    assert (w4 - x).abs().mean() < 0.3 * (page_roundtrip(x, lay, t, "v") - x).abs().mean()
+        four = page_roundtrip(x, with_side_bits(lay, side, 4), ones, side)
+        got = variant(ours, "w", units=((1, -1, side, 4),)).page_rows(1, x, side, x)
+        assert torch.equal(got, four), side
+        clipped = variant(ours, "w", units=((1, -1, side, 4),), wide_clip=True).page_rows(1, x, side, x)
+        assert torch.equal(clipped, page_roundtrip(x, with_side_bits(lay, side, 4), t, side)), side
+        assert (four - x).abs().mean() < 0.3 * (page_roundtrip(x, lay, t, side) - x).abs().mean()
+    assert with_side_bits(lay, "k", 4) == lay.with_key_bits(4) and with_side_bits(lay, "v", 2) == lay
 
 
 def test_plain_variant_is_our_cache_bit_for_bit():
@@ -128,3 +138,37 @@ def test_bad_variants_are_clear_errors():
         variant(ours, "x", anchors=1, anchor_score="mass")
     with pytest.raises(NotImplementedError, match="float16"):
         PageVariant("x", layout=LAY, transforms=(t, t), param_dtype="float32")
+
+
+def test_mixed_key_bits_model_reads_each_layer_with_its_layout():
+    """``ours_method`` of an artifact with ``key_bits`` (2, 4): layer 1's K pages are the 4-bit format with its own
+    clips; a plain variant is that model bit for bit; the byte counts follow the layer layouts."""
+    t = uniform(random_transform())
+    ours = PagedInt2("ours", layout=LAY_CH, transforms=(t, t), key_bits=(2, 4))
+    ks, vs = torch.randn(2, 200, 64), torch.randn(2, 200, 64)
+    seg = ours.segments(1, ks, vs, 199, 200)[0]
+    c0, c1 = LAY_CH.sink, seg.c0 + seg.k_alt.shape[1]
+    assert torch.equal(seg.k_alt, page_roundtrip(ks[:, c0:c1], LAY_CH.with_key_bits(4), t, "k"))
+    assert torch.equal(seg.v_alt, page_roundtrip(vs[:, c0:c1], LAY_CH, t, "v"))
+    assert torch.equal(ours.segments(0, ks, vs, 199, 200)[0].k_alt, page_roundtrip(ks[:, c0:c1], LAY_CH, t, "k"))
+    v = variant(ours, "v")
+    assert torch.equal(v.segments(1, ks, vs, 199, 200)[0].k_alt, seg.k_alt)
+    assert v.unit_bits()[:, :, 0].tolist() == [[2, 2], [4, 4]]
+    lays = (LAY_CH, LAY_CH.with_key_bits(4))
+    assert v.page_bits() == pytest.approx(sum(x.int2_bits_per_element() for x in lays) / 2)
+    assert ours.bits_per_element(777) == pytest.approx(sum(x.effective_bits_per_element(777) for x in lays) / 2)
+    assert v.bits_per_element(777) == pytest.approx(ours.bits_per_element(777))
+    with pytest.raises(ValueError, match=r"key_bits: expected one per layer \(2\), got 1"):
+        PagedInt2("bad", layout=LAY_CH, transforms=(t, t), key_bits=(4,))
+
+
+def test_ours_method_honours_the_artifacts_key_bits():
+    from transformers import LlamaConfig
+
+    from oscar_export.calibration.artifact import OscarArtifact
+    from oscar_export.eval.recipes import ours_method
+
+    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                             num_hidden_layers=2, head_dim=32, vocab_size=10)).with_key_bits([4, 2])
+    m = ours_method(art)
+    assert m.key_bits == (4, 2) and m.layer_layout(0) == art.layer_layout(0) and m.layer_layout(1) == art.layout
