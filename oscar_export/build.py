@@ -213,12 +213,14 @@ def build_deployment(
         raise ValueError(f"--out {out}: overlaps the checkpoint {export_dir}; choose a directory beside it")
     check_inside(export_dir)
     shape = model_shape(export_dir)
-    layout = load_packaged_artifact(export_dir, section, shape).layout
-    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"])
+    art = load_packaged_artifact(export_dir, section, shape)
+    layout = art.layout
+    key_bits = sorted(set(art.key_bits or (layout.key.bits,)))  # one kernel set per key width the layers use
+    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
-                     packing={"key": layout.key.packing, "value": layout.value.packing}, key_bits=[layout.key.bits])
+                     packing={"key": layout.key.packing, "value": layout.value.packing}, key_bits=key_bits)
         trtllm = write_trtllm_files(tmp, layout)
         if onnx:
             from oscar_export.onnx_export import export_decode_attention_onnx

@@ -200,9 +200,10 @@ def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
     ckpt = export_checkpoint(model, None, OscarArtifact.identity(model), tmp_path / "ckpt")
     seen = {}
 
-    def record_bundle(specs, out, archs, progress=None, packing=None):
+    def record_bundle(specs, out, archs, progress=None, packing=None, key_bits=None):
         seen["specs"] = specs
         seen["packing"] = packing
+        seen["key_bits"] = key_bits
         out.mkdir()
         (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
 
@@ -213,6 +214,7 @@ def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
     scales = {dict(s.constexprs)["SM_SCALE"] for s in seen["specs"] if "SM_SCALE" in dict(s.constexprs)}
     assert scales == {256**-0.5} and seen["onnx_scale"] == 256**-0.5
     assert seen["packing"] == {"key": "linear", "value": "linear"}  # the layout's page packing goes to the manifest
+    assert seen["key_bits"] == [2]
     assert json.loads((out / "deploy.json").read_text())["model"]["sm_scale"] == 256**-0.5
     # the TensorRT-LLM adapter serves llama only: no module, no options, the checkpoint's architectures kept
     assert json.loads((out / "deploy.json").read_text())["trtllm_module"] is False
@@ -237,3 +239,28 @@ def test_gemma3_head_dim_256_export_builds_a_bundle(tmp_path):
     for k in ("decode_split", "decode_merge", "quant_pack_k", "quant_pack_k_rot", "quant_pack_v", "decode_append"):
         assert f"{k}_{tag}" in names, f"{k}_{tag} not in {sorted(names)}"
     assert json.loads((out / "deploy.json").read_text())["model"]["head_dim"] == 256
+
+
+def test_bundle_carries_a_kernel_set_per_key_width_of_the_artifact(tmp_path, monkeypatch):
+    """Issue 17: an artifact with 4-bit keys in some layers gets the 2-bit and the 4-bit (``_k4``) kernels, and the
+    manifest records both widths (compiling replaced by recording the specs)."""
+    import oscar_export.kernels.aot.compile as aot_compile
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    art = OscarArtifact.identity(model).with_key_bits((4, 2))
+    ckpt = export_checkpoint(model, None, art, tmp_path / "ckpt")
+    seen = {}
+
+    def record_bundle(specs, out, archs, progress=None, packing=None, key_bits=None):
+        seen.update(specs=specs, key_bits=key_bits)
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
+
+    monkeypatch.setattr(aot_compile, "build_bundle", record_bundle)
+    build_deployment(ckpt, tmp_path / "deploy", ["sm_90"])
+    assert seen["key_bits"] == [2, 4]
+    names = [s.name for s in seen["specs"]]
+    assert any(n.endswith("_k4") for n in names) and any(not n.endswith("_k4") for n in names), names
