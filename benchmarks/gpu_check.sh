@@ -56,7 +56,7 @@ if [ "${1:-}" = v2 ]; then  # mma16 pages + the v2 decode kernel: GPU tests, com
     exit 0
 fi
 if [ "${1:-}" = k4 ]; then  # issue 17: 4-bit key pages (GPU tests, the cases earlier calls did not reach), 2- vs 4-bit decode speed
-    step k4_gpu_tests "${K4_TEST_S:-120}" python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -q -p no:cacheprovider -k "${K4_TESTS:-key_bits or append_and_quantize_head_dim_256 or v2_real_shape}"
+    step k4_gpu_tests "${K4_TEST_S:-120}" python3 -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_hf_gpu.py -m gpu -q -p no:cacheprovider -rA -k "${K4_TESTS:-4bit or mixed_key_bits or append_and_quantize_head_dim_256 or v2_real_shape}"
     step k4_bench_decode "${K4_BENCH_S:-150}" python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768}" --key-bits 2,4 --json "$OUT/bench_decode_k4.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/k4_gpu_tests.log 2>/dev/null | tail -n 4
     tail -n 30 "$OUT/k4_bench_decode.log"
