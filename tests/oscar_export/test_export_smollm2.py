@@ -82,7 +82,7 @@ def _oscar_logits(model, art, ids, steps):
             out.append(model(ids[:, :n], past_key_values=cache, use_cache=True).logits[:, -1])
             for i in range(n, ids.shape[1]):
                 out.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-        pages = int(cache.layers[0].context().num_pages[0])
+        pages = int(cache.layers[0].state.num_pages[0])
         assert pages >= 2, f"expected the decode steps to read INT2 pages, the cache holds {pages}"
     return torch.cat(out)
 
