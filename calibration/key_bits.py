@@ -46,7 +46,8 @@ PageKeys = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 def page_keys(layout: KVCacheLayout, clip: torch.Tensor, levels: torch.Tensor) -> PageKeys:
-    """The reference quantizer of ``layout``'s key pages (``clip [H_kv]``, ``levels [H_kv, 4]``) as a :data:`PageKeys`."""
+    """The reference quantizer of ``layout``'s key pages (``clip [H_kv]``, ``levels [H_kv, 4]``) as a
+    :data:`PageKeys`."""
     p = layout.page_size
 
     def read_back(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +145,8 @@ def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budg
     base, wider = layout.int2_bits_per_element(), layout.with_key_bits(wide).int2_bits_per_element()
     chosen: list[int] = []
     for i in sorted(paged, key=lambda j: (-gains[j], j)):
-        if gains[i] <= 0 or ((len(paged) - len(chosen) - 1) * base + (len(chosen) + 1) * wider) / len(paged) > budget + 1e-9:
+        wide_n = len(chosen) + 1
+        if gains[i] <= 0 or ((len(paged) - wide_n) * base + wide_n * wider) / len(paged) > budget + 1e-9:
             break
         chosen.append(i)
     return sorted(chosen)

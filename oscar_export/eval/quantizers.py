@@ -62,7 +62,9 @@ def with_side_bits(layout: KVCacheLayout, side: str, bits: int) -> KVCacheLayout
         return layout.with_key_bits(bits)
     if side != "v":
         raise ValueError(f"side: expected 'k' or 'v', got {side!r}")
-    return layout if bits == layout.value.bits else replace(layout, value=replace(layout.value, bits=bits, codebook=False))
+    if bits == layout.value.bits:
+        return layout
+    return replace(layout, value=replace(layout.value, bits=bits, codebook=False))
 
 
 def fp32_param_roundtrip(x: torch.Tensor, rank: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
