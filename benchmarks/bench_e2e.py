@@ -13,6 +13,8 @@ Random BF16 weights (speed does not depend on them). Per workload ``B x L`` and 
 * ``bf16-static``: transformers' ``StaticCache`` with the same compile mode (what a speed-minded user runs);
   prefilled in 8K chunks (its masked attention over the static cache).
 * ``bf16-dynamic``: eager ``DynamicCache`` decode (filled without a prefill: contents do not change its speed).
+* ``oscar-k4`` / ``oscar-graph-k4``: as ``oscar`` / ``oscar-graph`` with 4-bit keys in the layers ``--k4-layers``
+  names (issue 17's mixed format; 2-bit elsewhere).
 
 ``--no-prefill`` rows (and the equal-memory rows) set the cache lengths directly instead of prefilling: decode
 speed does not depend on the values stored. Decode times are medians of CUDA-event timings of single steps.
@@ -159,7 +161,7 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
         tok = torch.randint(1, cfg.vocab_size, (b, 1), device="cuda")
         pos = torch.full((b, 1), ctx, device="cuda")
         kwargs = kw(model, cache)
-        if kind == "oscar-graph":  # the eager forward captured once with torch.cuda.graph (no compiler)
+        if kind.startswith("oscar-graph"):  # the eager forward captured once with torch.cuda.graph (no compiler)
             fwd = None
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -229,11 +231,29 @@ def _fill_without_prefill(model, kind, cache, ids, ctx):
         cache.update(z, z.clone(), i)
 
 
-def roofline(row, model, weight_bytes, bw, layout):
+def oscar_sequence_bytes(layout, key_bits, ctx: int) -> int:
+    """Bytes one ``ctx``-token sequence occupies over all layers (each layer with its key code width)."""
+    return sum(layout.with_key_bits(bits).sequence_bytes(ctx) for bits in key_bits)
+
+
+def key_bits_of(kind: str, num_layers: int, k4_layers: set[int]) -> tuple[int, ...]:
+    return tuple(4 if kind.endswith("-k4") and i in k4_layers else 2 for i in range(num_layers))
+
+
+def parse_layers(spec: str) -> set[int]:
+    """``"0-15"`` or ``"1,3,5-7"`` -> the layer indices."""
+    out: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def roofline(row, model, weight_bytes, bw, layout, key_bits):
     cfg = model.config
     b, ctx = row["B"], row["context"]
     if row["cache"].startswith("oscar"):
-        kv = cfg.num_hidden_layers * b * layout.sequence_bytes(ctx)
+        kv = b * oscar_sequence_bytes(layout, key_bits, ctx)
     else:
         kv = _bf16_cache_bytes(cfg, b, ctx)
     row["roofline_ms"] = (weight_bytes + kv) / bw * 1e3
@@ -254,7 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default="reduce-overhead")
     ap.add_argument("--equal-kv-gib", type=float, default=0.0, help="also run the equal-KV-memory rows (0: skip)")
     ap.add_argument("--equal-context", type=int, default=32768)
-    ap.add_argument("--equal-oscar", default="oscar-graph", help="the OSCAR cache kind of the equal-memory row")
+    ap.add_argument("--equal-oscar", default="oscar-graph",
+                    help="the OSCAR cache kinds of the equal-memory rows (comma-separated)")
+    ap.add_argument("--k4-layers", default="", help="layers with 4-bit keys in the *-k4 caches, e.g. 0-15")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
@@ -268,6 +290,9 @@ def main(argv=None) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"{args.model}: {weight_bytes / 2**30:.1f} GiB of weights", flush=True)
     caches = args.caches.split(",")
+    k4 = parse_layers(args.k4_layers)
+    if any(c.endswith("-k4") for c in caches + args.equal_oscar.split(",")) and not k4:
+        raise SystemExit("the *-k4 caches need --k4-layers")
     plan = []
     for w in args.workloads.split(","):
         direct = w.endswith("!")
@@ -281,14 +306,17 @@ def main(argv=None) -> int:
         layout = KVCacheLayout.default(cfg.num_key_value_heads, cfg.head_dim, "channel")
         budget = int(args.equal_kv_gib * 2**30)
         per_bf16 = _bf16_cache_bytes(cfg, 1, args.equal_context)
-        per_oscar = cfg.num_hidden_layers * layout.sequence_bytes(args.equal_context)
         plan.append(("bf16-static", max_batch(per_bf16, budget), args.equal_context, False))
-        plan.append((args.equal_oscar, max_batch(per_oscar, budget), args.equal_context, False))
+        for kind in args.equal_oscar.split(","):
+            bits = key_bits_of(kind, cfg.num_hidden_layers, k4)
+            per_oscar = oscar_sequence_bytes(layout, bits, args.equal_context)
+            plan.append((kind, max_batch(per_oscar, budget), args.equal_context, False))
     rows = []
     for kind, b, ctx, prefill in plan:
         if kind == "bf16-dynamic" and prefill:
             prefill = False  # eager DynamicCache decode is timed on a directly filled cache
-        setup = enable_oscar(model) if kind.startswith("oscar") else None
+        key_bits = key_bits_of(kind, model.config.num_hidden_layers, k4)
+        setup = enable_oscar(model, key_bits=key_bits) if kind.startswith("oscar") else None
         try:
             row = run_cache(model, kind, b, ctx, args.steps, prefill, args.compile_mode, setup)
             if setup is not None:
@@ -299,7 +327,11 @@ def main(argv=None) -> int:
             if setup is not None:
                 setup.restore()
         if "decode_ms" in row and layout is not None:
-            roofline(row, model, weight_bytes, bw, layout)
+            roofline(row, model, weight_bytes, bw, layout, key_bits)
+        if kind.startswith("oscar"):
+            row["k4_layers"] = [i for i, bits in enumerate(key_bits) if bits == 4]
+            row["page_bits"] = (sum(layout.with_key_bits(bits).int2_bits_per_element() for bits in key_bits)
+                                / len(key_bits))
         rows.append(row)
         print(json.dumps(row), flush=True)
     print_table(rows)
@@ -310,8 +342,8 @@ def main(argv=None) -> int:
 
 
 def print_table(rows) -> None:
-    print("\n| cache | B x L | prefill s | prefill peak GiB | decode ms/step | tokens/s | peak GiB | roofline |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| cache | B x L | page bits | prefill s | prefill peak GiB | decode ms/step | tokens/s | peak GiB | roofline |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['cache']} | {r['B']}x{r['context']} | {r['error']} |")
@@ -319,7 +351,8 @@ def print_table(rows) -> None:
         pf = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "-"
         pp = f"{r['prefill_peak_gib']:.1f}" if "prefill_peak_gib" in r else "-"
         rf = f"{r['roofline_frac']:.0%}" if "roofline_frac" in r else "-"
-        print(f"| {r['cache']} | {r['B']}x{r['context']} | {pf} | {pp} | {r['decode_ms']:.2f} | "
+        pb = f"{r['page_bits']:.2f}" if "page_bits" in r else "16"
+        print(f"| {r['cache']} | {r['B']}x{r['context']} | {pb} | {pf} | {pp} | {r['decode_ms']:.2f} | "
               f"{r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | {rf} |")
 
 

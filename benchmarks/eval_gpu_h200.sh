@@ -8,16 +8,17 @@
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh c   # deployed beside niah_diagnose.py
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh d   # deployed beside the HF NIAH
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh e   # HF NIAH beside niah_diagnose.py
-# Results accumulate in /tmp/eval_gpu on the device (eval_gpu.py --phases merges) and are copied to $OUT after each.
+# Results accumulate in $RES (default /tmp/eval_gpu) on the device (eval_gpu.py --phases merges) and are copied to
+# $OUT after each; ART (default art) is the artifact directory, e.g. ART=art_k4 RES=/tmp/eval_k4 for a second one.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-RES=/tmp/eval_gpu; G=/tmp/smol.gguf
+RES=${RES:-/tmp/eval_gpu}; ART=${ART:-art}; G=/tmp/smol.gguf
 [ -d "$RES" ] || [ ! -d .evalres ] || cp -r .evalres "$RES"  # an earlier session's results (carry .evalres)
 [ -f "$G" ] || cat /root/partA .mB/part > "$G" || exit 1
 [ -d /tmp/site ] || python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl >/dev/null || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.hqq
-ev() { local t=$1; shift; timeout "$t" python3 benchmarks/eval_gpu.py "$G" --artifact art/ --out "$RES" "$@" 2>&1 \
+ev() { local t=$1; shift; timeout "$t" python3 benchmarks/eval_gpu.py "$G" --artifact "$ART" --out "$RES" "$@" 2>&1 \
        | tee -a "$OUT/eval.log" | tail -n 60; cp -r "$RES" "$OUT/" 2>/dev/null; }
 OURS=bf16,int2-naive,quarot-int2,quarot-int2-channel,kivi2,kivi2-matched,oscar-research,oscar
 if [ "${1:-}" = a ]; then
@@ -28,7 +29,7 @@ elif [ "${1:-}" = b ]; then
     [ "${HF:-1}" = 1 ] && ev "${HF_S:-300}" --phases niah --methods bf16,hf-hqq-int2,hf-quanto-int2,hf-hqq-int4,hf-quanto-int4
 elif [ "${1:-}" = c ]; then  # deployed runs (background) beside the issue-17 NIAH diagnosis (foreground), one GPU
     ( ev "${DEP_S:-240}" --phases deployed ${DEP_ARGS:-} >/dev/null ) &
-    timeout "${DIAG_S:-240}" python3 benchmarks/niah_diagnose.py "$G" --artifact art/ --out "$OUT/diag" \
+    timeout "${DIAG_S:-240}" python3 benchmarks/niah_diagnose.py "$G" --artifact "$ART" --out "$OUT/diag" \
         --budget-s "${DIAG_BUDGET:-160}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 40
     wait; tail -n 30 "$OUT/eval.log"
 elif [ "${1:-}" = d ]; then  # deployed runs (background) beside the HF QuantizedCache NIAH (foreground, own out dir)
@@ -37,7 +38,7 @@ elif [ "${1:-}" = d ]; then  # deployed runs (background) beside the HF Quantize
     wait; tail -n 30 "$OUT/eval.log"
 elif [ "${1:-}" = e ]; then  # HF QuantizedCache NIAH (background, own out dir) beside niah_diagnose.py (DIAG_ARGS)
     ( RES=/tmp/eval_gpu_hf ev "${HF_S:-400}" --phases niah --methods "${HF_METHODS:-hf-quanto-int4,hf-hqq-int4}" >/dev/null ) &
-    timeout "${DIAG_S:-400}" python3 benchmarks/niah_diagnose.py "$G" --artifact art/ --out "$OUT/diag" \
+    timeout "${DIAG_S:-400}" python3 benchmarks/niah_diagnose.py "$G" --artifact "$ART" --out "$OUT/diag" \
         --budget-s "${DIAG_BUDGET:-330}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 60
     wait; tail -n 12 "$OUT/eval.log"
 fi

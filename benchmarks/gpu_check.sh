@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|k4]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|k4|k4e2e]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -53,6 +53,13 @@ if [ "${1:-}" = v2 ]; then  # mma16 pages + the v2 decode kernel: GPU tests, com
     step v2_bench_decode 240 python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-default,w4,plain,tile}" --json "$OUT/bench_decode_v2.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/v2_gpu_tests.log "$OUT"/v2_kernel_tests.log 2>/dev/null | tail -n 6
     tail -n 30 "$OUT/v2_bench_decode.log"
+    exit 0
+fi
+if [ "${1:-}" = k4e2e ]; then  # issue 17: the 4-bit GPU tests, then the serving benchmark with 4-bit keys in K4_LAYERS
+    step k4_gpu_tests "${K4_TEST_S:-150}" python3 -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_hf_gpu.py -m gpu -q -p no:cacheprovider -rA -k "${K4_TESTS:-4bit or mixed_key_bits}"
+    step bench_e2e "${E2E_TIMEOUT:-300}" python3 benchmarks/bench_e2e.py --workloads "${WORKLOADS:-1x32768}" --caches "${CACHES:-oscar-graph,oscar-graph-k4,bf16-static}" --k4-layers "${K4_LAYERS:-0-15}" --equal-kv-gib "${EQUAL_GIB:-64}" --equal-oscar oscar-graph,oscar-graph-k4 --steps "${STEPS:-20}" --json "$OUT/bench_e2e_k4.json" ${COMMIT:+--commit $COMMIT}
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/k4_gpu_tests.log 2>/dev/null | tail -n 4
+    tail -n 12 "$OUT/bench_e2e.log"
     exit 0
 fi
 if [ "${1:-}" = k4 ]; then  # issue 17: 4-bit key pages (GPU tests, the cases earlier calls did not reach), 2- vs 4-bit decode speed

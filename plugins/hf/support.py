@@ -118,6 +118,7 @@ def enable_oscar(
     key_granularity: str = "channel",
     k_clip: float = 1.0,
     v_clip: float = 1.0,
+    key_bits: Sequence[int] | None = None,
 ) -> OscarSetup:
     """Switch ``model`` to the OSCAR cache: validate it, register and select the ``"oscar"`` attention.
 
@@ -134,21 +135,25 @@ def enable_oscar(
         key_granularity: without an artifact or layout, ``"channel"`` (KIVI-style per-channel keys within a
             page, the default) or ``"token"``. Measured on SmolLM2 (800-token prompt, first 32 greedy tokens vs
             BF16): identity rotation with per-token keys agreed on 2/32 tokens, with per-channel keys 28/32.
+        key_bits: without an artifact, the key code width of each layer (``layout.CODE_BITS``; e.g. 4-bit keys
+            in some layers for a speed or memory benchmark); an artifact carries its own.
     Returns:
         an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
         ``past_key_values``.
     """
     shape = model_attention_shape(model)
     ops = get_ops(resolve_backend(model, backend))
-    key_bits = None
     if artifact is None:
+        key_bits = tuple(key_bits) if key_bits is not None else None
+        if key_bits is not None and len(key_bits) != shape.num_layers:
+            raise ValueError(f"key_bits: expected one per layer ({shape.num_layers}), got {len(key_bits)}")
         layout = layout or KVCacheLayout.default(shape.num_kv_heads, shape.head_dim, key_granularity)
         transforms: Sequence[LayerTransform] = [
             LayerTransform.identity(shape.num_kv_heads, shape.head_dim, k_clip, v_clip) for _ in range(shape.num_layers)
         ]
     else:
-        if layout is not None:
-            raise ValueError("layout: the artifact defines the layout; pass one or the other")
+        if layout is not None or key_bits is not None:
+            raise ValueError("layout, key_bits: the artifact defines them; pass one or the other")
         art = _load_artifact(artifact)
         art.check_model(model.config)
         layout, transforms = art.layout, list(art.transforms)

@@ -231,6 +231,24 @@ def test_unsupported_architectures_and_features_are_named():
         assert oscar.shape.scaling == 16**-0.5 and oscar.shape.family.name == "Mistral"
 
 
+def test_key_bits_without_an_artifact_give_layers_their_width():
+    """``enable_oscar(model, key_bits=...)`` (no artifact: the benchmarks' mixed 2/4-bit caches): each layer's pages
+    take its width, the bytes follow, and a wrong count or an artifact beside it is refused."""
+    model = tiny("llama")
+    ids = torch.randint(1, 96, (1, 50))
+    with enable_oscar(model, layout=SMALL, key_bits=(4, 2)) as oscar:
+        cache = oscar.make_cache(1, 120)
+        tokens, scores = generate(model, ids, cache, max_new_tokens=30)
+    n = 50 + 30 - 1
+    assert bool(torch.isfinite(scores).all())
+    assert [layer.layout.key.bits for layer in cache.layers] == [4, 2]
+    assert cache.kv_bytes() == SMALL.with_key_bits(4).sequence_bytes(n) + SMALL.sequence_bytes(n)
+    with pytest.raises(ValueError, match=r"key_bits: expected one per layer \(2\), got 3"):
+        enable_oscar(model, key_bits=(4, 2, 2))
+    with pytest.raises(ValueError, match="layout, key_bits: the artifact defines them"):
+        enable_oscar(model, artifact="some/dir", key_bits=(4, 2))
+
+
 def test_bad_arguments_give_clear_errors():
     model = tiny("llama")
     with pytest.raises(ValueError, match=r"backend: expected one of \['torch', 'torch.compile', 'triton'\], got 'cuda'"):
