@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=None, help="comma-separated subset (default: all)")
     ap.add_argument("--split", choices=("dev", "report"), default="report")
     ap.add_argument("--no-deployed", action="store_true", help="skip the real-cache runs")
+    ap.add_argument("--deployed-runs", default="triton,reference",
+                    help="the real-cache runs: triton (BF16 model, as deployed) and/or reference (fp32 cross-check)")
     ap.add_argument("--phases", default="text,niah,deployed",
                     help="comma-separated subset of text, niah, deployed (default: all); results already in "
                          "--out/results.json from an earlier call are kept and merged")
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
         try:
             for part in ("text", "niah"):  # each part written when done
                 result = run_deployed(model, tok, preset, artifact, result, part == "text", part == "niah",
-                                      args.split, log=log, bf16_backend=bf16_backend)
+                                      args.split, log=log, bf16_backend=bf16_backend,
+                                      runs=tuple(args.deployed_runs.split(",")))
                 result = save(result)
                 log(f"deployed {part} done: {result['deployed']['timings']}")
         except Exception as e:  # noqa: BLE001 - keep what was measured, say what failed

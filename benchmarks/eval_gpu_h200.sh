@@ -8,6 +8,9 @@
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh c   # deployed beside niah_diagnose.py
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh d   # deployed beside the HF NIAH
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh e   # HF NIAH beside niah_diagnose.py
+#   or  (carry .whl .hqq .evalres and the ARTS): ARTS="art_a art_b" bash benchmarks/eval_gpu_h200.sh f
+#                                       # the deployed runs (DEP_ARGS) of several artifacts side by side, one GPU;
+#                                       # each in /tmp/eval_<artifact>, copied to $OUT/eval_<artifact>
 # Results accumulate in $RES (default /tmp/eval_gpu) on the device (eval_gpu.py --phases merges) and are copied to
 # $OUT after each; ART (default art) is the artifact directory, e.g. ART=art_k4 RES=/tmp/eval_k4 for a second one.
 set -u
@@ -41,4 +44,10 @@ elif [ "${1:-}" = e ]; then  # HF QuantizedCache NIAH (background, own out dir) 
     timeout "${DIAG_S:-400}" python3 benchmarks/niah_diagnose.py "$G" --artifact "$ART" --out "$OUT/diag" \
         --budget-s "${DIAG_BUDGET:-330}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 60
     wait; tail -n 12 "$OUT/eval.log"
+elif [ "${1:-}" = f ]; then
+    for a in ${ARTS:?ARTS: the artifact directories}; do
+        ( ART=$a RES=/tmp/eval_$a; [ -d "$RES" ] || cp -r .evalres "$RES"
+          ev "${DEP_S:-300}" --phases deployed ${DEP_ARGS:-} > "$OUT/deployed_$a.log" ) &
+    done
+    wait; for a in $ARTS; do echo "=== $a"; grep -A 8 "^NIAH (split" "$OUT/deployed_$a.log" | tail -n 4; done
 fi

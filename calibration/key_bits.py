@@ -22,6 +22,7 @@ paged layer's layout, averaged over those layers) stay within the budget.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -186,3 +187,11 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
 
 __all__ = ["METRICS", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits", "choose_key_bits",
            "key_attention_error", "layer_key_errors", "page_keys", "paged_rows"]
+
+
+def widen_keys(transforms: Sequence[LayerTransform], key_bits: Sequence[int],
+               layout: KVCacheLayout) -> list[LayerTransform]:
+    """``transforms`` with key clip 1 (plain min-max, what :func:`layer_key_errors` measured) in the layers whose
+    ``key_bits`` differ from ``layout``'s: the transforms an artifact with those ``key_bits`` stores."""
+    return [replace(t, k_clip=torch.ones_like(t.k_clip)) if b != layout.key.bits else t
+            for t, b in zip(transforms, key_bits, strict=True)]

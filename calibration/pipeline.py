@@ -36,7 +36,7 @@ from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
 from .families import family_for
 from .key_bits import METRICS as KEY_BITS_METRICS
-from .key_bits import choose_key_bits
+from .key_bits import choose_key_bits, widen_keys
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
@@ -394,8 +394,7 @@ def calibrate(
     if cfg.key_bits_budget is not None:
         key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
                                                       cfg.key_bits_metric, skip=col.sliding_layers)
-        transforms = [replace(t, k_clip=torch.ones_like(t.k_clip)) if b != layout.key.bits else t
-                      for t, b in zip(transforms, key_bits)]
+        transforms = widen_keys(transforms, key_bits, layout)
     stats = {
         "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(len(fitted), 1)),
         "heldout_sequences": cfg.heldout,

@@ -216,9 +216,9 @@ def _bar(total: int, desc: str):
 
 
 def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool, niah: bool, split: str,
-                 log=print, bf16_backend: str = "triton") -> dict:
+                 log=print, bf16_backend: str = "triton", runs=("triton", "reference")) -> dict:
     """Ours through the real cache: the BF16 model with ``bf16_backend`` (Triton, as deployed on CUDA) and the
-    fp32 model with the reference ops (the cross-check)."""
+    fp32 model with the reference ops (the cross-check); ``runs`` names the ones to do."""
     import copy
 
     from .deployed import deployed_niah, deployed_text
@@ -227,7 +227,10 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
 
     if artifact is None:
         raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
+    if not set(runs) <= {"triton", "reference"} or not runs:
+        raise ValueError(f"runs: expected some of ('triton', 'reference'), got {tuple(runs)}")
     models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), bf16_backend), "reference": (model, "torch")}
+    models = {run: models[run] for run in ("triton", "reference") if run in runs}
     dep: dict = result.get("deployed") or {}  # a later call adds its part to an earlier one's
     dep.setdefault("timings", {})
     if text:
@@ -242,7 +245,7 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
         dep["niah"] = part
         dep["timings"].update(part["timings"])
     dep["backends"] = {run: backend for run, (_, backend) in models.items()}
-    del models["triton"]
+    models.pop("triton", None)
     result["deployed"] = dep
     return result
 
