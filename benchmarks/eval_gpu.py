@@ -73,11 +73,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU profiling of every code path)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--needles", type=int, default=None, help="NIAH needles per task and length")
+    ap.add_argument("--niah-lengths", default=None, help="NIAH lengths, comma-separated (default: the preset's)")
     ap.add_argument("--text-windows", type=int, default=None, help="text windows (of the longest text length)")
     ap.add_argument("--text-chunk", type=int, default=None, help="deployed text: tokens per chunk (1 = decode)")
     ap.add_argument("--methods", default=None, help="comma-separated subset (default: all)")
     ap.add_argument("--split", choices=("dev", "report"), default="report")
     ap.add_argument("--no-deployed", action="store_true", help="skip the real-cache runs")
+    ap.add_argument("--deployed-parts", default="text,niah", help="what the real-cache runs measure: text and/or niah")
     ap.add_argument("--deployed-runs", default="triton,reference",
                     help="the real-cache runs: triton (BF16 model, as deployed) and/or reference (fp32 cross-check)")
     ap.add_argument("--phases", default="text,niah,deployed",
@@ -91,6 +93,8 @@ def main(argv=None) -> int:
     preset = TINY if args.tiny else QUICK if args.quick else PRESETS["full"]
     over = {k: v for k, v in (("needles", args.needles), ("text_windows", args.text_windows),
                               ("text_chunk", args.text_chunk)) if v is not None}
+    if args.niah_lengths:
+        over["niah_lengths"] = tuple(int(x) for x in args.niah_lengths.split(","))
     preset = replace(preset, **over)
     log(f"preset {preset}")
     model, tok = load_gguf(args.gguf, device)
@@ -148,7 +152,7 @@ def main(argv=None) -> int:
     if "deployed" in phases:
         bf16_backend = "triton" if device.type == "cuda" else "torch"
         try:
-            for part in ("text", "niah"):  # each part written when done
+            for part in [p for p in ("text", "niah") if p in args.deployed_parts.split(",")]:  # each written when done
                 result = run_deployed(model, tok, preset, artifact, result, part == "text", part == "niah",
                                       args.split, log=log, bf16_backend=bf16_backend,
                                       runs=tuple(args.deployed_runs.split(",")))
