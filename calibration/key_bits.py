@@ -40,6 +40,10 @@ QUERIES = 64
 TOP = 8
 #: the wider key width calibration allocates.
 WIDE_BITS = 4
+#: held-out sequence length below which ``calibrate`` warns that the choice is made on too few page rows:
+#: on SmolLM2 (EVALUATION.md, "Needles as deployed with 4-bit keys") sequences of 512 tokens (192 page rows each)
+#: chose layers that answered 51 of 160 needles as deployed, sequences of 2,048 chose ones that answered 57 (BF16 60).
+MIN_SEQ_LEN = 2048
 
 #: ``x [H_kv, N*P, D]`` stored-basis key rows of whole pages -> what the pages read back (same shape), or None
 #: where the pages keep them at full precision.

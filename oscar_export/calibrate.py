@@ -169,6 +169,17 @@ def _r(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def warn_short_key_bits_sequences(cfg) -> None:
+    """One stderr line when ``--key-bits-budget`` chooses layers on held-out sequences shorter than
+    ``key_bits.MIN_SEQ_LEN`` (measured to choose worse ones)."""
+    from oscar_export.calibration.key_bits import MIN_SEQ_LEN
+
+    if cfg.key_bits_budget is not None and cfg.seq_len < MIN_SEQ_LEN:
+        print(f"warning: --key-bits-budget with --seq-len {cfg.seq_len}: the held-out queries read only "
+              f"{cfg.seq_len - cfg.sink - cfg.window} page rows per sequence; --seq-len {MIN_SEQ_LEN} chose better "
+              f"layers on SmolLM2 (57 vs 51 of 160 needles as deployed, EVALUATION.md)", file=sys.stderr)
+
+
 def key_bits_line(art) -> str:
     """One line naming the layers calibration gave wider keys (``--key-bits-budget``)."""
     wide = [i for i, b in enumerate(art.key_bits) if b != art.layout.key.bits]
@@ -191,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_args(args)  # validate before the slow model load
     cfg = config_from_args(args)
+    warn_short_key_bits_sequences(cfg)
     if (Path(args.model) / "config.json").is_file():
         family_for_pretrained(args.model)  # refuse what serving cannot run (enable_oscar's message) before loading
     t0 = time.perf_counter()

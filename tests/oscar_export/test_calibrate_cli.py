@@ -267,6 +267,15 @@ def test_calibrate_key_bits_options_checked_before_the_model_loads(tmp_path, cap
         main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-metric", "mse"])
 
 
+def test_key_bits_budget_on_short_sequences_warns_once(tmp_path, capsys, fake_calibration):
+    assert main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", "3.0", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: --key-bits-budget with --seq-len 512: the held-out queries read only 192 page rows") == 1
+    assert main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-budget", "3.0", "--seq-len", "2048",
+                 "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_key_bits_line_names_the_layers():
     from transformers import LlamaConfig
 
