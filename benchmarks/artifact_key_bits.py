@@ -7,15 +7,7 @@ import argparse
 import sys
 
 from oscar_export.calibration.artifact import load_artifact
-from oscar_export.calibration.key_bits import WIDE_BITS, widen_keys
-
-
-def layers(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+from oscar_export.calibration.key_bits import WIDE_BITS, parse_layers, widen_keys
 
 
 def main(argv=None) -> int:
@@ -27,7 +19,7 @@ def main(argv=None) -> int:
     art = load_artifact(args.src)
     if art.mixed_key_bits:
         raise SystemExit(f"{args.src}: already has mixed key bits; start from a 2-bit artifact")
-    wide = layers(args.k4)
+    wide = set(parse_layers(args.k4))
     n = len(art.transforms)
     if not wide <= set(range(n)):
         raise SystemExit(f"--k4: layers {sorted(wide - set(range(n)))} not in 0..{n - 1}")

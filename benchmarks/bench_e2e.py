@@ -240,15 +240,6 @@ def key_bits_of(kind: str, num_layers: int, k4_layers: set[int]) -> tuple[int, .
     return tuple(4 if kind.endswith("-k4") and i in k4_layers else 2 for i in range(num_layers))
 
 
-def parse_layers(spec: str) -> set[int]:
-    """``"0-15"`` or ``"1,3,5-7"`` -> the layer indices."""
-    out: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def roofline(row, model, weight_bytes, bw, layout, key_bits):
     cfg = model.config
     b, ctx = row["B"], row["context"]
@@ -290,7 +281,9 @@ def main(argv=None) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"{args.model}: {weight_bytes / 2**30:.1f} GiB of weights", flush=True)
     caches = args.caches.split(",")
-    k4 = parse_layers(args.k4_layers)
+    from oscar_export.calibration.key_bits import parse_layers
+
+    k4 = set(parse_layers(args.k4_layers))
     if any(c.endswith("-k4") for c in caches + args.equal_oscar.split(",")) and not k4:
         raise SystemExit("the *-k4 caches need --k4-layers")
     plan = []

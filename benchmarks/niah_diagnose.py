@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_export.calibration.key_bits import parse_layers
 from oscar_export.eval.cache_models import BF16Cache, CacheModel, PagedInt2
 from oscar_export.eval.levers import PageVariant, variant
 from oscar_export.eval.niah import NiahConfig, build_prompts, numbers, run_niah
@@ -354,7 +355,7 @@ class Diagnosis:
                                         units=tuple((i, -1, "k", 4) for i in range(L)))]
         for spec in self.args.k4:
             name, _, layers = spec.partition("=")
-            chosen = sorted({int(x) for x in layers.split(",") if x.strip()})
+            chosen = parse_layers(layers)
             ms.append(variant(self.ours, name, f"4-bit K pages in layers {chosen} (chosen on the dev split)",
                               units=tuple((i, -1, "k", 4) for i in chosen)))
         if self.args.sens_budgets:

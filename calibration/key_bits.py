@@ -199,3 +199,18 @@ def widen_keys(transforms: Sequence[LayerTransform], key_bits: Sequence[int],
     ``key_bits`` differ from ``layout``'s: the transforms an artifact with those ``key_bits`` stores."""
     return [replace(t, k_clip=torch.ones_like(t.k_clip)) if b != layout.key.bits else t
             for t, b in zip(transforms, key_bits, strict=True)]
+
+
+def parse_layers(spec: str) -> list[int]:
+    """``"6-8,14,28"`` -> ``[6, 7, 8, 14, 28]``: a layer set as the scripts and ``--k4`` options name it."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"layers: expected numbers and ranges like 6-8,14, got {spec!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"layers: expected ranges lo-hi with 0 <= lo <= hi, got {part!r} in {spec!r}")
+        out.update(range(first, last + 1))
+    return sorted(out)

@@ -87,3 +87,22 @@ def test_choose_key_bits_measures_every_paged_layer():
     assert stats["errors"][0]["2"]["top"] > stats["errors"][0]["4"]["top"]
     with pytest.raises(ValueError, match="key_bits_metric: expected one of"):
         KB.choose_key_bits(hs.__getitem__, ts, LAYOUT, 3.0, "mse")
+
+
+def test_layer_sets_parse_ranges_and_refuse_garbage():
+    assert KB.parse_layers("6-8,14, 28,7") == [6, 7, 8, 14, 28]
+    assert KB.parse_layers("0") == [0] and KB.parse_layers("") == []
+    for bad in ("a-3", "5-2", "-1", "1,x"):
+        with pytest.raises(ValueError, match="layers: expected"):
+            KB.parse_layers(bad)
+
+
+def test_widen_keys_sets_clip_one_only_where_the_width_differs():
+    lay = KVCacheLayout.default(2, 16, "channel", sink=4, window=16, page_size=16)
+    ts = [LayerTransform.identity(2, 16, 0.9, 0.8) for _ in range(3)]
+    got = KB.widen_keys(ts, (4, 2, 4), lay)
+    assert torch.equal(got[0].k_clip, torch.ones(2)) and torch.equal(got[2].k_clip, torch.ones(2))
+    assert got[1] is ts[1]
+    assert all(torch.equal(a.v_clip, b.v_clip) for a, b in zip(got, ts))
+    with pytest.raises(ValueError):
+        KB.widen_keys(ts, (4, 2), lay)
