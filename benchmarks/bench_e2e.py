@@ -271,6 +271,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
+    from oscar_export.calibration.key_bits import parse_layers
+
+    k4 = set(parse_layers(args.k4_layers))
+    if any(c.endswith("-k4") for c in args.caches.split(",") + args.equal_oscar.split(",")) and not k4:
+        raise SystemExit("the *-k4 caches need --k4-layers")
     torch._dynamo.config.cache_size_limit = 64
     from oscar_export.plugins.hf import enable_oscar
 
@@ -281,11 +286,6 @@ def main(argv=None) -> int:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"{args.model}: {weight_bytes / 2**30:.1f} GiB of weights", flush=True)
     caches = args.caches.split(",")
-    from oscar_export.calibration.key_bits import parse_layers
-
-    k4 = set(parse_layers(args.k4_layers))
-    if any(c.endswith("-k4") for c in caches + args.equal_oscar.split(",")) and not k4:
-        raise SystemExit("the *-k4 caches need --k4-layers")
     plan = []
     for w in args.workloads.split(","):
         direct = w.endswith("!")

@@ -4,26 +4,18 @@ The GPU modes of the script are untested (no multi-GPU machine)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_benchmark_script
 
 pytest.importorskip("accelerate")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "calibrate_tp.py"
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("calibrate_tp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("calibrate_tp", mod)  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark_script("calibrate_tp")
 
 
 def test_tiny_cpu_smoke_mode_runs_both_flows(tmp_path):

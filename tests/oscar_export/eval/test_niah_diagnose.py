@@ -4,20 +4,13 @@ gracefully (saying which configs were not run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "niah_diagnose.py"
+from helpers import load_benchmark_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("niah_diagnose", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("niah_diagnose", mod)  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark_script("niah_diagnose")
 
 
 def test_diagnosis_runs_every_phase_and_writes_its_tables(tmp_path):
