@@ -66,6 +66,33 @@ def _check_budget(got, q, st, lay, tr, scale, what=""):
     return err.max().item(), err_bf16
 
 
+def _fitted_rotated_transform(hkv: int, d: int) -> LayerTransform:
+    """A random rotation and scaling of the keys and fitted (non-uniform) levels: the serving path's uncommon case."""
+    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
+    return LayerTransform(
+        k_rotation=torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous(), v_rotation=ident.v_rotation,
+        k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale, k_mean=ident.k_mean, v_mean=ident.v_mean,
+        k_clip=ident.k_clip, v_clip=ident.v_clip,
+        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),  # 4-bit keys ignore them
+        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
+    )
+
+
+def _check_fused_rotation(da, device, lay: KVCacheLayout, tr: LayerTransform, hq: int, what: str):
+    """Model-basis queries with q·R_K/d fused into the prologue, within budget of the stored-basis reference;
+    returns ``(q_stored, st, dev_st, levels)`` for further launches on the same cache."""
+    d = lay.head_dim
+    st = _cache(lay, [200, 500], tr)
+    q_model = torch.randn(2, hq, d)
+    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
+    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
+                                q_rotation=(tr.k_rotation.to(device), tr.k_scale.to(device)), pages_per_split=2)
+    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, what)
+    return q_stored, st, dev_st, lv
+
+
 def _layout(h_kv: int, d: int, gran: str, **kw) -> KVCacheLayout:
     return KVCacheLayout.default(h_kv, d, gran, **kw)
 
@@ -111,22 +138,8 @@ def test_codebook_rotation_and_splits(da, device, gran):
     hkv, hq, d = 2, 8, 64
     lay = KVCacheLayout(hkv, d, RowFormat(d, d, gran, codebook=True), RowFormat(d, d, codebook=True),
                         sink=16, window=32, page_size=64)
-    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
-    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
-    tr = LayerTransform(
-        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
-        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
-        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),
-        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
-    )
-    st = _cache(lay, [200, 500], tr)
-    q_model = torch.randn(2, hq, d)
-    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
-    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
-    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
-                                q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
-    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"codebook+rotation {gran}")
+    tr = _fitted_rotated_transform(hkv, d)
+    q_stored, st, dev_st, lv = _check_fused_rotation(da, device, lay, tr, hq, f"codebook+rotation {gran}")
     outs = [da.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=n) for n in (1, 64)]
     for n, o in zip((1, 64), outs):  # the split count moves the softmax max, so fp16 roundings of p differ
         _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
@@ -184,22 +197,8 @@ def test_two_groups_codebook_and_rotation(da, device, gran):
     hkv, hq, d, g = 2, 4, 128, 64
     lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, codebook=True), RowFormat(d, g, codebook=True),
                         sink=16, window=32, page_size=64)
-    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
-    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
-    tr = LayerTransform(
-        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
-        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
-        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),
-        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
-    )
-    st = _cache(lay, [200, 500], tr)
-    q_model = torch.randn(2, hq, d)
-    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
-    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
-    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
-                                q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
-    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"two groups, codebook + rotation, {gran} keys")
+    _check_fused_rotation(da, device, lay, _fitted_rotated_transform(hkv, d), hq,
+                          f"two groups, codebook + rotation, {gran} keys")
 
 
 # ---- 4-bit key pages (layout.with_key_bits(4)): values stay 2-bit ------------------------------------------------
@@ -233,22 +232,8 @@ def test_4bit_keys_codebook_values_and_rotation(da, device, gran, d, g):
     hkv, hq = 2, 4
     lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, bits=4), RowFormat(d, g, codebook=True),
                         sink=16, window=32, page_size=64)
-    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
-    ident = LayerTransform.identity(hkv, d, 0.9, 0.9)
-    tr = LayerTransform(
-        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
-        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
-        k_levels=torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),  # ignored by 4-bit keys
-        v_levels=torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]]),
-    )
-    st = _cache(lay, [200, 500], tr)
-    q_model = torch.randn(2, hq, d)
-    q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
-    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
-    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
-                                q_rotation=(rot.to(device), tr.k_scale.to(device)), pages_per_split=2)
-    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, f"4-bit keys, codebook values + rotation, {gran}")
+    _check_fused_rotation(da, device, lay, _fitted_rotated_transform(hkv, d), hq,
+                          f"4-bit keys, codebook values + rotation, {gran}")
 
 
 # ---- bad input: raised before any launch ---------------------------------------------------------------------
