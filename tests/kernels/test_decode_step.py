@@ -110,20 +110,32 @@ def test_uncommitted_steps_leave_the_cache_as_it_was():
         _assert_equal(f"values of slot {b}", now[1], before[b][1])
 
 
+BUFFERS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
+
+
+def _appends_equal_reference(ds, device, lay, tr, bsz, steps, max_length, seed, what, check=None):
+    """``steps`` decode appends through the reference (CPU) and the Triton writer (``device``) from the same
+    tokens; ``check(book_r, st_r, st_g)`` runs before every buffer is compared (equal, named by ``what``)."""
+    book_r, st_r = _book_state(lay, bsz, max_length, "cpu")
+    book_g, st_g = _book_state(lay, bsz, max_length, device)
+    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                  steps, bsz, seed=seed)
+    trd = tr.to(device)
+    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                  steps, bsz, seed=seed)
+    if check is not None:
+        check(book_r, st_r, st_g)
+    for f in BUFFERS:
+        _assert_equal(f"{what} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+    return book_r, book_g
+
+
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_triton_decode_append_matches_reference(ds, device, gran):
     """Every buffer of the Triton write equal to the reference's, over demotions and the sink boundary."""
     lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-    bsz, steps = 2, 52
-    book_r, st_r = _book_state(lay, bsz, 100, "cpu")
-    book_g, st_g = _book_state(lay, bsz, 100, device)
-    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
-                  steps, bsz, seed=3)
-    trd = tr.to(device)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
-                  steps, bsz, seed=3)
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+    steps = 52
+    book_r, book_g = _appends_equal_reference(ds, device, lay, tr, 2, steps, 100, 3, gran)
     assert book_g.seq_len.tolist() == book_r.seq_len.tolist() == [steps, steps]
 
 
@@ -132,17 +144,9 @@ def test_triton_decode_append_two_groups_per_row(ds, device, d, g):
     """``G < D`` (Gemma 3: head_dim 256, two groups of 128): every buffer equal to the reference's."""
     lay = KVCacheLayout(2, d, RowFormat(d, g), RowFormat(d, g), sink=16, window=16, page_size=16)
     tr = LayerTransform.identity(2, d, k_clip=0.9, v_clip=0.95)
-    bsz, steps = 2, 52  # 52 > S0 + W + P: demotions of both slots
-    book_r, st_r = _book_state(lay, bsz, 100, "cpu")
-    book_g, st_g = _book_state(lay, bsz, 100, device)
-    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
-                  steps, bsz, seed=5)
-    trd = tr.to(device)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
-                  steps, bsz, seed=5)
+    # 52 steps > S0 + W + P: demotions of both slots
+    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 52, 100, 5, f"d={d} g={g}")
     assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        _assert_equal(f"d={d} g={g} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
@@ -151,17 +155,9 @@ def test_triton_decode_append_mma16_matches_reference(ds, device, gran):
     lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran, packing="mma16"), RowFormat(64, 64, packing="mma16"),
                         sink=16, window=32, page_size=32)
     tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-    bsz, steps = 2, 150  # > S0 + W + P + P: two demotions per slot
-    book_r, st_r = _book_state(lay, bsz, 200, "cpu")
-    book_g, st_g = _book_state(lay, bsz, 200, device)
-    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
-                  steps, bsz, seed=4)
-    trd = tr.to(device)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
-                  steps, bsz, seed=4)
+    # 150 steps > S0 + W + P + P: two demotions per slot
+    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 150, 200, 4, f"mma16 {gran}")
     assert int(book_r.committed.num_pages.min()) >= 2
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
 
 
 @pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 64, 64), ("token", 128, 64)])
@@ -170,19 +166,14 @@ def test_triton_decode_append_4bit_keys_matches_reference(ds, device, gran, d, g
     lay = KVCacheLayout(2, d, RowFormat(d, g, gran), RowFormat(d, g), sink=16, window=16, page_size=16)
     lay = lay.with_key_bits(4)
     tr = LayerTransform.identity(2, d, k_clip=0.9, v_clip=0.95)
-    bsz, steps = 2, 52  # 52 > S0 + W + P: demotions of both slots
-    book_r, st_r = _book_state(lay, bsz, 100, "cpu")
-    book_g, st_g = _book_state(lay, bsz, 100, device)
-    assert tuple(st_g.k_codes.shape[-1:]) == (d // 2,)
-    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
-                  steps, bsz, seed=6)
-    trd = tr.to(device)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
-                  steps, bsz, seed=6)
-    assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
-    assert int(ref.unpack_codes(st_r.k_codes, g, 4).max()) > 3, "the key pages must use 4-bit codes"
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        _assert_equal(f"4-bit keys {gran} d={d} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+
+    def check(book_r, st_r, st_g):
+        assert tuple(st_g.k_codes.shape[-1:]) == (d // 2,)
+        assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
+        assert int(ref.unpack_codes(st_r.k_codes, g, 4).max()) > 3, "the key pages must use 4-bit codes"
+
+    # 52 steps > S0 + W + P: demotions of both slots
+    _appends_equal_reference(ds, device, lay, tr, 2, 52, 100, 6, f"4-bit keys {gran} d={d}", check)
 
 
 def test_triton_fused_transform_and_nonfinite_flag(ds, device):
@@ -260,5 +251,5 @@ def test_triton_nonfinite_in_one_head_writes_no_head(ds, device, gran):
         book.begin(1)
         fn(book.state_view(st, book.committed), k.to(dev), v.to(dev), book.status)
         assert book.status.tolist() == [STATUS_NONFINITE, 0]
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+    for f in BUFFERS:
         _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
