@@ -84,7 +84,8 @@ def make_attention_class(up, deployment):
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             if out is None:
                 out = torch.empty(q.shape[0], h * d, dtype=q.dtype, device=q.device)
-            state, step_state, ops = mgr.layers[self.layer_idx], mgr.step_layers[self.layer_idx], mgr.ops
+            i = self.layer_idx
+            state, step_state, ops = mgr.layers[i], mgr.step_layers[i], mgr.ops[i]
             t = deployment.transform(self.layer_idx, q.device)
             nc, ns = int(metadata.num_contexts), int(getattr(metadata, "num_seqs", len(metadata.seq_lens)))
             seq_lens = [int(x) for x in metadata.seq_lens[:ns].tolist()]  # pinned host tensor: no device sync

@@ -10,8 +10,10 @@ book owns no free list here. The subclass
 * builds the stock pool for a single layer and only as many blocks as ``max_batch_size`` full sequences need
   (``kv_cache_config.max_tokens``), so the BF16 pool TensorRT-LLM allocates shrinks by the layer count;
   UNTESTED in TensorRT-LLM: whether anything besides the attention backend reads the stock pool per layer;
-* allocates one ``PagedKV`` per layer (BF16 sink and recent ring, INT2 pools with one page per C++ block), all
-  viewed through the book: :attr:`layers` with its committed lengths, :attr:`step_layers` with the step's;
+* allocates one ``PagedKV`` per layer in that layer's layout (``deployment.layer_layouts``: 4-bit key pages
+  where the artifact's ``key_bits`` say so; BF16 sink and recent ring, INT2 pools with one page per C++ block),
+  all viewed through the book: :attr:`layers` with its committed lengths, :attr:`step_layers` with the step's,
+  and :attr:`ops` the cache ops of each layer's layout;
 * keeps the one TensorRT-LLM-specific map: request id -> book slot (:attr:`slots`), plus one *scratch* slot
   that no request owns: batch rows of dummy requests (``add_dummy_requests``: CUDA-graph warmup, capture and
   batch padding) point there, and a step never writes it;
@@ -58,7 +60,8 @@ def _with_max_tokens(kv_cache_config, max_tokens: int):
 
 
 def make_cache_manager_class(up, deployment, ops_factory):
-    """``OscarKVCacheManager(up.KVCacheManager)`` for one deployment; ``ops_factory()`` gives the cache ops."""
+    """``OscarKVCacheManager(up.KVCacheManager)`` for one deployment; ``ops_factory(layout)`` gives the cache ops
+    of one layer layout."""
     import torch
 
     from oscar_export.kernels.layout import PagedKV
@@ -93,8 +96,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.book = PageBook(lay, slots + 1, max_seq_len, dev)
             self.book.block_table.zero_()  # a host-managed pool: rows are C++ block ids (PageBook.assign)
             self.scratch = slots
-            bufs = [PagedKV.allocate(lay, slots + 1, pool_pages, self.book.max_pages, dev, torch.bfloat16)
-                    for _ in range(deployment.num_layers)]
+            bufs = [PagedKV.allocate(layer_lay, slots + 1, pool_pages, self.book.max_pages, dev, torch.bfloat16)
+                    for layer_lay in deployment.layer_layouts]
             self.layers = [self.book.state_view(s, self.book.committed) for s in bufs]
             self.step_layers = [self.book.state_view(s, self.book.in_step) for s in bufs]
             # batch row -> state row, on the device (rows past the batch: the scratch slot)
@@ -112,7 +115,9 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.bad_rid = torch.full_like(self.slot_rid, -1)
             self.bad_rid_host = torch.full((slots + 1,), -1, dtype=torch.int64,
                                            pin_memory=dev.type == "cuda")
-            self.ops = ops_factory()
+            by_layout = {layer_lay: ops_factory(layer_lay) for layer_lay in dict.fromkeys(deployment.layer_layouts)}
+            #: the cache ops of each layer (one object per distinct layout)
+            self.ops = [by_layout[layer_lay] for layer_lay in deployment.layer_layouts]
 
         # ---- slots -------------------------------------------------------------------------------------------
         def slot_of(self, request_id: int) -> int:

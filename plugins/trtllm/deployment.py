@@ -5,8 +5,8 @@ section and artifact) and the kernel bundle's manifest, and raises one clear err
 
 * a model family the adapter does not serve (``SUPPORTED_FAMILIES``) -> ``NotImplementedError``;
 * a checkpoint that is not an OSCAR export, or whose artifact is not ``values_prerotated`` -> ``ValueError``;
-* a bundle built for another layout / head count / softmax scale than the checkpoint's ``oscar`` section
-  -> ``BundleError``;
+* a bundle built for another layout / head count / softmax scale than the checkpoint's ``oscar`` section, or
+  without the kernels of a key width its layers use (``key_bits``, issue 17) -> ``BundleError``;
 * a bundle without binaries for the GPU it must run on -> ``BundleError``;
 * ``max_seq_len`` / ``max_batch_size`` beyond the block table or the reserved INT2 pages
   (:meth:`OscarDeployment.check_limits`) -> ``ValueError``.
@@ -93,12 +93,10 @@ class OscarDeployment:
         self.artifact = load_artifact(checkpoint / section["artifact"])
         if not all(t.values_prerotated for t in self.artifact.transforms):
             raise ValueError(f"{checkpoint}: the artifact is not values_prerotated; serve an exported checkpoint")
-        if self.artifact.mixed_key_bits:
-            wide = [i for i, b in enumerate(self.artifact.key_bits) if b != self.artifact.layout.key.bits]
-            raise NotImplementedError(f"{checkpoint}: per-layer key bits (4-bit keys in layers {wide}) are not "
-                                      "served by the OSCAR TensorRT-LLM adapter (one page pool per model); serve "
-                                      "it with the Hugging Face plugin, or export a 2-bit artifact")
         self.layout = self.artifact.layout
+        #: each layer's layout (the artifact's ``key_bits``: 4-bit key pages in some layers); windows, page size
+        #: and therefore the page book are the same in every layer
+        self.layer_layouts = tuple(self.artifact.layer_layout(i) for i in range(self.artifact.num_layers))
         if "layout" in section and not self.layout.matches_dict(section["layout"]):
             raise ValueError(f"{checkpoint}: the oscar section's layout does not match its artifact's")
         self.num_layers = self.artifact.num_layers
@@ -109,31 +107,33 @@ class OscarDeployment:
                                       "not served by the OSCAR TensorRT-LLM adapter")
         self.num_heads = self.facts.num_heads
         self.sm_scale = self.facts.scaling
-        self.tag = layout_tag(self.layout, self.num_heads)
         self.manifest = read_manifest(bundle)
         want = {"key": self.layout.key.packing, "value": self.layout.value.packing}
         if self.manifest.packing != want:
             raise BundleError(f"{bundle}: kernels built for page packing {self.manifest.packing}, the checkpoint's "
                               f"layout has {want}")
         names = {e.name for e in self.manifest.entries}
-        missing = [k for k in REQUIRED_KERNELS if f"{k}_{self.tag}" not in names]
-        if missing:
-            have = sorted({n.split("_h", 1)[1] for n in names if "_h" in n})
-            raise BundleError(
-                f"{bundle}: no {missing} kernels for this checkpoint's oscar section (layout tag h{self.tag[1:]}); "
-                f"the bundle was built for {['h' + h for h in have]}: rebuild it with `oscar-export build`"
-            )
-        split = self.manifest.entries[[e.name for e in self.manifest.entries].index(f"decode_split_{self.tag}")]
-        baked = split.spec.constexpr_dict["SM_SCALE"]
-        if not math.isclose(baked, self.sm_scale, rel_tol=1e-6):
-            raise BundleError(f"{bundle}: compiled for softmax scale {baked}, the checkpoint's is {self.sm_scale}")
+        for lay in dict.fromkeys(self.layer_layouts):  # each key width the layers use, in layer order
+            tag = layout_tag(lay, self.num_heads)
+            missing = [k for k in REQUIRED_KERNELS if f"{k}_{tag}" not in names]
+            if missing:
+                have = sorted({n.split("_h", 1)[1] for n in names if "_h" in n})
+                raise BundleError(
+                    f"{bundle}: no {missing} kernels for this checkpoint's oscar section (layout tag h{tag[1:]}, "
+                    f"{lay.key.bits}-bit keys); the bundle was built for {['h' + h for h in have]}: rebuild it "
+                    "with `oscar-export build`"
+                )
+            split = self.manifest.entries[[e.name for e in self.manifest.entries].index(f"decode_split_{tag}")]
+            baked = split.spec.constexpr_dict["SM_SCALE"]
+            if not math.isclose(baked, self.sm_scale, rel_tol=1e-6):
+                raise BundleError(f"{bundle}: compiled for softmax scale {baked}, the checkpoint's is {self.sm_scale}")
         if arch is None:
             arch = _current_arch()
         if arch is not None and arch not in self.manifest.archs():
             raise BundleError(
                 f"{bundle}: built for {self.manifest.archs()}, this GPU is {arch}: rebuild with --arch {arch}")
         self.arch = arch
-        self._ops: Any = None
+        self._ops: dict = {}
         self._transforms: dict[Any, list] = {}
 
     def check_limits(self, max_batch: int, max_seq_len: int, max_pages: int, pool_pages: int) -> None:
@@ -153,12 +153,13 @@ class OscarDeployment:
             self._transforms[key] = [t.to(device) for t in self.artifact.transforms]
         return self._transforms[key][layer]
 
-    def ops(self):  # pragma: no cover - needs a GPU and cuda-python
-        if self._ops is None:
+    def ops(self, layout):  # pragma: no cover - needs a GPU and cuda-python
+        """The bundle's cache ops of ``layout`` (one of :attr:`layer_layouts`), loaded once per layout."""
+        if layout not in self._ops:
             from .device import AotCacheOps
 
-            self._ops = AotCacheOps(self.manifest, self.layout, self.num_heads)
-        return self._ops
+            self._ops[layout] = AotCacheOps(self.manifest, layout, self.num_heads)
+        return self._ops[layout]
 
 
 def _current_arch() -> str | None:

@@ -86,8 +86,9 @@ def install_cache_manager(up, arch: str, manager_cls) -> None:
 def register(checkpoint: str | Path, bundle: str | Path, module: str | None = None, arch: str | None = None,
              ops_factory=None):
     """Register the OSCAR model and cache for one deployment (see the module doc); returns the deployment
-    with ``model_cls``, ``attention_cls`` and ``manager_cls`` attached. ``ops_factory`` defaults to the AOT
-    bundle (``device.AotCacheOps``); tests pass the reference ops."""
+    with ``model_cls``, ``attention_cls`` and ``manager_cls`` attached. ``ops_factory(layout)`` gives the cache
+    ops of one layer layout; it defaults to the AOT bundle's (``device.AotCacheOps``); tests pass the reference
+    ops."""
     from .attention import make_attention_class
     from .cache import make_cache_manager_class
     from .upstream import resolve

@@ -42,6 +42,8 @@ from trtllm_driver import Driver, Req
 
 LAYOUT = KVCacheLayout.default(2, 64, sink=16, window=16, page_size=16)  # S0 16, W+P 32, P 16
 HEADS, LAYERS, MAX_SEQ = 4, 2, 128
+#: issue 17's per-layer key widths: 4-bit key pages in layer 0, 2-bit in layer 1
+MIXED_KEY_BITS = (4, 2)
 SIGNATURES = json.loads((Path(__file__).parent / "trtllm_signatures.json").read_text())["layouts"]
 
 
@@ -79,8 +81,9 @@ def _checkpoint(root: Path, layout=LAYOUT, key_bits=(), **over) -> Path:
     return root
 
 
-def _bundle(root: Path, layout=LAYOUT, heads=HEADS, scale=64 ** -0.5, archs=("sm_80", "sm_90")) -> Path:
-    return fake_bundle(root, serving_specs(layout, heads, scale, probes=False, trt=False), archs=archs)
+def _bundle(root: Path, layout=LAYOUT, heads=HEADS, scale=64 ** -0.5, archs=("sm_80", "sm_90"), key_bits=None) -> Path:
+    return fake_bundle(root, serving_specs(layout, heads, scale, probes=False, trt=False, key_bits=key_bits),
+                       archs=archs)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,7 +114,7 @@ def deploy(ns, tmp_path):
     from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
 
     ckpt, bundle = _checkpoint(tmp_path / "ckpt"), _bundle(tmp_path / "kernels")
-    dep = register(ckpt, bundle, arch="sm_90", ops_factory=lambda: TorchCacheOps(LAYOUT, HEADS, 64 ** -0.5))
+    dep = register(ckpt, bundle, arch="sm_90", ops_factory=lambda lay: TorchCacheOps(lay, HEADS, 64 ** -0.5))
     return ns, dep
 
 
@@ -301,6 +304,40 @@ def test_cuda_graph_warmup_capture_replay_with_dummy_requests(deploy, monkeypatc
     assert not d.mgr.dummy_ids and not d.mgr.slots  # dummies and requests all released
 
 
+@pytest.fixture
+def deploy_mixed(ns, tmp_path):
+    """A checkpoint with 4-bit keys in layer 0 (``key_bits``) and a bundle with both widths' kernels."""
+    from oscar_export.plugins.trtllm import register
+    from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
+
+    ckpt = _checkpoint(tmp_path / "ckpt", key_bits=MIXED_KEY_BITS)
+    bundle = _bundle(tmp_path / "kernels", key_bits=MIXED_KEY_BITS)
+    made = []
+
+    def ops(lay):
+        made.append(lay)
+        return TorchCacheOps(lay, HEADS, 64 ** -0.5)
+
+    dep = register(ckpt, bundle, arch="sm_90", ops_factory=ops)
+    dep.made_ops = made
+    return ns, dep
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_mixed_key_bits_executor_loops_match_reference(deploy_mixed, loop):
+    """Issue 17: each layer's pages in its own width (layer 0: 4-bit keys, ``[N, H_kv, P, D / 2]`` codes), the
+    layer's own cache ops, every step's cache and outputs equal to the reference of that layer's layout."""
+    ns, dep = deploy_mixed
+    d = _driver(deploy_mixed)
+    assert dep.layer_layouts == (LAYOUT.with_key_bits(4), LAYOUT)
+    assert dep.made_ops == [LAYOUT.with_key_bits(4), LAYOUT]  # one ops object per distinct layout
+    assert [ops.layout.key.bits for ops in d.mgr.ops] == [4, 2]
+    assert [st.k_codes.shape[-1] for st in d.mgr.layers] == [32, 16] and d.mgr.layers[0].v_codes.shape[-1] == 16
+    reqs = _requests()
+    d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
+    assert all(r.done for r in reqs) and d.checked_outputs > 150
+
+
 def test_chunked_prefill_is_context_by_num_contexts(deploy):
     """Bug: a later prompt chunk (cached tokens > 0) was taken for a decode step (``cached == 0`` test)."""
     d = _driver(deploy)
@@ -336,11 +373,10 @@ def test_bad_deployments_fail_at_startup(ns, tmp_path):
         register(ckpt, _bundle(tmp_path / "b3", scale=0.1), arch="sm_90")
     with pytest.raises(NotImplementedError, match="model family 'qwen2' is not served"):
         register(_checkpoint(tmp_path / "q", model_type="qwen2"), _bundle(tmp_path / "b4"), arch="sm_90")
-    n = _config()["num_hidden_layers"]
-    mixed = _checkpoint(tmp_path / "k4", key_bits=(4,) + (2,) * (n - 1))
-    with pytest.raises(NotImplementedError, match=r"per-layer key bits \(4-bit keys in layers \[0\]\) are not served "
-                                                  "by the OSCAR TensorRT-LLM adapter"):
-        register(mixed, _bundle(tmp_path / "b5"), arch="sm_90")
+    mixed = _checkpoint(tmp_path / "k4", key_bits=MIXED_KEY_BITS)
+    with pytest.raises(BundleError, match=r"no \['decode_split', .*kernels for this checkpoint's oscar section "
+                                          r"\(layout tag .*_k4, 4-bit keys\)"):
+        register(mixed, _bundle(tmp_path / "b5"), arch="sm_90")  # the bundle has the 2-bit kernels only
 
 
 def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):

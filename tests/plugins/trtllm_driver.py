@@ -119,7 +119,7 @@ class Driver:
     # ---- the reference ---------------------------------------------------------------------------------------
     def _ref_state(self, r: Req, layer: int):
         while len(r.ref) <= layer:
-            st = PagedKV.allocate(self.lay, 1, 8, 8, dtype=torch.bfloat16)
+            st = PagedKV.allocate(self.dep.layer_layouts[len(r.ref)], 1, 8, 8, dtype=torch.bfloat16)
             st.next_page = 0  # the reference's own allocator
             r.ref.append(st)
         return r.ref[layer]
@@ -140,13 +140,14 @@ class Driver:
                 t, ks, vs = self._stored(layer, k[off : off + n], v[off : off + n])
                 st = self._ref_state(r, layer)
                 qi = q[off : off + n].float().view(n, self.heads, self.d).transpose(0, 1)[None]  # [1, H, n, D]
+                lay = self.dep.layer_layouts[layer]
                 if i >= len(ctx):
                     trial = _clone_state(st)
-                    self._append(trial, t, ks, vs)
-                    want = reference.decode_attention(t.transform_queries(qi).squeeze(2), trial, self.lay, t.k_levels,
+                    self._append(trial, layer, t, ks, vs)
+                    want = reference.decode_attention(t.transform_queries(qi).squeeze(2), trial, lay, t.k_levels,
                                                       t.v_levels, self.dep.sm_scale)[:, :, None]
                 else:
-                    want = reference.chunk_attention(t.transform_queries(qi), ks[None], vs[None], st, self.lay,
+                    want = reference.chunk_attention(t.transform_queries(qi), ks[None], vs[None], st, lay,
                                                      t.k_levels, t.v_levels, self.dep.sm_scale)
                 want = t.restore_output(want)[0].transpose(0, 1).reshape(n, self.heads * self.d)
                 got = out[off : off + n].float()
@@ -156,11 +157,11 @@ class Driver:
                 self.checked_outputs += 1
             off += n
 
-    def _append(self, st, t, ks, vs):
+    def _append(self, st, layer, t, ks, vs):
         def alloc():
             st.next_page += 1
             return st.next_page - 1
-        reference.append_tokens(st, 0, ks, vs, self.lay, t, alloc)
+        reference.append_tokens(st, 0, ks, vs, self.dep.layer_layouts[layer], t, alloc)
 
     def _advance_reference(self, r: Req, n: int) -> None:
         if r.poisoned or r.written <= r.nan_at < r.written + n:  # the cache must not take it, nor later tokens
@@ -170,7 +171,7 @@ class Driver:
         for layer in range(len(self.backends)):
             _, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
             t, ks, vs = self._stored(layer, k.bfloat16(), v.bfloat16())
-            self._append(self._ref_state(r, layer), t, ks, vs)
+            self._append(self._ref_state(r, layer), layer, t, ks, vs)
         r.written += n
 
     def check_cache(self, reqs) -> None:
