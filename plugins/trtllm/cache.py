@@ -13,7 +13,9 @@ book owns no free list here. The subclass
 * allocates one ``PagedKV`` per layer in that layer's layout (``deployment.layer_layouts``: 4-bit key pages
   where the artifact's ``key_bits`` say so; BF16 sink and recent ring, INT2 pools with one page per C++ block),
   all viewed through the book: :attr:`layers` with its committed lengths, :attr:`step_layers` with the step's,
-  and :attr:`ops` the cache ops of each layer's layout;
+  and :attr:`ops` the cache ops of each layer's layout (the bundle's ``_k4`` kernels for 4-bit-key layers; their
+  AOT launch through the driver API is not yet run on a GPU: ``tests/gpu/test_trtllm_gpu.py``
+  ``test_4bit_key_ops_aot_equal_jit``);
 * keeps the one TensorRT-LLM-specific map: request id -> book slot (:attr:`slots`), plus one *scratch* slot
   that no request owns: batch rows of dummy requests (``add_dummy_requests``: CUDA-graph warmup, capture and
   batch padding) point there, and a step never writes it;

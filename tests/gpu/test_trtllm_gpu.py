@@ -38,15 +38,14 @@ def cuda():
     return torch.device("cuda")
 
 
-@pytest.fixture(scope="module")
-def ops(cuda, tmp_path_factory):
+def _aot_ops(lay, tmp_path_factory):
+    """The adapter's device ops of ``lay`` over a bundle compiled here for this GPU."""
     from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_split_spec, decode_step_specs, layout_tag
     from oscar_export.kernels.aot.bundle import quant_pack_spec
     from oscar_export.kernels.aot.compile import build_bundle
     from oscar_export.kernels.aot.manifest import read_manifest
     from oscar_export.plugins.trtllm.device import AotCacheOps
 
-    lay = _layout()
     tag = layout_tag(lay, HEADS)
     specs = [decode_split_spec(lay, HEADS, SCALE, tag), decode_merge_spec(lay, tag), *decode_step_specs(lay, tag),
              quant_pack_spec(lay, lay.key, "k", False, tag), quant_pack_spec(lay, lay.value, "v", False, tag)]
@@ -54,6 +53,11 @@ def ops(cuda, tmp_path_factory):
     out = build_bundle(specs, tmp_path_factory.mktemp("b") / "bundle", archs=[f"sm_{10 * major + minor}"],
                        ptx_version=None)
     return AotCacheOps(read_manifest(out), lay, HEADS)
+
+
+@pytest.fixture(scope="module")
+def ops(cuda, tmp_path_factory):
+    return _aot_ops(_layout(), tmp_path_factory)
 
 
 def _transform(cuda):
@@ -65,11 +69,11 @@ def _transform(cuda):
     return replace(t, k_rotation=rot, k_scale=torch.rand(lay.num_kv_heads, 64) + 0.5).to(cuda)
 
 
-def _state(cuda, lengths, seed=0):
+def _state(cuda, lengths, seed=0, lay=None):
     """A cache whose rows hold ``lengths`` tokens (random contents, pages in a shuffled pool)."""
     from oscar_export.kernels.layout import PagedKV
 
-    lay = _layout()
+    lay = lay or _layout()
     torch.manual_seed(seed)
     b, pool, m = len(lengths), 64, 8
     st = PagedKV.allocate(lay, b, pool, m, cuda, torch.bfloat16)
@@ -131,6 +135,34 @@ def test_decode_aot_equals_jit(ops, cuda):
     assert torch.equal(got, want), f"AOT vs JIT decode: max |diff| {(got.float() - want.float()).abs().max().item()}"
 
 
+def test_4bit_key_ops_aot_equal_jit(cuda, tmp_path_factory):
+    """Issue 17: the bundle's ``_k4`` kernels (a layer with 4-bit key pages) through the adapter's device ops:
+    the decode step's bytes and status and the decode attention equal to the JIT kernels'. Written in session 6
+    without a GPU: NOT RUN yet."""
+    from oscar_export.kernels.decode_attention import decode_attention
+    from oscar_export.kernels.decode_step import decode_append
+
+    lay = _layout().with_key_bits(4)
+    ops4 = _aot_ops(lay, tmp_path_factory)
+    t = _transform(cuda)
+    aot, jit = _state(cuda, LENGTHS, lay=lay), _state(cuda, LENGTHS, lay=lay)
+    assert aot.k_codes.shape[-1] == 32  # 64 dims x 4 bits
+    k = torch.randn(len(LENGTHS), 2, 64, device=cuda).bfloat16()
+    v = torch.randn_like(k)
+    s_aot = torch.tensor([0, 0, 0, 2, 0], dtype=torch.int32, device=cuda)
+    s_jit = s_aot.clone()
+    ops4.decode_step(aot, k, v, s_aot, t)
+    decode_append(jit, k, v, s_jit, lay, t)
+    torch.cuda.synchronize()
+    _assert_same(aot, jit, "4-bit keys: decode_step AOT vs JIT")
+    assert not torch.equal(aot.k_codes, _state(cuda, LENGTHS, lay=lay).k_codes)  # row 2 demoted a 4-bit page
+    q = torch.randn(len(LENGTHS), HEADS, 64, device=cuda).bfloat16()
+    got = ops4.decode(q, aot, t, PPS)
+    want = decode_attention(q, aot, lay, t.k_levels, t.v_levels, SCALE, q_rotation=(t.k_rotation, t.k_scale),
+                            out_dtype=torch.bfloat16, pages_per_split=PPS)
+    assert torch.equal(got, want), f"4-bit keys: AOT vs JIT decode, max |diff| {(got - want).abs().max().item()}"
+
+
 def _manager(ops, dep, lengths, cuda):
     """The adapter's cache manager over a minimal upstream base: ``lengths`` committed per slot, random contents,
     shuffled C++ block ids; requests 10, 11, 12 in slots 3, 0, 1, dummy 99 (-> the scratch slot), slot 2 idle."""
@@ -147,7 +179,7 @@ def _manager(ops, dep, lengths, cuda):
             return self._blocks
 
     lay = dep.layout
-    cls = make_cache_manager_class(SimpleNamespace(KVCacheManager=Base), dep, lambda: ops)
+    cls = make_cache_manager_class(SimpleNamespace(KVCacheManager=Base), dep, lambda layout: ops)
     mgr = cls(SimpleNamespace(), "SELF", num_layers=1, num_kv_heads=2, head_dim=64, tokens_per_block=lay.page_size,
               max_seq_len=256, max_batch_size=len(lengths), mapping=SimpleNamespace(world_size=1))
     torch.manual_seed(0)
@@ -175,8 +207,8 @@ def test_adapter_decode_step_cuda_graph_replay_equals_eager(ops, cuda):
             self.layer_idx, self.num_heads, self.head_dim = layer_idx, num_heads, head_dim
             self.num_kv_heads = num_kv_heads
 
-    dep = SimpleNamespace(sm_scale=SCALE, layout=lay, num_layers=1, transform=lambda i, dev: t,
-                          check_limits=lambda *a: None)
+    dep = SimpleNamespace(sm_scale=SCALE, layout=lay, layer_layouts=(lay,), num_layers=1,
+                          transform=lambda i, dev: t, check_limits=lambda *a: None)
     attn = make_attention_class(SimpleNamespace(AttentionBackend=Backend), dep)(0, HEADS, 64, 2)
     lengths = [30, 79, 0, 16 + 2 * 16 + 63]  # slot 2 idle; the scratch slot (4) takes the padding row
     eager, graphed = _manager(ops, dep, lengths, cuda), _manager(ops, dep, lengths, cuda)
