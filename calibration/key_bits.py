@@ -40,7 +40,8 @@ QUERIES = 64
 TOP = 8
 #: the wider key width calibration allocates.
 WIDE_BITS = 4
-#: held-out sequence length below which ``calibrate`` warns that the choice is made on too few page rows:
+#: held-out sequence length below which ``calibrate`` warns that the choice is made on too few page rows (and
+#: its ``--seq-len`` default with ``--key-bits-budget``):
 #: on SmolLM2 (EVALUATION.md, "Needles as deployed with 4-bit keys") sequences of 512 tokens (192 page rows each)
 #: chose layers that answered 51 of 160 needles as deployed, sequences of 2,048 chose ones that answered 57 (BF16 60).
 MIN_SEQ_LEN = 2048

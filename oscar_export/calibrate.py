@@ -30,12 +30,14 @@ EPILOG = """examples:
   oscar-export calibrate --model default --out art --key-granularity token --clip global --rotation oscar
   oscar-export calibrate --model default --out art --force     # replace the artifact in art/ (atomically)
   oscar-export calibrate --model default --out art --key-bits-budget 3.0   # 4-bit keys where they help most
+                                                                           # (held-out sequences of 2048 tokens)
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from oscar_export.calibration.covariance import VALUE_WEIGHTINGS
     from oscar_export.calibration.key_bits import METRICS
+    from oscar_export.calibration.key_bits import MIN_SEQ_LEN as KEY_BITS_SEQ_LEN
     from oscar_export.calibration.pipeline import CalibrationConfig
     from oscar_export.calibration.rotation import ROTATION_KINDS
 
@@ -46,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", nargs="+", default=list(d.data), metavar="SRC",
                    help="'pydoc' (built-in), 'generate' (the model's own answers to seed prompts), .txt or .jsonl files")
     p.add_argument("--tokens", type=int, default=d.tokens, help=f"calibration token budget (default {d.tokens})")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence (default {d.seq_len}; {KEY_BITS_SEQ_LEN} with --key-bits-budget)")
     p.add_argument("--heldout", type=int, default=d.heldout, help=f"held-out sequences for clip fitting (default {d.heldout})")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     g = p.add_mutually_exclusive_group()
@@ -138,7 +141,8 @@ def check_args(args: argparse.Namespace) -> None:
     from oscar_export.cli import UserError, check_int
 
     check_int(args.tokens, "--tokens", 1, MAX_TOKENS)
-    check_int(args.seq_len, "--seq-len", 1, MAX_SEQ_LEN)
+    if args.seq_len is not None:
+        check_int(args.seq_len, "--seq-len", 1, MAX_SEQ_LEN)
     check_int(args.batch_size, "--batch-size", 1, MAX_BATCH_SIZE)
     check_int(args.sink, "--sink", 0, LIMITS.max_sink)
     check_int(args.window, "--window", 0, LIMITS.max_window)
@@ -152,10 +156,16 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The ``CalibrationConfig`` of the options; ``--seq-len`` unset is the config's default, or
+    ``key_bits.MIN_SEQ_LEN`` with ``--key-bits-budget`` (the recipe measured in EVALUATION.md)."""
+    from oscar_export.calibration.key_bits import MIN_SEQ_LEN
     from oscar_export.calibration.pipeline import CalibrationConfig
 
+    seq_len = args.seq_len
+    if seq_len is None:
+        seq_len = MIN_SEQ_LEN if args.key_bits_budget is not None else CalibrationConfig().seq_len
     return CalibrationConfig(
-        tokens=args.tokens, seq_len=args.seq_len, heldout=args.heldout, batch_size=args.batch_size,
+        tokens=args.tokens, seq_len=seq_len, heldout=args.heldout, batch_size=args.batch_size,
         per_head=args.per_head, rotation=args.rotation, scale=args.scale, clip=args.clip,
         key_granularity=args.key_granularity, value_weighting=args.value_weighting, key_mean=args.key_mean,
         value_mean=args.value_mean, codebook=args.codebook, sink=args.sink, window=args.window,

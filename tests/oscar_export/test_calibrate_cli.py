@@ -267,13 +267,21 @@ def test_calibrate_key_bits_options_checked_before_the_model_loads(tmp_path, cap
         main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-metric", "mse"])
 
 
-def test_key_bits_budget_on_short_sequences_warns_once(tmp_path, capsys, fake_calibration):
+def test_key_bits_budget_defaults_to_long_sequences_and_warns_on_short_ones(tmp_path, capsys, monkeypatch,
+                                                                            fake_calibration):
+    import oscar_export.calibration.pipeline as pipeline
+
+    seen = []
+    monkeypatch.setattr(pipeline, "calibrate", lambda model, tok, cfg, **k: seen.append(cfg) or _tiny_artifact())
     assert main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", "3.0", "--quiet"]) == 0
-    err = capsys.readouterr().err
-    assert err.count("warning: --key-bits-budget with --seq-len 512: the held-out queries read only 192 page rows") == 1
-    assert main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-budget", "3.0", "--seq-len", "2048",
+    assert seen[-1].seq_len == 2048 and "warning" not in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert seen[-1].seq_len == 512 and seen[-1].key_bits_budget is None
+    assert main(["calibrate", "--out", str(tmp_path / "c"), "--key-bits-budget", "3.0", "--seq-len", "512",
                  "--quiet"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert seen[-1].seq_len == 512
+    assert err.count("warning: --key-bits-budget with --seq-len 512: the held-out queries read only 192 page rows") == 1
 
 
 def test_key_bits_line_names_the_layers():
