@@ -190,8 +190,6 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
     return key_bits, stats
 
 
-__all__ = ["METRICS", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits", "choose_key_bits",
-           "key_attention_error", "layer_key_errors", "page_keys", "paged_rows"]
 
 
 def widen_keys(transforms: Sequence[LayerTransform], key_bits: Sequence[int],
@@ -215,3 +213,8 @@ def parse_layers(spec: str) -> list[int]:
             raise ValueError(f"layers: expected ranges lo-hi with 0 <= lo <= hi, got {part!r} in {spec!r}")
         out.update(range(first, last + 1))
     return sorted(out)
+
+
+__all__ = ["METRICS", "MIN_SEQ_LEN", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits",
+           "choose_key_bits", "key_attention_error", "layer_key_errors", "page_keys", "paged_rows", "parse_layers",
+           "widen_keys"]
