@@ -190,8 +190,6 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
     return key_bits, stats
 
 
-
-
 def widen_keys(transforms: Sequence[LayerTransform], key_bits: Sequence[int],
                layout: KVCacheLayout) -> list[LayerTransform]:
     """``transforms`` with key clip 1 (plain min-max, what :func:`layer_key_errors` measured) in the layers whose
