@@ -117,6 +117,25 @@ def _nibble_scaled(codes, N: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _key_scores(ka, kb, b0, b1, b2, b3, l0, l1, l2, l3, KEY_BITS: tl.constexpr, CODEBOOK: tl.constexpr,
+                FAST: tl.constexpr):
+    """``Σ_j K_j · b_j`` over the four key quarters of a page block: 2-bit codes ``ka`` (quarter ``j`` = field
+    ``j`` of each byte, :func:`_field_scaled`; ``kb`` unread), or 4-bit codes (quarters 0 | 2 the low | high
+    nibbles of ``ka``, 1 | 3 those of ``kb``, :func:`_nibble_scaled`). The ``b_j`` carry the folded powers of two."""
+    if KEY_BITS == 4:
+        acc = tl.dot(_nibble_scaled(ka, 0, FAST), b0)
+        acc = tl.dot(_nibble_scaled(kb, 0, FAST), b1, acc)
+        acc = tl.dot(_nibble_scaled(ka, 1, FAST), b2, acc)
+        acc = tl.dot(_nibble_scaled(kb, 1, FAST), b3, acc)
+    else:
+        acc = tl.dot(_field_scaled(ka, 0, l0, l1, l2, l3, CODEBOOK, FAST), b0)
+        acc = tl.dot(_field_scaled(ka, 1, l0, l1, l2, l3, CODEBOOK, FAST), b1, acc)
+        acc = tl.dot(_field_scaled(ka, 2, l0, l1, l2, l3, CODEBOOK, FAST), b2, acc)
+        acc = tl.dot(_field_scaled(ka, 3, l0, l1, l2, l3, CODEBOOK, FAST), b3, acc)
+    return acc
+
+
+@triton.jit
 def _softmax_step(sc, m, l):
     """Online-softmax update for scores ``sc [GQ_PAD, N]`` (log2 units): returns p, alpha, m_new, l_new."""
     m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -366,22 +385,14 @@ def _grouped_pages(
                 kb = tl.reshape(tl.load(k_codes_ptr + koff[:, None, None, None] + tile4 + G4, mask=ok4, other=0),
                                 (NBG, P, G4))
             else:
-                kc = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
+                ka = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
                                 (NBG, P, G4))
+                kb = ka  # unread by _key_scores' 2-bit path
             ks, klo = _group_params(k_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])  # [NB, NG, P]
             ks = tl.reshape(ks, (NBG, P))
             klo = tl.reshape(klo, (NBG, P))
             # scores transposed per (slot, group): [NBG, P, GQ_PAD], summed over the groups of each slot
-            if KEY_BITS == 4:
-                st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), qt0)
-                st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), qt1, st_)
-                st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), qt2, st_)
-                st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), qt3, st_)
-            else:
-                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+            st_ = _key_scores(ka, kb, qt0, qt1, qt2, qt3, kl0, kl1, kl2, kl3, KEY_BITS, K_CODEBOOK, FAST_UNPACK)
             st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[:, None, :]
             st_ = tl.sum(tl.reshape(st_, (NB, NG, P, GQ_PAD)), axis=1)  # [NB, P, GQ_PAD]
         st_ = tl.where(ok[:, None, None], st_, float("-inf"))
@@ -616,6 +627,8 @@ def _decode_split_kernel(
                     kb = tl.load(k_codes_ptr + koff[:, None, None] + ktile4 + Q4, mask=okc, other=0)
                 else:
                     kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
+                    ka = kc  # what _key_scores reads (its 2-bit path ignores kb)
+                    kb = kc
                 vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
                 # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
                 if K_CHANNEL:
@@ -647,16 +660,7 @@ def _decode_split_kernel(
                     st_ = st_ * KU + const[:, None, :]
                 else:
                     ks, klo = _token_params(k_params_ptr, word_off, t, ok)
-                    if KEY_BITS == 4:
-                        st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), qt0)
-                        st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), qt1, st_)
-                        st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), qt2, st_)
-                        st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), qt3, st_)
-                    else:
-                        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt0)
-                        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt1, st_)
-                        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt2, st_)
-                        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), qt3, st_)
+                    st_ = _key_scores(ka, kb, qt0, qt1, qt2, qt3, kl0, kl1, kl2, kl3, KEY_BITS, K_CODEBOOK, FAST_UNPACK)
                     st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
                 st_ = tl.where(okc, st_, float("-inf"))
                 m_new = tl.maximum(bm, tl.max(st_, axis=1))
