@@ -1,10 +1,11 @@
 """An artifact with 4-bit keys in named layers (issue 17's ablation: a layer set chosen by a diagnosis, not by
 ``calibrate --key-bits-budget``), written as calibration would write it (``key_bits.widen_keys``: clip 1 there).
 
-    python benchmarks/artifact_key_bits.py SRC_ARTIFACT OUT_DIR --k4 6-8,14-24,28 [--model default]
+    python benchmarks/artifact_key_bits.py SRC_ARTIFACT OUT_DIR --k4 6-8,14-24,28
 """
 import argparse
 import sys
+from dataclasses import replace
 
 from oscar_export.calibration.artifact import load_artifact
 from oscar_export.calibration.key_bits import WIDE_BITS, parse_layers, widen_keys
@@ -24,11 +25,8 @@ def main(argv=None) -> int:
     if not wide <= set(range(n)):
         raise SystemExit(f"--k4: layers {sorted(wide - set(range(n)))} not in 0..{n - 1}")
     bits = tuple(WIDE_BITS if i in wide else art.layout.key.bits for i in range(n))
-    config = {**art.config, "key_bits_layers": args.k4}
-    out = art.with_key_bits(bits)
-    from dataclasses import replace
-
-    out = replace(out, transforms=tuple(widen_keys(art.transforms, bits, art.layout)), config=config)
+    out = replace(art, key_bits=bits, transforms=widen_keys(art.transforms, bits, art.layout),
+                  config={**art.config, "key_bits_layers": args.k4})
     out.save(args.out)
     print(f"{args.out}: 4-bit keys in {sorted(wide)}")
     return 0
