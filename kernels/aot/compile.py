@@ -96,6 +96,8 @@ def compile_kernel(spec: KernelSpec, arch: str | int, ptx_version: int | None = 
     triton, ASTSource, GPUTarget = _require_triton()
     cap = parse_arch(arch)
     fn = spec.jit_function()
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (decode_attention_gl): its own frontend
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(fn=fn, signature=spec.signature(fn), constexprs=spec.constexpr_dict, attrs=spec.attrs(fn))
     options = {
         "num_warps": spec.num_warps, "num_stages": spec.num_stages,

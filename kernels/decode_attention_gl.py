@@ -1,0 +1,422 @@
+"""Decode attention v3: the mma16 split kernel in Gluon, the unpacked codes as the register A operand of ``wgmma``.
+
+Same interface, semantics and partials as v2's split kernels (:mod:`.decode_attention_v2`), same merge (v1's
+``_merge_kernel``), same mma16 pages; what changes is that the kernel owns its register layouts:
+
+* one warpgroup (4 warps) per (sequence, KV head, split); every page dot is a Hopper ``warpgroup_mma`` with
+  keys (``S^T [P, GQ_PAD] = K_c [P, D] · (q·s)^T``) or values (``O^T [D, GQ_PAD] += V_c^T [D, P] · (p·s_v)^T``)
+  on the MMA's M and the GQA query heads on N, the B operand (queries, probabilities) in shared memory;
+* a page's codes are loaded as uint16 halves in the layout where thread ``lane`` of warp ``w`` holds the words
+  of row blocks ``w, w + 4, ...`` (``reference.pack_mma16``: one contiguous run per lane and row block), and
+  each field of a word becomes one ``half2`` A register by one ``and.b32`` (fields 4..7 after one ``shr.b32``
+  per word). :func:`_a_operand` rebuilds the logical ``[R, C]`` tile from the eight fields with joins, one
+  permute and one reshape, and ``convert_layout(..., assert_trivial=True)`` makes the compiler prove that
+  this *is* the wgmma A layout: no data moves between the load and the MMA (compilation fails otherwise);
+* the fields are fp16 subnormals ``c·4^(2hc + hr)·2^-24`` (exact, as in v2 "fields"): the ``4^-2hc`` of the
+  K-dim bit 3 goes into the B operand rows (query dims, resp. tokens), the ``4^-hr`` of the M bit 3 and the
+  ``2^24`` into the per-row scales (key tokens, resp. output dims) — all exact powers of two;
+* the softmax state stays in the accumulator layout: the running max is one cross-warp reduction per page,
+  the denominators and ``Σ p·lo`` are kept per element and reduced once after the last page.
+
+The BF16 sink / recent chunks (``s >= n_page_splits``) use the same warpgroup MMAs on operands converted
+through shared memory (a few chunks per sequence, not the hot loop).
+
+Limits: uniform 2-bit codes (``K_CODEBOOK``/``V_CODEBOOK`` False), token or channel keys, ``P`` 64 or 128,
+``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; :func:`check_gluon_layout` refuses the rest.
+``FAST_UNPACK`` is accepted for v2's signature and ignored (the field masks are always PTX: CUDA only).
+
+Status: compiled for sm_90 by Triton 3.9 on the CPU, with every A-operand conversion proven trivial by the
+compiler (``tests/kernels/test_decode_attention_gl.py``). **Never run on a GPU** (no machine was lent in the
+session that wrote it): its first tests are ``tests/gpu/test_kernels_gpu.py -k gluon``; there is no CPU
+interpreter for Gluon, and the algorithm's CPU check is :func:`emulate` (the same folding of scales and
+powers of two, in PyTorch, against ``reference.decode_attention``).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+try:  # Gluon: Triton >= 3.5; the module imports without it (the CPU interpreter path never needs it)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - exercised only on old Triton
+    HAVE_GLUON = False
+
+from .layout import KVCacheLayout
+
+#: the one warpgroup a program is.
+NUM_WARPS = 4
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (64, 128)
+GQ_PADS = (8, 16)
+
+
+def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) -> None:
+    """Raise ``NotImplementedError`` (with the reason) for what the Gluon kernel does not handle."""
+    from .aot.launch_plan import gq_pad_v2
+
+    if codebook:
+        raise NotImplementedError("decode_attention_gl: fitted (codebook) levels are not supported; use v2 'fields'")
+    if layout.head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"decode_attention_gl: head_dim {list(HEAD_DIMS)} supported, got {layout.head_dim}")
+    if layout.page_size not in PAGE_SIZES:
+        raise NotImplementedError(f"decode_attention_gl: page_size {list(PAGE_SIZES)} supported, got {layout.page_size}")
+    gq = num_heads // layout.num_kv_heads
+    if gq_pad_v2(gq) not in GQ_PADS:
+        raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _and_field(x, J: gl.constexpr):
+        """``x & (0x00030003 << 2J)`` on packed uint16 pairs, read as fp16x2 (one ``and.b32`` per two codes)."""
+        if J == 0:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x00030003;", "=r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+        elif J == 1:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x000C000C;", "=r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+        elif J == 2:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x00300030;", "=r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x00C000C0;", "=r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+
+    @gluon.jit
+    def _shr8(x):
+        """``x >> 8`` per uint16 half of packed pairs (one ``shr.b32``: the high half's low byte lands in bits
+        8..15 of the low half, which every field mask clears)."""
+        return gl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [x], dtype=gl.uint16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _word_offsets(R: gl.constexpr, C: gl.constexpr, C0: gl.constexpr, CT: gl.constexpr, LW: gl.constexpr):
+        """uint16 offsets ``[R // 16 * 32, CT // 16]`` of columns ``C0 .. C0 + CT`` of a page's ``[R, C]`` mma16
+        matrix: row ``rb * 32 + lane`` (row block ``rb``), column ``2 * w + e`` (word ``C0 // 32 + w``, half
+        ``e``). ``MB`` = ``reference.mma16_group(R, C)``."""
+        MB0: gl.constexpr = 128 // C if C < 128 else 1
+        MB: gl.constexpr = MB0 if (R // 16) % MB0 == 0 else 1
+        t = gl.arange(0, R // 16 * 32, layout=gl.SliceLayout(1, LW))
+        j = gl.arange(0, CT // 16, layout=gl.SliceLayout(0, LW))
+        rb = t // 32
+        lane = t % 32
+        word = (((rb // MB) * 32 + lane) * MB + rb % MB) * (C // 32) + C0 // 32
+        return 2 * word[:, None] + j[None, :]
+
+    @gluon.jit
+    def _a_operand(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
+        """uint16 halves ``h [R // 16 * 32, CT // 16]`` (:func:`_word_offsets`) -> the fp16 ``[R, CT]`` wgmma A
+        operand: code ``(16 rb + 8 hr + g, 32 w + 16 kb + 8 hc + 2 tq + e)`` as ``c·4^(2hc + hr)·2^-24``.
+        The compiler must find the rebuilt tile already in ``A_LAYOUT`` (``assert_trivial``)."""
+        RB: gl.constexpr = R // 16
+        W: gl.constexpr = CT // 32
+        h8 = _shr8(h)
+        x = gl.reshape(h, [RB, 8, 4, W, 2])  # (rb, g, tq, w, e)
+        x8 = gl.reshape(h8, [RB, 8, 4, W, 2])
+        # field k = 4 kb + 2 hc + hr: join hr, then hc, then kb as new minor axes
+        j0 = gl.join(gl.join(_and_field(x, 0), _and_field(x, 1)), gl.join(_and_field(x, 2), _and_field(x, 3)))
+        j1 = gl.join(gl.join(_and_field(x8, 0), _and_field(x8, 1)), gl.join(_and_field(x8, 2), _and_field(x8, 3)))
+        j = gl.join(j0, j1)  # (rb, g, tq, w, e, hr, hc, kb)
+        j = gl.permute(j, [0, 5, 1, 3, 7, 6, 2, 4])  # (rb, hr, g, w, kb, hc, tq, e)
+        return gl.convert_layout(gl.reshape(j, [R, CT]), A_LAYOUT, assert_trivial=True)
+
+    @gluon.jit
+    def _bit3_scale(n: gl.constexpr, small: gl.constexpr, layout: gl.constexpr):
+        """``[n]`` fp32: ``small`` where bit 3 of the index is set, else 1 (the exact powers of two of the fields)."""
+        i = gl.arange(0, n, layout=layout)
+        return gl.where((i // 8) % 2 == 1, small, 1.0)
+
+    @gluon.jit
+    def _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr,
+               D: gl.constexpr, SM_SCALE: gl.constexpr, ROTATE_Q: gl.constexpr, QL: gl.constexpr):
+        """The ``GQ`` query heads of KV head ``h`` (rows past ``GQ`` zero), rotated by ``rot [D, D] / dscale`` if
+        ``ROTATE_Q`` (fp32 FMA products over 8-row chunks of ``rot``), times ``sm_scale·log2(e)``: fp32
+        ``[GQ_PAD, D]`` in ``QL``."""
+        H: gl.constexpr = H_KV * GQ
+        g = gl.arange(0, GQ_PAD, layout=gl.SliceLayout(1, QL))
+        dd = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+        qrow = (b * H + h * GQ + g).to(gl.int64) * D
+        if ROTATE_Q:
+            KR: gl.constexpr = 8
+            L3: gl.constexpr = gl.BlockedLayout([GQ_PAD // 4, KR, D // 32], [1, 1, 32], [4, 1, 1], [2, 1, 0])
+            LA: gl.constexpr = gl.SliceLayout(2, L3)
+            LB: gl.constexpr = gl.SliceLayout(0, L3)
+            ga = gl.arange(0, GQ_PAD, layout=gl.SliceLayout(1, LA))
+            ka = gl.arange(0, KR, layout=gl.SliceLayout(0, LA))
+            kb = gl.arange(0, KR, layout=gl.SliceLayout(1, LB))
+            nb = gl.arange(0, D, layout=gl.SliceLayout(0, LB))
+            arow = (b * H + h * GQ + ga).to(gl.int64) * D
+            amask = (ga < GQ)[:, None]
+            qf = gl.zeros([GQ_PAD, D], gl.float32, gl.SliceLayout(1, L3))
+            for k0 in range(0, D, KR):
+                qa = gl.load(q_ptr + arow[:, None] + (k0 + ka)[None, :], mask=amask, other=0.0).to(gl.float32)
+                rb_ = gl.load(rot_ptr + h * D * D + (k0 + kb)[:, None] * D + nb[None, :])
+                qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
+            qf = gl.convert_layout(qf, QL)
+            qf = qf / gl.load(dscale_ptr + h * D + dd)[None, :]
+        else:
+            qf = gl.load(q_ptr + qrow[:, None] + dd[None, :], mask=(g < GQ)[:, None], other=0.0).to(gl.float32)
+        qscale: gl.constexpr = SM_SCALE * 1.4426950408889634
+        return (qf * qscale).to(gl.float16).to(gl.float32)
+
+    @gluon.jit
+    def _token_pair(params_ptr, base, n: gl.constexpr, layout: gl.constexpr):
+        """Per-token fp16 ``(scale, lo)`` of tokens ``0 .. n`` of one page-head (one 32-bit word per token, the
+        scale in the low half) as fp32 ``[n]`` in ``layout``."""
+        t = gl.arange(0, n, layout=layout)
+        w = gl.load(params_ptr.to(gl.pointer_type(gl.int32)) + base + t)
+        scale = (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        lo = (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
+        return scale, lo
+
+    @gluon.jit
+    def _window_chunk(qw_s, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                      recent_len_ptr, b, h, c, H_KV: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+                      S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, GQ_PAD: gl.constexpr,
+                      MMA: gl.constexpr, A_L: gl.constexpr):
+        """Attention over BF16 chunk ``c`` (v1's ``window_block`` addressing: sink chunks first, then the recent
+        ring): ``m, l [GQ_PAD]`` (log2 units) and the unnormalised ``O^T [D, GQ_PAD]``."""
+        LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        tb = gl.arange(0, BN, layout=gl.SliceLayout(1, LK))
+        dd = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
+        NSINK: gl.constexpr = (S0 + BN - 1) // BN
+        if c < NSINK:
+            kv_off = (b * H_KV + h).to(gl.int64) * (S0 * D) + c * (BN * D)
+            kb = sink_k_ptr + kv_off
+            vb = sink_v_ptr + kv_off
+            tmask = tb < gl.minimum(gl.load(sink_len_ptr + b), S0) - c * BN
+        else:
+            kv_off = (b * H_KV + h).to(gl.int64) * (RC * D) + (c - NSINK) * (BN * D)
+            kb = recent_k_ptr + kv_off
+            vb = recent_v_ptr + kv_off
+            slot = (c - NSINK) * BN + tb
+            start = (gl.load(num_pages_ptr + b) * P) % RC
+            tmask = (slot < RC) & ((slot - start + RC) % RC < gl.load(recent_len_ptr + b))
+        rows = tb[:, None] * D + dd[None, :]
+        kk = gl.load(kb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)  # [BN, D]
+        vv = gl.load(vb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)
+        st = warpgroup_mma(gl.convert_layout(kk, A_L), qw_s, gl.zeros([BN, GQ_PAD], gl.float32, MMA))  # [BN, GQ_PAD]
+        tm = gl.convert_layout(tmask, gl.SliceLayout(1, MMA))
+        st = gl.where(tm[:, None], st, float("-inf"))
+        m = gl.max(st, axis=0)
+        m_use = gl.where(m == float("-inf"), 0.0, m)
+        pt = gl.exp2(st - m_use[None, :])
+        l = gl.sum(pt, axis=0)
+        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, GQ_PAD], gl.float16)
+        p_s = gl.allocate_shared_memory(gl.float16, [BN, GQ_PAD], PS, pt.to(gl.float16))
+        fence_async_shared()
+        vt = gl.convert_layout(gl.permute(vv, [1, 0]), A_L)  # [D, BN]
+        out_t = warpgroup_mma(vt, p_s, gl.zeros([D, GQ_PAD], gl.float32, MMA))
+        return m, l, out_t
+
+    @gluon.jit
+    def _decode_split_gl_kernel(
+        q_ptr, rot_ptr, dscale_ptr,
+        sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+        block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+        part_o_ptr, part_lse_ptr,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+        S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
+        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
+        FAST_UNPACK: gl.constexpr,
+    ):
+        """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
+        exactly those of v2's ``_decode_split_v2f_kernel``. Uniform codes only (``K_CODEBOOK``/``V_CODEBOOK``
+        must be False: ``check_gluon_layout``)."""
+        gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
+        gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, GQ_PAD, 16])
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)  # per token / per output dim
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
+        QL: gl.constexpr = gl.BlockedLayout([1, 4], [GQ_PAD // 4 if GQ_PAD < 128 else 32, 32 // (GQ_PAD // 4)],
+                                            [4, 1], [1, 0])
+        QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, GQ_PAD], gl.float16)
+        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, GQ_PAD], gl.float16)
+        KC: gl.constexpr = D if D < 128 else 128  # key columns per A operand (registers: KC / 2 per thread)
+        LWK: gl.constexpr = gl.BlockedLayout([1, KC // 16], [32, 1], [4, 1], [1, 0])
+        LWV: gl.constexpr = gl.BlockedLayout([1, P // 16], [32, 1], [4, 1], [1, 0])
+        H: gl.constexpr = H_KV * GQ
+
+        bh = gl.program_id(0)
+        s = gl.program_id(1)
+        b = bh // H_KV
+        h = bh % H_KV
+        q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)  # [GQ_PAD, D]
+        if s < n_page_splits:
+            hc_q = _bit3_scale(D, 0.0625, gl.SliceLayout(0, QL))  # 4^-2hc of the key fields (K dim = dims)
+            qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
+            qk_s = gl.allocate_shared_memory(gl.float16, [D, GQ_PAD], QS,
+                                             gl.permute((q32 * hc_q[None, :]).to(gl.float16), [1, 0]))
+            p_s = gl.allocate_shared_memory(gl.float16, [P, GQ_PAD], PS)
+            fence_async_shared()
+            koffs = _word_offsets(P, D, 0, KC, LWK)
+            voffs = _word_offsets(D, P, 0, P, LWV)
+            hr_k = _bit3_scale(P, 0.25, ROW) * 16777216.0  # 2^24·4^-hr per token
+            hc_v = _bit3_scale(P, 0.0625, ROW)  # 4^-2hc of the value fields (K dim = tokens)
+            m = gl.full([GQ_PAD], float("-inf"), gl.float32, COL)
+            l_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+            lo_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+            acc = gl.zeros([D, GQ_PAD], gl.float32, MMA)  # O^T
+            k16 = k_codes_ptr.to(gl.pointer_type(gl.uint16))
+            v16 = v_codes_ptr.to(gl.pointer_type(gl.uint16))
+            start = s * pages_per_split
+            end = gl.minimum(start + pages_per_split, gl.load(num_pages_ptr + b))
+            for pg in range(start, end):
+                page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg).to(gl.int64)
+                ph = page * H_KV + h
+                half_off = gl.multiple_of(ph * (P * D // 8), 8)  # uint16 units; pages are 16-byte aligned
+                if K_CHANNEL:
+                    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+                    pw = ph * (2 * D)
+                    ksc = gl.load(k_params_ptr + pw + dq).to(gl.float32)
+                    klo = gl.load(k_params_ptr + pw + D + dq).to(gl.float32)
+                    qk_s.store(gl.permute((q32 * (ksc * hc_q)[None, :]).to(gl.float16), [1, 0]))
+                    fence_async_shared()
+                    const = gl.convert_layout(gl.sum(q32 * klo[None, :], axis=1), COL)
+                st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+                for c0 in gl.static_range(0, D, KC):
+                    if KC < D:
+                        koffs_c = _word_offsets(P, D, c0, KC, LWK)
+                    else:
+                        koffs_c = koffs
+                    a = _a_operand(gl.load(k16 + half_off + koffs_c), P, KC, A_L)
+                    st = warpgroup_mma(a, qk_s.slice(c0, KC, dim=0), st)
+                if K_CHANNEL:
+                    st = st * hr_k[:, None] + const[None, :]
+                else:
+                    ks, klo_t = _token_pair(k_params_ptr, ph * P, P, ROW)
+                    st = st * (ks * hr_k)[:, None] + klo_t[:, None] * qsum[None, :]
+                m_new = gl.maximum(m, gl.max(st, axis=0))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m - m_use)
+                pt = gl.exp2(st - m_use[None, :])  # [P, GQ_PAD]
+                m = m_new
+                vs, vlo = _token_pair(v_params_ptr, ph * P, P, ROW)
+                l_acc = l_acc * alpha[None, :] + pt
+                lo_acc = lo_acc * alpha[None, :] + pt * vlo[:, None]
+                p_s.store((pt * (vs * hc_v)[:, None]).to(gl.float16))
+                fence_async_shared()
+                a_v = _a_operand(gl.load(v16 + half_off + voffs), D, P, A_L)
+                acc = warpgroup_mma(a_v, p_s, acc * alpha[None, :])
+            l = gl.sum(l_acc, axis=0)
+            lo = gl.sum(lo_acc, axis=0)
+            out_t = acc * (_bit3_scale(D, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
+        else:
+            qw_s = gl.allocate_shared_memory(gl.float16, [D, GQ_PAD], QS, gl.permute(q32.to(gl.float16), [1, 0]))
+            fence_async_shared()
+            m, l, out_t = _window_chunk(qw_s, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
+                                        num_pages_ptr, recent_len_ptr, b, h, s - n_page_splits, H_KV, D, P, S0,
+                                        RC, BN, GQ_PAD, MMA, A_L)
+        # partials: out / l and log2-sum-exp (-inf and zeros when nothing was attended), rows g < GQ
+        g = gl.arange(0, GQ_PAD, layout=COL)
+        dd = gl.arange(0, D, layout=ROW)
+        nonempty = l > 0.0
+        inv = gl.where(nonempty, 1.0 / gl.where(nonempty, l, 1.0), 0.0)
+        lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, l, 1.0)), float("-inf"))
+        prow = (b * H + h * GQ + g).to(gl.int64) * n_splits + s
+        gl.store(part_lse_ptr + prow, lse, mask=g < GQ)
+        gl.store(part_o_ptr + prow[None, :] * D + dd[:, None], out_t * inv[None, :], mask=(g < GQ)[None, :])
+
+    KERNEL = _decode_split_gl_kernel
+else:  # pragma: no cover
+    KERNEL = None
+
+
+def emulate_a_operand(page: torch.Tensor, rows: int, cols: int, c0: int = 0, ct: int | None = None) -> torch.Tensor:
+    """:func:`_a_operand` of :func:`_word_offsets` in PyTorch, step by step: the uint16 halves of columns ``c0 ..
+    c0 + ct`` of one page's ``[rows, cols]`` mma16 matrix (``page``: its bytes), the eight fields masked and read
+    as fp16 bits, joined, permuted and reshaped in the kernel's order. Returns the fp16 ``[rows, ct]`` operand
+    (``code·4^(2hc + hr)·2^-24``)."""
+    ct = cols if ct is None else ct
+    mb0 = 128 // cols if cols < 128 else 1
+    mb = mb0 if (rows // 16) % mb0 == 0 else 1
+    t = torch.arange(rows // 16 * 32)
+    rb, lane = t // 32, t % 32
+    word = (((rb // mb) * 32 + lane) * mb + rb % mb) * (cols // 32) + c0 // 32
+    offs = 2 * word[:, None] + torch.arange(ct // 16)[None, :]
+    halves = page.contiguous().view(torch.int16).long() & 0xFFFF
+    h = halves[offs]  # [R/16 * 32, CT/16]
+    h8 = h >> 8
+    x = h.reshape(rows // 16, 8, 4, ct // 32, 2)
+    x8 = h8.reshape(rows // 16, 8, 4, ct // 32, 2)
+    field = lambda v, j: (v & (3 << (2 * j))).to(torch.int16).view(torch.float16)  # noqa: E731
+    join = lambda a, b: torch.stack([a, b], dim=-1)  # noqa: E731  (gl.join: a new minor axis of size 2)
+    j0 = join(join(field(x, 0), field(x, 1)), join(field(x, 2), field(x, 3)))
+    j1 = join(join(field(x8, 0), field(x8, 1)), join(field(x8, 2), field(x8, 3)))
+    j = join(j0, j1).permute(0, 5, 1, 3, 7, 6, 2, 4)
+    return j.reshape(rows, ct)
+
+
+def _bit3(n: int, small: float) -> torch.Tensor:
+    return torch.where((torch.arange(n) // 8) % 2 == 1, small, 1.0).double()
+
+
+def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
+    """The Gluon kernel's arithmetic in PyTorch for the CPU (float64 products of the kernel's fp16 operands): the
+    page operands from :func:`emulate_a_operand`, the ``4^-2hc`` folded into the query dims (keys) and the
+    probabilities' token rows (values), ``2^24·4^-hr`` into the per-token key scales and the per-dim outputs,
+    the queries rounded to fp16 after ``sm_scale·log2(e)``, ``p·s_v`` rounded to fp16. One softmax over the
+    sequence (the split + merge are v1's, tested there). Token or channel keys, uniform 2-bit codes, queries in
+    the stored basis. Returns ``[B, H, D]`` float32 in the stored value basis."""
+    bsz, hq, d = q.shape
+    hkv, p = layout.num_kv_heads, layout.page_size
+    gq = hq // hkv
+    qs = (q.double() * (scale * 1.4426950408889634)).half().double()
+    hc_d, hc_t = _bit3(d, 0.0625), _bit3(p, 0.0625)
+    hr_t, hr_d = _bit3(p, 0.25) * 2.0 ** 24, _bit3(d, 0.25) * 2.0 ** 24
+    out = torch.zeros(bsz, hq, d, dtype=torch.float32)
+    for bi in range(bsz):
+        for hi in range(hkv):
+            qh = qs[bi, hi * gq:(hi + 1) * gq]  # [GQ, D]
+            parts = []  # (scores [T, GQ], value operand [D, T], probability factor [T], lo [T] or None)
+            for pi in range(int(state.num_pages[bi])):
+                page = int(state.block_table[bi, pi])
+                a_k = emulate_a_operand(state.k_codes[page, hi].reshape(-1), p, d).double()  # [P, D]
+                a_v = emulate_a_operand(state.v_codes[page, hi].reshape(-1), d, p).double()  # [D, P]
+                kp, vp = state.k_params[page, hi].double(), state.v_params[page, hi].double()
+                if layout.key.granularity == "channel":
+                    qk = (qh * (kp[0] * hc_d)[None, :]).half().double()
+                    st = (a_k @ qk.T) * hr_t[:, None] + (qh * kp[1][None, :]).sum(1)[None, :]
+                else:
+                    kp = kp.reshape(p, 2)
+                    qk = (qh * hc_d[None, :]).half().double()
+                    st = (a_k @ qk.T) * (kp[:, 0] * hr_t)[:, None] + kp[:, 1][:, None] * qh.sum(1)[None, :]
+                vp = vp.reshape(p, 2)
+                parts.append((st, a_v * hr_d[:, None], vp[:, 0] * hc_t, vp[:, 1]))
+            for w_k, w_v in _windows(state, layout, bi, hi):
+                st = w_k.half().double() @ qh.half().double().T
+                parts.append((st, w_v.half().double().T, None, None))
+            m = torch.cat([st for st, *_ in parts]).max(0).values  # [GQ]
+            num = torch.zeros(d, gq, dtype=torch.float64)
+            den = torch.zeros(gq, dtype=torch.float64)
+            for st, a_v, vs, vlo in parts:
+                pt = torch.exp2(st - m[None, :])
+                den += pt.sum(0)
+                if vs is None:  # BF16 window
+                    num += a_v @ pt.half().double()
+                else:
+                    num += a_v @ (pt * vs[:, None]).half().double() + (pt * vlo[:, None]).sum(0)[None, :]
+            out[bi, hi * gq:(hi + 1) * gq] = (num / den[None, :]).T.float()
+    return out
+
+
+def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
+    """The cached BF16 sink and recent tokens of sequence ``bi``, KV head ``hi``: ``[(K, V), (K, V)]``."""
+    s_len = min(int(state.sink_len[bi]), layout.sink)
+    rc = layout.recent_slots
+    start = (int(state.num_pages[bi]) * layout.page_size) % rc
+    slots = [(start + j) % rc for j in range(int(state.recent_len[bi]))]
+    return [(state.sink_k[bi, hi, :s_len], state.sink_v[bi, hi, :s_len]),
+            (state.recent_k[bi, hi, slots], state.recent_v[bi, hi, slots])]
+
+
+__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "check_gluon_layout", "emulate", "emulate_a_operand"]
