@@ -40,16 +40,23 @@ import torch
 try:  # Gluon: Triton >= 3.5; the module imports without it (the CPU interpreter path never needs it)
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+    #: cp.async global -> shared: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared`` in 3.6.
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    #: the CTA barrier: ``gl.barrier()`` in Triton 3.9, ``gl.thread_barrier()`` in 3.6.
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - exercised only on old Triton
     HAVE_GLUON = False
 
+from .aot import launch_plan as _plan
 from .layout import KVCacheLayout
 
-#: the one warpgroup a program is.
-NUM_WARPS = 4
+#: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
+NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps
+STAGES = _plan.GL_PAGE_STAGES
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (64, 128)
 GQ_PADS = (8, 16)
@@ -57,8 +64,6 @@ GQ_PADS = (8, 16)
 
 def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) -> None:
     """Raise ``NotImplementedError`` (with the reason) for what the Gluon kernel does not handle."""
-    from .aot.launch_plan import gq_pad_v2
-
     if codebook:
         raise NotImplementedError("decode_attention_gl: fitted (codebook) levels are not supported; use v2 'fields'")
     if layout.head_dim not in HEAD_DIMS:
@@ -66,7 +71,7 @@ def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) ->
     if layout.page_size not in PAGE_SIZES:
         raise NotImplementedError(f"decode_attention_gl: page_size {list(PAGE_SIZES)} supported, got {layout.page_size}")
     gq = num_heads // layout.num_kv_heads
-    if gq_pad_v2(gq) not in GQ_PADS:
+    if _plan.gq_pad_v2(gq) not in GQ_PADS:
         raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
 
 
@@ -165,11 +170,8 @@ if HAVE_GLUON:
         return (qf * qscale).to(gl.float16).to(gl.float32)
 
     @gluon.jit
-    def _token_pair(params_ptr, base, n: gl.constexpr, layout: gl.constexpr):
-        """Per-token fp16 ``(scale, lo)`` of tokens ``0 .. n`` of one page-head (one 32-bit word per token, the
-        scale in the low half) as fp32 ``[n]`` in ``layout``."""
-        t = gl.arange(0, n, layout=layout)
-        w = gl.load(params_ptr.to(gl.pointer_type(gl.int32)) + base + t)
+    def _token_pair(w):
+        """Per-token fp16 ``(scale, lo)`` from their 32-bit words (the scale in the low half), as fp32."""
         scale = (w & 0xFFFF).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
         lo = (w >> 16).to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32)
         return scale, lo
@@ -215,6 +217,29 @@ if HAVE_GLUON:
         return m, l, out_t
 
     @gluon.jit
+    def _issue_page(kbuf, vbuf, tbuf, k16, v16, kp32, vp32, block_table_ptr, b, pg, end, it, max_pages, h, koffs,
+                    voffs, TOKEN_PARAMS: gl.constexpr, H_KV: gl.constexpr, P: gl.constexpr, D: gl.constexpr,
+                    KC: gl.constexpr, STAGES: gl.constexpr):
+        """cp.async the K and V codes of page ``pg`` of sequence ``b`` (zeros if ``pg >= end``) into stage
+        ``it % STAGES``, and its per-token param words (``TOKEN_PARAMS``: the V words, and the K words for
+        token keys), committed as one group."""
+        ok = pg < end
+        page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg, mask=ok, other=0).to(gl.int64)
+        half_off = gl.multiple_of((page * H_KV + h) * (P * D // 8), 8)  # uint16 units; pages are 16-byte aligned
+        NCH: gl.constexpr = D // KC
+        st = it % STAGES
+        for ch in gl.static_range(NCH):
+            _cp_async(kbuf.index(st * NCH + ch), k16 + half_off + koffs + ch * (KC // 16), mask=ok)
+        _cp_async(vbuf.index(st), v16 + half_off + voffs, mask=ok)
+        LP: gl.constexpr = gl.BlockedLayout([P // 128 if P >= 128 else 1], [32], [4], [0])
+        t = gl.arange(0, P, layout=LP)
+        word_off = (page * H_KV + h) * P
+        if TOKEN_PARAMS:
+            _cp_async(tbuf.index(2 * st), kp32 + word_off + t, mask=ok)
+        _cp_async(tbuf.index(2 * st + 1), vp32 + word_off + t, mask=ok)
+        async_copy.commit_group()
+
+    @gluon.jit
     def _decode_split_gl_kernel(
         q_ptr, rot_ptr, dscale_ptr,
         sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
@@ -225,10 +250,10 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        FAST_UNPACK: gl.constexpr,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
-        exactly those of v2's ``_decode_split_v2f_kernel``. Uniform codes only (``K_CODEBOOK``/``V_CODEBOOK``
+        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes only (``K_CODEBOOK``/``V_CODEBOOK``
         must be False: ``check_gluon_layout``)."""
         gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
         gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
@@ -258,7 +283,7 @@ if HAVE_GLUON:
                                              gl.permute((q32 * hc_q[None, :]).to(gl.float16), [1, 0]))
             p_s = gl.allocate_shared_memory(gl.float16, [P, GQ_PAD], PS)
             fence_async_shared()
-            koffs = _word_offsets(P, D, 0, KC, LWK)
+            koffs = _word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KC // 16 (KC // 32 words of each row block)
             voffs = _word_offsets(D, P, 0, P, LWV)
             hr_k = _bit3_scale(P, 0.25, ROW) * 16777216.0  # 2^24·4^-hr per token
             hc_v = _bit3_scale(P, 0.0625, ROW)  # 4^-2hc of the value fields (K dim = tokens)
@@ -268,12 +293,28 @@ if HAVE_GLUON:
             acc = gl.zeros([D, GQ_PAD], gl.float32, MMA)  # O^T
             k16 = k_codes_ptr.to(gl.pointer_type(gl.uint16))
             v16 = v_codes_ptr.to(gl.pointer_type(gl.uint16))
+            # the page codes stream through STAGES shared-memory stages (cp.async, STAGES - 1 pages ahead)
+            NCH: gl.constexpr = D // KC
+            CS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # lane-contiguous rows: conflict-free
+            kbuf = gl.allocate_shared_memory(gl.uint16, [STAGES * NCH, P // 16 * 32, KC // 16], CS)
+            vbuf = gl.allocate_shared_memory(gl.uint16, [STAGES, D // 16 * 32, P // 16], CS)
+            tbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 2, P], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            kp32 = k_params_ptr.to(gl.pointer_type(gl.int32))
+            vp32 = v_params_ptr.to(gl.pointer_type(gl.int32))
             start = s * pages_per_split
             end = gl.minimum(start + pages_per_split, gl.load(num_pages_ptr + b))
+            for i in gl.static_range(STAGES - 1):
+                _issue_page(kbuf, vbuf, tbuf, k16, v16, kp32, vp32, block_table_ptr, b, start + i, end, i,
+                            max_pages, h, koffs, voffs, not K_CHANNEL, H_KV, P, D, KC, STAGES)
             for pg in range(start, end):
+                it = pg - start
+                async_copy.wait_group(STAGES - 2)  # this thread's copies of page pg have landed
+                _cta_barrier()  # ... everyone's; and stage (it - 1) % STAGES is free again
+                _issue_page(kbuf, vbuf, tbuf, k16, v16, kp32, vp32, block_table_ptr, b, pg + STAGES - 1, end,
+                            it + STAGES - 1, max_pages, h, koffs, voffs, not K_CHANNEL, H_KV, P, D, KC, STAGES)
                 page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg).to(gl.int64)
                 ph = page * H_KV + h
-                half_off = gl.multiple_of(ph * (P * D // 8), 8)  # uint16 units; pages are 16-byte aligned
+                stage = it % STAGES
                 if K_CHANNEL:
                     dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
                     pw = ph * (2 * D)
@@ -282,31 +323,29 @@ if HAVE_GLUON:
                     qk_s.store(gl.permute((q32 * (ksc * hc_q)[None, :]).to(gl.float16), [1, 0]))
                     fence_async_shared()
                     const = gl.convert_layout(gl.sum(q32 * klo[None, :], axis=1), COL)
+                else:
+                    ks, klo_t = _token_pair(tbuf.index(2 * stage).load(ROW))
+                vs, vlo = _token_pair(tbuf.index(2 * stage + 1).load(ROW))
                 st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
-                for c0 in gl.static_range(0, D, KC):
-                    if KC < D:
-                        koffs_c = _word_offsets(P, D, c0, KC, LWK)
-                    else:
-                        koffs_c = koffs
-                    a = _a_operand(gl.load(k16 + half_off + koffs_c), P, KC, A_L)
-                    st = warpgroup_mma(a, qk_s.slice(c0, KC, dim=0), st)
+                for ch in gl.static_range(NCH):
+                    a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                    st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=0), st)
                 if K_CHANNEL:
                     st = st * hr_k[:, None] + const[None, :]
                 else:
-                    ks, klo_t = _token_pair(k_params_ptr, ph * P, P, ROW)
                     st = st * (ks * hr_k)[:, None] + klo_t[:, None] * qsum[None, :]
                 m_new = gl.maximum(m, gl.max(st, axis=0))
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m - m_use)
                 pt = gl.exp2(st - m_use[None, :])  # [P, GQ_PAD]
                 m = m_new
-                vs, vlo = _token_pair(v_params_ptr, ph * P, P, ROW)
                 l_acc = l_acc * alpha[None, :] + pt
                 lo_acc = lo_acc * alpha[None, :] + pt * vlo[:, None]
                 p_s.store((pt * (vs * hc_v)[:, None]).to(gl.float16))
                 fence_async_shared()
-                a_v = _a_operand(gl.load(v16 + half_off + voffs), D, P, A_L)
+                a_v = _a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
                 acc = warpgroup_mma(a_v, p_s, acc * alpha[None, :])
+            async_copy.wait_group(0)  # no copy outlives the program
             l = gl.sum(l_acc, axis=0)
             lo = gl.sum(lo_acc, axis=0)
             out_t = acc * (_bit3_scale(D, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
@@ -395,6 +434,8 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
             for w_k, w_v in _windows(state, layout, bi, hi):
                 st = w_k.half().double() @ qh.half().double().T
                 parts.append((st, w_v.half().double().T, None, None))
+            if sum(st.shape[0] for st, *_ in parts) == 0:
+                continue  # an empty sequence stays zeros, as the merge writes it
             m = torch.cat([st for st, *_ in parts]).max(0).values  # [GQ]
             num = torch.zeros(d, gq, dtype=torch.float64)
             den = torch.zeros(gq, dtype=torch.float64)
@@ -419,4 +460,4 @@ def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
             (state.recent_k[bi, hi, slots], state.recent_v[bi, hi, slots])]
 
 
-__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "check_gluon_layout", "emulate", "emulate_a_operand"]
+__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_layout", "emulate", "emulate_a_operand"]

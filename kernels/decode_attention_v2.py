@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import decode_attention as _v1
+from . import decode_attention_gl as _gl
 from .aot import launch_plan as _plan
 from .decode_attention import check_decode_inputs, launch_split_merge, window_block
 from .layout import KVCacheLayout, PagedKV
@@ -513,21 +514,26 @@ def decode_attention(
     q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     pages_per_split: int | None = None,
-    num_warps: int = SPLIT_WARPS,
-    num_stages: int = SPLIT_STAGES,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     variant: str = "fields",
     fast_unpack: bool | None = None,
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages, split + merge (arguments as v1's ``decode_attention``).
 
-    ``variant``: ``"fields"`` (``_decode_split_v2f_kernel``, page sizes 64 and 128) or ``"tile"``
-    (``_decode_split_v2_kernel``: the codes unpacked into one logical ``[P, D]`` tile). ``fast_unpack``: the
+    ``variant``: ``"fields"`` (``_decode_split_v2f_kernel``, page sizes 64 and 128), ``"tile"``
+    (``_decode_split_v2_kernel``: the codes unpacked into one logical ``[P, D]`` tile) or ``"gluon"``
+    (:mod:`.decode_attention_gl`: CUDA only, uniform codes, ``num_warps=4``, ``num_stages`` = its cp.async stages
+    (at least 2); not yet run on a GPU). ``fast_unpack``: the
     fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
     if q.dim() == 3:
         check_decode_v2_layout(layout, q.shape[1])
+        if variant == "gluon":
+            _gl.check_gluon_layout(layout, q.shape[1], bool(layout.key.codebook or layout.value.codebook
+                                                             if codebook is None else codebook))
     lin = _as_linear(layout)  # v1's input checks (shapes, dtypes, devices) are packing-independent
     rot, dsc, pages_per_split = check_decode_inputs(
         q, state, lin, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
@@ -539,7 +545,8 @@ def decode_attention(
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
         layout.key.granularity == "channel", bool(codebook), q_rotation is not None, pages_per_split, out_dtype,
-        num_warps, num_stages, variant=variant,
+        num_warps or (_gl.NUM_WARPS if variant == "gluon" else SPLIT_WARPS),
+        num_stages or (_gl.STAGES if variant == "gluon" else SPLIT_STAGES), variant=variant,
         fast_unpack=(q.device.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
     )
 
@@ -565,7 +572,16 @@ def launch_decode_v2(
         raise ValueError(f"variant: expected one of {sorted(KERNELS)}, got {variant!r}")
     if variant == "fields" and page_size < 64:
         raise NotImplementedError(f"decode_attention_v2 'fields': page_size 64 or 128, got {page_size} (use 'tile')")
-    extra = dict(FAST_UNPACK=fast_unpack and not codebook) if variant == "fields" else {}
+    extra = dict(FAST_UNPACK=fast_unpack and not codebook) if variant in ("fields", "gluon") else {}
+    if variant == "gluon":  # the Gluon kernel (decode_attention_gl): one warpgroup, cp.async stages
+        if q.device.type != "cuda":
+            raise NotImplementedError("decode_attention_v2 'gluon': CUDA only (Gluon has no CPU interpreter); "
+                                      "use 'fields' there")
+        if num_warps != _gl.NUM_WARPS:
+            raise ValueError(f"decode_attention_v2 'gluon': num_warps must be {_gl.NUM_WARPS}, got {num_warps}")
+        if num_stages < 2:
+            raise ValueError(f"decode_attention_v2 'gluon': num_stages (its cp.async stages) must be >= 2, got {num_stages}")
+        extra["STAGES"] = num_stages
     return launch_split_merge(
         KERNELS[variant], q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,
         k_levels, v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots,
@@ -577,8 +593,11 @@ def launch_decode_v2(
     )
 
 
-#: the v2 split kernels by variant name (the launch plan's DECODE_SPLIT_V2 names the default one).
+#: the v2 split kernels by variant name (the launch plan's DECODE_SPLIT_V2 names the default one); "gluon" is
+#: decode_attention_gl's kernel (where this Triton has Gluon): same parameters, uniform codes, num_warps 4.
 KERNELS = {"tile": _decode_split_v2_kernel, "fields": _decode_split_v2f_kernel}
+if _gl.HAVE_GLUON:
+    KERNELS["gluon"] = _gl.KERNEL
 
 
 def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, scale: float, **kw) -> torch.Tensor:

@@ -48,6 +48,7 @@ TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
 _DA = "oscar_export.kernels.decode_attention"
 _DS = "oscar_export.kernels.decode_step"
 _DA2 = "oscar_export.kernels.decode_attention_v2"
+_DAG = "oscar_export.kernels.decode_attention_gl"
 _QP = "oscar_export.kernels.quant_pack"
 _TRT = "oscar_export.kernels.aot.trt_order"
 
@@ -152,6 +153,15 @@ DECODE_SPLIT_V2 = KernelPlan(
         "page_size 64 or 128); merged by decode_merge. 2 warps: fewest instructions per page-head in the sm_90 SASS "
         "(benchmarks/NOTES-kernels.md); not yet tuned on a GPU",
 )
+#: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
+GL_PAGE_STAGES = 3
+DECODE_SPLIT_GL = KernelPlan(
+    name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
+    params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
+    num_warps=4, num_stages=2, grid=DECODE_SPLIT_V2.grid, sizes=DECODE_SPLIT_V2.sizes, derived=_SPLIT_DERIVED,
+    doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
+        "cp.async page stages); uniform codes; merged by decode_merge. Not yet run on a GPU; not in bundles yet",
+)
 DECODE_MERGE = KernelPlan(
     name="decode_merge", kernel=f"{_DA}:_merge_kernel",
     params=(("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"), ("out_ptr", "*bf16"), ("n_splits", "i32")),
@@ -202,7 +212,7 @@ TRT_DECODE_MERGE = KernelPlan(
     constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
     grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
 )
-PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_SPLIT_GL, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
                              TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
 
 
@@ -260,6 +270,15 @@ def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unp
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
         "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook,
     }
+
+
+def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float, stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
+    """Constexprs of the Gluon split kernel (``decode_attention_gl``; uniform codes only): v2's plus ``STAGES``,
+    its cp.async page stages."""
+    cx = decode_split_v2_constexprs(layout, num_heads, sm_scale)
+    if cx["K_CODEBOOK"]:
+        raise NotImplementedError("decode_split_gl: uniform codes only (fitted levels: decode_split_v2)")
+    return {**cx, "STAGES": int(stages)}
 
 
 def decode_merge_constexprs(layout) -> dict[str, Any]:
@@ -350,9 +369,10 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_V2", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_PAGE_STAGES", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
     "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
     "TRT_DECODE_SPLIT",
-    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs", "decode_split_v2_constexprs",
+    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs", "decode_split_gl_constexprs",
+    "decode_split_v2_constexprs",
     "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
 ]

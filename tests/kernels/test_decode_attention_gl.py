@@ -1,0 +1,180 @@
+"""Decode attention v3 (the Gluon kernel, ``kernels/decode_attention_gl.py``) on the CPU: what can be checked here.
+
+Gluon has no interpreter, so the kernel itself runs only on a GPU (tests/gpu/test_kernels_gpu.py -k gluon). Here:
+
+* its A operands: ``emulate_a_operand`` (the kernel's loads, field masks, joins, permute and reshape, step by
+  step in PyTorch) equals the mma16 codes times the powers of two the kernel folds out;
+* its arithmetic: ``emulate`` (those operands, the kernel's scale folding and fp16 roundings) is within the
+  decode-attention error budget of test_decode_attention.py against the fp64 oracle;
+* its compilation for sm_90 by this Triton (the AOT builder's), across the shapes it claims: every
+  ``convert_layout(..., assert_trivial=True)`` of a page operand is proven a no-op by the compiler, and the
+  loop holds no spills;
+* the refusals of the wrapper for what it does not handle.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from oscar_export.kernels import decode_attention_gl as gl_attn
+from oscar_export.kernels import reference as ref
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.transform import LayerTransform
+
+from test_decode_attention import _cache, _check_budget
+
+
+def _mma(h_kv: int, d: int, gran: str, codebook: bool = False, **kw) -> KVCacheLayout:
+    return KVCacheLayout(h_kv, d, RowFormat(d, d, gran, codebook=codebook, packing="mma16"),
+                         RowFormat(d, d, codebook=codebook, packing="mma16"), **kw)
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 128), (64, 128), (128, 64), (64, 64), (256, 128), (128, 256)])
+def test_a_operand_is_the_codes_times_the_folded_powers(rows, cols):
+    torch.manual_seed(rows + cols)
+    codes = torch.randint(0, 4, (rows, cols), dtype=torch.uint8)
+    page = ref.pack_mma16(codes)
+    want = (codes.double() * (4.0 ** (2 * ((torch.arange(cols) // 8) % 2)))[None, :]
+            * (4.0 ** ((torch.arange(rows) // 8) % 2))[:, None] * 2.0 ** -24)
+    got = gl_attn.emulate_a_operand(page, rows, cols)
+    assert got.dtype == torch.float16
+    assert torch.equal(got.double(), want)
+    if cols > 128:  # the kernel's 128-column chunks of wide key rows
+        for c0 in range(0, cols, 128):
+            assert torch.equal(gl_attn.emulate_a_operand(page, rows, cols, c0, 128).double(), want[:, c0:c0 + 128])
+
+
+def test_a_operand_emulation_sees_a_wrong_order():
+    """The check above can fail: the transposed codes' page does not give the operand."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 4, (128, 128), dtype=torch.uint8)
+    want = gl_attn.emulate_a_operand(ref.pack_mma16(codes), 128, 128)
+    assert not torch.equal(gl_attn.emulate_a_operand(ref.pack_mma16(codes.t().contiguous()), 128, 128), want)
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+@pytest.mark.parametrize("hq,hkv,d,p", [(8, 2, 128, 128), (4, 1, 64, 64), (16, 1, 128, 64), (3, 1, 256, 128)])
+def test_emulated_kernel_within_budget(gran, hq, hkv, d, p):
+    lay = _mma(hkv, d, gran, sink=16, window=32, page_size=p)
+    tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
+    lengths = [0, 3, 16 + 32 + p + 1, 16 + 32 + 3 * p + 17]
+    torch.manual_seed(hq * d + p)
+    st = _cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), hq, d) * 2
+    got = gl_attn.emulate(q, st, lay, d**-0.5)
+    assert torch.equal(got[0], torch.zeros(hq, d)), "an empty sequence must give zeros"
+    _check_budget(got, q, st, lay, tr, d**-0.5, f"gluon emulation {gran} {hq}/{hkv} d={d} p={p}")
+
+
+def test_check_gluon_layout_refusals():
+    with pytest.raises(NotImplementedError, match="codebook"):
+        gl_attn.check_gluon_layout(_mma(2, 128, "token"), 8, codebook=True)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        gl_attn.check_gluon_layout(_mma(2, 96, "token"), 8, codebook=False)
+    with pytest.raises(NotImplementedError, match="page_size"):
+        gl_attn.check_gluon_layout(_mma(2, 128, "token", page_size=32), 8, codebook=False)
+    with pytest.raises(NotImplementedError, match="at most 16"):
+        gl_attn.check_gluon_layout(_mma(1, 128, "token"), 32, codebook=False)
+    gl_attn.check_gluon_layout(_mma(8, 128, "token"), 32, codebook=False)
+
+
+def test_wrapper_refuses_the_cpu_and_other_warps():
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    if "gluon" not in v2.KERNELS:
+        pytest.skip("this Triton has no Gluon")
+    lay = _mma(2, 128, "token")
+    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
+    st = PagedKV.allocate(lay, 1, 1, 1)
+    with pytest.raises(NotImplementedError, match="CUDA only"):
+        v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, variant="gluon")
+    with pytest.raises(NotImplementedError, match="codebook"):
+        v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, variant="gluon",
+                            codebook=True)
+
+
+# ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
+
+SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate q)
+    ("token", 128, 128, 4, False), ("channel", 128, 128, 4, False), ("token", 128, 64, 4, True),
+    ("token", 64, 64, 3, True), ("channel", 256, 128, 8, True), ("token", 256, 64, 16, False),
+    ("channel", 64, 128, 1, False),
+]
+
+
+def _spec(gran, d, p, gq, rotate, stages=gl_attn.STAGES):
+    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs
+    from oscar_export.kernels.aot.spec import KernelSpec
+
+    lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p)
+    cx = decode_split_gl_constexprs(lay, 8 * gq, d**-0.5)
+    cx.update(ROTATE_Q=rotate, STAGES=stages)
+    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}", cx)
+
+
+@pytest.mark.parametrize("gran,d,p,gq,rotate", SHAPES)
+def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate):
+    pytest.importorskip("triton")
+    if not gl_attn.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from oscar_export.kernels.aot.compile import compile_kernel
+
+    ck = compile_kernel(_spec(gran, d, p, gq, rotate), "sm_90")  # raises if an operand conversion is not trivial
+    ptx = ck.ptx.decode()
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ptx), "the dots are warpgroup MMAs"
+    assert re.search(r"cp\.async\.c[ga]\.shared\.global", ptx), "the pages stream through cp.async"
+    stack = _stack_bytes(ck.cubin)
+    if stack is not None:
+        assert stack == 0, f"the kernel spills ({stack} B of stack)"
+
+
+def _stack_bytes(cubin: bytes) -> int | None:
+    """Stack bytes per thread of a cubin (``cuobjdump -res-usage``, shipped with Triton), None without the tool."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"STACK:(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+def test_a_non_trivial_operand_layout_fails_compilation():
+    """``assert_trivial`` is a real check: a load layout that is not the A layout does not compile."""
+    pytest.importorskip("triton")
+    if not gl_attn.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    @gluon.jit
+    def wrong_rows(k_ptr, out_ptr):
+        # two rows of 4 halves per thread instead of one lane's 8 halves of one row: not the wgmma A layout
+        LW: gl.constexpr = gl.BlockedLayout([2, 4], [16, 2], [4, 1], [1, 0])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        r = gl.arange(0, 128, layout=gl.SliceLayout(1, LW))
+        c = gl.arange(0, 8, layout=gl.SliceLayout(0, LW))
+        h = gl.load(k_ptr + r[:, None] * 8 + c[None, :])
+        a = gl_attn._a_operand(h, 64, 128, A_L)
+        gl.store(out_ptr + gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [4], [0])), gl.sum(gl.sum(
+            gl.convert_layout(a, gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])).to(gl.float32), axis=1), axis=0))
+
+    src = GluonASTSource(wrong_rows, {"k_ptr": "*u16", "out_ptr": "*fp32"}, {}, {})
+    with pytest.raises(Exception) as err:  # triton's CompilationError, caused by convert_layout's TypeError
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "is not trivial" in f"{err.value} {err.value.__cause__}", err.value
