@@ -18,9 +18,10 @@ TB/s compare honestly. v2 reads 2-bit pages only: with ``--kernels v1,v2`` it ru
 
 ``--kernels v1,v2`` runs both decode kernels in the same process: v1 (``decode_attention.py``) on linear pages,
 v2 (``decode_attention_v2.py``) on ``mma16`` pages of the same bytes per page (the layout says so), each row
-with its copy-roofline time (``bytes / copy bandwidth``) and its fraction of it. Before timing, v2 is checked
-against v1 on the same tokens (the v1 state's codes repacked to mma16 by the reference): ``v2_vs_v1`` is the
-max abs difference of the two outputs (both BF16).
+with its copy-roofline time (``bytes / copy bandwidth``) and its fraction of it. Before timing, every v2 variant
+is checked against v1 on the same tokens (the v1 state's codes repacked to mma16 by the reference): ``v2_vs_v1``
+is the max abs difference of the two outputs (both BF16). The v2 variants include v3, the Gluon kernel
+(``--v2-variants gluon,gluon-s2,gluon-s4``: kernels/decode_attention_gl.py, by its cp.async stages).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ V2_VARIANTS = {
     "stages3": dict(num_stages=3),
     "plain": dict(fast_unpack=False),
     "tile": dict(variant="tile", num_warps=4),
+    # v3: the Gluon kernel (kernels/decode_attention_gl.py), cp.async stages 3 (the plan's), 2 and 4
+    "gluon": dict(variant="gluon"),
+    "gluon-s2": dict(variant="gluon", num_stages=2),
+    "gluon-s4": dict(variant="gluon", num_stages=4),
 }
 
 
@@ -168,8 +173,10 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
     q0 = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     want = decode_attention(q0, st0, lay, kl, kl, scale, out_dtype=torch.bfloat16)
     st0m, mlay = mma16_copy(st0, lay)
-    got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16)
-    diff = (got.float() - want.float()).abs().max().item()
+    diffs = {}  # every variant against v1 on the same tokens, before any timing
+    for name in names:
+        got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16, **V2_VARIANTS[name])
+        diffs[name] = (got.float() - want.float()).abs().max().item()
     del st0, st0m
     nbytes = batch * mlay.sequence_bytes(seq) + 2 * batch * HQ * D * 2  # cache + q in + out (bf16)
     sets = copies_for(nbytes)
@@ -187,7 +194,9 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
         floor = nbytes / (copy_tbps * 1e12) * 1e6
         rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq,
                          bytes=nbytes, eager_us=eager * 1e3, graph_us=graph * 1e3,
-                         tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor, pct_copy=100 * floor / (graph * 1e3), v2_vs_v1=diff, **{**kw, "variant": name}))
+                         tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor, pct_copy=100 * floor / (graph * 1e3),
+                         v2_vs_v1=diffs[name],
+                         **{**kw, "variant": name}))
     del states
     return rows
 

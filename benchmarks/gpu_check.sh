@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|k4|k4e2e]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|k4|k4e2e]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -45,6 +45,13 @@ if [ "${1:-}" = families ]; then  # issue 14: head_dim 256 kernels, Gemma-3 deco
     step families_hf 280 python3 benchmarks/families_gpu.py "$OUT/families" --context "${FAM_CONTEXT:-8192}" --steps "${FAM_STEPS:-20}"
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/families_kernel_tests.log 2>/dev/null | tail -n 3
     tail -n 12 "$OUT/families_bench_decode.log"; tail -n 6 "$OUT/families_hf.log"
+    exit 0
+fi
+if [ "${1:-}" = v3 ]; then  # the Gluon decode kernel (issue 11): its GPU tests, then v1 / v2 / v3 / SDPA at the issue's shapes (~6 min)
+    step v3_gpu_tests "${V3_TEST_S:-150}" python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -rA -k gluon
+    step v3_bench_decode "${V3_BENCH_S:-300}" python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768,32x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-default,gluon,gluon-s2,gluon-s4}" --json "$OUT/bench_decode_v3.json" ${COMMIT:+--commit $COMMIT}
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/v3_gpu_tests.log 2>/dev/null | tail -n 6
+    tail -n 40 "$OUT/v3_bench_decode.log"
     exit 0
 fi
 if [ "${1:-}" = v2 ]; then  # mma16 pages + the v2 decode kernel: GPU tests, compiled kernel tests, v1/v2/SDPA bench (~4 min)

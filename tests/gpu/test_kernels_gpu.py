@@ -398,6 +398,101 @@ def test_decode_attention_v2_real_shape_and_vs_v1(gran, variant):
     assert diff <= e1 + e2 + 1e-6, (diff, e1, e2)  # both against the same fp64 output of the same tokens
 
 
+@pytest.mark.parametrize("p", [128, 64])
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_attention_gluon_real_shape_vs_budget_and_v2(gran, p):
+    """v3 (the Gluon kernel) within budget at the Llama-3-8B shape (32 / 8 heads, D 128) on pages of 128 and 64
+    tokens, close to v2 "fields" on the same pages, with and without the fused query rotation; pages per split
+    1 (prologue only), 3 (a partial last split) and the default."""
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    lay = _mma16_layout(gran, p)
+    tr = _fitted_rotated_transform_gpu(8, 128)
+    lengths = [33000, 8192, 385, 17, 0]
+    torch.manual_seed(3)
+    st = _random_cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), 32, 128, device=DEV)
+    for pps in (None, 1, 3):
+        got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon", pages_per_split=pps)
+        assert torch.equal(got[4], torch.zeros_like(got[4])), "an empty sequence must give zeros"
+        e3, _ = _budget(got, q, st, lay, tr, 128**-0.5)
+        want = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, pages_per_split=pps)
+        e2, _ = _budget(want, q, st, lay, tr, 128**-0.5)
+        diff = (got - want).abs().max().item()
+        print(f"\n  gluon {gran} p={p} pps={pps}: err {e3:.3e}, v2 err {e2:.3e}, |gluon - v2| {diff:.3e}")
+        assert diff <= e2 + e3 + 1e-6, (diff, e2, e3)
+    rot = (tr.k_rotation, tr.k_scale)
+    q_model = torch.randn(len(lengths), 32, 128, device=DEV).bfloat16().float()
+    got = v2.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon", q_rotation=rot)
+    want = v2.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, q_rotation=rot)
+    e_rot = (got - want).abs().max().item()
+    assert e_rot <= 2 * e2 + 1e-3, (e_rot, e2)
+
+
+def _fitted_rotated_transform_gpu(hkv: int, d: int) -> LayerTransform:
+    """An identity transform but for a random key rotation and uneven key scales (uniform levels: the Gluon
+    kernel's)."""
+    ident = LayerTransform.identity(hkv, d, 0.96, 0.92)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d))[0].contiguous()
+    return LayerTransform(
+        k_rotation=rot, v_rotation=ident.v_rotation, k_scale=torch.rand(hkv, d) + 0.5, v_scale=ident.v_scale,
+        k_mean=ident.k_mean, v_mean=ident.v_mean, k_clip=ident.k_clip, v_clip=ident.v_clip,
+        k_levels=ident.k_levels, v_levels=ident.v_levels,
+    ).to(DEV)
+
+
+@pytest.mark.parametrize("hq,d,p", [(64, 256, 128), (128, 128, 64), (24, 64, 64)])
+def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p):
+    """Head dims 256 (two key chunks) and 64, 16 and 3 query heads per KV head (N = 16 and 8), within budget."""
+    from dataclasses import replace
+
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    lay = KVCacheLayout.default(8, d, "token", page_size=p)
+    lay = replace(lay, key=replace(lay.key, packing="mma16"), value=replace(lay.value, packing="mma16"))
+    tr = LayerTransform.identity(8, d, 0.96, 0.92).to(DEV)
+    lengths = [9000, 700]
+    torch.manual_seed(4)
+    st = _random_cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), hq, d, device=DEV)
+    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon")
+    _budget(got, q, st, lay, tr, d**-0.5)
+
+
+def test_decode_attention_gluon_matches_its_emulation():
+    """The kernel against decode_attention_gl.emulate (its own arithmetic in float64 on the CPU): a bug in the
+    operand bits or the scale folding shows here as a large difference, rounding alone as a small one."""
+    from oscar_export.kernels import decode_attention_gl as gla
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    lay = _mma16_layout("token", 128)
+    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    torch.manual_seed(5)
+    st = _random_cache(lay, [2000, 130], tr)
+    q = torch.randn(2, 32, 128, device=DEV)
+    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon").cpu()
+    cpu = PagedKV(**{f: getattr(st, f).cpu() for f in st.__dataclass_fields__})
+    want = gla.emulate(q.cpu(), cpu, lay, 128**-0.5)
+    assert (got - want).abs().max().item() < 2e-3, (got - want).abs().max().item()
+
+
+def test_decode_attention_gluon_cuda_graph_equals_eager():
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    lay = _mma16_layout("token", 128)
+    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    torch.manual_seed(6)
+    st = _random_cache(lay, [8192, 300], tr)
+    q = torch.randn(2, 32, 128, device=DEV)
+    eager = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon")
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 def test_decode_append_mma16_on_gpu_equals_reference():
     """The decode-step demotion writes mma16 pages equal to the reference's on the GPU (real shape)."""
     from oscar_export.kernels.decode_step import decode_append
