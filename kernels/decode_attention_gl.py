@@ -262,8 +262,7 @@ if HAVE_GLUON:
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)  # per token / per output dim
         COL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
-        QL: gl.constexpr = gl.BlockedLayout([1, 4], [GQ_PAD // 4 if GQ_PAD < 128 else 32, 32 // (GQ_PAD // 4)],
-                                            [4, 1], [1, 0])
+        QL: gl.constexpr = gl.BlockedLayout([1, 4], [GQ_PAD // 4, 128 // GQ_PAD], [4, 1], [1, 0])  # [GQ_PAD, D]
         QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, GQ_PAD], gl.float16)
         PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, GQ_PAD], gl.float16)
         KC: gl.constexpr = D if D < 128 else 128  # key columns per A operand (registers: KC / 2 per thread)

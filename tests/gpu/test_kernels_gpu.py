@@ -460,8 +460,9 @@ def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p):
 
 
 def test_decode_attention_gluon_matches_its_emulation():
-    """The kernel against decode_attention_gl.emulate (its own arithmetic in float64 on the CPU): a bug in the
-    operand bits or the scale folding shows here as a large difference, rounding alone as a small one."""
+    """The kernel against decode_attention_gl.emulate (its own arithmetic in float64 on the CPU, one softmax
+    instead of split + merge): a wrong operand bit or scale folding moves outputs of magnitude ~1 by O(0.1);
+    the different fp16 roundings of ``p·s_v`` (running vs global max) by ~1e-3."""
     from oscar_export.kernels import decode_attention_gl as gla
     from oscar_export.kernels import decode_attention_v2 as v2
 
@@ -473,7 +474,7 @@ def test_decode_attention_gluon_matches_its_emulation():
     got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon").cpu()
     cpu = PagedKV(**{f: getattr(st, f).cpu() for f in st.__dataclass_fields__})
     want = gla.emulate(q.cpu(), cpu, lay, 128**-0.5)
-    assert (got - want).abs().max().item() < 2e-3, (got - want).abs().max().item()
+    assert (got - want).abs().max().item() < 1e-2, (got - want).abs().max().item()
 
 
 def test_decode_attention_gluon_cuda_graph_equals_eager():
