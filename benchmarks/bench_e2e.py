@@ -15,6 +15,9 @@ Random BF16 weights (speed does not depend on them). Per workload ``B x L`` and 
 * ``bf16-dynamic``: eager ``DynamicCache`` decode (filled without a prefill: contents do not change its speed).
 * ``oscar-k4`` / ``oscar-graph-k4``: as ``oscar`` / ``oscar-graph`` with 4-bit keys in the layers ``--k4-layers``
   names (issue 17's mixed format; 2-bit elsewhere).
+* ``oscar-v2`` / ``oscar-graph-v2`` and ``oscar-v3`` / ``oscar-graph-v3``: the same cache bytes in ``mma16`` pages,
+  decoded by the v2 "fields" kernel or by v3, the Gluon kernel (``enable_oscar(layout=..., decode_variant=...)``;
+  issue 11).
 
 ``--no-prefill`` rows (and the equal-memory rows) set the cache lengths directly instead of prefilling: decode
 speed does not depend on the values stored. Decode times are medians of CUDA-event timings of single steps.
@@ -240,6 +243,24 @@ def key_bits_of(kind: str, num_layers: int, k4_layers: set[int]) -> tuple[int, .
     return tuple(4 if kind.endswith("-k4") and i in k4_layers else 2 for i in range(num_layers))
 
 
+#: the mma16 cache kinds: kind suffix -> the decode variant (``decode_attention_v2.KERNELS``)
+MMA16_KINDS = {"-v2": "fields", "-v3": "gluon"}
+
+
+def oscar_setup(model, kind: str, key_bits: tuple[int, ...]):
+    """``enable_oscar`` for an OSCAR cache kind: linear pages (v1), or mma16 pages with the kind's kernel."""
+    from oscar_export.plugins.hf import enable_oscar
+
+    variant = next((v for suffix, v in MMA16_KINDS.items() if kind.endswith(suffix)), None)
+    if variant is None:
+        return enable_oscar(model, key_bits=key_bits)
+    from oscar_export.kernels.layout import KVCacheLayout
+
+    cfg = model.config
+    layout = KVCacheLayout.default(cfg.num_key_value_heads, cfg.head_dim, "channel", packing="mma16")
+    return enable_oscar(model, layout=layout, key_bits=key_bits, decode_variant=variant)
+
+
 def roofline(row, model, weight_bytes, bw, layout, key_bits):
     cfg = model.config
     b, ctx = row["B"], row["context"]
@@ -277,8 +298,6 @@ def main(argv=None) -> int:
     if any(c.endswith("-k4") for c in args.caches.split(",") + args.equal_oscar.split(",")) and not k4:
         raise SystemExit("the *-k4 caches need --k4-layers")
     torch._dynamo.config.cache_size_limit = 64
-    from oscar_export.plugins.hf import enable_oscar
-
     print(env_line(args.commit), flush=True)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -309,7 +328,7 @@ def main(argv=None) -> int:
         if kind == "bf16-dynamic" and prefill:
             prefill = False  # eager DynamicCache decode is timed on a directly filled cache
         key_bits = key_bits_of(kind, model.config.num_hidden_layers, k4)
-        setup = enable_oscar(model, key_bits=key_bits) if kind.startswith("oscar") else None
+        setup = oscar_setup(model, kind, key_bits) if kind.startswith("oscar") else None
         try:
             row = run_cache(model, kind, b, ctx, args.steps, prefill, args.compile_mode, setup)
             if setup is not None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|k4|k4e2e]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|v3e2e|k4|k4e2e]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -52,6 +52,11 @@ if [ "${1:-}" = v3 ]; then  # the Gluon decode kernel (issue 11): its GPU tests,
     step v3_bench_decode "${V3_BENCH_S:-300}" python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768,32x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-default,gluon,gluon-s2,gluon-s4}" --json "$OUT/bench_decode_v3.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/v3_gpu_tests.log 2>/dev/null | tail -n 6
     tail -n 40 "$OUT/v3_bench_decode.log"
+    exit 0
+fi
+if [ "${1:-}" = v3e2e ]; then  # issue 11: the whole decode step with v1 / v2 / v3 pages and kernels, and at equal KV memory (~6 min)
+    step v3_e2e "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --workloads "${WORKLOADS:-1x32768!}" --caches "${CACHES:-oscar-graph,oscar-graph-v2,oscar-graph-v3,bf16-static}" --equal-kv-gib "${EQUAL_GIB:-64}" --equal-oscar oscar-graph,oscar-graph-v2,oscar-graph-v3 --steps "${STEPS:-20}" --json "$OUT/bench_e2e_v3.json" ${COMMIT:+--commit $COMMIT}
+    tail -n 20 "$OUT/v3_e2e.log"
     exit 0
 fi
 if [ "${1:-}" = v2 ]; then  # mma16 pages + the v2 decode kernel: GPU tests, compiled kernel tests, v1/v2/SDPA bench (~4 min)

@@ -529,26 +529,43 @@ def decode_attention(
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
-    if q.dim() == 3:
-        check_decode_v2_layout(layout, q.shape[1])
-        if variant == "gluon":
-            _gl.check_gluon_layout(layout, q.shape[1], bool(layout.key.codebook or layout.value.codebook
-                                                             if codebook is None else codebook))
-    lin = _as_linear(layout)  # v1's input checks (shapes, dtypes, devices) are packing-independent
-    rot, dsc, pages_per_split = check_decode_inputs(
-        q, state, lin, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
-    )
-    if codebook is None:
-        codebook = layout.key.codebook or layout.value.codebook
+    rot, dsc, pages_per_split, codebook = check_decode_v2_inputs(
+        q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, variant, codebook)
+    num_warps, num_stages = launch_options(variant, num_warps, num_stages)
     return launch_decode_v2(
         q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
-        layout.key.granularity == "channel", bool(codebook), q_rotation is not None, pages_per_split, out_dtype,
-        num_warps or (_gl.NUM_WARPS if variant == "gluon" else SPLIT_WARPS),
-        num_stages or (_gl.STAGES if variant == "gluon" else SPLIT_STAGES), variant=variant,
+        layout.key.granularity == "channel", codebook, q_rotation is not None, pages_per_split, out_dtype,
+        num_warps, num_stages, variant=variant,
         fast_unpack=(q.device.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
     )
+
+
+def check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split,
+                           variant: str, codebook: bool | None):
+    """Every check of :func:`decode_attention` before a launch (layout, variant, then v1's packing-independent
+    input checks); returns ``(rot, dsc, pages_per_split, codebook)`` as the launch takes them."""
+    if variant not in KERNELS:
+        raise ValueError(f"variant: expected one of {sorted(KERNELS)}, got {variant!r}")
+    if codebook is None:
+        codebook = layout.key.codebook or layout.value.codebook
+    if q.dim() == 3:
+        check_decode_v2_layout(layout, q.shape[1])
+        if variant == "gluon":
+            _gl.check_gluon_layout(layout, q.shape[1], bool(codebook))
+    rot, dsc, pages_per_split = check_decode_inputs(
+        q, state, _as_linear(layout), k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
+    )  # v1's input checks (shapes, dtypes, devices) are packing-independent
+    return rot, dsc, pages_per_split, bool(codebook)
+
+
+def launch_options(variant: str, num_warps: int | None, num_stages: int | None) -> tuple[int, int]:
+    """``(num_warps, num_stages)``: the given ones, else the variant's (the launch plan's DECODE_SPLIT_V2 or
+    DECODE_SPLIT_GL)."""
+    if variant == "gluon":
+        return num_warps or _gl.NUM_WARPS, num_stages or _gl.STAGES
+    return num_warps or SPLIT_WARPS, num_stages or SPLIT_STAGES
 
 
 def _as_linear(layout: KVCacheLayout) -> KVCacheLayout:
@@ -614,5 +631,5 @@ def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, sc
                               f"{layout.value.packing!r}; both linear (v1) or both mma16 (v2) are supported")
 
 
-__all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "check_decode_v2_layout", "decode_attention",
-           "decode_attention_any", "launch_decode_v2"]
+__all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "KERNELS", "check_decode_v2_inputs", "check_decode_v2_layout",
+           "decode_attention", "decode_attention_any", "launch_decode_v2", "launch_options"]

@@ -7,15 +7,21 @@ plain wrappers (:func:`.decode_attention.decode_attention`, :func:`.decode_step.
 the same input checks and then call the op:
 
 =====================================  ======================================================================
-``oscar::decode_attention``            ``[B, H, D]`` output; reads the cache (``mutates_args=()``)
+``oscar::decode_attention``            ``[B, H, D]`` output; reads the cache (``mutates_args=()``): v1, linear pages
+``oscar::decode_attention_v2``         the same over mma16 pages (v2 "fields"/"tile" or v3 "gluon"); a
+                                       ``torch.library.custom_op``, opaque to Inductor (which cannot trace a
+                                       Gluon kernel), with a fake implementation for the output's shape
 ``oscar::decode_append``               writes one token per sequence (+ demotion when due) into the cache
 =====================================  ======================================================================
+
+:func:`decode_attention` picks the op by the layout's page packing.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import decode_attention_v2 as _v2
 from .decode_attention import check_decode_inputs, launch_decode
 from .layout import KVCacheLayout, PagedKV, packing_code
 from .decode_step import APPEND_WARPS, ROT_BLOCK, _decode_append_kernel, check_decode_append_inputs, removals
@@ -44,6 +50,29 @@ def _decode_attention_op(
     )
 
 
+@torch.library.custom_op("oscar::decode_attention_v2", mutates_args=())
+def _decode_attention_v2_op(
+    q: torch.Tensor, out_dtype: torch.dtype, rot: torch.Tensor, dsc: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
+    recent_k: torch.Tensor, recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor,
+    v_codes: torch.Tensor, v_params: torch.Tensor, k_levels: torch.Tensor, v_levels: torch.Tensor,
+    block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor, recent_len: torch.Tensor,
+    num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float, k_channel: bool,
+    codebook: bool, rotate_q: bool, fast_unpack: bool, pages_per_split: int, variant: str, num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    return _v2.launch_decode_v2(
+        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
+        k_channel, codebook, rotate_q, pages_per_split, out_dtype, num_warps, num_stages, variant=variant,
+        fast_unpack=fast_unpack,
+    )
+
+
+@_decode_attention_v2_op.register_fake
+def _(q, out_dtype, *_):
+    return q.new_empty(q.shape, dtype=out_dtype)
+
+
 def decode_attention(
     q: torch.Tensor,
     state: PagedKV,
@@ -55,8 +84,18 @@ def decode_attention(
     q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     pages_per_split: int | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
-    """:func:`.decode_attention.decode_attention` through the ``oscar::decode_attention`` custom op."""
+    """Decode attention through the custom ops: :func:`.decode_attention.decode_attention` (``oscar::decode_attention``)
+    for linear pages, :func:`.decode_attention_v2.decode_attention` (``oscar::decode_attention_v2``) for mma16 pages.
+
+    ``variant``: the mma16 kernel (``decode_attention_v2.KERNELS``: ``"fields"``, the default, ``"tile"`` or
+    ``"gluon"``); linear pages have one kernel and take None."""
+    if layout.packing != "linear":
+        return _decode_attention_mma16(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
+                                       pages_per_split, variant or "fields")
+    if variant is not None:
+        raise ValueError(f"variant {variant!r}: linear pages have one decode kernel (v1); variants are for mma16 pages")
     rot, dsc, pps = check_decode_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
                                         pages_per_split)
     codebook = layout.key.codebook or layout.value.codebook
@@ -66,6 +105,19 @@ def decode_attention(
         layout.sink, layout.recent_slots, float(scale), layout.key.granularity == "channel", codebook,
         q_rotation is not None, q.device.type == "cuda" and not codebook, pps, out_dtype, layout.value.group_size,
         layout.key.bits,
+    )
+
+
+def _decode_attention_mma16(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split,
+                            variant: str) -> torch.Tensor:
+    rot, dsc, pps, codebook = _v2.check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation,
+                                                          out_dtype, pages_per_split, variant, None)
+    num_warps, num_stages = _v2.launch_options(variant, None, None)
+    return torch.ops.oscar.decode_attention_v2(
+        q, out_dtype, rot, dsc, *(getattr(state, f) for f in _STATE[:8]), k_levels, v_levels,
+        *(getattr(state, f) for f in _STATE[8:]), layout.num_kv_heads, layout.page_size,
+        layout.sink, layout.recent_slots, float(scale), layout.key.granularity == "channel", codebook,
+        q_rotation is not None, q.device.type == "cuda" and not codebook, pps, variant, num_warps, num_stages,
     )
 
 

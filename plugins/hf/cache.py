@@ -110,6 +110,7 @@ class OscarLayer(OscarCacheLayer):
         self.transform = _contiguous(transform.to(book.device))
         self.flags = TransformFlags.of(self.transform)
         self.group_removals = removals(layout, self.transform)
+        self.decode_variant = cache.decode_variant
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
         self.pages_per_split = default_pages_per_split(book.batch, layout.num_kv_heads, book.max_pages, sms)
         state = PagedKV.allocate(layout, book.batch, book.num_pool_pages, book.max_pages, device=book.device,
@@ -196,7 +197,7 @@ class OscarCache(Cache):
     def __init__(
         self, layout: KVCacheLayout, transforms, batch_size: int, max_length: int, *,
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
-        sliding_layers=(), sliding_window: int | None = None, key_bits=None,
+        sliding_layers=(), sliding_window: int | None = None, key_bits=None, decode_variant: str | None = None,
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
@@ -210,6 +211,8 @@ class OscarCache(Cache):
         ops = get_ops(backend)
         self.book = PageBook(layout, batch_size, max_length, device)
         self.key_bits = key_bits
+        #: the mma16 decode kernel the Triton backend launches (``enable_oscar(decode_variant=...)``); None: default
+        self.decode_variant = decode_variant
         self.layout = layout
         self.max_length = max_length
         self.active_slots: list[int] = list(range(batch_size))

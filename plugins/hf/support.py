@@ -79,6 +79,7 @@ class OscarSetup:
     ops: CacheOps
     previous_attn_implementation: str
     key_bits: tuple[int, ...] | None = None
+    decode_variant: str | None = None
 
     def make_cache(self, batch_size: int, max_length: int) -> OscarCache:
         """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
@@ -86,7 +87,8 @@ class OscarSetup:
         p = next(self.model.parameters())
         return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
                           backend=self.ops, sliding_layers=self.shape.sliding_layers,
-                          sliding_window=self.shape.sliding_window, key_bits=self.key_bits)
+                          sliding_window=self.shape.sliding_window, key_bits=self.key_bits,
+                          decode_variant=self.decode_variant)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
@@ -119,6 +121,7 @@ def enable_oscar(
     k_clip: float = 1.0,
     v_clip: float = 1.0,
     key_bits: Sequence[int] | None = None,
+    decode_variant: str | None = None,
 ) -> OscarSetup:
     """Switch ``model`` to the OSCAR cache: validate it, register and select the ``"oscar"`` attention.
 
@@ -137,6 +140,9 @@ def enable_oscar(
             BF16): identity rotation with per-token keys agreed on 2/32 tokens, with per-channel keys 28/32.
         key_bits: without an artifact, the key code width of each layer (``layout.CODE_BITS``; e.g. 4-bit keys
             in some layers for a speed or memory benchmark); an artifact carries its own.
+        decode_variant: with ``backend="triton"`` and mma16 pages (``RowFormat.packing``), the decode kernel
+            (``kernels.decode_attention_v2.KERNELS``: ``"fields"``, the default, ``"tile"``, or ``"gluon"``, the
+            Gluon kernel, not yet run on a GPU); None otherwise (linear pages have one kernel, v1).
     Returns:
         an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
         ``past_key_values``.
@@ -159,7 +165,23 @@ def enable_oscar(
         layout, transforms = art.layout, list(art.transforms)
         key_bits = tuple(getattr(art, "key_bits", ())) or None
     _check_layout(layout, transforms, shape)
-    if ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
+    if decode_variant is not None and (ops.name != "triton" or layout.packing != "mma16"):
+        raise ValueError(f"decode_variant {decode_variant!r}: picks the Triton kernel of mma16 pages; this setup has "
+                         f"backend {ops.name!r} and {layout.packing!r} pages")
+    if ops.name == "triton" and layout.packing == "mma16":  # v2 / v3: checked now, not at the first decode step
+        from oscar_export.kernels import decode_attention_gl, decode_attention_v2
+
+        variant = decode_variant or "fields"
+        if variant not in decode_attention_v2.KERNELS:
+            raise ValueError(f"decode_variant: expected one of {sorted(decode_attention_v2.KERNELS)}, got {variant!r}")
+        if any(b != layout.key.bits for b in key_bits or ()):
+            raise NotImplementedError("backend 'triton': mma16 pages hold 2-bit keys only; 4-bit key layers use "
+                                      "linear pages (the v1 kernel)")
+        decode_attention_v2.check_decode_v2_layout(layout, shape.num_heads)
+        if variant == "gluon":
+            decode_attention_gl.check_gluon_layout(layout, shape.num_heads,
+                                                   bool(layout.key.codebook or layout.value.codebook))
+    elif ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
         from oscar_export.kernels.decode_attention import check_decode_layout
 
         for bits in sorted(set(key_bits or (layout.key.bits,))):
@@ -174,7 +196,7 @@ def enable_oscar(
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits)
+    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits, decode_variant)
 
 
 def cache_kwargs(model: Any, cache: OscarCache) -> dict[str, OscarCache]:

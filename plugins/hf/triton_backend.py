@@ -5,8 +5,9 @@
                        ``kernels.quant_pack.write_pages`` (bit-exact with the reference quantizer)
 ``decode_append``      ``oscar::decode_append``: one launch (key transform fused unless it is the identity,
                        NaN/Inf check, demotion when due, the token)
-``decode_attention``   ``oscar::decode_attention``: split + merge, the query transform fused in the prologue,
-                       output in the model dtype
+``decode_attention``   ``oscar::decode_attention`` (linear pages) or ``oscar::decode_attention_v2`` (mma16
+                       pages, the layer's ``decode_variant``): split + merge, the query transform fused in
+                       the prologue, output in the model dtype
 ``chunk_attention``    the reference (no Triton chunked-prefill kernel yet)
 =====================  ====================================================================================
 
@@ -54,7 +55,8 @@ def decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tenso
     tr = layer.transform
     rot = None if layer.flags.keys_identity else (tr.k_rotation, tr.k_scale)
     return triton_ops.decode_attention(q, state, layer.layout, tr.k_levels, tr.v_levels, scale, q_rotation=rot,
-                                       out_dtype=q.dtype, pages_per_split=layer.pages_per_split)
+                                       out_dtype=q.dtype, pages_per_split=layer.pages_per_split,
+                                       variant=layer.decode_variant)
 
 
 def triton_ops() -> CacheOps:

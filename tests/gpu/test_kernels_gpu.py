@@ -272,7 +272,8 @@ def test_hf_triton_backend_matches_reference_ops():
     torch.manual_seed(2)
     _, a = _book_cache(lay, [0, 0], tr, 4000)
     _, g = _book_cache(lay, [0, 0], tr, 4000)
-    layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr), pages_per_split=None)
+    layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr), pages_per_split=None,
+                            decode_variant=None)
     for b, t in enumerate([3000, 700]):
         k, v = torch.randn(8, t, 128, device=DEV), torch.randn(8, t, 128, device=DEV)
         ref.write_tokens(a, b, 0, k, v, lay, tr)

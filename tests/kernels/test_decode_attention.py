@@ -309,5 +309,6 @@ def test_custom_op_matches_wrapper(da, device, bits):
     from oscar_export.plugins.hf.cache import TransformFlags
 
     trd = tr.to(device)
-    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd), pages_per_split=None)
+    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd), pages_per_split=None,
+                            decode_variant=None)
     assert torch.equal(backend().decode_attention(layer, q, dev_st, 0.125), want)

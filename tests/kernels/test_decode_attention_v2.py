@@ -136,3 +136,33 @@ def test_v2_bad_inputs_raise(da2, device):
         da2.check_decode_v2_layout(g32, 2)
     with pytest.raises(ValueError, match="q: expected head_dim 64, got 32"):
         da2.decode_attention(torch.randn(1, 2, 32, device=device), st, mma, *lv, 0.125)
+
+
+@pytest.mark.parametrize("variant", [None, "tile"])
+def test_custom_op_over_mma16_pages_matches_wrapper(da2, device, variant):
+    """``triton_ops.decode_attention`` picks ``oscar::decode_attention_v2`` for mma16 pages (the serving path) and
+    launches exactly v2's kernels (bitwise equal), also through the HF backend with the layer's decode variant;
+    a variant for linear pages is refused."""
+    from types import SimpleNamespace
+
+    from oscar_export.kernels import triton_ops
+    from oscar_export.plugins.hf.cache import TransformFlags
+    from oscar_export.plugins.hf.triton_backend import triton_ops as backend
+
+    lay = _mma(2, 64, "channel", sink=16, window=32, page_size=64)
+    tr = LayerTransform.identity(2, 64, 0.95, 0.9)
+    st = _dev(_cache(lay, [7, 300], tr), device)
+    q = torch.randn(2, 8, 64, device=device)
+    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
+    want = da2.decode_attention(q, st, lay, *lv, 0.125, variant=variant or "fields", out_dtype=torch.bfloat16)
+    got = triton_ops.decode_attention(q, st, lay, *lv, 0.125, variant=variant, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    trd = tr.to(device)
+    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd), pages_per_split=None,
+                            decode_variant=variant)
+    assert torch.equal(backend().decode_attention(layer, q.bfloat16(), st, 0.125),
+                       da2.decode_attention(q.bfloat16(), st, lay, *lv, 0.125, variant=variant or "fields",
+                                            out_dtype=torch.bfloat16))
+    lin = KVCacheLayout.default(2, 64, sink=16, window=32)
+    with pytest.raises(ValueError, match="linear pages have one decode kernel"):
+        triton_ops.decode_attention(q, PagedKV.allocate(lin, 2, 2, 2, device=device), lin, *lv, 0.125, variant="tile")

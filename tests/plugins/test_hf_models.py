@@ -331,3 +331,38 @@ def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time()
     for gran in ("token", "channel"):  # two groups of 128 per row: accepted
         with enable_oscar(model, backend="triton", key_granularity=gran) as oscar:
             assert (oscar.layout.key.group_size, oscar.layout.head_dim) == (128, 256)
+
+
+def test_triton_backend_takes_mma16_pages_and_a_decode_variant_checked_at_enable_time():
+    """mma16 pages on the Triton backend (v2 / v3 kernels): accepted, the variant reaches every layer of a cache;
+    what those kernels refuse is refused by ``enable_oscar``."""
+    pytest.importorskip("triton")
+    from oscar_export.kernels.layout import RowFormat
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = LlamaForCausalLM(cfg)
+
+    def mma(codebook=False):
+        return KVCacheLayout(2, 64, RowFormat(64, 64, "token", codebook=codebook, packing="mma16"),
+                             RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=32, page_size=64)
+
+    with enable_oscar(model, backend="triton", layout=mma()) as oscar:
+        assert oscar.decode_variant is None
+    with enable_oscar(model, backend="triton", layout=mma(), decode_variant="gluon") as oscar:
+        cache = oscar.make_cache(1, 256)
+        assert [layer.decode_variant for layer in cache.layers] == ["gluon", "gluon"]
+    with pytest.raises(ValueError, match=r"decode_variant: expected one of \['fields', 'gluon', 'tile'\], got 'v9'"):
+        enable_oscar(model, backend="triton", layout=mma(), decode_variant="v9")
+    with pytest.raises(ValueError, match="picks the Triton kernel of mma16 pages; this setup has backend 'torch'"):
+        enable_oscar(model, backend="torch", layout=mma(), decode_variant="fields")
+    with pytest.raises(ValueError, match="this setup has backend 'triton' and 'linear' pages"):
+        enable_oscar(model, backend="triton", decode_variant="fields")
+    with pytest.raises(NotImplementedError, match="codebook"):
+        enable_oscar(model, backend="triton", layout=mma(codebook=True), decode_variant="gluon")
+    with pytest.raises(NotImplementedError, match="mma16 pages hold 2-bit keys only"):
+        enable_oscar(model, backend="triton", layout=mma(), key_bits=(4, 2))
+    with pytest.raises(NotImplementedError, match="GQA ratios"):
+        cfg9 = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=96, num_hidden_layers=1,
+                           num_attention_heads=18, num_key_value_heads=2, head_dim=64)
+        enable_oscar(LlamaForCausalLM(cfg9), backend="triton", layout=mma())
