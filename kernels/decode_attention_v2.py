@@ -557,6 +557,12 @@ def check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotati
     rot, dsc, pages_per_split = check_decode_inputs(
         q, state, _as_linear(layout), k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
     )  # v1's input checks (shapes, dtypes, devices) are packing-independent
+    if variant == "gluon":  # 16-byte cp.async of every page: the JIT cannot fall back to narrower copies
+        for name in ("k_codes", "v_codes", "k_params", "v_params"):
+            off = getattr(state, name).data_ptr() % 16
+            if off:
+                raise ValueError(f"state.{name}: the 'gluon' kernel copies pages 16 bytes at a time; the buffer must "
+                                 f"start 16-byte aligned, it starts {off} bytes past a boundary (a sliced view?)")
     return rot, dsc, pages_per_split, bool(codebook)
 
 

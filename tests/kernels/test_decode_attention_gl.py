@@ -96,6 +96,25 @@ def test_wrapper_refuses_the_cpu_and_other_warps():
                             codebook=True)
 
 
+def test_wrapper_refuses_misaligned_page_buffers():
+    """A contiguous but sliced pool (base address off a 16-byte boundary) is refused before any launch."""
+    from dataclasses import replace
+
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    if "gluon" not in v2.KERNELS:
+        pytest.skip("this Triton has no Gluon")
+    lay = _mma(2, 128, "token")
+    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
+    st = PagedKV.allocate(lay, 1, 2, 2)
+    shape = st.k_codes.shape
+    sliced = torch.zeros(st.k_codes.numel() + 16, dtype=torch.uint8)[4:4 + st.k_codes.numel()].view(shape)
+    assert sliced.is_contiguous() and sliced.data_ptr() % 16 == 4
+    with pytest.raises(ValueError, match="state.k_codes: .* starts 4 bytes past a boundary"):
+        v2.decode_attention(torch.randn(1, 8, 128), replace(st, k_codes=sliced), lay, tr.k_levels, tr.v_levels, 0.1,
+                            variant="gluon")
+
+
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
 
 SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate q)
