@@ -217,12 +217,12 @@ if HAVE_GLUON:
         return m, l, out_t
 
     @gluon.jit
-    def _issue_page(kbuf, vbuf, tbuf, k16, v16, kp32, vp32, block_table_ptr, b, pg, end, it, max_pages, h, koffs,
-                    voffs, TOKEN_PARAMS: gl.constexpr, H_KV: gl.constexpr, P: gl.constexpr, D: gl.constexpr,
-                    KC: gl.constexpr, STAGES: gl.constexpr):
+    def _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg, end, it,
+                    max_pages, h, koffs, voffs, K_CHANNEL: gl.constexpr, H_KV: gl.constexpr, P: gl.constexpr,
+                    D: gl.constexpr, KC: gl.constexpr, STAGES: gl.constexpr):
         """cp.async the K and V codes of page ``pg`` of sequence ``b`` (zeros if ``pg >= end``) into stage
-        ``it % STAGES``, and its per-token param words (``TOKEN_PARAMS``: the V words, and the K words for
-        token keys), committed as one group."""
+        ``it % STAGES`` with its params: the V per-token words and the K ones (token keys) into ``tbuf``, or the
+        K channel ``[2, D]`` scales and lows into ``cbuf`` (channel keys); committed as one group."""
         ok = pg < end
         page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg, mask=ok, other=0).to(gl.int64)
         half_off = gl.multiple_of((page * H_KV + h) * (P * D // 8), 8)  # uint16 units; pages are 16-byte aligned
@@ -234,8 +234,14 @@ if HAVE_GLUON:
         LP: gl.constexpr = gl.BlockedLayout([P // 128 if P >= 128 else 1], [32], [4], [0])
         t = gl.arange(0, P, layout=LP)
         word_off = (page * H_KV + h) * P
-        if TOKEN_PARAMS:
-            _cp_async(tbuf.index(2 * st), kp32 + word_off + t, mask=ok)
+        if K_CHANNEL:  # rows 2 st (scales) and 2 st + 1 (lows) of cbuf
+            LC: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])  # 16 bytes a thread (replicated past D)
+            dc = gl.arange(0, D, layout=LC)
+            pw = k_params_ptr + (page * H_KV + h) * (2 * D) + dc
+            _cp_async(cbuf.index(2 * st), pw, mask=ok)
+            _cp_async(cbuf.index(2 * st + 1), pw + D, mask=ok)
+        else:
+            _cp_async(tbuf.index(2 * st), k_params_ptr.to(gl.pointer_type(gl.int32)) + word_off + t, mask=ok)
         _cp_async(tbuf.index(2 * st + 1), vp32 + word_off + t, mask=ok)
         async_copy.commit_group()
 
@@ -298,27 +304,26 @@ if HAVE_GLUON:
             kbuf = gl.allocate_shared_memory(gl.uint16, [STAGES * NCH, P // 16 * 32, KC // 16], CS)
             vbuf = gl.allocate_shared_memory(gl.uint16, [STAGES, D // 16 * 32, P // 16], CS)
             tbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 2, P], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            kp32 = k_params_ptr.to(gl.pointer_type(gl.int32))
+            if K_CHANNEL:  # the page's channel scales and lows, fp16 rows
+                cbuf = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            else:
+                cbuf = tbuf  # not read
             vp32 = v_params_ptr.to(gl.pointer_type(gl.int32))
             start = s * pages_per_split
             end = gl.minimum(start + pages_per_split, gl.load(num_pages_ptr + b))
             for i in gl.static_range(STAGES - 1):
-                _issue_page(kbuf, vbuf, tbuf, k16, v16, kp32, vp32, block_table_ptr, b, start + i, end, i,
-                            max_pages, h, koffs, voffs, not K_CHANNEL, H_KV, P, D, KC, STAGES)
+                _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, start + i, end,
+                            i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES)
             for pg in range(start, end):
                 it = pg - start
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of page pg have landed
                 _cta_barrier()  # ... everyone's; and stage (it - 1) % STAGES is free again
-                _issue_page(kbuf, vbuf, tbuf, k16, v16, kp32, vp32, block_table_ptr, b, pg + STAGES - 1, end,
-                            it + STAGES - 1, max_pages, h, koffs, voffs, not K_CHANNEL, H_KV, P, D, KC, STAGES)
-                page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg).to(gl.int64)
-                ph = page * H_KV + h
+                _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg + STAGES - 1,
+                            end, it + STAGES - 1, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES)
                 stage = it % STAGES
                 if K_CHANNEL:
-                    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
-                    pw = ph * (2 * D)
-                    ksc = gl.load(k_params_ptr + pw + dq).to(gl.float32)
-                    klo = gl.load(k_params_ptr + pw + D + dq).to(gl.float32)
+                    ksc = cbuf.index(2 * stage).load(gl.SliceLayout(0, QL)).to(gl.float32)
+                    klo = cbuf.index(2 * stage + 1).load(gl.SliceLayout(0, QL)).to(gl.float32)
                     qk_s.store(gl.permute((q32 * (ksc * hc_q)[None, :]).to(gl.float16), [1, 0]))
                     fence_async_shared()
                     const = gl.convert_layout(gl.sum(q32 * klo[None, :], axis=1), COL)
