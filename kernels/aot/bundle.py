@@ -60,9 +60,19 @@ def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: b
     return spec
 
 
-def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> KernelSpec:
+def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str,
+                      decode_variant: str | None = None) -> KernelSpec:
     """The split kernel for the layout's packing: v1 (``decode_attention.py``) for linear pages, v2
-    (``decode_attention_v2.py``: same parameters, grid and merge) for mma16 pages."""
+    (``decode_attention_v2.py``: same parameters, grid and merge) for mma16 pages, or with ``decode_variant
+    ="gluon"`` v3 (``decode_attention_gl.py``: the same parameters plus its stages; Hopper only, uniform codes;
+    not yet run on a GPU)."""
+    if decode_variant not in (None, "fields", "gluon"):
+        raise ValueError(f"decode_variant: expected None, 'fields' or 'gluon', got {decode_variant!r}")
+    if decode_variant is not None and layout.packing != "mma16":
+        raise ValueError(f"decode_variant {decode_variant!r}: for mma16 pages; the layout has {layout.packing!r} pages")
+    if decode_variant == "gluon":
+        return KernelSpec.from_plan(lp.DECODE_SPLIT_GL, f"decode_split_{tag}",
+                                    lp.decode_split_gl_constexprs(layout, num_heads, sm_scale))
     if layout.packing == "linear":
         return KernelSpec.from_plan(lp.DECODE_SPLIT, f"decode_split_{tag}",
                                     lp.decode_split_constexprs(layout, num_heads, sm_scale))
@@ -97,11 +107,13 @@ def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) 
 
 
 def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes: bool = True,
-                  trt: bool = True, key_bits: Sequence[int] | None = None) -> list[KernelSpec]:
+                  trt: bool = True, key_bits: Sequence[int] | None = None,
+                  decode_variant: str | None = None) -> list[KernelSpec]:
     """Every kernel variant serving ``layout`` needs (see the module doc). ``trt``: the TensorRT-order decode
     kernels, built for linear pages only (an mma16 bundle has none: the TensorRT plugin refuses it on load).
     ``key_bits``: the key code widths of the model's layers (``(2, 4)`` when some layers have 4-bit keys): one
-    set of variants per width, for ``layout.with_key_bits(b)``; default ``layout.key.bits`` alone."""
+    set of variants per width, for ``layout.with_key_bits(b)``; default ``layout.key.bits`` alone.
+    ``decode_variant``: mma16 pages' split kernel (:func:`decode_split_spec`; ``"gluon"`` builds for sm_90 only)."""
     widths = (layout.key.bits,) if key_bits is None else tuple(sorted(set(key_bits)))
     if not widths:
         raise ValueError("serving_specs: key_bits must name at least one code width")
@@ -114,7 +126,7 @@ def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes
             quant_pack_spec(lay, lay.key, "k", True, tag),
             quant_pack_spec(lay, lay.value, "v", False, tag),
             quant_pack_spec(lay, lay.value, "v", True, tag),
-            decode_split_spec(lay, num_heads, sm_scale, tag),
+            decode_split_spec(lay, num_heads, sm_scale, tag, decode_variant),
             decode_merge_spec(lay, tag),
             *decode_step_specs(lay, tag),
         ]

@@ -450,3 +450,62 @@ if __name__ == "__main__":
         print(f"wrote {Path(sys.argv[2]).resolve()}")
     else:
         sys.exit(f"usage: {sys.argv[0]} build OUT_DIR")
+
+
+# ---- v3, the Gluon split kernel, through the driver API (issue 11) -------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["cubin", "ptx"])
+def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
+    """An sm_90 bundle of the Gluon split kernel (``serving_specs(..., decode_variant="gluon")``), compiled here by
+    this machine's Triton, launched through the driver API: bitwise equal to the JIT launch of the same kernel,
+    within budget of the reference, and a CUDA-graph replay equal to an eager launch. (A bundle built on the CPU
+    machine by another Triton is not tested here: the harness's CPU bundle is built for sm_80/89 too, which a
+    Gluon kernel of warpgroup MMAs refuses.)"""
+    from oscar_export.kernels import decode_attention_v2 as v2
+    from oscar_export.kernels import reference
+    from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_plan, decode_split_spec, layout_tag
+    from oscar_export.kernels.aot.compile import build_bundle
+    from oscar_export.kernels.aot.launcher import AotKernel
+    from oscar_export.kernels.aot.manifest import read_manifest
+    from oscar_export.kernels.layout import KVCacheLayout
+
+    layout = KVCacheLayout.default(3, 64, packing="mma16")
+    tag = layout_tag(layout, HEADS)
+    specs = [decode_split_spec(layout, HEADS, SCALE, tag, "gluon"), decode_merge_spec(layout, tag)]
+    m = read_manifest(build_bundle(specs, tmp_path / "gl", archs=["sm_90"], ptx_version=None))
+    split, merge = (AotKernel(m, s.name, source=source) for s in specs)
+    lengths = [1, 321, 777, 1500]
+    st, t, max_pages, _ = _state(layout, lengths, cuda)
+    tc = t.to(cuda)
+    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    pps = 2
+    plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
+    out = _aot_decode(split, merge, q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    jit = v2.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE, q_rotation=(tc.k_rotation, tc.k_scale),
+                              out_dtype=torch.bfloat16, pages_per_split=pps, variant="gluon")
+    torch.cuda.synchronize()
+    assert _report("gluon bundle vs JIT", out, jit)
+    qs = t.transform_queries(q.float().cpu()[:, :, None]).squeeze(2)
+    cpu_st = type(st)(*[getattr(st, f).cpu() for f in st.__dataclass_fields__])
+    ref = reference.decode_attention(qs, cpu_st, layout, t.k_levels, t.v_levels, SCALE)
+    k, v, valid = reference.gather_context(cpu_st, layout, t.k_levels, t.v_levels)
+    lp = _bf16_attention(qs.to(cuda), k.to(cuda), v.to(cuda), valid.to(cuda)).cpu()
+    err, lp_err = (out.float().cpu() - ref).abs().max().item(), (lp - ref).abs().max().item()
+    print(f"  gluon decode [{source}]: max err vs reference {err:.3g}, BF16 torch {lp_err:.3g}")
+    assert err <= 2 * lp_err + 1e-3
+    static_q = q.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    q2 = torch.randn_like(q)
+    static_q.copy_(q2)
+    graph.replay()
+    eager = _aot_decode(split, merge, q2, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    torch.cuda.synchronize()
+    assert not torch.equal(g_out, out) and torch.equal(g_out, eager), "graph replay differs from an eager launch"

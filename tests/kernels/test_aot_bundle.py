@@ -168,3 +168,23 @@ def test_mma16_bundle_carries_v2_and_records_the_packing(name, tmp_path):
     m = read_manifest(out)
     assert m.packing == {"key": "mma16", "value": "mma16"}
     assert m.entry(by["decode_split"].name, "sm_90").symbol == "_decode_split_v2f_kernel"
+
+
+def test_mma16_bundle_can_carry_the_gluon_kernel_for_sm90_only(tmp_path):
+    """``serving_specs(..., decode_variant="gluon")``: the split kernel is v3 (its plan, 4 warps), compiled into an
+    sm_90 bundle; any other arch is refused with one clear error, as is the variant for linear pages."""
+    from oscar_export.kernels.aot.compile import build_bundle, compile_kernel
+    from oscar_export.kernels.aot.manifest import BundleError, read_manifest
+
+    layout, heads = LAYOUTS["mma16_llama"]
+    specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5, probes=False, decode_variant="gluon")
+    split = next(s for s in specs if s.name.startswith("decode_split"))
+    assert split.kernel.endswith(":_decode_split_gl_kernel") and split.num_warps == 4
+    assert split.constexpr_dict["STAGES"] == 3
+    keep = [s for s in specs if s.name.startswith(("decode_split", "decode_merge"))]
+    m = read_manifest(build_bundle(keep, tmp_path / "b", archs=["sm_90"], packing={"key": "mma16", "value": "mma16"}))
+    assert m.entry(split.name, "sm_90").symbol == "_decode_split_gl_kernel"
+    with pytest.raises(BundleError, match="runs on sm_90 \\(Hopper\\) only"):
+        compile_kernel(split, "sm_80")
+    with pytest.raises(ValueError, match="for mma16 pages; the layout has 'linear' pages"):
+        bundle.serving_specs(*LAYOUTS["d128_gqa4"], 0.1, decode_variant="gluon")
