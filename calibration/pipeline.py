@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from oscar_export.kernels.layout import KVCacheLayout, RowFormat
+from oscar_export.kernels.layout import PACKINGS, KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
 from .artifact import OscarArtifact, model_fingerprint
@@ -95,6 +95,7 @@ class CalibrationConfig:
     seed: int = 0
     key_bits_budget: float | None = None
     key_bits_metric: str = "kl"
+    packing: str = "linear"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data", tuple(self.data))
@@ -102,7 +103,7 @@ class CalibrationConfig:
             "rotation": ("auto", *ROTATION_KINDS), "scale": ("auto", "none", "whiten"),
             "clip": ("fitted", "global", "none"), "key_granularity": ("token", "channel"),
             "value_weighting": VALUE_WEIGHTINGS, "codebook": ("auto", "off", "on"),
-            "key_bits_metric": KEY_BITS_METRICS,
+            "key_bits_metric": KEY_BITS_METRICS, "packing": PACKINGS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -123,6 +124,9 @@ class CalibrationConfig:
                     f"CalibrationConfig.key_bits_budget: the held-out queries read no page unless seq_len > sink + "
                     f"window + page_size = {self.sink + self.window + self.page_size}, got {self.seq_len}"
                 )
+        if self.packing == "mma16" and self.key_bits_budget is not None:
+            raise ValueError("CalibrationConfig.packing: 'mma16' pages hold 2-bit keys only; key_bits_budget (4-bit "
+                             "key layers) needs 'linear' pages")
         if self.heldout < 1 or self.batch_size < 1:
             raise ValueError(f"CalibrationConfig: heldout and batch_size must be >= 1, got {self.heldout}, {self.batch_size}")
         if self.num_sequences <= self.heldout:
@@ -142,7 +146,8 @@ class CalibrationConfig:
 
     def layout(self, num_kv_heads: int, head_dim: int, codebook_k: bool = False, codebook_v: bool = False) -> KVCacheLayout:
         base = KVCacheLayout.default(
-            num_kv_heads, head_dim, self.key_granularity, sink=self.sink, window=self.window, page_size=self.page_size
+            num_kv_heads, head_dim, self.key_granularity, sink=self.sink, window=self.window, page_size=self.page_size,
+            packing=self.packing
         )
         return replace(base, key=replace(base.key, codebook=codebook_k), value=replace(base.value, codebook=codebook_v))
 

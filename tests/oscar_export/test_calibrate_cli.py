@@ -197,8 +197,7 @@ def test_inspect_deep_nesting_is_one_line(tmp_path, capsys):
 # ---- issue 15: --device-map (models larger than one GPU); on the CPU, the same artifact as a plain run ----------
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
+def _save_tiny_llama(path, head_dim: int = 16, heads: int = 4):
     """A random-weight Llama with a word-level tokenizer (the 200 commonest pydoc words), saved as an HF dir."""
     from collections import Counter
 
@@ -208,16 +207,20 @@ def tiny_model_dir(tmp_path_factory):
 
     from oscar_export.calibration.data import pydoc_text
 
-    path = tmp_path_factory.mktemp("tiny_llama")
     words = [w for w, _ in Counter(pydoc_text().split()).most_common(200)]
     tk = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", eos_token="[UNK]").save_pretrained(path)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=201, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    cfg = LlamaConfig(vocab_size=201, hidden_size=heads * head_dim, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 SMALL = ["--tokens", "768", "--seq-len", "96", "--heldout", "2", "--batch-size", "3", "--sink", "16", "--window", "32",
@@ -295,3 +298,49 @@ def test_key_bits_line_names_the_layers():
     art = OscarArtifact(art.layout, art.transforms, art.fingerprint, stats={"key_bits": {"budget": 3.0, "metric": "kl"}},
                         key_bits=art.key_bits)
     assert key_bits_line(art).startswith("key bits: 4-bit keys in 2 of 3 layers [0, 2] (budget 3.0 page bits, metric kl")
+
+
+# ---- issue 11: --packing mma16 (the v2 / v3 decode kernels' page order) ---------------------------------------------
+
+
+def test_calibrate_packing_mma16_is_the_linear_run_in_another_code_order(tmp_path_factory, tmp_path, capsys):
+    """``--packing mma16`` changes only the layout's packing: every artifact tensor equals the linear run's, and the
+    reference decode of the two artifacts gives the same logits (same codes, other byte order)."""
+    import torch
+
+    from oscar_export.calibration.artifact import load_artifact
+    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_d64"), head_dim=64, heads=2)
+    small = list(SMALL)
+    small[small.index("--page-size") + 1] = "32"  # mma16 value pages need P % 32 == 0
+    arts = {}
+    for packing in ("linear", "mma16"):
+        rc = main(["calibrate", "--model", str(model_dir), "--out", str(tmp_path / packing), *small,
+                   "--packing", packing])
+        assert rc == 0, capsys.readouterr().err
+        arts[packing] = load_artifact(tmp_path / packing)
+    lin, mma = arts["linear"], arts["mma16"]
+    assert (lin.layout.packing, mma.layout.packing) == ("linear", "mma16")
+    assert lin.layout.page_size == mma.layout.page_size == 32
+    tl, tm = lin.tensors(), mma.tensors()
+    assert tl.keys() == tm.keys() and all(torch.equal(tl[k], tm[k]) for k in tl)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.randint(1, 200, (1, 150))
+    logits = {}
+    for packing, art in arts.items():
+        with enable_oscar(model, art, backend="torch") as oscar, torch.no_grad():
+            cache = oscar.make_cache(1, 200)
+            out = model(ids, use_cache=True, **cache_kwargs(model, cache))
+            nxt = model(ids[:, -1:], use_cache=True, **cache_kwargs(model, cache))
+            logits[packing] = torch.cat([out.logits[0, -1:], nxt.logits[0, -1:]])
+    assert torch.equal(logits["linear"], logits["mma16"])
+
+
+def test_calibrate_packing_options_checked_before_the_model_loads(tmp_path, capsys):
+    rc = main(["calibrate", "--out", str(tmp_path / "a"), "--packing", "mma16", "--key-bits-budget", "3.0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'mma16' pages hold 2-bit keys only" in err, err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", str(tmp_path / "b"), "--packing", "tiled"])
