@@ -216,6 +216,9 @@ def build_deployment(
     art = load_packaged_artifact(export_dir, section, shape)
     layout = art.layout
     key_bits = sorted(set(art.key_bits or (layout.key.bits,)))  # one kernel set per key width the layers use
+    if onnx and layout.packing != "linear":  # refused before anything compiles
+        raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read linear pages; this artifact has "
+                         f"{layout.packing!r} pages (calibrate --packing linear)")
     specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")

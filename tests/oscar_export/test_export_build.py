@@ -20,12 +20,12 @@ from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
 
-def _export(path, kv_heads=1):
+def _export(path, kv_heads=1, packing="linear"):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=64)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    layout = KVCacheLayout.default(kv_heads, 64)
+    layout = KVCacheLayout.default(kv_heads, 64, packing=packing)
     art = OscarArtifact(layout, (LayerTransform.identity(kv_heads, 64),), model_fingerprint(cfg), {}, {})
     return export_checkpoint(model, None, art, path)
 
@@ -264,3 +264,13 @@ def test_bundle_carries_a_kernel_set_per_key_width_of_the_artifact(tmp_path, mon
     assert seen["key_bits"] == [2, 4]
     names = [s.name for s in seen["specs"]]
     assert any(n.endswith("_k4") for n in names) and any(not n.endswith("_k4") for n in names), names
+
+
+def test_onnx_of_mma16_pages_refused_before_compiling(tmp_path, no_compile):
+    """The ONNX form and the TensorRT plugins read linear pages: ``--onnx`` with an mma16 artifact (``calibrate
+    --packing mma16``) is refused before the bundle compiles, and nothing is written."""
+    ck = _export(tmp_path / "ck", packing="mma16")
+    with pytest.raises(ValueError, match="--onnx: the ONNX form and the TensorRT plugins read linear pages; this "
+                                         "artifact has 'mma16' pages"):
+        build_deployment(ck, tmp_path / "deploy", ["sm_90"], onnx=True)
+    assert not (tmp_path / "deploy").exists()

@@ -143,3 +143,12 @@ def test_4bit_keys_refused():
     for build in (decode_attention_model, decode_attention_trt_model):
         with pytest.raises(NotImplementedError, match="2-bit pages only, the layout has 4-bit keys"):
             build(lay, 4, SCALE)
+
+
+def test_mma16_pages_refused():
+    """Bug (reachable since ``calibrate --packing mma16``): the reference function unpacks linear codes, so an mma16
+    layout exported an ONNX graph that computed attention over scrambled codes, without an error."""
+    lay = KVCacheLayout.default(2, 64, packing="mma16")
+    for build in (decode_attention_model, decode_attention_trt_model):
+        with pytest.raises(NotImplementedError, match="linear pages only, the layout has 'mma16' key and 'mma16' value pages"):
+            build(lay, 8, SCALE)
