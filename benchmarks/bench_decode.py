@@ -173,10 +173,14 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
     q0 = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     want = decode_attention(q0, st0, lay, kl, kl, scale, out_dtype=torch.bfloat16)
     st0m, mlay = mma16_copy(st0, lay)
-    diffs = {}  # every variant against v1 on the same tokens, before any timing
+    diffs = {}  # every variant against v1 on the same tokens, before any timing; a failing one is left out alone
     for name in names:
-        got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16, **V2_VARIANTS[name])
-        diffs[name] = (got.float() - want.float()).abs().max().item()
+        try:
+            got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16, **V2_VARIANTS[name])
+            torch.cuda.synchronize()
+            diffs[name] = (got.float() - want.float()).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - reported, and the other variants' rows kept
+            print(f"v2 variant {name} {batch}x{seq} {gran}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
     del st0, st0m
     nbytes = batch * mlay.sequence_bytes(seq) + 2 * batch * HQ * D * 2  # cache + q in + out (bf16)
     sets = copies_for(nbytes)
@@ -185,7 +189,7 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
     max_pages = states[0].block_table.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for name in names:
+    for name in (n for n in names if n in diffs):
         kw = dict(V2_VARIANTS[name], pages_per_split=default_pages_per_split(batch, HKV, max_pages, sms, 1))
         call = lambda i, kw=kw: v2.decode_attention(qs[i % sets], states[i % sets], mlay, kl, kl, scale,  # noqa: E731
                                                      out_dtype=torch.bfloat16, **kw)
