@@ -335,6 +335,8 @@ def main(argv=None) -> int:
                 layout = setup.layout
         except torch.OutOfMemoryError as e:
             row = {"cache": kind, "B": b, "context": ctx, "error": f"out of memory: {str(e)[:120]}"}
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel that does not compile: the row says so, the run goes on
+            row = {"cache": kind, "B": b, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         finally:
             if setup is not None:
                 setup.restore()
