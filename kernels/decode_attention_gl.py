@@ -75,6 +75,17 @@ def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) ->
         raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
 
 
+def check_gluon_device(device: torch.device) -> None:
+    """Raise ``NotImplementedError`` unless ``device`` is a Hopper GPU (sm_90: the warpgroup MMAs; neither Ampere /
+    Ada nor Blackwell have them)."""
+    if device.type != "cuda":
+        raise NotImplementedError("decode_attention_gl: CUDA only (Gluon has no CPU interpreter); use v2 'fields'")
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) != (9, 0):
+        raise NotImplementedError(f"decode_attention_gl: warpgroup MMAs need a Hopper GPU (sm_90), this one is "
+                                  f"sm_{cap[0]}{cap[1]}; use v2 'fields'")
+
+
 if HAVE_GLUON:
 
     @gluon.jit
@@ -464,4 +475,4 @@ def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
             (state.recent_k[bi, hi, slots], state.recent_v[bi, hi, slots])]
 
 
-__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_layout", "emulate", "emulate_a_operand"]
+__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout", "emulate", "emulate_a_operand"]

@@ -597,9 +597,7 @@ def launch_decode_v2(
         raise NotImplementedError(f"decode_attention_v2 'fields': page_size 64 or 128, got {page_size} (use 'tile')")
     extra = dict(FAST_UNPACK=fast_unpack and not codebook) if variant in ("fields", "gluon") else {}
     if variant == "gluon":  # the Gluon kernel (decode_attention_gl): one warpgroup, cp.async stages
-        if q.device.type != "cuda":
-            raise NotImplementedError("decode_attention_v2 'gluon': CUDA only (Gluon has no CPU interpreter); "
-                                      "use 'fields' there")
+        _gl.check_gluon_device(q.device)
         if num_warps != _gl.NUM_WARPS:
             raise ValueError(f"decode_attention_v2 'gluon': num_warps must be {_gl.NUM_WARPS}, got {num_warps}")
         if num_stages < 2:

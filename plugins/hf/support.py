@@ -181,6 +181,9 @@ def enable_oscar(
         if variant == "gluon":
             decode_attention_gl.check_gluon_layout(layout, shape.num_heads,
                                                    bool(layout.key.codebook or layout.value.codebook))
+            device = next(model.parameters()).device
+            if device.type == "cuda":  # a model still on the CPU is checked at its first decode step
+                decode_attention_gl.check_gluon_device(device)
     elif ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
         from oscar_export.kernels.decode_attention import check_decode_layout
 

@@ -115,6 +115,19 @@ def test_wrapper_refuses_misaligned_page_buffers():
                             variant="gluon")
 
 
+def test_gluon_device_check(monkeypatch):
+    """The Gluon kernel runs on Hopper only: the CPU and other GPUs get one clear error (no compile failure)."""
+    with pytest.raises(NotImplementedError, match="CUDA only"):
+        gl_attn.check_gluon_device(torch.device("cpu"))
+    for cap, ok in (((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        if ok:
+            gl_attn.check_gluon_device(torch.device("cuda"))
+        else:
+            with pytest.raises(NotImplementedError, match=f"Hopper GPU \\(sm_90\\), this one is sm_{cap[0]}{cap[1]}"):
+                gl_attn.check_gluon_device(torch.device("cuda"))
+
+
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
 
 SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate q)
