@@ -445,12 +445,11 @@ def _fitted_rotated_transform_gpu(hkv: int, d: int) -> LayerTransform:
 @pytest.mark.parametrize("hq,d,p", [(64, 256, 128), (128, 128, 64), (24, 64, 64)])
 def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p):
     """Head dims 256 (two key chunks) and 64, 16 and 3 query heads per KV head (N = 16 and 8), within budget."""
-    from dataclasses import replace
-
     from oscar_export.kernels import decode_attention_v2 as v2
+    from oscar_export.kernels.layout import RowFormat
 
-    lay = KVCacheLayout.default(8, d, "token", page_size=p)
-    lay = replace(lay, key=replace(lay.key, packing="mma16"), value=replace(lay.value, packing="mma16"))
+    # one group per row (v2 and v3 need it: the default layout has two groups of 128 at D = 256)
+    lay = KVCacheLayout(8, d, RowFormat(d, d, "token", packing="mma16"), RowFormat(d, d, packing="mma16"), page_size=p)
     tr = LayerTransform.identity(8, d, 0.96, 0.92).to(DEV)
     lengths = [9000, 700]
     torch.manual_seed(4)
