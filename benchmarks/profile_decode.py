@@ -4,7 +4,8 @@
         --section SourceCounters -o rep python3 benchmarks/profile_decode.py --shape 1x131072 --variant default
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
 
-Same random cache as bench_decode.py (32 query / 8 KV heads, head_dim 128, token keys).
+Same random cache as bench_decode.py (32 query / 8 KV heads, head_dim 128, token keys). ``--v2-variant NAME``
+profiles a v2 / v3 kernel instead (``bench_decode.V2_VARIANTS``, e.g. ``gluon``) on the same tokens in mma16 pages.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 
 import torch
 
-from bench_decode import HKV, HQ, D, VARIANTS, random_state  # noqa: E402  (same folder)
+from bench_decode import HKV, HQ, D, V2_VARIANTS, VARIANTS, mma16_copy, random_state  # noqa: E402  (same folder)
 from oscar_export.kernels.decode_attention import decode_attention
 from oscar_export.kernels.layout import KVCacheLayout
 
@@ -22,6 +23,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x131072")
     ap.add_argument("--variant", default="default", help=f"one of {sorted(VARIANTS)}")
+    ap.add_argument("--v2-variant", default=None, help=f"one of {sorted(V2_VARIANTS)}: mma16 pages, v2 / v3 kernels")
     ap.add_argument("--gran", default="token")
     args = ap.parse_args()
     b, s = (int(x) for x in args.shape.split("x"))
@@ -29,9 +31,17 @@ def main() -> int:
     st = random_state(lay, b, s)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
     lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
-    kw = {k: v for k, v in VARIANTS[args.variant].items()}
+    if args.v2_variant is not None:
+        from oscar_export.kernels import decode_attention_v2 as v2
+
+        st, lay = mma16_copy(st, lay)
+        call = lambda: v2.decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
+                                           **V2_VARIANTS[args.v2_variant])
+    else:
+        call = lambda: decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
+                                        **VARIANTS[args.variant])
     for _ in range(2):  # the first call compiles
-        decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16, **kw)
+        call()
     torch.cuda.synchronize()
     return 0
 
