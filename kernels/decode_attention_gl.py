@@ -52,6 +52,7 @@ except ImportError:  # pragma: no cover - exercised only on old Triton
     HAVE_GLUON = False
 
 from .aot import launch_plan as _plan
+from .decode_attention import window_block
 from .layout import KVCacheLayout
 
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
@@ -192,24 +193,13 @@ if HAVE_GLUON:
                       recent_len_ptr, b, h, c, H_KV: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
                       S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, GQ_PAD: gl.constexpr,
                       MMA: gl.constexpr, A_L: gl.constexpr):
-        """Attention over BF16 chunk ``c`` (v1's ``window_block`` addressing: sink chunks first, then the recent
+        """Attention over BF16 chunk ``c`` (addressed by v1's ``window_block``: sink chunks first, then the recent
         ring): ``m, l [GQ_PAD]`` (log2 units) and the unnormalised ``O^T [D, GQ_PAD]``."""
         LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         tb = gl.arange(0, BN, layout=gl.SliceLayout(1, LK))
         dd = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
-        NSINK: gl.constexpr = (S0 + BN - 1) // BN
-        if c < NSINK:
-            kv_off = (b * H_KV + h).to(gl.int64) * (S0 * D) + c * (BN * D)
-            kb = sink_k_ptr + kv_off
-            vb = sink_v_ptr + kv_off
-            tmask = tb < gl.minimum(gl.load(sink_len_ptr + b), S0) - c * BN
-        else:
-            kv_off = (b * H_KV + h).to(gl.int64) * (RC * D) + (c - NSINK) * (BN * D)
-            kb = recent_k_ptr + kv_off
-            vb = recent_v_ptr + kv_off
-            slot = (c - NSINK) * BN + tb
-            start = (gl.load(num_pages_ptr + b) * P) % RC
-            tmask = (slot < RC) & ((slot - start + RC) % RC < gl.load(recent_len_ptr + b))
+        kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
+                                     recent_len_ptr, b, h, c, tb, H_KV, D, P, S0, RC, BN)  # v1's (a @triton.jit helper)
         rows = tb[:, None] * D + dd[None, :]
         kk = gl.load(kb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)  # [BN, D]
         vv = gl.load(vb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)
@@ -466,13 +456,14 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
 
 
 def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
-    """The cached BF16 sink and recent tokens of sequence ``bi``, KV head ``hi``: ``[(K, V), (K, V)]``."""
+    """The cached BF16 sink and recent tokens of sequence ``bi``, KV head ``hi``: ``[(K, V), (K, V)]`` (the ring's
+    slots by ``reference.recent_valid``, in slot order: attention does not care)."""
+    from . import reference
+
     s_len = min(int(state.sink_len[bi]), layout.sink)
-    rc = layout.recent_slots
-    start = (int(state.num_pages[bi]) * layout.page_size) % rc
-    slots = [(start + j) % rc for j in range(int(state.recent_len[bi]))]
+    ring = reference.recent_valid(layout, state.num_pages, state.recent_len)[bi]
     return [(state.sink_k[bi, hi, :s_len], state.sink_v[bi, hi, :s_len]),
-            (state.recent_k[bi, hi, slots], state.recent_v[bi, hi, slots])]
+            (state.recent_k[bi, hi][ring], state.recent_v[bi, hi][ring])]
 
 
 __all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout", "emulate", "emulate_a_operand"]

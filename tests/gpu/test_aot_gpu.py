@@ -266,11 +266,46 @@ def _bf16_attention(qs, k, v, valid):
     return torch.matmul(p, v.bfloat16()).view(b, h, d).float()
 
 
+def _check_reference_budget(out, q, t, st, layout, what):
+    """The bundle's output against the reference: at most 2x the error of a BF16 PyTorch computation + 1e-3."""
+    from oscar_export.kernels import reference
+
+    qs = t.transform_queries(q.float().cpu()[:, :, None]).squeeze(2)
+    cpu_st = type(st)(*[getattr(st, f).cpu() for f in st.__dataclass_fields__])
+    ref = reference.decode_attention(qs, cpu_st, layout, t.k_levels, t.v_levels, SCALE)
+    k, v, valid = reference.gather_context(cpu_st, layout, t.k_levels, t.v_levels)
+    lp = _bf16_attention(qs.to(out.device), k.to(out.device), v.to(out.device), valid.to(out.device)).cpu()
+    err, lp_err = (out.float().cpu() - ref).abs().max().item(), (lp - ref).abs().max().item()
+    print(f"  {what}: max err vs reference {err:.3g}, BF16 torch {lp_err:.3g}")
+    assert err <= 2 * lp_err + 1e-3
+
+
+def _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, what):
+    """Capture one decode (split + merge) in a CUDA graph, change the query in place, replay: equal to an eager
+    launch with the new query (and not the old output)."""
+    static_q = q.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    q2 = torch.randn_like(q)
+    static_q.copy_(q2)
+    graph.replay()
+    eager = _aot_decode(split, merge, q2, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    torch.cuda.synchronize()
+    assert not torch.equal(g_out, out)  # the replay really used the new query
+    assert torch.equal(g_out, eager), "graph replay differs from an eager launch"
+    print(f"  {what}: CUDA graph replay == eager launch")
+
+
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", SOURCES)
 def test_decode_attention(bundles, where, source, lay, cuda):
     from oscar_export.kernels import decode_attention as jit_mod
-    from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
 
     layout = layouts()[lay]
@@ -287,15 +322,7 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
                                    q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16, pages_per_split=pps)
     torch.cuda.synchronize()
-    qs = t.transform_queries(q.float().cpu()[:, :, None]).squeeze(2)
-    cpu_st = type(st)(*[getattr(st, f).cpu() for f in st.__dataclass_fields__])
-    ref = reference.decode_attention(qs, cpu_st, layout, t.k_levels, t.v_levels, SCALE)
-    k, v, valid = reference.gather_context(cpu_st, layout, t.k_levels, t.v_levels)
-    lp = _bf16_attention(qs.to(cuda), k.to(cuda), v.to(cuda), valid.to(cuda)).cpu()
-    err, lp_err = (out.float().cpu() - ref).abs().max().item(), (lp - ref).abs().max().item()
-    print(f"  decode [{where} {source} {lay}] B={len(lengths)} lengths {lengths}: max err vs reference {err:.3g}, "
-          f"BF16 torch {lp_err:.3g}")
-    assert err <= 2 * lp_err + 1e-3
+    _check_reference_budget(out, q, t, st, layout, f"decode [{where} {source} {lay}] B={len(lengths)} lengths {lengths}")
     assert _attention_matches_jit("decode vs JIT", out, jit, _same_triton(bundles, where))
 
     # The TensorRT-order variants (what plugins/trt hands TensorRT) through the same driver path.
@@ -314,23 +341,7 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     assert _report("TensorRT-order kernels vs decode", tout, out)
 
     # CUDA graph: capture one step, change the query in place, replay, compare with an eager launch.
-    static_q = q.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)  # warm-up
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    q2 = torch.randn_like(q)
-    static_q.copy_(q2)
-    graph.replay()
-    eager = _aot_decode(split, merge, q2, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    torch.cuda.synchronize()
-    assert not torch.equal(g_out, out)  # the replay really used the new query
-    assert torch.equal(g_out, eager), "graph replay differs from an eager launch"
-    print(f"  decode [{where} {source} {lay}]: CUDA graph replay == eager launch")
+    _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, f"decode [{where} {source} {lay}]")
 
 
 # ---- the TensorRT-LLM module's device ops (plugins/trtllm/device.py), without TensorRT-LLM ----------------
@@ -463,7 +474,6 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     machine by another Triton is not tested here: the harness's CPU bundle is built for sm_80/89 too, which a
     Gluon kernel of warpgroup MMAs refuses.)"""
     from oscar_export.kernels import decode_attention_v2 as v2
-    from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_plan, decode_split_spec, layout_tag
     from oscar_export.kernels.aot.compile import build_bundle
     from oscar_export.kernels.aot.launcher import AotKernel
@@ -486,26 +496,5 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
                               out_dtype=torch.bfloat16, pages_per_split=pps, variant="gluon")
     torch.cuda.synchronize()
     assert _report("gluon bundle vs JIT", out, jit)
-    qs = t.transform_queries(q.float().cpu()[:, :, None]).squeeze(2)
-    cpu_st = type(st)(*[getattr(st, f).cpu() for f in st.__dataclass_fields__])
-    ref = reference.decode_attention(qs, cpu_st, layout, t.k_levels, t.v_levels, SCALE)
-    k, v, valid = reference.gather_context(cpu_st, layout, t.k_levels, t.v_levels)
-    lp = _bf16_attention(qs.to(cuda), k.to(cuda), v.to(cuda), valid.to(cuda)).cpu()
-    err, lp_err = (out.float().cpu() - ref).abs().max().item(), (lp - ref).abs().max().item()
-    print(f"  gluon decode [{source}]: max err vs reference {err:.3g}, BF16 torch {lp_err:.3g}")
-    assert err <= 2 * lp_err + 1e-3
-    static_q = q.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)  # warm-up
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    q2 = torch.randn_like(q)
-    static_q.copy_(q2)
-    graph.replay()
-    eager = _aot_decode(split, merge, q2, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    torch.cuda.synchronize()
-    assert not torch.equal(g_out, out) and torch.equal(g_out, eager), "graph replay differs from an eager launch"
+    _check_reference_budget(out, q, t, st, layout, f"gluon decode [{source}]")
+    _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, f"gluon decode [{source}]")
