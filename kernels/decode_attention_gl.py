@@ -16,7 +16,9 @@ Same interface, semantics and partials as v2's split kernels (:mod:`.decode_atte
   K-dim bit 3 goes into the B operand rows (query dims, resp. tokens), the ``4^-hr`` of the M bit 3 and the
   ``2^24`` into the per-row scales (key tokens, resp. output dims) — all exact powers of two;
 * the softmax state stays in the accumulator layout: the running max is one cross-warp reduction per page,
-  the denominators and ``Σ p·lo`` are kept per element and reduced once after the last page.
+  the denominators and ``Σ p·lo`` are kept per element and reduced once after the last page;
+* the pages stream through ``STAGES`` shared-memory stages by ``cp.async`` (codes, token param words, channel
+  params), ``STAGES - 1`` pages ahead of the one computed: no synchronous global load in the page loop.
 
 The BF16 sink / recent chunks (``s >= n_page_splits``) use the same warpgroup MMAs on operands converted
 through shared memory (a few chunks per sequence, not the hot loop).
@@ -25,8 +27,9 @@ Limits: uniform 2-bit codes (``K_CODEBOOK``/``V_CODEBOOK`` False), token or chan
 ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; :func:`check_gluon_layout` refuses the rest.
 ``FAST_UNPACK`` is accepted for v2's signature and ignored (the field masks are always PTX: CUDA only).
 
-Status: compiled for sm_90 by Triton 3.9 on the CPU, with every A-operand conversion proven trivial by the
-compiler (``tests/kernels/test_decode_attention_gl.py``). **Never run on a GPU** (no machine was lent in the
+Status: compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the H200's JIT) on the CPU, with every A-operand
+conversion proven trivial by the compiler (``tests/kernels/test_decode_attention_gl.py``). Hopper only
+(:func:`check_gluon_device`). **Never run on a GPU** (no machine was lent in the
 session that wrote it): its first tests are ``tests/gpu/test_kernels_gpu.py -k gluon``; there is no CPU
 interpreter for Gluon, and the algorithm's CPU check is :func:`emulate` (the same folding of scales and
 powers of two, in PyTorch, against ``reference.decode_attention``).
