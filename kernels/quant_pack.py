@@ -33,7 +33,7 @@ import triton.language as tl
 from .aot import launch_plan as _plan
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
 from .layout import ONE_THIRD_F32, PACK_MMA16_KEY, KVCacheLayout, PagedKV, RowFormat, packing_code
-from .mma16 import store_mma16
+from .mma16 import repack_linear_to_mma16, store_mma16
 from .reference import span_inverse
 from .transform import clip_rank
 
@@ -91,8 +91,10 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
 
     Rows go in blocks of S; each thread holds C contiguous values of a quarter row per load, the four
     quarters (bits 0, 2, 4, 6 of a code byte) are loaded separately so a byte is packed in one thread.
-    ``PACKING`` (``layout.packing_code``) != 0: the codes of a row block are computed on whole rows after its
-    groups' thresholds (same arithmetic) and stored in mma16 order (:mod:`.mma16`). ``BITS == 4``: 16 uniform
+    ``PACKING`` (``layout.packing_code``) != 0: with one group per row, the page-head is written in linear order
+    and then repacked in place (``mma16.repack_linear_to_mma16``: no exchange between threads); with several, the
+    codes of a row block are computed on whole rows after its groups' thresholds (same arithmetic) and stored in
+    mma16 order (:mod:`.mma16`). ``BITS == 4``: 16 uniform
     levels (``lv*`` unused), quarters 0 | 2 << 4 into bytes ``g G/2 + q``, 1 | 3 << 4 into ``g G/2 + G/4 + q``.
     """
     Q: tl.constexpr = G // 4
@@ -106,7 +108,7 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     t1p = (lv1 + lv2) * 0.5
     t2p = (lv2 + lv3) * 0.5
     for rb in range(0, P, S):
-        if PACKING != 0:  # per-element group parameters of the row block, for the whole-row code pass
+        if PACKING != 0 and NG > 1:  # per-element group parameters of the row block, for the whole-row code pass
             colg = tl.arange(0, D)[None, :] // G
             thr_f = tl.zeros((S, D), tl.float32)
             lof_f = tl.zeros((S, D), tl.float32)
@@ -147,7 +149,7 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                 dst = codes_base + (rb + r)[:, None] * (D // 2) + (g * (G // 2) + q)[None, :]
                 tl.store(dst, low.to(tl.uint8))
                 tl.store(dst + Q, high.to(tl.uint8))
-            elif PACKING == 0:
+            elif PACKING == 0 or NG == 1:  # mma16 with one group per row: linear first, repacked below
                 packed = tl.zeros((S, Q), tl.int32)
                 for k in tl.static_range(4):
                     x = tl.load(ptrs + k * Q).to(tl.float32)
@@ -169,9 +171,12 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             prm = (params_base + ((rb + r) * NG + g) * 2).to(tl.pointer_type(tl.uint32))
             tl.store(prm[:, None] + 0 * q[None, :], word[:, None] + 0 * q[None, :].to(tl.uint32),
                      mask=q[None, :] == 0)
-        if PACKING != 0:
+        if PACKING != 0 and NG > 1:
             x = tl.load(x_base + (rb + r)[:, None] * stride_xp + tl.arange(0, D)[None, :]).to(tl.float32)
             _store_codes_mma16(codes_base, _code(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
+    if PACKING != 0 and NG == 1 and BITS == 2:
+        tl.debug_barrier()  # the linear codes of every row block are written (by other threads too)
+        repack_linear_to_mma16(codes_base, P, D, PACKING != _MMA16_KEY)
 
 
 @triton.jit
