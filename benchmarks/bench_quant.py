@@ -1,6 +1,6 @@
 """Quantize/pack (prefill write) and decode-step demotion on the GPU, as a fraction of the copy bandwidth.
 
-    python benchmarks/bench_quant.py [--json out.json] [--sweep]
+    python benchmarks/bench_quant.py [--json out.json] [--sweep] [--packing linear,mma16]
 
 8 KV heads, head_dim 128, P = 128. Bytes = bytes read + bytes written, from the layout's shapes:
 prefill write reads the BF16 rows and writes codes + params; ``+rot`` also fuses ``(x @ R) * d - mu``;
@@ -11,6 +11,8 @@ the time includes. Medians of CUDA-graph replays over rotated input sets.
 Before timing, every prefill-write variant is checked bit-exact against ``reference.quantize_pages`` on
 the same GPU (64 pages, clips 1.0 .. 0.5, so the multi-round threshold path runs too); ``+rot`` within the
 tests' tolerance. ``--sweep`` adds the launch widths (``num_warps`` 1/2/4/8) and the fused in-kernel rotation.
+``--packing linear,mma16`` also runs the rows on mma16 pages (the v2 / v3 decode kernels' order; there the value
+pool is written transposed, so a value-page write row is added).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from bench_decode import copy_bandwidth, copies_for, env_line, graph_ms  # noqa:
 H, D = 8, 128
 
 
-def check_write(gran: str, rotate: bool, **kw) -> str:
+def check_write(gran: str, rotate: bool, packing: str = "linear", operand: str = "key", **kw) -> str:
     """Bit-exact (plain) or within tolerance (rotation) against the reference on this GPU; raises if not."""
-    lay = KVCacheLayout.default(H, D, gran)
+    lay = KVCacheLayout.default(H, D, gran, packing=packing)
+    fmt = lay.key if operand == "key" else lay.value
     x = (torch.randn(64, H, lay.page_size, D, device="cuda") * torch.linspace(0.1, 3, D, device="cuda")).bfloat16()
     clip = torch.tensor([1.0, 0.99, 0.96, 0.94, 0.92, 0.87, 0.75, 0.5], device="cuda")
     lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(H, 1)
@@ -41,26 +44,26 @@ def check_write(gran: str, rotate: bool, **kw) -> str:
     if rotate:
         r = torch.linalg.qr(torch.randn(H, D, D, device="cuda"))[0].contiguous()
         rot = (r, torch.rand(H, D, device="cuda") + 0.5, torch.randn(H, D, device="cuda") * 0.1)
-    got = quantize_pages(x, lay, lay.key, clip, lev, rot, **kw)
+    got = quantize_pages(x, lay, fmt, clip, lev, rot, operand=operand, **kw)
     xs = x.float() if rot is None else ((torch.matmul(x.float(), rot[0]) * rot[1][:, None] - rot[2][:, None])
                                         .bfloat16().float())
-    want = ref.quantize_pages(xs, lay.key, clip, lev)
+    want = ref.quantize_pages(xs, fmt, clip, lev, operand)
     if rot is None:
         for name, g, w in zip(("codes", "params"), got, want):
             if not torch.equal(g, w):
                 raise AssertionError(f"{gran} {kw}: {name} differ from the reference at {(g != w).sum().item()} places")
         return "exact"
-    flips = (ref.unpack_codes(got[0], lay.key.group_size) != ref.unpack_codes(want[0], lay.key.group_size))
+    flips = (ref.unpack_page_codes(got[0], fmt, operand) != ref.unpack_page_codes(want[0], fmt, operand))
     frac = flips.float().mean().item()
     if frac > 2e-3:
         raise AssertionError(f"{gran} +rot {kw}: {frac:.2%} of codes flipped (tolerance 0.2%)")
     return f"{frac:.1e} flips"
 
 
-def bench_write(n_pages: int, gran: str, rotate: bool, **kw) -> dict:
-    check = check_write(gran, rotate, **kw)
-    lay = KVCacheLayout.default(H, D, gran)
-    fmt = lay.key
+def bench_write(n_pages: int, gran: str, rotate: bool, packing: str = "linear", operand: str = "key", **kw) -> dict:
+    check = check_write(gran, rotate, packing, operand, **kw)
+    lay = KVCacheLayout.default(H, D, gran, packing=packing)
+    fmt = lay.key if operand == "key" else lay.value
     clip = torch.full((H,), 0.96, device="cuda")
     lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(H, 1)
     rot = None
@@ -74,16 +77,18 @@ def bench_write(n_pages: int, gran: str, rotate: bool, **kw) -> dict:
     codes = torch.empty(lay.codes_shape(n_pages * sets, fmt), dtype=torch.uint8, device="cuda")
     params = torch.empty(lay.params_shape(fmt, n_pages * sets), dtype=torch.float16, device="cuda")
     ids = [torch.arange(i * n_pages, (i + 1) * n_pages, dtype=torch.int32, device="cuda") for i in range(sets)]
-    fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot, **kw) for i in range(sets)]
+    fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot, operand=operand, **kw)
+           for i in range(sets)]
     us = graph_ms(fns) * 1e3
     nbytes = in_bytes + out_bytes
     variant = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
-    return dict(op="prefill write" + (" +rot" if rotate else ""), gran=gran, pages=n_pages, variant=variant,
-                check=check, bytes=nbytes, us=us, tbps=nbytes / (us * 1e-6) / 1e12)
+    return dict(op="prefill write" + (" +rot" if rotate else "") + ("" if operand == "key" else " (V)"), gran=gran,
+                pages=n_pages, variant=variant, packing=packing, check=check, bytes=nbytes, us=us,
+                tbps=nbytes / (us * 1e-6) / 1e12)
 
 
-def bench_demote(batch: int, gran: str) -> dict:
-    lay = KVCacheLayout.default(H, D, gran)
+def bench_demote(batch: int, gran: str, packing: str = "linear") -> dict:
+    lay = KVCacheLayout.default(H, D, gran, packing=packing)
     tr = LayerTransform.identity(H, D, 0.96, 0.92).to("cuda")
     p, cap = lay.page_size, lay.recent_capacity
     sets = 2
@@ -108,37 +113,42 @@ def bench_demote(batch: int, gran: str) -> dict:
     row_bytes = H * D * 2
     nbytes = batch * (2 * p * row_bytes + 2 * (lay.page_bytes() // 2)  # read P K+V ring rows, write one page
                       + 2 * row_bytes)  # append (the ring moves nothing)
-    return dict(op="demote+append", gran=gran, pages=batch, variant="default", check="tests", bytes=nbytes, us=us,
-                tbps=nbytes / (us * 1e-6) / 1e12)
+    return dict(op="demote+append", gran=gran, pages=batch, variant="default", packing=packing, check="tests",
+                bytes=nbytes, us=us, tbps=nbytes / (us * 1e-6) / 1e12)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="also num_warps 1/2/4/8 and the fused rotation")
+    ap.add_argument("--packing", default="linear", help="comma list of page packings: linear, mma16")
     args = ap.parse_args(argv)
     print(env_line())
     bw = copy_bandwidth()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
-    for gran in ("token", "channel"):
-        for n in (64, 1024):
-            rows.append(bench_write(n, gran, rotate=False))
-        rows.append(bench_write(1024, gran, rotate=True))
-        rows.append(bench_demote(64, gran))
-        if args.sweep:
-            for w in (1, 2, 4, 8):
-                rows.append(bench_write(1024, gran, rotate=False, num_warps=w))
-            rows.append(bench_write(1024, gran, rotate=True, fused_rotation=True))
+    for packing in args.packing.split(","):
+        for gran in ("token", "channel"):
+            for n in (64, 1024):
+                rows.append(bench_write(n, gran, rotate=False, packing=packing))
+            if packing == "mma16":  # the value pool is the transposed [D, P] matrix there
+                rows.append(bench_write(1024, gran, rotate=False, packing=packing, operand="value"))
+            rows.append(bench_write(1024, gran, rotate=True, packing=packing))
+            rows.append(bench_demote(64, gran, packing))
+            if args.sweep:
+                for w in (1, 2, 4, 8):
+                    rows.append(bench_write(1024, gran, rotate=False, packing=packing, num_warps=w))
+                rows.append(bench_write(1024, gran, rotate=True, packing=packing, fused_rotation=True))
     for r in rows:
         print(json.dumps(r))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'op':>18} {'gran':>7} {'pages':>6} {'variant':>20} {'MB':>8} {'us':>8} {'TB/s':>6} {'% copy':>6}  check")
+    print(f"\n{'op':>22} {'gran':>7} {'packing':>7} {'pages':>6} {'variant':>20} {'MB':>8} {'us':>8} {'TB/s':>6} "
+          f"{'% copy':>6}  check")
     for r in rows:
-        print(f"{r['op']:>18} {r['gran']:>7} {r['pages']:>6} {r['variant']:>20} {r['bytes'] / 1e6:8.1f} {r['us']:8.1f} "
-              f"{r['tbps']:6.2f} {100 * r['tbps'] / bw:6.1f}  {r['check']}")
+        print(f"{r['op']:>22} {r['gran']:>7} {r['packing']:>7} {r['pages']:>6} {r['variant']:>20} {r['bytes'] / 1e6:8.1f} "
+              f"{r['us']:8.1f} {r['tbps']:6.2f} {100 * r['tbps'] / bw:6.1f}  {r['check']}")
     return 0
 
 
