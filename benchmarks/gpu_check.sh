@@ -48,8 +48,8 @@ if [ "${1:-}" = families ]; then  # issue 14: head_dim 256 kernels, Gemma-3 deco
     exit 0
 fi
 if [ "${1:-}" = v3 ]; then  # issue 11: the Gluon kernel's and the mma16 writers' GPU tests, the writers linear vs mma16, then v1 / v2 / v3 / SDPA at the issue's shapes (~8 min)
-    step v3_gpu_tests "${V3_TEST_S:-180}" python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -rA -k "gluon or mma16"
-    step v3_bench_quant "${V3_QUANT_S:-120}" python3 benchmarks/bench_quant.py --packing linear,mma16 --json "$OUT/bench_quant_mma16.json"
+    step v3_gpu_tests "${V3_TEST_S:-150}" python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -rA -k "gluon or mma16"
+    step v3_bench_quant "${V3_QUANT_S:-90}" python3 benchmarks/bench_quant.py --packing linear,mma16 --json "$OUT/bench_quant_mma16.json"
     step v3_bench_decode "${V3_BENCH_S:-300}" python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768,32x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-default,gluon,gluon-s2,gluon-s4}" --json "$OUT/bench_decode_v3.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/v3_gpu_tests.log 2>/dev/null | tail -n 6
     tail -n 16 "$OUT/v3_bench_quant.log"; tail -n 40 "$OUT/v3_bench_decode.log"
