@@ -189,13 +189,15 @@ def write_trtllm_files(tmp: Path, layout) -> bool:
 
 def build_deployment(
     export_dir: str | Path, out: str | Path, archs: list[str], onnx: bool = False, progress=None, force: bool = False,
+    decode_kernel: str | None = None,
 ) -> Path:
     """Write the deployment directory ``out`` (module doc) from the exported checkpoint ``export_dir``.
 
     Everything is checked before the bundle compiles: the checkpoint's config and ``oscar`` section, the
     artifact (loaded and verified in full, inside the checkpoint, agreeing with ``config.json`` on layers,
     heads and head_dim and with the section's layout), no symbolic link out of the checkpoint, the archs and
-    ``out`` (absent, empty, or with ``force`` an earlier deployment).
+    ``out`` (absent, empty, or with ``force`` an earlier deployment). ``decode_kernel``: for an mma16 artifact,
+    ``"gluon"`` builds decode v3 (Hopper: ``archs`` must be ``["sm_90"]``; not yet run on a GPU) instead of v2.
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.export import read_export
@@ -216,10 +218,15 @@ def build_deployment(
     art = load_packaged_artifact(export_dir, section, shape)
     layout = art.layout
     key_bits = sorted(set(art.key_bits or (layout.key.bits,)))  # one kernel set per key width the layers use
+    if decode_kernel not in (None, "gluon"):
+        raise ValueError(f"--decode-kernel: expected 'gluon' (or nothing), got {decode_kernel!r}")
+    if decode_kernel == "gluon" and (layout.packing != "mma16" or sorted({parse_arch(a) for a in archs}) != [90]):
+        raise ValueError(f"--decode-kernel gluon: for mma16 artifacts (this one has {layout.packing!r} pages) and "
+                         f"--arch sm_90 alone (got {sorted(archs)}): its warpgroup MMAs are Hopper-only")
     if onnx and layout.packing != "linear":  # refused before anything compiles
         raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read linear pages; this artifact has "
                          f"{layout.packing!r} pages (calibrate --packing linear)")
-    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits)
+    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits, decode_variant=decode_kernel)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
@@ -239,6 +246,7 @@ def build_deployment(
             "triton_version": manifest["triton_version"],
             "ptx_version": DEFAULT_PTX_VERSION,
             "onnx": onnx,
+            "decode_kernel": decode_kernel or ("v1" if layout.packing == "linear" else "v2"),
             "trtllm_module": trtllm,
             "executed_here": {"kernel_bundle": "compiled (GPU-checked build path)", "tensorrt_llm": False, "tensorrt": False},
         }
@@ -254,6 +262,8 @@ def add_arguments(p) -> None:
     p.add_argument("--arch", action="append", default=None, metavar="SM",
                    help="GPU target, repeatable: sm_80, sm_86, sm_89, sm_90 (default: sm_80 sm_89 sm_90)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX form of one decode-attention layer")
+    p.add_argument("--decode-kernel", choices=("gluon",), default=None,
+                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only; not yet run on a GPU) instead of v2")
 
 
 def run(args) -> int:
@@ -263,6 +273,7 @@ def run(args) -> int:
     check_out_dir(args.out, args.force, looks_like="deploy.json")
     archs = args.arch or list(DEFAULT_ARCHS)
     out = build_deployment(args.export, args.out, archs, onnx=args.onnx, force=args.force,
+                           decode_kernel=args.decode_kernel,
                            progress=lambda i, n, name: print(f"[{i}/{n}] compiled {name}", flush=True))
     print(f"wrote {out}: see {out / 'README.md'} for the trtllm-serve command (TensorRT-LLM not executed here)")
     return 0

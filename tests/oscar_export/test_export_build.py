@@ -274,3 +274,28 @@ def test_onnx_of_mma16_pages_refused_before_compiling(tmp_path, no_compile):
                                          "artifact has 'mma16' pages"):
         build_deployment(ck, tmp_path / "deploy", ["sm_90"], onnx=True)
     assert not (tmp_path / "deploy").exists()
+
+
+def test_decode_kernel_gluon_builds_v3_for_sm90_mma16_only(tmp_path, monkeypatch):
+    """``build --decode-kernel gluon``: the bundle's split kernel is v3 (recorded, not compiled here: the gluon bundle
+    compiles in tests/kernels/test_aot_bundle.py); a linear artifact or another arch is refused before compiling."""
+    import oscar_export.kernels.aot.compile as aot_compile
+
+    seen = {}
+
+    def record_bundle(specs, out, archs, progress=None, packing=None, key_bits=None):
+        seen["specs"], seen["archs"] = specs, archs
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
+
+    monkeypatch.setattr(aot_compile, "build_bundle", record_bundle)
+    ck = _export(tmp_path / "ck", packing="mma16")
+    out = build_deployment(ck, tmp_path / "deploy", ["sm_90"], decode_kernel="gluon")
+    split = [s for s in seen["specs"] if s.name.startswith("decode_split")]
+    assert [s.kernel.rsplit(":", 1)[1] for s in split] == ["_decode_split_gl_kernel"] and seen["archs"] == ["sm_90"]
+    assert json.loads((out / "deploy.json").read_text())["decode_kernel"] == "gluon"
+    for bad, archs, match in ((ck, ["sm_80", "sm_90"], "--arch sm_90 alone"),
+                              (_export(tmp_path / "lin"), ["sm_90"], "for mma16 artifacts \\(this one has 'linear'")):
+        with pytest.raises(ValueError, match=match):
+            build_deployment(bad, tmp_path / "d2", archs, decode_kernel="gluon")
+        assert not (tmp_path / "d2").exists()
