@@ -206,18 +206,19 @@ if HAVE_GLUON:
         rows = tb[:, None] * D + dd[None, :]
         kk = gl.load(kb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)  # [BN, D]
         vv = gl.load(vb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)
-        st = warpgroup_mma(gl.convert_layout(kk, A_L), qw_s, gl.zeros([BN, GQ_PAD], gl.float32, MMA))  # [BN, GQ_PAD]
+        st = warpgroup_mma(gl.convert_layout(kk, A_L), qw_s.permute((1, 0)), gl.zeros([BN, GQ_PAD], gl.float32, MMA))
         tm = gl.convert_layout(tmask, gl.SliceLayout(1, MMA))
         st = gl.where(tm[:, None], st, float("-inf"))
         m = gl.max(st, axis=0)
         m_use = gl.where(m == float("-inf"), 0.0, m)
         pt = gl.exp2(st - m_use[None, :])
         l = gl.sum(pt, axis=0)
-        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, GQ_PAD], gl.float16)
-        p_s = gl.allocate_shared_memory(gl.float16, [BN, GQ_PAD], PS, pt.to(gl.float16))
+        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, BN], gl.float16)
+        p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, BN], PS, gl.permute(pt.to(gl.float16), [1, 0]))
         fence_async_shared()
+        _cta_barrier()
         vt = gl.convert_layout(gl.permute(vv, [1, 0]), A_L)  # [D, BN]
-        out_t = warpgroup_mma(vt, p_s, gl.zeros([D, GQ_PAD], gl.float32, MMA))
+        out_t = warpgroup_mma(vt, p_s.permute((1, 0)), gl.zeros([D, GQ_PAD], gl.float32, MMA))
         return m, l, out_t
 
     @gluon.jit
@@ -273,8 +274,10 @@ if HAVE_GLUON:
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)  # per token / per output dim
         COL: gl.constexpr = gl.SliceLayout(0, MMA)  # per query head
         QL: gl.constexpr = gl.BlockedLayout([1, 4], [GQ_PAD // 4, 128 // GQ_PAD], [4, 1], [1, 0])  # [GQ_PAD, D]
-        QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, GQ_PAD], gl.float16)
-        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([P, GQ_PAD], gl.float16)
+        # B operands K-major in shared memory ([N, K], K contiguous) and handed over as their [K, N] view: on the
+        # H200 (Triton 3.6) an MN-major [K, 8] B gave wrong products for K = 128 (dbg: one-hot B, mma16 A exact)
+        QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, D], gl.float16)
+        PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, P], gl.float16)
         KC: gl.constexpr = D if D < 128 else 128  # key columns per A operand (registers: KC / 2 per thread)
         LWK: gl.constexpr = gl.BlockedLayout([1, KC // 16], [32, 1], [4, 1], [1, 0])
         LWV: gl.constexpr = gl.BlockedLayout([1, P // 16], [32, 1], [4, 1], [1, 0])
@@ -288,9 +291,8 @@ if HAVE_GLUON:
         if s < n_page_splits:
             hc_q = _bit3_scale(D, 0.0625, gl.SliceLayout(0, QL))  # 4^-2hc of the key fields (K dim = dims)
             qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
-            qk_s = gl.allocate_shared_memory(gl.float16, [D, GQ_PAD], QS,
-                                             gl.permute((q32 * hc_q[None, :]).to(gl.float16), [1, 0]))
-            p_s = gl.allocate_shared_memory(gl.float16, [P, GQ_PAD], PS)
+            qk_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, (q32 * hc_q[None, :]).to(gl.float16))
+            p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, P], PS)
             fence_async_shared()
             koffs = _word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KC // 16 (KC // 32 words of each row block)
             voffs = _word_offsets(D, P, 0, P, LWV)
@@ -328,7 +330,7 @@ if HAVE_GLUON:
                 if K_CHANNEL:
                     ksc = cbuf.index(2 * stage).load(gl.SliceLayout(0, QL)).to(gl.float32)
                     klo = cbuf.index(2 * stage + 1).load(gl.SliceLayout(0, QL)).to(gl.float32)
-                    qk_s.store(gl.permute((q32 * (ksc * hc_q)[None, :]).to(gl.float16), [1, 0]))
+                    qk_s.store((q32 * (ksc * hc_q)[None, :]).to(gl.float16))
                     fence_async_shared()
                     const = gl.convert_layout(gl.sum(q32 * klo[None, :], axis=1), COL)
                 else:
@@ -337,7 +339,7 @@ if HAVE_GLUON:
                 st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
                 for ch in gl.static_range(NCH):
                     a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
-                    st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=0), st)
+                    st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=1).permute((1, 0)), st)
                 if K_CHANNEL:
                     st = st * hr_k[:, None] + const[None, :]
                 else:
@@ -349,17 +351,18 @@ if HAVE_GLUON:
                 m = m_new
                 l_acc = l_acc * alpha[None, :] + pt
                 lo_acc = lo_acc * alpha[None, :] + pt * vlo[:, None]
-                p_s.store((pt * (vs * hc_v)[:, None]).to(gl.float16))
+                p_s.store(gl.permute((pt * (vs * hc_v)[:, None]).to(gl.float16), [1, 0]))
                 fence_async_shared()
                 a_v = _a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
-                acc = warpgroup_mma(a_v, p_s, acc * alpha[None, :])
+                acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
             async_copy.wait_group(0)  # no copy outlives the program
             l = gl.sum(l_acc, axis=0)
             lo = gl.sum(lo_acc, axis=0)
             out_t = acc * (_bit3_scale(D, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
         else:
-            qw_s = gl.allocate_shared_memory(gl.float16, [D, GQ_PAD], QS, gl.permute(q32.to(gl.float16), [1, 0]))
+            qw_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, q32.to(gl.float16))
             fence_async_shared()
+            _cta_barrier()
             m, l, out_t = _window_chunk(qw_s, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
                                         num_pages_ptr, recent_len_ptr, b, h, s - n_page_splits, H_KV, D, P, S0,
                                         RC, BN, GQ_PAD, MMA, A_L)
