@@ -27,7 +27,7 @@ probabilities are permuted to match; ``_decode_split_v2_kernel`` ("tile") unpack
 ``[P, D]`` tile first (simpler, ~2x the instructions: benchmarks/NOTES-kernels.md).
 
 Status: written and tested under ``TRITON_INTERPRET=1`` on the CPU (tests/kernels/test_decode_attention_v2.py);
-compiled for sm_90 by Triton 3.9 and 3.6 on the CPU; **not yet run on a GPU** (tests/gpu, benchmarks/bench_decode.py).
+compiled for sm_90 by Triton 3.9 and 3.6 on the CPU; run on the H200 (tests/gpu, BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -524,7 +524,7 @@ def decode_attention(
     ``variant``: ``"fields"`` (``_decode_split_v2f_kernel``, page sizes 64 and 128), ``"tile"``
     (``_decode_split_v2_kernel``: the codes unpacked into one logical ``[P, D]`` tile) or ``"gluon"``
     (:mod:`.decode_attention_gl`: CUDA only, uniform codes, ``num_warps=4``, ``num_stages`` = its cp.async stages
-    (at least 2); not yet run on a GPU). ``fast_unpack``: the
+    (at least 2)). ``fast_unpack``: the
     fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.

@@ -197,7 +197,8 @@ def build_deployment(
     artifact (loaded and verified in full, inside the checkpoint, agreeing with ``config.json`` on layers,
     heads and head_dim and with the section's layout), no symbolic link out of the checkpoint, the archs and
     ``out`` (absent, empty, or with ``force`` an earlier deployment). ``decode_kernel``: for an mma16 artifact,
-    ``"gluon"`` builds decode v3 (Hopper: ``archs`` must be ``["sm_90"]``; not yet run on a GPU) instead of v2.
+    ``"gluon"`` builds decode v3 (Hopper: ``archs`` must be ``["sm_90"]``; its AOT launch not yet run on a GPU)
+    instead of v2.
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.export import read_export
@@ -263,7 +264,8 @@ def add_arguments(p) -> None:
                    help="GPU target, repeatable: sm_80, sm_86, sm_89, sm_90 (default: sm_80 sm_89 sm_90)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX form of one decode-attention layer")
     p.add_argument("--decode-kernel", choices=("gluon",), default=None,
-                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only; not yet run on a GPU) instead of v2")
+                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only; its AOT launch not yet run on a GPU) "
+                        "instead of v2")
 
 
 def run(args) -> int:

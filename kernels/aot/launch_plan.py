@@ -160,7 +160,7 @@ DECODE_SPLIT_GL = KernelPlan(
     params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
     num_warps=4, num_stages=2, grid=DECODE_SPLIT_V2.grid, sizes=DECODE_SPLIT_V2.sizes, derived=_SPLIT_DERIVED,
     doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
-        "cp.async page stages); uniform codes; merged by decode_merge. Not yet run on a GPU; not in bundles yet",
+        "cp.async page stages); uniform codes, sm_90 only; merged by decode_merge (bundles: decode_variant=gluon)",
 )
 DECODE_MERGE = KernelPlan(
     name="decode_merge", kernel=f"{_DA}:_merge_kernel",

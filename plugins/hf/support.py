@@ -142,7 +142,7 @@ def enable_oscar(
             in some layers for a speed or memory benchmark); an artifact carries its own.
         decode_variant: with ``backend="triton"`` and mma16 pages (``RowFormat.packing``), the decode kernel
             (``kernels.decode_attention_v2.KERNELS``: ``"fields"``, the default, ``"tile"``, or ``"gluon"``, the
-            Gluon kernel, not yet run on a GPU); None otherwise (linear pages have one kernel, v1).
+            Gluon kernel, Hopper only); None otherwise (linear pages have one kernel, v1).
     Returns:
         an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
         ``past_key_values``.
