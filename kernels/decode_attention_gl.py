@@ -5,7 +5,8 @@ Same interface, semantics and partials as v2's split kernels (:mod:`.decode_atte
 
 * one warpgroup (4 warps) per (sequence, KV head, split); every page dot is a Hopper ``warpgroup_mma`` with
   keys (``S^T [P, GQ_PAD] = K_c [P, D] · (q·s)^T``) or values (``O^T [D, GQ_PAD] += V_c^T [D, P] · (p·s_v)^T``)
-  on the MMA's M and the GQA query heads on N, the B operand (queries, probabilities) in shared memory;
+  on the MMA's M and the GQA query heads on N, the B operand (queries, probabilities) K-major in shared memory
+  (``[N, K]``, handed over as its ``[K, N]`` view: an MN-major ``[K, 8]`` B gave wrong products on the H200);
 * a page's codes are loaded as uint16 halves in the layout where thread ``lane`` of warp ``w`` holds the words
   of row blocks ``w, w + 4, ...`` (``reference.pack_mma16``: one contiguous run per lane and row block), and
   each field of a word becomes one ``half2`` A register by one ``and.b32`` (fields 4..7 after one ``shr.b32``
@@ -73,7 +74,8 @@ def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) ->
     if layout.head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"decode_attention_gl: head_dim {list(HEAD_DIMS)} supported, got {layout.head_dim}")
     if layout.page_size not in PAGE_SIZES:
-        raise NotImplementedError(f"decode_attention_gl: page_size {list(PAGE_SIZES)} supported, got {layout.page_size}")
+        raise NotImplementedError(f"decode_attention_gl: page_size {list(PAGE_SIZES)} supported, "
+                                  f"got {layout.page_size}")
     gq = num_heads // layout.num_kv_heads
     if _plan.gq_pad_v2(gq) not in GQ_PADS:
         raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
@@ -264,8 +266,8 @@ if HAVE_GLUON:
         FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
-        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes only (``K_CODEBOOK``/``V_CODEBOOK``
-        must be False: ``check_gluon_layout``)."""
+        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes
+        only (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
         gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
         gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -472,4 +474,5 @@ def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
             (state.recent_k[bi, hi][ring], state.recent_v[bi, hi][ring])]
 
 
-__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout", "emulate", "emulate_a_operand"]
+__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout", "emulate",
+           "emulate_a_operand"]

@@ -601,7 +601,8 @@ def launch_decode_v2(
         if num_warps != _gl.NUM_WARPS:
             raise ValueError(f"decode_attention_v2 'gluon': num_warps must be {_gl.NUM_WARPS}, got {num_warps}")
         if num_stages < 2:
-            raise ValueError(f"decode_attention_v2 'gluon': num_stages (its cp.async stages) must be >= 2, got {num_stages}")
+            raise ValueError(f"decode_attention_v2 'gluon': num_stages (its cp.async stages) must be >= 2, "
+                             f"got {num_stages}")
         extra["STAGES"] = num_stages
     return launch_split_merge(
         KERNELS[variant], q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,

@@ -52,8 +52,8 @@ def _decode_attention_op(
 
 @torch.library.custom_op("oscar::decode_attention_v2", mutates_args=())
 def _decode_attention_v2_op(
-    q: torch.Tensor, out_dtype: torch.dtype, rot: torch.Tensor, dsc: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
-    recent_k: torch.Tensor, recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor,
+    q: torch.Tensor, out_dtype: torch.dtype, rot: torch.Tensor, dsc: torch.Tensor, sink_k: torch.Tensor,
+    sink_v: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor,
     v_codes: torch.Tensor, v_params: torch.Tensor, k_levels: torch.Tensor, v_levels: torch.Tensor,
     block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor, recent_len: torch.Tensor,
     num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float, k_channel: bool,

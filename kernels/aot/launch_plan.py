@@ -212,8 +212,8 @@ TRT_DECODE_MERGE = KernelPlan(
     constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
     grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
 )
-PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_SPLIT_GL, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND,
-                             TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_SPLIT_GL, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT,
+                             DECODE_APPEND, TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
 
 
 def trt_io(plan: KernelPlan) -> tuple[list[str], list[str], list[str]]:
@@ -272,7 +272,8 @@ def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unp
     }
 
 
-def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float, stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
+def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float,
+                               stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
     """Constexprs of the Gluon split kernel (``decode_attention_gl``; uniform codes only): v2's plus ``STAGES``,
     its cp.async page stages."""
     cx = decode_split_v2_constexprs(layout, num_heads, sm_scale)
@@ -369,10 +370,11 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_PAGE_STAGES", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_PAGE_STAGES",
+    "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
     "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
     "TRT_DECODE_SPLIT",
-    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs", "decode_split_gl_constexprs",
-    "decode_split_v2_constexprs",
+    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
+    "decode_split_gl_constexprs", "decode_split_v2_constexprs",
     "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
 ]
