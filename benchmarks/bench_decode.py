@@ -69,6 +69,8 @@ V2_VARIANTS = {
     "gluon": dict(variant="gluon"),
     "gluon-s2": dict(variant="gluon", num_stages=2),
     "gluon-s4": dict(variant="gluon", num_stages=4),
+    # v3 under a register cap of 128 per thread: 4 CTAs (16 warps) per SM instead of 3 at 131-151 registers
+    "gluon-r128": dict(variant="gluon", maxnreg=128),
 }
 
 
@@ -163,8 +165,10 @@ def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]
 
 
 def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float,
-             heads: str = "llama3-8b") -> list[dict]:
-    """The v2 kernel on mma16 pages; checked against v1 on the same tokens first."""
+             heads: str = "llama3-8b", pps_list: tuple = ("bench",)) -> list[dict]:
+    """The v2 kernel on mma16 pages; checked against v1 on the same tokens first. ``pps_list``: the pages per
+    split each variant is timed at ("bench": ``default_pages_per_split``, "plan": the kernel's own default, or an
+    int)."""
     HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
     lay = KVCacheLayout.default(HKV, D, gran)
     scale = D**-0.5
@@ -189,8 +193,12 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
     max_pages = states[0].block_table.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for name in (n for n in names if n in diffs):
-        kw = dict(V2_VARIANTS[name], pages_per_split=default_pages_per_split(batch, HKV, max_pages, sms, 1))
+    for name, pps in ((n, p) for n in names if n in diffs for p in pps_list):
+        kw = dict(V2_VARIANTS[name])
+        if pps == "bench":
+            kw["pages_per_split"] = default_pages_per_split(batch, HKV, max_pages, sms, 1)
+        elif pps != "plan":
+            kw["pages_per_split"] = int(pps)
         call = lambda i, kw=kw: v2.decode_attention(qs[i % sets], states[i % sets], mlay, kl, kl, scale,  # noqa: E731
                                                      out_dtype=torch.bfloat16, **kw)
         eager = median_ms(call, sets, 30)
@@ -199,7 +207,7 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
         rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq,
                          bytes=nbytes, eager_us=eager * 1e3, graph_us=graph * 1e3,
                          tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor, pct_copy=100 * floor / (graph * 1e3),
-                         v2_vs_v1=diffs[name],
+                         v2_vs_v1=diffs[name], pps_rule=pps,
                          **{**kw, "variant": name}))
     del states
     return rows
@@ -268,6 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
     ap.add_argument("--kernels", default="v1", help="comma list of v1 (linear pages), v2 (mma16 pages)")
     ap.add_argument("--v2-variants", default="default", help=f"comma list of {sorted(V2_VARIANTS)}")
+    ap.add_argument("--v2-pps", default="bench", help="comma list of pages per split for the v2 rows: 'bench' "
+                    "(this script's rule, as v1's rows), 'plan' (the kernel's own default) or integers")
     ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4): v1 on each")
     args = ap.parse_args(argv)
     try:
@@ -299,7 +309,7 @@ def main(argv=None) -> int:
                     got = [r for r in got if r["kernel"] != "sdpa-bf16"]
                 if "v2" in kernels and kb == 2:
                     try:
-                        got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads)
+                        got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads, args.v2_pps.split(","))
                     except Exception as e:  # a v2 failure must not lose the v1/SDPA rows of the run
                         print(f"v2 {heads} {b}x{s} {gran}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows += got

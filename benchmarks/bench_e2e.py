@@ -118,8 +118,20 @@ def profile_step(step) -> dict:
         n, t = by.get(e.name, (0, 0.0))
         by[e.name] = (n + 1, t + e.device_time_total)
     top = sorted(by.items(), key=lambda kv: -kv[1][1])[:8]
+    # idle GPU time between consecutive kernels, charged to the kernel that waited to start (a graph replay's gaps
+    # are launch latency and whatever the device waits on; the host is not in the loop)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    gaps, end = {}, spans[0][1] if spans else 0.0
+    for start, stop, name in spans[1:]:
+        if start > end:
+            n, t = gaps.get(name, (0, 0.0))
+            gaps[name] = (n + 1, t + start - end)
+        end = max(end, stop)
+    top_gaps = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:6]
     return {"kernels": len(kernels), "gpu_ms": sum(t for _, (_, t) in by.items()) / 1e3,
-            "top": [(name[:60], n, round(t / 1e3, 3)) for name, (n, t) in top]}
+            "top": [(name[:60], n, round(t / 1e3, 3)) for name, (n, t) in top],
+            "idle_ms": round(sum(t for _, t in gaps.values()) / 1e3, 3),
+            "idle_before": [(name[:60], n, round(t / 1e3, 3)) for name, (n, t) in top_gaps]}
 
 
 def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, compile_mode: str, oscar_setup):

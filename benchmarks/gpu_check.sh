@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|v3e2e|k4|k4e2e]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|v3e2e|v3prof|v3sweep|k4|k4e2e]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -53,6 +53,29 @@ if [ "${1:-}" = v3 ]; then  # issue 11: the Gluon kernel's and the mma16 writers
     step v3_bench_decode "${V3_BENCH_S:-300}" python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x131072,8x32768,32x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-default,gluon,gluon-s2,gluon-s4}" --json "$OUT/bench_decode_v3.json" ${COMMIT:+--commit $COMMIT}
     echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/v3_gpu_tests.log 2>/dev/null | tail -n 6
     tail -n 16 "$OUT/v3_bench_quant.log"; tail -n 40 "$OUT/v3_bench_decode.log"
+    exit 0
+fi
+if [ "${1:-}" = v3prof ]; then  # issue 11: Nsight Compute on v3 (stalls per SASS line), its AOT bundle on the GPU, the e2e step's idle gaps
+    for cfg in ${NCU_CFGS:-32x32768:token:gluon 32x32768:channel:gluon 32x32768:token:gluon-r128 8x32768:token:gluon 1x8192:token:gluon}; do
+        IFS=: read -r shape gran var <<<"$cfg"; tag="ncu_${shape}_${gran}_${var}"
+        step "$tag" 150 ncu --clock-control none -k regex:_decode_split_gl --launch-count 1 --section SpeedOfLight \
+            --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+            --section MemoryWorkloadAnalysis --section SourceCounters -o "$OUT/$tag" \
+            python3 benchmarks/profile_decode.py --shape "$shape" --gran "$gran" --v2-variant "$var"
+        ncu --import "$OUT/$tag.ncu-rep" --page details --csv >"$OUT/$tag.details.csv" 2>&1
+        ncu --import "$OUT/$tag.ncu-rep" --page source --csv --print-source sass >"$OUT/$tag.sass.csv" 2>&1
+        rm -f "$OUT/$tag.ncu-rep"
+    done
+    [ "${AOT:-1}" = 1 ] && step aot_gluon 200 python3 -m pytest tests/gpu/test_aot_gpu.py -m gpu -s -q -p no:cacheprovider -rA -k gluon
+    [ "${E2E:-1}" = 1 ] && step v3_e2e_gaps "${E2E_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py --workloads 1x32768! --caches "${CACHES:-oscar-graph,oscar-graph-v3}" --steps "${STEPS:-10}" --json "$OUT/bench_e2e_gaps.json" ${COMMIT:+--commit $COMMIT}
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/aot_gluon.log 2>/dev/null | tail -n 4
+    exit 0
+fi
+if [ "${1:-}" = v3sweep ]; then  # issue 11: v3 pages per split and register cap, per shape (SWEEP = shape:pps,pps,...)
+    for cfg in ${SWEEP:-1x8192:1,2,3,4 1x32768:2,4,6,8 1x131072:8,12,16,20,24,32 8x32768:16,22,29,43,64 32x32768:43,64,86,128}; do
+        IFS=: read -r shape pps <<<"$cfg"
+        step "sweep_$shape" "${SWEEP_S:-90}" python3 benchmarks/bench_decode.py --shapes "$shape" --gran "${GRAN:-token,channel}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-gluon,gluon-r128}" --v2-pps "bench,$pps" --json "$OUT/sweep_$shape.json" ${COMMIT:+--commit $COMMIT}
+    done
     exit 0
 fi
 if [ "${1:-}" = v3e2e ]; then  # issue 11: the whole decode step with v1 / v2 / v3 pages and kernels, and at equal KV memory (~6 min)

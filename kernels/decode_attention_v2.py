@@ -518,6 +518,7 @@ def decode_attention(
     num_stages: int | None = None,
     variant: str = "fields",
     fast_unpack: bool | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages, split + merge (arguments as v1's ``decode_attention``).
 
@@ -526,6 +527,7 @@ def decode_attention(
     (:mod:`.decode_attention_gl`: CUDA only, uniform codes, ``num_warps=4``, ``num_stages`` = its cp.async stages
     (at least 2)). ``fast_unpack``: the
     fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
+    ``maxnreg``: a register cap per thread for the "gluon" kernel's JIT launch (None: the launch plan's).
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -539,6 +541,7 @@ def decode_attention(
         layout.key.granularity == "channel", codebook, q_rotation is not None, pages_per_split, out_dtype,
         num_warps, num_stages, variant=variant,
         fast_unpack=(q.device.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
+        maxnreg=maxnreg,
     )
 
 
@@ -585,7 +588,7 @@ def launch_decode_v2(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, pages_per_split: int,
     out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES, wrap=lambda k: k,
-    variant: str = "fields", fast_unpack: bool = False,
+    variant: str = "fields", fast_unpack: bool = False, maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs. Grid rules: the launch
     plan's ``DECODE_SPLIT_V2`` (as v1's split) and ``DECODE_MERGE``."""
@@ -604,6 +607,11 @@ def launch_decode_v2(
             raise ValueError(f"decode_attention_v2 'gluon': num_stages (its cp.async stages) must be >= 2, "
                              f"got {num_stages}")
         extra["STAGES"] = num_stages
+        maxnreg = _gl.MAXNREG if maxnreg is None else maxnreg
+        if maxnreg:  # a launch option of the JIT, passed beside the constexprs
+            extra["maxnreg"] = int(maxnreg)
+    elif maxnreg is not None:
+        raise ValueError(f"decode_attention_v2: maxnreg is an option of the 'gluon' kernel, not of {variant!r}")
     return launch_split_merge(
         KERNELS[variant], q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,
         k_levels, v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots,

@@ -155,6 +155,8 @@ DECODE_SPLIT_V2 = KernelPlan(
 )
 #: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
 GL_PAGE_STAGES = 3
+#: the Gluon split kernel's register cap per thread (0: the compiler's own count).
+GL_MAXNREG = 0
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
     params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
@@ -370,7 +372,7 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_PAGE_STAGES",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_MAXNREG", "GL_PAGE_STAGES",
     "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
     "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
     "TRT_DECODE_SPLIT",
