@@ -69,8 +69,9 @@ V2_VARIANTS = {
     "gluon": dict(variant="gluon"),
     "gluon-s2": dict(variant="gluon", num_stages=2),
     "gluon-s4": dict(variant="gluon", num_stages=4),
-    # v3 under a register cap of 128 per thread: 4 CTAs (16 warps) per SM instead of 3 at 131-151 registers
+    # v3's register cap: 128 per thread (4 CTAs an SM; the launch plan's at head_dim <= 128) or none (0: 3 CTAs)
     "gluon-r128": dict(variant="gluon", maxnreg=128),
+    "gluon-r0": dict(variant="gluon", maxnreg=0),
 }
 
 

@@ -30,6 +30,7 @@ import triton  # noqa: E402
 
 from oscar_export.kernels.aot.bundle import decode_split_spec, quant_pack_spec, layout_tag  # noqa: E402
 from oscar_export.kernels.aot.compile import compile_kernel  # noqa: E402
+from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, gl_occupancy  # noqa: E402
 from oscar_export.kernels.aot.spec import KernelSpec, Param  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 
@@ -80,7 +81,9 @@ def build_spec(which: str, sets: dict, warps: int | None, stages: int | None) ->
         params = tuple(Param(a, types[a]) for a in fn.arg_names if a not in cx)
     return KernelSpec(name=spec.name, kernel=kernel or spec.kernel, params=params,
                       constexprs=tuple(sorted(cx.items())), grid=spec.grid, grid_inputs=spec.grid_inputs,
-                      num_warps=warps or spec.num_warps, num_stages=stages or spec.num_stages)
+                      num_warps=warps or spec.num_warps, num_stages=stages or spec.num_stages,
+                      maxnreg=gl_occupancy(layout.head_dim)[0] if (kernel or spec.kernel) == DECODE_SPLIT_GL.kernel
+                      else spec.maxnreg)
 
 
 def sass_of(cubin: bytes) -> tuple[str, str]:

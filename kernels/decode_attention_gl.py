@@ -62,8 +62,6 @@ from .layout import KVCacheLayout
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
 NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps
 STAGES = _plan.GL_PAGE_STAGES
-#: the register cap of its JIT launch (0: none; the compiler's choice).
-MAXNREG = _plan.GL_MAXNREG
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (64, 128)
 GQ_PADS = (8, 16)

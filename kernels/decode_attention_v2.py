@@ -527,7 +527,8 @@ def decode_attention(
     (:mod:`.decode_attention_gl`: CUDA only, uniform codes, ``num_warps=4``, ``num_stages`` = its cp.async stages
     (at least 2)). ``fast_unpack``: the
     fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
-    ``maxnreg``: a register cap per thread for the "gluon" kernel's JIT launch (None: the launch plan's).
+    ``maxnreg``: a register cap per thread for the "gluon" kernel's JIT launch (None: the launch plan's
+    ``gl_occupancy``, 0: none).
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -557,6 +558,9 @@ def check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotati
         check_decode_v2_layout(layout, q.shape[1])
         if variant == "gluon":
             _gl.check_gluon_layout(layout, q.shape[1], bool(codebook))
+    if pages_per_split is None and q.dim() == 3:
+        pages_per_split = default_pages_per_split(variant, q.shape[0], layout.num_kv_heads,
+                                                  state.block_table.shape[-1], q.device, 1, layout.head_dim)
     rot, dsc, pages_per_split = check_decode_inputs(
         q, state, _as_linear(layout), k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
     )  # v1's input checks (shapes, dtypes, devices) are packing-independent
@@ -567,6 +571,16 @@ def check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotati
                 raise ValueError(f"state.{name}: the 'gluon' kernel copies pages 16 bytes at a time; the buffer must "
                                  f"start 16-byte aligned, it starts {off} bytes past a boundary (a sliced view?)")
     return rot, dsc, pages_per_split, bool(codebook)
+
+
+def default_pages_per_split(variant: str | None, batch: int, num_kv_heads: int, max_pages: int,
+                            device: torch.device, page_slots: int = 1, head_dim: int = 128) -> int:
+    """Pages per split program: the launch plan's wave rule for the "gluon" kernel (``gl_pages_per_split``),
+    v1's rule (``decode_attention.default_pages_per_split``, a multiple of ``page_slots``) for every other."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if variant == "gluon":
+        return _plan.gl_pages_per_split(batch, num_kv_heads, max_pages, sms, head_dim)
+    return _v1.default_pages_per_split(batch, num_kv_heads, max_pages, sms, page_slots)
 
 
 def launch_options(variant: str, num_warps: int | None, num_stages: int | None) -> tuple[int, int]:
@@ -607,7 +621,7 @@ def launch_decode_v2(
             raise ValueError(f"decode_attention_v2 'gluon': num_stages (its cp.async stages) must be >= 2, "
                              f"got {num_stages}")
         extra["STAGES"] = num_stages
-        maxnreg = _gl.MAXNREG if maxnreg is None else maxnreg
+        maxnreg = _plan.gl_occupancy(d)[0] if maxnreg is None else maxnreg
         if maxnreg:  # a launch option of the JIT, passed beside the constexprs
             extra["maxnreg"] = int(maxnreg)
     elif maxnreg is not None:
@@ -645,4 +659,4 @@ def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, sc
 
 
 __all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "KERNELS", "check_decode_v2_inputs", "check_decode_v2_layout",
-           "decode_attention", "decode_attention_any", "launch_decode_v2", "launch_options"]
+           "decode_attention", "default_pages_per_split", "decode_attention_any", "launch_decode_v2", "launch_options"]

@@ -72,7 +72,8 @@ def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, ta
         raise ValueError(f"decode_variant {decode_variant!r}: for mma16 pages; the layout has {layout.packing!r} pages")
     if decode_variant == "gluon":
         return KernelSpec.from_plan(lp.DECODE_SPLIT_GL, f"decode_split_{tag}",
-                                    lp.decode_split_gl_constexprs(layout, num_heads, sm_scale))
+                                    lp.decode_split_gl_constexprs(layout, num_heads, sm_scale),
+                                    maxnreg=lp.gl_occupancy(layout.head_dim)[0])
     if layout.packing == "linear":
         return KernelSpec.from_plan(lp.DECODE_SPLIT, f"decode_split_{tag}",
                                     lp.decode_split_constexprs(layout, num_heads, sm_scale))

@@ -106,6 +106,8 @@ def compile_kernel(spec: KernelSpec, arch: str | int, ptx_version: int | None = 
         "num_warps": spec.num_warps, "num_stages": spec.num_stages,
         "enable_fp_fusion": True,  # the JIT default: AOT and JIT launches must agree to the bit
     }
+    if spec.maxnreg:
+        options["maxnreg"] = spec.maxnreg
     if ptx_version is not None:
         options["ptx_version"] = ptx_version
     with _without_line_info():

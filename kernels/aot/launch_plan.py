@@ -155,8 +155,17 @@ DECODE_SPLIT_V2 = KernelPlan(
 )
 #: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
 GL_PAGE_STAGES = 3
-#: the Gluon split kernel's register cap per thread (0: the compiler's own count).
-GL_MAXNREG = 0
+#: the Gluon split kernel's register cap per thread at head_dim <= 128: 4 CTAs (16 warps) share an SM's 64K
+#: registers instead of 3 at the compiler's own 131-155 (P = D = 128: a few spill loads a page; 4-9 % faster at
+#: 32x32K on the H200: BENCHMARKS.md, "Decode v3, tuned"). head_dim 256 keeps the compiler's 241-251 (2 CTAs):
+#: capped at 128 its page loop grows by 17 % and that was never measured.
+GL_MAXNREG = 128
+#: fewest pages a Gluon split program streams (when the sequence has them): its cp.async stages overlap nothing
+#: with one page (1x8K on the H200: 14.7 us at 1 page a split, 11.1-11.2 at 2-4).
+GL_MIN_PAGES_PER_SPLIT = 4
+#: a Gluon split program's fixed cost (query, block-table and first-page latency, its partial and the merge's
+#: share), in page times: what :func:`gl_pages_per_split` adds to each program's pages.
+GL_PROGRAM_PAGES = 2
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
     params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
@@ -274,6 +283,30 @@ def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unp
     }
 
 
+def gl_occupancy(head_dim: int) -> tuple[int, int]:
+    """``(maxnreg, CTAs per SM)`` of the Gluon split kernel on sm_90: ``GL_MAXNREG`` and 4 at head_dim <= 128 (4 x
+    128 threads x 128 registers = 64K; shared memory 4 x ~33 KB), the compiler's count (0) and 2 at 256."""
+    return (GL_MAXNREG, 4) if head_dim <= 128 else (0, 2)
+
+
+def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, head_dim: int = 128) -> int:
+    """Pages per split of the Gluon split kernel: the split count ``n`` (at most one per
+    ``GL_MIN_PAGES_PER_SPLIT`` pages) that minimises ``waves(n) * (cdiv(max_pages, n) + GL_PROGRAM_PAGES)``,
+    ``waves(n) = cdiv(B * H_kv * n, num_sms * CTAs per SM)`` (:func:`gl_occupancy`); the fewest splits on a tie. A partial last wave
+    costs a whole program's time: on the H200, 1x128K took 52.0 us at 1.3 waves of 16-page programs and 47.7 at
+    one wave of 24-page ones (3 CTAs an SM then; BENCHMARKS.md, "Decode v3, tuned")."""
+    if min(batch, num_kv_heads, max_pages, num_sms) <= 0:
+        raise ValueError(f"gl_pages_per_split: expected positive sizes, got batch={batch}, "
+                         f"num_kv_heads={num_kv_heads}, max_pages={max_pages}, num_sms={num_sms}")
+    slots, programs = num_sms * gl_occupancy(head_dim)[1], batch * num_kv_heads
+
+    def cost(n: int) -> int:
+        return -(-programs * n // slots) * (-(-max_pages // n) + GL_PROGRAM_PAGES)
+
+    best = min(range(1, -(-max_pages // GL_MIN_PAGES_PER_SPLIT) + 1), key=lambda n: (cost(n), n))
+    return -(-max_pages // best)
+
+
 def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float,
                                stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
     """Constexprs of the Gluon split kernel (``decode_attention_gl``; uniform codes only): v2's plus ``STAGES``,
@@ -372,7 +405,8 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_MAXNREG", "GL_PAGE_STAGES",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_MAXNREG",
+    "GL_MIN_PAGES_PER_SPLIT", "GL_PAGE_STAGES", "GL_PROGRAM_PAGES", "gl_occupancy", "gl_pages_per_split",
     "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
     "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
     "TRT_DECODE_SPLIT",

@@ -76,6 +76,7 @@ class KernelSpec:
         grid: three grid-rule expressions (see the module doc).
         grid_inputs: names of launch sizes the grid rule reads besides the kernel's integer arguments.
         num_warps, num_stages: Triton compile options.
+        maxnreg: the compiler's register cap per thread (0: none; written to the manifest only when set).
         doc: one line for the manifest/README.
     """
 
@@ -88,6 +89,7 @@ class KernelSpec:
     num_stages: int = 2
     doc: str = ""
     grid_inputs: tuple[str, ...] = ()
+    maxnreg: int = 0
     _parsed_grid: tuple[ast.Expression, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +99,8 @@ class KernelSpec:
             raise ValueError(f"KernelSpec.kernel: expected 'module:attr', got {self.kernel!r}")
         if self.num_warps not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"KernelSpec.num_warps: expected a power of two <= 32, got {self.num_warps}")
+        if self.maxnreg != 0 and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"KernelSpec.maxnreg: expected 0 (none) or 24..255 registers, got {self.maxnreg}")
         if len(self.grid) != 3:
             raise ValueError(f"KernelSpec.grid: expected 3 expressions, got {len(self.grid)}")
         names = [p.name for p in self.params] + [k for k, _ in self.constexprs]
@@ -115,14 +119,15 @@ class KernelSpec:
         object.__setattr__(self, "_parsed_grid", parsed)
 
     @classmethod
-    def from_plan(cls, plan: KernelPlan, name: str, constexprs: Mapping[str, Any]) -> "KernelSpec":
-        """The bundle variant ``name`` of a launch plan with these constexpr values (all of the plan's, no more)."""
+    def from_plan(cls, plan: KernelPlan, name: str, constexprs: Mapping[str, Any], maxnreg: int = 0) -> "KernelSpec":
+        """The bundle variant ``name`` of a launch plan with these constexpr values (all of the plan's, no more)
+        and register cap (``maxnreg``, 0: none)."""
         if set(constexprs) != set(plan.constexprs):
             raise ValueError(f"KernelSpec {name}: constexprs {sorted(constexprs)} are not plan {plan.name}'s "
                              f"{sorted(plan.constexprs)}")
         return cls(name=name, kernel=plan.kernel, params=tuple(Param(n, t) for n, t in plan.params),
                    constexprs=tuple(sorted(constexprs.items())), grid=plan.grid, grid_inputs=plan.sizes,
-                   num_warps=plan.num_warps, num_stages=plan.num_stages, doc=plan.doc)
+                   num_warps=plan.num_warps, num_stages=plan.num_stages, doc=plan.doc, maxnreg=maxnreg)
 
     @property
     def constexpr_dict(self) -> dict[str, Any]:
@@ -173,6 +178,7 @@ class KernelSpec:
             "num_stages": self.num_stages,
             "doc": self.doc,
             "grid_inputs": list(self.grid_inputs),
+            **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
         }
 
     @classmethod
@@ -187,6 +193,7 @@ class KernelSpec:
             num_stages=int(d["num_stages"]),
             doc=d.get("doc", ""),
             grid_inputs=tuple(d.get("grid_inputs", ())),
+            maxnreg=int(d.get("maxnreg", 0)),
         )
 
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from oscar_export.kernels.decode_attention import default_pages_per_split
+from oscar_export.kernels.decode_attention import PAGE_SLOTS
+from oscar_export.kernels.decode_attention_v2 import default_pages_per_split
 from oscar_export.kernels.decode_step import removals
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.pages import PageBook
@@ -111,8 +112,8 @@ class OscarLayer(OscarCacheLayer):
         self.flags = TransformFlags.of(self.transform)
         self.group_removals = removals(layout, self.transform)
         self.decode_variant = cache.decode_variant
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
-        self.pages_per_split = default_pages_per_split(book.batch, layout.num_kv_heads, book.max_pages, sms)
+        self.pages_per_split = default_pages_per_split(self.decode_variant, book.batch, layout.num_kv_heads,
+                                                       book.max_pages, self.device, PAGE_SLOTS, layout.head_dim)
         state = PagedKV.allocate(layout, book.batch, book.num_pool_pages, book.max_pages, device=book.device,
                                  dtype=dtype)
         #: the state as the committed lengths describe it (what a reader between steps sees)

@@ -166,3 +166,45 @@ def test_wrapper_constants_are_the_plan():
     assert (qp.QUANT_WARPS, qp.QUANT_ROT_WARPS) == (lp.QUANT_PACK.num_warps, lp.QUANT_PACK_ROT.num_warps)
     assert (ds.APPEND_WARPS, ds.ROT_BLOCK) == (lp.DECODE_APPEND.num_warps, lp.ROT_BLOCK)
     assert da.gq_pad(3) == lp.gq_pad(3) and da.gq_pad(8) == lp.gq_pad(8) and da.gq_pad(1) == lp.gq_pad(1)
+
+
+@pytest.mark.parametrize("batch,max_pages,want", [
+    (1, 62, 4),      # 1x8K: 16 programs a head of GL_MIN_PAGES_PER_SPLIT pages (more, shorter ones measured slower)
+    (1, 254, 4),     # 1x32K: one wave of 512 programs
+    (1, 1022, 16),   # 1x128K: 64 splits x 8 heads = 512 <= 528 slots; 17 pages would be 2 waves of 8+2
+    (8, 254, 32),    # 8x32K: 8 splits, one wave
+    (32, 254, 127),  # 32x32K: 2 splits, one wave
+    (106, 254, 85),  # B * H_kv = 848 > 528: 3 splits (5 waves of 85+2) beat 1 (2 waves of 254+2)
+    (1, 3, 3),       # fewer pages than the minimum: one split
+])
+def test_gl_pages_per_split_fills_whole_waves(batch, max_pages, want):
+    """The v3 split rule on the H200's 132 SMs, 8 KV heads, head_dim 128 (4 CTAs an SM)."""
+    pps = lp.gl_pages_per_split(batch, 8, max_pages, 132)
+    assert pps == want
+    splits = -(-max_pages // pps)
+    assert splits * pps >= max_pages and (splits - 1) * pps < max_pages
+    assert pps >= min(lp.GL_MIN_PAGES_PER_SPLIT, max_pages)
+
+
+def test_gl_pages_per_split_head_dim_256_has_half_the_slots_and_bad_sizes_are_refused():
+    assert lp.gl_occupancy(128) == (lp.GL_MAXNREG, 4) and lp.gl_occupancy(256) == (0, 2)
+    assert lp.gl_pages_per_split(1, 8, 1022, 132, head_dim=256) == 31  # 33 splits x 8 = 264 = 132 x 2
+    for bad in ((0, 8, 10, 132), (1, 0, 10, 132), (1, 8, 0, 132), (1, 8, 10, 0)):
+        with pytest.raises(ValueError, match="positive sizes"):
+            lp.gl_pages_per_split(*bad)
+
+
+def test_v2_wrapper_defaults_the_gluon_split_to_the_plan_rule():
+    """``check_decode_v2_inputs`` (what the Gluon launch reads, before the device check) takes the v3 rule;
+    the other variants keep v1's."""
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    lay = KVCacheLayout.default(2, 128, packing="mma16")
+    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
+    st = PagedKV.allocate(lay, 1, 64, 62)
+    q = torch.randn(1, 8, 128)
+    got = {var: v2.check_decode_v2_inputs(q, st, lay, tr.k_levels, tr.v_levels, 0.1, None, torch.float32, None,
+                                          var, None)[2] for var in v2.KERNELS}
+    assert got["fields"] == da.default_pages_per_split(1, 2, 62, 132, 1)
+    if "gluon" in got:
+        assert got["gluon"] == lp.gl_pages_per_split(1, 2, 62, 132) == 4

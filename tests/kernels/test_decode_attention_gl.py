@@ -138,13 +138,14 @@ SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate
 
 
 def _spec(gran, d, p, gq, rotate, stages=gl_attn.STAGES):
-    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs
+    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs, gl_occupancy
     from oscar_export.kernels.aot.spec import KernelSpec
 
     lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p)
     cx = decode_split_gl_constexprs(lay, 8 * gq, d**-0.5)
     cx.update(ROTATE_Q=rotate, STAGES=stages)
-    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}", cx)
+    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}", cx,
+                                maxnreg=gl_occupancy(d)[0])
 
 
 @pytest.mark.parametrize("gran,d,p,gq,rotate", SHAPES)
@@ -154,17 +155,40 @@ def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate):
         pytest.skip("this Triton has no Gluon")
     from oscar_export.kernels.aot.compile import compile_kernel
 
-    ck = compile_kernel(_spec(gran, d, p, gq, rotate), "sm_90")  # raises if an operand conversion is not trivial
+    spec = _spec(gran, d, p, gq, rotate)
+    ck = compile_kernel(spec, "sm_90")  # raises if an operand conversion is not trivial
     ptx = ck.ptx.decode()
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ptx), "the dots are warpgroup MMAs"
     assert re.search(r"cp\.async\.c[ga]\.shared\.global", ptx), "the pages stream through cp.async"
-    stack = _stack_bytes(ck.cubin)
-    if stack is not None:
-        assert stack == 0, f"the kernel spills ({stack} B of stack)"
+    assert (f".maxnreg {spec.maxnreg}" in ptx) == bool(spec.maxnreg), "the register cap reaches the PTX (the driver JIT)"
+    usage = _res_usage(ck.cubin)
+    if usage is not None:
+        if spec.maxnreg:  # the cap holds; it may cost a few spills (the plan trades them for a 4th CTA an SM)
+            assert usage["REG"] <= spec.maxnreg, usage
+        else:
+            assert usage["STACK"] == 0, f"the kernel spills ({usage['STACK']} B of stack)"
 
 
-def _stack_bytes(cubin: bytes) -> int | None:
-    """Stack bytes per thread of a cubin (``cuobjdump -res-usage``, shipped with Triton), None without the tool."""
+def test_the_register_cap_is_the_plans_and_travels_in_the_manifest():
+    """head_dim <= 128 is capped at GL_MAXNREG (4 CTAs an SM), 256 is not; the cap survives to_dict/from_dict and
+    a hostile value is refused."""
+    from dataclasses import replace
+
+    from oscar_export.kernels.aot.launch_plan import GL_MAXNREG
+    from oscar_export.kernels.aot.spec import KernelSpec
+
+    capped, free = _spec("token", 128, 128, 4, False), _spec("token", 256, 64, 16, False)
+    assert (capped.maxnreg, free.maxnreg) == (GL_MAXNREG, 0)
+    assert KernelSpec.from_dict(capped.to_dict()) == capped and "maxnreg" not in free.to_dict()
+    assert KernelSpec.from_dict(free.to_dict()) == free
+    for bad in (1, 300, -8):
+        with pytest.raises(ValueError, match="maxnreg"):
+            replace(capped, maxnreg=bad)
+
+
+def _res_usage(cubin: bytes) -> dict | None:
+    """``{"REG": registers, "STACK": bytes}`` per thread of a cubin (``cuobjdump -res-usage``, shipped with
+    Triton), None without the tool."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -178,8 +202,8 @@ def _stack_bytes(cubin: bytes) -> int | None:
         f.write(cubin)
         f.flush()
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"STACK:(\d+)", out)
-    return int(m.group(1)) if m else None
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"REG": int(m.group(1)), "STACK": int(m.group(2))} if m else None
 
 
 def test_a_non_trivial_operand_layout_fails_compilation():
