@@ -163,7 +163,7 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cfg = model.config
-    max_len = ctx + steps + 8
+    max_len = ctx + 3 * steps + 8  # timed steps, then launch_split's 2 x steps, warm-up and profile steps
     row = {"cache": kind, "B": b, "context": ctx}
     ids = torch.randint(1, cfg.vocab_size, (b, ctx), device="cuda")
     if kind.startswith("oscar"):
