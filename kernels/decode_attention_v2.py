@@ -573,6 +573,19 @@ def check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotati
     return rot, dsc, pages_per_split, bool(codebook)
 
 
+def default_variant(layout: KVCacheLayout, num_heads: int, device: torch.device) -> tuple[str, str]:
+    """The mma16 decode kernel a serving setup gets unless it names one: ``("gluon", "")`` (v3, the fastest on
+    the H200: BENCHMARKS.md) where it runs, else ``("fields", why not "gluon")``."""
+    if "gluon" not in KERNELS:
+        return "fields", "this Triton has no Gluon"
+    try:
+        _gl.check_gluon_layout(layout, num_heads, bool(layout.key.codebook or layout.value.codebook))
+        _gl.check_gluon_device(device)
+    except NotImplementedError as e:
+        return "fields", str(e)
+    return "gluon", ""
+
+
 def default_pages_per_split(variant: str | None, batch: int, num_kv_heads: int, max_pages: int,
                             device: torch.device, page_slots: int = 1, head_dim: int = 128) -> int:
     """Pages per split program: the launch plan's wave rule for the "gluon" kernel (``gl_pages_per_split``),
@@ -659,4 +672,4 @@ def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, sc
 
 
 __all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "KERNELS", "check_decode_v2_inputs", "check_decode_v2_layout",
-           "decode_attention", "default_pages_per_split", "decode_attention_any", "launch_decode_v2", "launch_options"]
+           "decode_attention", "default_pages_per_split", "default_variant", "decode_attention_any", "launch_decode_v2", "launch_options"]

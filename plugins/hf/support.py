@@ -11,6 +11,7 @@ naming the architecture or the feature.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_export.calibration.families import FAMILIES, ModelAttention, family_for
 from oscar_export.kernels.layout import KVCacheLayout
+
+log = logging.getLogger(__name__)
 from oscar_export.kernels.transform import LayerTransform
 
 from .attention import ATTENTION_NAME, oscar_attention, oscar_mask
@@ -141,8 +144,10 @@ def enable_oscar(
         key_bits: without an artifact, the key code width of each layer (``layout.CODE_BITS``; e.g. 4-bit keys
             in some layers for a speed or memory benchmark); an artifact carries its own.
         decode_variant: with ``backend="triton"`` and mma16 pages (``RowFormat.packing``), the decode kernel
-            (``kernels.decode_attention_v2.KERNELS``: ``"fields"``, the default, ``"tile"``, or ``"gluon"``, the
-            Gluon kernel, Hopper only); None otherwise (linear pages have one kernel, v1).
+            (``kernels.decode_attention_v2.KERNELS``: ``"fields"``, ``"tile"``, or ``"gluon"``, the Gluon kernel,
+            Hopper only); None picks ``decode_attention_v2.default_variant`` ("gluon" where it runs — a model on
+            a Hopper GPU, uniform codes, the head shapes it takes — else "fields", the reason logged at INFO).
+            Must be None otherwise (linear pages have one kernel, v1).
     Returns:
         an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
         ``past_key_values``.
@@ -171,7 +176,12 @@ def enable_oscar(
     if ops.name == "triton" and layout.packing == "mma16":  # v2 / v3: checked now, not at the first decode step
         from oscar_export.kernels import decode_attention_gl, decode_attention_v2
 
-        variant = decode_variant or "fields"
+        device = next(model.parameters()).device
+        if decode_variant is None:
+            decode_variant, why = decode_attention_v2.default_variant(layout, shape.num_heads, device)
+            if why:
+                log.info("enable_oscar: mma16 pages decode with v2 'fields', not v3 'gluon': %s", why)
+        variant = decode_variant
         if variant not in decode_attention_v2.KERNELS:
             raise ValueError(f"decode_variant: expected one of {sorted(decode_attention_v2.KERNELS)}, got {variant!r}")
         if any(b != layout.key.bits for b in key_bits or ()):
@@ -181,7 +191,6 @@ def enable_oscar(
         if variant == "gluon":
             decode_attention_gl.check_gluon_layout(layout, shape.num_heads,
                                                    bool(layout.key.codebook or layout.value.codebook))
-            device = next(model.parameters()).device
             if device.type == "cuda":  # a model still on the CPU is checked at its first decode step
                 decode_attention_gl.check_gluon_device(device)
     elif ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step

@@ -348,7 +348,7 @@ def test_triton_backend_takes_mma16_pages_and_a_decode_variant_checked_at_enable
                              RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=32, page_size=64)
 
     with enable_oscar(model, backend="triton", layout=mma()) as oscar:
-        assert oscar.decode_variant is None
+        assert oscar.decode_variant == "fields"  # the default on a model outside a Hopper GPU (here: the CPU)
     with enable_oscar(model, backend="triton", layout=mma(), decode_variant="gluon") as oscar:
         cache = oscar.make_cache(1, 256)
         assert [layer.decode_variant for layer in cache.layers] == ["gluon", "gluon"]
@@ -366,3 +366,40 @@ def test_triton_backend_takes_mma16_pages_and_a_decode_variant_checked_at_enable
         cfg9 = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=96, num_hidden_layers=1,
                            num_attention_heads=18, num_key_value_heads=2, head_dim=64)
         enable_oscar(LlamaForCausalLM(cfg9), backend="triton", layout=mma())
+
+
+def test_mma16_default_variant_is_gluon_where_it_runs(monkeypatch, caplog):
+    """``decode_variant=None`` with mma16 pages: v3 ("gluon") on a Hopper GPU for the layouts it takes, else v2
+    "fields" with the reason logged; a named variant is never replaced."""
+    pytest.importorskip("triton")
+    import logging
+
+    from oscar_export.kernels import decode_attention_v2 as v2
+    from oscar_export.kernels.layout import RowFormat
+
+    if "gluon" not in v2.KERNELS:
+        pytest.skip("this Triton has no Gluon")
+
+    def mma(codebook=False):
+        return KVCacheLayout(2, 64, RowFormat(64, 64, "token", codebook=codebook, packing="mma16"),
+                             RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=32, page_size=64)
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert v2.default_variant(mma(), 4, cuda) == ("gluon", "")
+    variant, why = v2.default_variant(mma(codebook=True), 4, cuda)
+    assert variant == "fields" and "codebook" in why
+    variant, why = v2.default_variant(mma(), 4, torch.device("cpu"))
+    assert variant == "fields" and "CUDA only" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    variant, why = v2.default_variant(mma(), 4, cuda)
+    assert variant == "fields" and "sm_80" in why
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    with caplog.at_level(logging.INFO, logger="oscar_export.plugins.hf.support"):
+        with enable_oscar(LlamaForCausalLM(cfg), backend="triton", layout=mma()) as oscar:
+            assert oscar.decode_variant == "fields"
+    assert "not v3 'gluon': decode_attention_gl: CUDA only" in caplog.text
+    with enable_oscar(LlamaForCausalLM(cfg), backend="triton", layout=mma(), decode_variant="tile") as oscar:
+        assert oscar.decode_variant == "tile"
