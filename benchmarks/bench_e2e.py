@@ -239,7 +239,10 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
             row["cache_gib"] = cache.allocated_bytes() / 2**30
         else:
             row["cache_gib"] = _bf16_cache_bytes(cfg, b, max_len if kind == "bf16-static" else ctx) / 2**30
-    del cache
+    if kind.startswith("oscar-graph"):  # a graph left alive slowed every later row's replay on the host (below)
+        graph.reset()
+    del cache, step
+    gc.collect()
     return row
 
 
