@@ -166,7 +166,7 @@ def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]
 
 
 def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float,
-             heads: str = "llama3-8b", pps_list: tuple = ("bench",)) -> list[dict]:
+             heads: str = "llama3-8b", pps_list: tuple = ("plan",)) -> list[dict]:
     """The v2 kernel on mma16 pages; checked against v1 on the same tokens first. ``pps_list``: the pages per
     split each variant is timed at ("bench": ``default_pages_per_split``, "plan": the kernel's own default, or an
     int)."""
@@ -277,8 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
     ap.add_argument("--kernels", default="v1", help="comma list of v1 (linear pages), v2 (mma16 pages)")
     ap.add_argument("--v2-variants", default="default", help=f"comma list of {sorted(V2_VARIANTS)}")
-    ap.add_argument("--v2-pps", default="bench", help="comma list of pages per split for the v2 rows: 'bench' "
-                    "(this script's rule, as v1's rows), 'plan' (the kernel's own default) or integers")
+    ap.add_argument("--v2-pps", default="plan", help="comma list of pages per split for the v2 rows: 'plan' (the "
+                    "kernel's own default, what serving launches), 'bench' (v1's rule, as v1's rows) or integers")
     ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4): v1 on each")
     args = ap.parse_args(argv)
     try:

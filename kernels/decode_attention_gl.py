@@ -30,8 +30,10 @@ Limits: uniform 2-bit codes (``K_CODEBOOK``/``V_CODEBOOK`` False), token or chan
 
 Status: compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the H200's JIT) on the CPU, with every A-operand
 conversion proven trivial by the compiler (``tests/kernels/test_decode_attention_gl.py``). Hopper only
-(:func:`check_gluon_device`). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and
-it is the fastest split kernel at B·S >= 128K (BENCHMARKS.md, "Decode v3"). There is no CPU interpreter for Gluon:
+(:func:`check_gluon_device`). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
+launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
+``gl_pages_per_split``: whole waves), it is the fastest decode kernel at every measured shape (BENCHMARKS.md,
+"Decode v3, tuned"). There is no CPU interpreter for Gluon:
 the CPU check of its algorithm is :func:`emulate` (the same folding of scales and powers of two, in PyTorch, against
 ``reference.decode_attention``).
 """

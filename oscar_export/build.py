@@ -197,7 +197,7 @@ def build_deployment(
     artifact (loaded and verified in full, inside the checkpoint, agreeing with ``config.json`` on layers,
     heads and head_dim and with the section's layout), no symbolic link out of the checkpoint, the archs and
     ``out`` (absent, empty, or with ``force`` an earlier deployment). ``decode_kernel``: for an mma16 artifact,
-    ``"gluon"`` builds decode v3 (Hopper: ``archs`` must be ``["sm_90"]``; its AOT launch not yet run on a GPU)
+    ``"gluon"`` builds decode v3 (Hopper: ``archs`` must be ``["sm_90"]``; its AOT launch checked on the H200)
     instead of v2.
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
@@ -264,7 +264,7 @@ def add_arguments(p) -> None:
                    help="GPU target, repeatable: sm_80, sm_86, sm_89, sm_90 (default: sm_80 sm_89 sm_90)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX form of one decode-attention layer")
     p.add_argument("--decode-kernel", choices=("gluon",), default=None,
-                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only; its AOT launch not yet run on a GPU) "
+                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only) "
                         "instead of v2")
 
 

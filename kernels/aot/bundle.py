@@ -65,7 +65,7 @@ def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, ta
     """The split kernel for the layout's packing: v1 (``decode_attention.py``) for linear pages, v2
     (``decode_attention_v2.py``: same parameters, grid and merge) for mma16 pages, or with ``decode_variant
     ="gluon"`` v3 (``decode_attention_gl.py``: the same parameters plus its stages; Hopper only, uniform codes;
-    its driver-API launch not yet run on a GPU)."""
+    its driver-API launch run on the H200: tests/gpu/test_aot_gpu.py::test_gluon_decode_bundle_equals_jit)."""
     if decode_variant not in (None, "fields", "gluon"):
         raise ValueError(f"decode_variant: expected None, 'fields' or 'gluon', got {decode_variant!r}")
     if decode_variant is not None and layout.packing != "mma16":
