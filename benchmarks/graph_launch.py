@@ -1,4 +1,4 @@
-"""Host cost of replaying a CUDA graph of decode-attention calls, per entry point (where a decode step's launch time goes).
+"""Host cost of replaying a CUDA graph of decode-attention calls, per entry point (where a step's launch time goes).
 
     python benchmarks/graph_launch.py [--shape 1x32768] [--calls 32] [--json out.json]
 

@@ -672,4 +672,5 @@ def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, sc
 
 
 __all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "KERNELS", "check_decode_v2_inputs", "check_decode_v2_layout",
-           "decode_attention", "default_pages_per_split", "default_variant", "decode_attention_any", "launch_decode_v2", "launch_options"]
+           "decode_attention", "decode_attention_any", "default_pages_per_split", "default_variant",
+           "launch_decode_v2", "launch_options"]

@@ -156,9 +156,9 @@ DECODE_SPLIT_V2 = KernelPlan(
 #: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
 GL_PAGE_STAGES = 3
 #: the Gluon split kernel's register cap per thread at head_dim <= 128: 4 CTAs (16 warps) share an SM's 64K
-#: registers instead of 3 at the compiler's own 131-155 (P = D = 128: a few spill loads a page; 4-9 % faster at
-#: 32x32K on the H200: BENCHMARKS.md, "Decode v3, tuned"). head_dim 256 keeps the compiler's 241-251 (2 CTAs):
-#: capped at 128 its page loop grows by 17 % and that was never measured.
+#: registers instead of 3 at the compiler's own 131-155 (P = D = 128: a few spill loads a page). With the wave
+#: rule below, which counts those 4: 1.17-1.43x v1 on the H200 (BENCHMARKS.md, "Decode v3, tuned"). head_dim 256
+#: keeps the compiler's 241-251 (2 CTAs): capped at 128 its page loop grows by 17 % and that was never measured.
 GL_MAXNREG = 128
 #: fewest pages a Gluon split program streams (when the sequence has them): its cp.async stages overlap nothing
 #: with one page (1x8K on the H200: 14.7 us at 1 page a split, 11.1-11.2 at 2-4).
@@ -292,9 +292,9 @@ def gl_occupancy(head_dim: int) -> tuple[int, int]:
 def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int, head_dim: int = 128) -> int:
     """Pages per split of the Gluon split kernel: the split count ``n`` (at most one per
     ``GL_MIN_PAGES_PER_SPLIT`` pages) that minimises ``waves(n) * (cdiv(max_pages, n) + GL_PROGRAM_PAGES)``,
-    ``waves(n) = cdiv(B * H_kv * n, num_sms * CTAs per SM)`` (:func:`gl_occupancy`); the fewest splits on a tie. A partial last wave
-    costs a whole program's time: on the H200, 1x128K took 52.0 us at 1.3 waves of 16-page programs and 47.7 at
-    one wave of 24-page ones (3 CTAs an SM then; BENCHMARKS.md, "Decode v3, tuned")."""
+    ``waves(n) = cdiv(B * H_kv * n, num_sms * CTAs per SM)`` (:func:`gl_occupancy`); the fewest splits on a tie.
+    A partial last wave costs a whole program's time: on the H200, 1x128K took 52.0 us at 1.3 waves of 16-page
+    programs and 47.7 at one wave of 24-page ones (3 CTAs an SM then; BENCHMARKS.md, "Decode v3, tuned")."""
     if min(batch, num_kv_heads, max_pages, num_sms) <= 0:
         raise ValueError(f"gl_pages_per_split: expected positive sizes, got batch={batch}, "
                          f"num_kv_heads={num_kv_heads}, max_pages={max_pages}, num_sms={num_sms}")

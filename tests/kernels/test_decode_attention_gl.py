@@ -160,7 +160,7 @@ def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate):
     ptx = ck.ptx.decode()
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ptx), "the dots are warpgroup MMAs"
     assert re.search(r"cp\.async\.c[ga]\.shared\.global", ptx), "the pages stream through cp.async"
-    assert (f".maxnreg {spec.maxnreg}" in ptx) == bool(spec.maxnreg), "the register cap reaches the PTX (the driver JIT)"
+    assert (f".maxnreg {spec.maxnreg}" in ptx) == bool(spec.maxnreg), "the cap reaches the PTX (the driver's JIT)"
     usage = _res_usage(ck.cubin)
     if usage is not None:
         if spec.maxnreg:  # the cap holds; it may cost a few spills (the plan trades them for a 4th CTA an SM)
