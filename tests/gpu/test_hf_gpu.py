@@ -106,6 +106,27 @@ def test_mma16_pages_triton_matches_reference_ops(variant):
     assert top1 >= 0.95, top1
 
 
+def test_mma16_pages_default_to_gluon_on_hopper_with_the_plans_split():
+    """Issue 11: with mma16 pages and no ``decode_variant``, a model on the H200 decodes with v3 ("gluon"), each
+    layer splitting its pages by the launch plan's wave rule (``gl_pages_per_split``)."""
+    from oscar_export.kernels.aot.launch_plan import gl_pages_per_split
+    from oscar_export.kernels.layout import KVCacheLayout
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("v3 is the default on Hopper only")
+    model = model_of(kv_heads=4, head_dim=64)
+    lay = KVCacheLayout.default(4, 64, "channel", packing="mma16", page_size=64)
+    with enable_oscar(model, layout=lay) as setup:
+        assert setup.decode_variant == "gluon"
+        cache = setup.make_cache(2, 8192)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        want = gl_pages_per_split(2, 4, cache.book.max_pages, sms, 64)
+        assert [layer.decode_variant for layer in cache.layers] == ["gluon"] * 4
+        assert [layer.pages_per_split for layer in cache.layers] == [want] * 4
+        print(f"mma16 default on {torch.cuda.get_device_name()}: gluon, {want} pages a split "
+              f"({cache.book.max_pages} pages)")
+
+
 @torch.no_grad()
 def test_ragged_batch_of_4_with_max_length_8192():
     """Four left-padded prompts (ragged), max_length 8192, Triton backend: each row decodes what it decodes alone
