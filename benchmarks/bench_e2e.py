@@ -239,7 +239,9 @@ def run_cache(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, com
             row["cache_gib"] = cache.allocated_bytes() / 2**30
         else:
             row["cache_gib"] = _bf16_cache_bytes(cfg, b, max_len if kind == "bf16-static" else ctx) / 2**30
-    if kind.startswith("oscar-graph"):  # a graph left alive slowed every later row's replay on the host (below)
+    # a graph left alive made every later row's replay block the host ~1 ms; the reset halves that (BENCHMARKS.md,
+    # "Decode v3, tuned": the rest is not found)
+    if kind.startswith("oscar-graph"):
         graph.reset()
     del cache, step
     gc.collect()

@@ -554,13 +554,13 @@ def check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotati
         raise ValueError(f"variant: expected one of {sorted(KERNELS)}, got {variant!r}")
     if codebook is None:
         codebook = layout.key.codebook or layout.value.codebook
-    if q.dim() == 3:
+    if q.dim() == 3:  # (other shapes: v1's checks below say what is wrong)
         check_decode_v2_layout(layout, q.shape[1])
         if variant == "gluon":
             _gl.check_gluon_layout(layout, q.shape[1], bool(codebook))
-    if pages_per_split is None and q.dim() == 3:
-        pages_per_split = default_pages_per_split(variant, q.shape[0], layout.num_kv_heads,
-                                                  state.block_table.shape[-1], q.device, 1, layout.head_dim)
+        if pages_per_split is None:
+            pages_per_split = default_pages_per_split(variant, q.shape[0], layout.num_kv_heads,
+                                                      state.block_table.shape[-1], q.device, 1, layout.head_dim)
     rot, dsc, pages_per_split = check_decode_inputs(
         q, state, _as_linear(layout), k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, 1
     )  # v1's input checks (shapes, dtypes, devices) are packing-independent

@@ -264,8 +264,7 @@ def add_arguments(p) -> None:
                    help="GPU target, repeatable: sm_80, sm_86, sm_89, sm_90 (default: sm_80 sm_89 sm_90)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX form of one decode-attention layer")
     p.add_argument("--decode-kernel", choices=("gluon",), default=None,
-                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only) "
-                        "instead of v2")
+                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only) instead of v2")
 
 
 def run(args) -> int:

@@ -23,13 +23,13 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_export.calibration.families import FAMILIES, ModelAttention, family_for
 from oscar_export.kernels.layout import KVCacheLayout
-
-log = logging.getLogger(__name__)
 from oscar_export.kernels.transform import LayerTransform
 
 from .attention import ATTENTION_NAME, oscar_attention, oscar_mask
 from .cache import OscarCache
 from .ops import CacheOps, get_ops
+
+log = logging.getLogger(__name__)
 
 #: ``config.model_type`` values the cache supports (the family table's keys).
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -181,14 +181,14 @@ def enable_oscar(
             decode_variant, why = decode_attention_v2.default_variant(layout, shape.num_heads, device)
             if why:
                 log.info("enable_oscar: mma16 pages decode with v2 'fields', not v3 'gluon': %s", why)
-        variant = decode_variant
-        if variant not in decode_attention_v2.KERNELS:
-            raise ValueError(f"decode_variant: expected one of {sorted(decode_attention_v2.KERNELS)}, got {variant!r}")
+        if decode_variant not in decode_attention_v2.KERNELS:
+            raise ValueError(f"decode_variant: expected one of {sorted(decode_attention_v2.KERNELS)}, "
+                             f"got {decode_variant!r}")
         if any(b != layout.key.bits for b in key_bits or ()):
             raise NotImplementedError("backend 'triton': mma16 pages hold 2-bit keys only; 4-bit key layers use "
                                       "linear pages (the v1 kernel)")
         decode_attention_v2.check_decode_v2_layout(layout, shape.num_heads)
-        if variant == "gluon":
+        if decode_variant == "gluon":
             decode_attention_gl.check_gluon_layout(layout, shape.num_heads,
                                                    bool(layout.key.codebook or layout.value.codebook))
             if device.type == "cuda":  # a model still on the CPU is checked at its first decode step

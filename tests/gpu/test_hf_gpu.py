@@ -23,6 +23,13 @@ def model_of(layers=4, kv_heads=4, head_dim=64, heads=16, vocab=512, positions=8
     return LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
 
+def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """``(max relative logit error, top-1 agreement)`` of logits ``got`` against ``want`` (``[N, V]``)."""
+    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    return rel, top1
+
+
 def forced_logits(model, setup, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Prefill ``prompt [1, T]`` then feed ``tokens [N]`` one by one; logits of every step ``[N + 1, V]`` fp32."""
     cache = setup.make_cache(1, prompt.shape[1] + tokens.numel() + 1)
@@ -44,8 +51,7 @@ def test_auto_backend_is_triton_and_matches_reference_ops():
     with enable_oscar(model, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
     assert torch.isfinite(got).all()
-    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    rel, top1 = agreement(got, want)
     print(f"triton vs torch backend over {len(got)} steps: max relative logit error {rel:.2e}, top-1 agreement {top1:.3f}")
     assert rel < 2e-2, rel  # both run a BF16 model; the attention arithmetic differs (fp16 dot operands vs fp32)
     assert top1 >= 0.95, top1
@@ -75,8 +81,7 @@ def test_mixed_key_bits_triton_matches_reference_ops(gran):
     with enable_oscar(model, art, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
     assert torch.isfinite(got).all()
-    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    rel, top1 = agreement(got, want)
     print(f"mixed key bits ({gran}), triton vs torch: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
     assert rel < 2e-2, rel
     assert top1 >= 0.95, top1
@@ -99,8 +104,7 @@ def test_mma16_pages_triton_matches_reference_ops(variant):
     with enable_oscar(model, layout=lay, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
     assert torch.isfinite(got).all()
-    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    rel, top1 = agreement(got, want)
     print(f"mma16 pages ({variant}), triton vs torch: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
     assert rel < 2e-2, rel
     assert top1 >= 0.95, top1
@@ -159,8 +163,7 @@ def test_ragged_batch_of_4_with_max_length_8192():
             for t in range(steps - 1):
                 seq.append(model(feed[b : b + 1, t : t + 1], **ka).logits[0, -1].float())
             got, want = torch.stack([x[b] for x in batch]), torch.stack(seq)
-            rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-            top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+            rel, top1 = agreement(got, want)
             print(f"row {b} ({lens[b]} tokens): max relative logit error {rel:.2e}, top-1 agreement {top1:.3f}")
             assert rel < 3e-2 and top1 >= 0.9, (b, rel, top1)
 

@@ -171,7 +171,7 @@ def test_wrapper_constants_are_the_plan():
 @pytest.mark.parametrize("batch,max_pages,want", [
     (1, 62, 4),      # 1x8K: 16 programs a head of GL_MIN_PAGES_PER_SPLIT pages (more, shorter ones measured slower)
     (1, 254, 4),     # 1x32K: one wave of 512 programs
-    (1, 1022, 16),   # 1x128K: 64 splits x 8 heads = 512 <= 528 slots; 17 pages would be 2 waves of 8+2
+    (1, 1022, 16),   # 1x128K: 64 splits x 8 heads = 512 <= 528 slots (128 splits of 8 pages: 2 waves of 8+2)
     (8, 254, 32),    # 8x32K: 8 splits, one wave
     (32, 254, 127),  # 32x32K: 2 splits, one wave
     (106, 254, 85),  # B * H_kv = 848 > 528: 3 splits (5 waves of 85+2) beat 1 (2 waves of 254+2)

@@ -81,14 +81,18 @@ def test_check_gluon_layout_refusals():
     gl_attn.check_gluon_layout(_mma(8, 128, "token"), 32, codebook=False)
 
 
-def test_wrapper_refuses_the_cpu_and_other_warps():
+def _gluon_wrapper_case(pages: int):
+    """v2's wrapper (skipped without Gluon), a 2-KV-head mma16 layout, identity transform and an empty state."""
     from oscar_export.kernels import decode_attention_v2 as v2
 
     if "gluon" not in v2.KERNELS:
         pytest.skip("this Triton has no Gluon")
     lay = _mma(2, 128, "token")
-    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
-    st = PagedKV.allocate(lay, 1, 1, 1)
+    return v2, lay, LayerTransform.identity(2, 128, 0.96, 0.92), PagedKV.allocate(lay, 1, pages, pages)
+
+
+def test_wrapper_refuses_the_cpu_and_other_warps():
+    v2, lay, tr, st = _gluon_wrapper_case(1)
     with pytest.raises(NotImplementedError, match="CUDA only"):
         v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, variant="gluon")
     with pytest.raises(NotImplementedError, match="codebook"):
@@ -100,13 +104,7 @@ def test_wrapper_refuses_misaligned_page_buffers():
     """A contiguous but sliced pool (base address off a 16-byte boundary) is refused before any launch."""
     from dataclasses import replace
 
-    from oscar_export.kernels import decode_attention_v2 as v2
-
-    if "gluon" not in v2.KERNELS:
-        pytest.skip("this Triton has no Gluon")
-    lay = _mma(2, 128, "token")
-    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
-    st = PagedKV.allocate(lay, 1, 2, 2)
+    v2, lay, tr, st = _gluon_wrapper_case(2)
     shape = st.k_codes.shape
     sliced = torch.zeros(st.k_codes.numel() + 16, dtype=torch.uint8)[4:4 + st.k_codes.numel()].view(shape)
     assert sliced.is_contiguous() and sliced.data_ptr() % 16 == 4
