@@ -72,6 +72,9 @@ V2_VARIANTS = {
     # v3's register cap: 128 per thread (4 CTAs an SM; the launch plan's at head_dim <= 128) or none (0: 3 CTAs)
     "gluon-r128": dict(variant="gluon", maxnreg=128),
     "gluon-r0": dict(variant="gluon", maxnreg=0),
+    # v3 with the merge in each (sequence, KV head)'s last program (one launch) or as its own launch
+    "gluon-fm": dict(variant="gluon", fused_merge=True),
+    "gluon-sm": dict(variant="gluon", fused_merge=False),
 }
 
 
@@ -166,22 +169,28 @@ def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]
 
 
 def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float,
-             heads: str = "llama3-8b", pps_list: tuple = ("plan",)) -> list[dict]:
+             heads: str = "llama3-8b", pps_list: tuple = ("plan",), q_rotation: bool = False) -> list[dict]:
     """The v2 kernel on mma16 pages; checked against v1 on the same tokens first. ``pps_list``: the pages per
     split each variant is timed at ("bench": ``default_pages_per_split``, "plan": the kernel's own default, or an
-    int)."""
+    int). ``q_rotation``: queries in the model basis, the key rotation fused into the kernels' prologue (as the
+    serving path launches them when the keys are rotated)."""
     HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
     lay = KVCacheLayout.default(HKV, D, gran)
     scale = D**-0.5
     kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
+    rot = None
+    if q_rotation:
+        rot = (torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0].contiguous(),
+               torch.rand(HKV, D, device="cuda") + 0.5)
     st0 = random_state(lay, batch, seq)
     q0 = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    want = decode_attention(q0, st0, lay, kl, kl, scale, out_dtype=torch.bfloat16)
+    want = decode_attention(q0, st0, lay, kl, kl, scale, out_dtype=torch.bfloat16, q_rotation=rot)
     st0m, mlay = mma16_copy(st0, lay)
     diffs = {}  # every variant against v1 on the same tokens, before any timing; a failing one is left out alone
     for name in names:
         try:
-            got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16, **V2_VARIANTS[name])
+            got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16, q_rotation=rot,
+                                      **V2_VARIANTS[name])
             torch.cuda.synchronize()
             diffs[name] = (got.float() - want.float()).abs().max().item()
         except Exception as e:  # noqa: BLE001 - reported, and the other variants' rows kept
@@ -201,14 +210,14 @@ def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float
         elif pps != "plan":
             kw["pages_per_split"] = int(pps)
         call = lambda i, kw=kw: v2.decode_attention(qs[i % sets], states[i % sets], mlay, kl, kl, scale,  # noqa: E731
-                                                     out_dtype=torch.bfloat16, **kw)
+                                                     out_dtype=torch.bfloat16, q_rotation=rot, **kw)
         eager = median_ms(call, sets, 30)
         graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
         floor = nbytes / (copy_tbps * 1e12) * 1e6
         rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq,
                          bytes=nbytes, eager_us=eager * 1e3, graph_us=graph * 1e3,
                          tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor, pct_copy=100 * floor / (graph * 1e3),
-                         v2_vs_v1=diffs[name], pps_rule=pps,
+                         v2_vs_v1=diffs[name], pps_rule=pps, q_rotation=q_rotation,
                          **{**kw, "variant": name}))
     del states
     return rows
@@ -280,6 +289,8 @@ def main(argv=None) -> int:
     ap.add_argument("--v2-pps", default="plan", help="comma list of pages per split for the v2 rows: 'plan' (the "
                     "kernel's own default, what serving launches), 'bench' (v1's rule, as v1's rows) or integers")
     ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4): v1 on each")
+    ap.add_argument("--q-rotation", action="store_true", help="v2 rows: queries in the model basis, the key "
+                    "rotation fused into the kernel (what serving launches for rotated keys)")
     args = ap.parse_args(argv)
     try:
         key_bits = [int(x) for x in args.key_bits.split(",")]
@@ -310,7 +321,8 @@ def main(argv=None) -> int:
                     got = [r for r in got if r["kernel"] != "sdpa-bf16"]
                 if "v2" in kernels and kb == 2:
                     try:
-                        got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads, args.v2_pps.split(","))
+                        got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads, args.v2_pps.split(","),
+                                        args.q_rotation)
                     except Exception as e:  # a v2 failure must not lose the v1/SDPA rows of the run
                         print(f"v2 {heads} {b}x{s} {gran}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows += got

@@ -17,7 +17,7 @@ Random BF16 weights (speed does not depend on them). Per workload ``B x L`` and 
   names (issue 17's mixed format; 2-bit elsewhere).
 * ``oscar-v2`` / ``oscar-graph-v2`` and ``oscar-v3`` / ``oscar-graph-v3``: the same cache bytes in ``mma16`` pages,
   decoded by the v2 "fields" kernel or by v3, the Gluon kernel (``enable_oscar(layout=..., decode_variant=...)``;
-  issue 11).
+  issue 11); ``-v3fm`` / ``-v3sm``: v3 with the merge fused into its split kernel or launched on its own.
 
 ``--no-prefill`` rows (and the equal-memory rows) set the cache lengths directly instead of prefilling: decode
 speed does not depend on the values stored. Decode times are medians of CUDA-event timings of single steps.
@@ -28,6 +28,7 @@ the same run. Peak memory is ``torch.cuda.max_memory_allocated`` over the row's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -282,7 +283,24 @@ def key_bits_of(kind: str, num_layers: int, k4_layers: set[int]) -> tuple[int, .
 
 
 #: the mma16 cache kinds: kind suffix -> the decode variant (``decode_attention_v2.KERNELS``)
-MMA16_KINDS = {"-v2": "fields", "-v3": "gluon"}
+MMA16_KINDS = {"-v2": "fields", "-v3": "gluon", "-v3fm": "gluon", "-v3sm": "gluon"}
+#: v3 kinds that set the launch plan's GL_FUSED_MERGE for their row: the merge in the split kernel's last programs
+#: ("-v3fm") or its own launch ("-v3sm"); "-v3" runs whatever the plan says.
+FUSED_MERGE_KINDS = {"-v3fm": True, "-v3sm": False}
+
+
+@contextlib.contextmanager
+def fused_merge_of(kind: str):
+    """The row's ``launch_plan.GL_FUSED_MERGE`` (read by every v3 launch, so also by the one a graph captures)."""
+    from oscar_export.kernels.aot import launch_plan
+
+    flag = next((f for suffix, f in FUSED_MERGE_KINDS.items() if kind.endswith(suffix)), None)
+    old = launch_plan.GL_FUSED_MERGE
+    launch_plan.GL_FUSED_MERGE = old if flag is None else flag
+    try:
+        yield
+    finally:
+        launch_plan.GL_FUSED_MERGE = old
 
 
 def oscar_setup(model, kind: str, key_bits: tuple[int, ...]):
@@ -368,7 +386,8 @@ def main(argv=None) -> int:
         key_bits = key_bits_of(kind, model.config.num_hidden_layers, k4)
         setup = oscar_setup(model, kind, key_bits) if kind.startswith("oscar") else None
         try:
-            row = run_cache(model, kind, b, ctx, args.steps, prefill, args.compile_mode, setup)
+            with fused_merge_of(kind):
+                row = run_cache(model, kind, b, ctx, args.steps, prefill, args.compile_mode, setup)
             if setup is not None:
                 layout = setup.layout
         except torch.OutOfMemoryError as e:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call: install, GPU facts, kernel tests (compiled), benchmarks; logs to $OUT, a short table last.
-# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|v3e2e|v3prof|v3sweep|k4|k4e2e]
+# Usage (device tool, repo root): bash benchmarks/gpu_check.sh [quick|decode|e2e|trt|families|v2|v3|v3e2e|v3fm|v3prof|v3sweep|k4|k4e2e]
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -81,6 +81,16 @@ fi
 if [ "${1:-}" = v3e2e ]; then  # issue 11: the whole decode step with v1 / v2 / v3 pages and kernels, and at equal KV memory (~6 min)
     step v3_e2e "${E2E_TIMEOUT:-420}" python3 benchmarks/bench_e2e.py --workloads "${WORKLOADS:-1x32768!}" --caches "${CACHES:-oscar-graph,oscar-graph-v2,oscar-graph-v3,bf16-static}" --equal-kv-gib "${EQUAL_GIB:-64}" --equal-oscar oscar-graph,oscar-graph-v2,oscar-graph-v3 --steps "${STEPS:-20}" --json "$OUT/bench_e2e_v3.json" ${COMMIT:+--commit $COMMIT}
     tail -n 20 "$OUT/v3_e2e.log"
+    exit 0
+fi
+if [ "${1:-}" = v3fm ]; then  # issue 11: v3 with the merge fused into its split kernel vs its own launch: GPU tests, then
+    # bench_decode with plain and rotated queries (~6 min)
+    step fm_gpu_tests 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -m gpu -s -q -p no:cacheprovider -k "${TESTK:-gluon}"
+    step fm_bench 240 python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x8192,1x32768,1x131072,8x32768,32x32768}" --kernels v1,v2 --v2-variants "${V2_VARIANTS:-gluon-sm,gluon-fm}" --json "$OUT/bench_decode_fm.json" ${COMMIT:+--commit $COMMIT}
+    step fm_bench_rot 150 python3 benchmarks/bench_decode.py --shapes "${ROT_SHAPES:-1x8192,1x32768,8x32768}" --gran token --kernels v2 --q-rotation --v2-variants "${V2_VARIANTS:-gluon-sm,gluon-fm}" --json "$OUT/bench_decode_fm_rot.json" ${COMMIT:+--commit $COMMIT}
+    echo "=== summary"; grep -h "passed\|failed\|error" "$OUT"/fm_gpu_tests.log | tail -n 4
+    tail -n 24 "$OUT/fm_bench.log"; tail -n 10 "$OUT/fm_bench_rot.log"
+    (cd "$OUT" && tar czf fm.tgz *.log *.json gpu.txt && rm -f *.log *.json)
     exit 0
 fi
 if [ "${1:-}" = v2 ]; then  # mma16 pages + the v2 decode kernel: GPU tests, compiled kernel tests, v1/v2/SDPA bench (~4 min)

@@ -924,14 +924,15 @@ def launch_split_merge(
     split_kernel, q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
     v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads: int, sink: int, recent_slots: int,
     pages_per_split: int, out_dtype: torch.dtype, constexprs: dict, num_warps: int, num_stages: int,
-    wrap=lambda k: k,
+    wrap=lambda k: k, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Allocate the partials, launch ``split_kernel`` (v1's or a v2 one: the same parameters in the same order,
     then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
 
     Grids: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages, pages_per_split)``,
     ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``. ``wrap`` wraps each
-    kernel before launch.
+    kernel before launch. With ``counters`` (int32, zero, at least ``B * H_kv``) the split kernel merges in its
+    last programs (``out`` and ``counters`` follow the partials in its parameters) and no merge is launched.
     """
     bsz, hq, d = q.shape
     max_pages = block_table.shape[1]
@@ -941,13 +942,15 @@ def launch_split_merge(
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
+    fused = () if counters is None else (out, counters)
     wrap(split_kernel)[(bsz * num_kv_heads, n_splits)](
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, part_o, part_lse,
+        block_table, sink_len, num_pages, recent_len, part_o, part_lse, *fused,
         max_pages, pages_per_split, n_page_splits, n_splits,
         **constexprs, num_warps=num_warps, num_stages=num_stages,
     )
-    wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
+    if counters is None:
+        wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
     return out
 
 

@@ -255,21 +255,17 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _decode_split_gl_kernel(
-        q_ptr, rot_ptr, dscale_ptr,
-        sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
-        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
-        block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
-        part_o_ptr, part_lse_ptr,
-        max_pages, pages_per_split, n_page_splits, n_splits,
+    def _split_partial(
+        q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
+        recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
+        STAGES: gl.constexpr,
     ):
-        """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
-        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes
-        only (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
+        """The body of both split kernels: this program's partial (out / l and log2-sum-exp) into ``part_o`` /
+        ``part_lse``."""
         gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
         gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -380,9 +376,106 @@ if HAVE_GLUON:
         gl.store(part_lse_ptr + prow, lse, mask=g < GQ)
         gl.store(part_o_ptr + prow[None, :] * D + dd[:, None], out_t * inv[None, :], mask=(g < GQ)[None, :])
 
+    @gluon.jit
+    def _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV: gl.constexpr,
+                       GQ: gl.constexpr, D: gl.constexpr):
+        """The last of the ``n_splits`` programs of a (sequence, KV head) to finish merges their partials into
+        ``out [B, H, D]`` and sets the pair's counter back to zero for the next launch.
+
+        Ordering is the cooperative-groups grid barrier's: every thread's partial stores, a CTA barrier, then one
+        ``atom.acq_rel.gpu`` add (release: the stores are visible before the count; acquire: the last program
+        sees every other program's stores), whose result reaches all threads through the CTA; partials are read
+        from L2 (``.cg``). The merge is online over chunks of ``MCH`` splits (all query heads of the KV head at
+        once, 64 fp32 registers of partials a thread): the running log2-sum-exp max per head, the weights
+        ``2^(lse - max)``, a head with nothing attended gives zeros (as ``_merge_kernel``, whose arithmetic this is
+        up to the summation order)."""
+        bh = gl.program_id(0)
+        _cta_barrier()
+        arrived = gl.atomic_add(counters_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_splits - 1:
+            MH: gl.constexpr = 1 if GQ <= 1 else (2 if GQ <= 2 else (4 if GQ <= 4 else (8 if GQ <= 8 else 16)))
+            W0: gl.constexpr = MH if MH < 4 else 4
+            MCH: gl.constexpr = 8192 // (MH * D) if 8192 // (MH * D) >= 4 // W0 else 4 // W0
+            L3: gl.constexpr = gl.BlockedLayout([1, 1, D // 32], [1, 1, 32], [W0, 4 // W0, 1], [2, 1, 0])
+            LS: gl.constexpr = gl.SliceLayout(2, L3)  # [MH, MCH]
+            LO: gl.constexpr = gl.SliceLayout(1, L3)  # [MH, D]
+            g = gl.arange(0, MH, layout=gl.SliceLayout(1, LS))
+            k = gl.arange(0, MCH, layout=gl.SliceLayout(0, LS))
+            dd = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
+            row = (bh * GQ + g).to(gl.int64) * n_splits  # partial rows of query heads b * H + h * GQ + g
+            m = gl.full([MH], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
+            den = gl.zeros([MH], gl.float32, gl.SliceLayout(1, LS))
+            acc = gl.zeros([MH, D], gl.float32, LO)
+            for c0 in range(0, n_splits, MCH):
+                ok = (g < GQ)[:, None] & (c0 + k < n_splits)[None, :]
+                prow = row[:, None] + c0 + k[None, :]
+                lse = gl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                o = gl.load(part_o_ptr + (prow * D)[:, :, None] + dd[None, None, :], mask=ok[:, :, None],
+                            other=0.0, cache_modifier=".cg")
+                m_new = gl.maximum(m, gl.max(lse, axis=1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m - m_use)
+                w = gl.exp2(lse - m_use[:, None])
+                den = den * alpha + gl.sum(w, axis=1)
+                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, LO))
+                acc = acc * alpha_o[:, None] + gl.sum(w[:, :, None] * o, axis=1)
+                m = m_new
+            den_o = gl.convert_layout(den, gl.SliceLayout(1, LO))
+            res = gl.where((den_o > 0.0)[:, None], acc / gl.where(den_o > 0.0, den_o, 1.0)[:, None], 0.0)
+            go = gl.arange(0, MH, layout=gl.SliceLayout(1, LO))
+            orow = (bh * GQ + go).to(gl.int64) * D
+            gl.store(out_ptr + orow[:, None] + dd[None, :], res.to(out_ptr.dtype.element_ty), mask=(go < GQ)[:, None])
+            gl.store(counters_ptr + bh, 0)
+
+    @gluon.jit
+    def _decode_split_gl_kernel(
+        q_ptr, rot_ptr, dscale_ptr,
+        sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+        block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+        part_o_ptr, part_lse_ptr,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+        S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
+        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
+        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes
+        only (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
+        _split_partial(q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr,
+                       k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
+                       recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
+                       H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
+                       STAGES)
+
+    @gluon.jit
+    def _decode_split_merge_gl_kernel(
+        q_ptr, rot_ptr, dscale_ptr,
+        sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+        block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+        part_o_ptr, part_lse_ptr, out_ptr, counters_ptr,
+        max_pages, pages_per_split, n_page_splits, n_splits,
+        H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
+        S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
+        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`_merge_if_last`): one launch
+        for the whole decode attention. ``out_ptr [B, H, D]`` (fp32 / bf16 / fp16), ``counters_ptr`` int32 ``[>=
+        B * H_KV]``, zero at launch and left zero (``decode_attention_v2.merge_counters``)."""
+        _split_partial(q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr,
+                       k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
+                       recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
+                       H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
+                       STAGES)
+        _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV, GQ, D)
+
     KERNEL = _decode_split_gl_kernel
+    FUSED_KERNEL = _decode_split_merge_gl_kernel
 else:  # pragma: no cover
-    KERNEL = None
+    KERNEL = FUSED_KERNEL = None
 
 
 def emulate_a_operand(page: torch.Tensor, rows: int, cols: int, c0: int = 0, ct: int | None = None) -> torch.Tensor:
@@ -476,5 +569,5 @@ def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
             (state.recent_k[bi, hi][ring], state.recent_v[bi, hi][ring])]
 
 
-__all__ = ["HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout", "emulate",
-           "emulate_a_operand"]
+__all__ = ["FUSED_KERNEL", "HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout",
+           "emulate", "emulate_a_operand"]

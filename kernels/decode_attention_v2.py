@@ -519,6 +519,7 @@ def decode_attention(
     variant: str = "fields",
     fast_unpack: bool | None = None,
     maxnreg: int | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages, split + merge (arguments as v1's ``decode_attention``).
 
@@ -528,7 +529,8 @@ def decode_attention(
     (at least 2)). ``fast_unpack``: the
     fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
     ``maxnreg``: a register cap per thread for the "gluon" kernel's JIT launch (None: the launch plan's
-    ``gl_occupancy``, 0: none).
+    ``gl_occupancy``, 0: none). ``fused_merge``: the "gluon" kernel merges in each (sequence, KV head)'s last
+    program, one launch instead of two (None: the launch plan's ``GL_FUSED_MERGE``; :func:`merge_counters`).
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -542,7 +544,7 @@ def decode_attention(
         layout.key.granularity == "channel", codebook, q_rotation is not None, pages_per_split, out_dtype,
         num_warps, num_stages, variant=variant,
         fast_unpack=(q.device.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook,
-        maxnreg=maxnreg,
+        maxnreg=maxnreg, fused_merge=fused_merge,
     )
 
 
@@ -615,10 +617,11 @@ def launch_decode_v2(
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, pages_per_split: int,
     out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES, wrap=lambda k: k,
-    variant: str = "fields", fast_unpack: bool = False, maxnreg: int | None = None,
+    variant: str = "fields", fast_unpack: bool = False, maxnreg: int | None = None, fused_merge: bool | None = None,
 ) -> torch.Tensor:
-    """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs. Grid rules: the launch
-    plan's ``DECODE_SPLIT_V2`` (as v1's split) and ``DECODE_MERGE``."""
+    """Allocate the partials and launch split (v2) + merge (v1's) on validated inputs, or the "gluon" split with
+    the merge fused (``fused_merge``, None: ``GL_FUSED_MERGE``). Grid rules: the launch plan's ``DECODE_SPLIT_V2``
+    (as v1's split) and ``DECODE_MERGE``."""
     _, hq, d = q.shape
     gq = hq // num_kv_heads
     if variant not in KERNELS:
@@ -637,17 +640,49 @@ def launch_decode_v2(
         maxnreg = _plan.gl_occupancy(d)[0] if maxnreg is None else maxnreg
         if maxnreg:  # a launch option of the JIT, passed beside the constexprs
             extra["maxnreg"] = int(maxnreg)
-    elif maxnreg is not None:
-        raise ValueError(f"decode_attention_v2: maxnreg is an option of the 'gluon' kernel, not of {variant!r}")
+        fused_merge = _plan.GL_FUSED_MERGE if fused_merge is None else fused_merge
+    else:
+        for name, given in (("maxnreg", maxnreg), ("fused_merge", fused_merge)):
+            if given is not None:
+                raise ValueError(f"decode_attention_v2: {name} is an option of the 'gluon' kernel, "
+                                 f"not of {variant!r}")
+    counters = merge_counters(q.device, q.shape[0] * num_kv_heads) if fused_merge else None
     return launch_split_merge(
-        KERNELS[variant], q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,
-        k_levels, v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots,
-        pages_per_split, out_dtype,
+        _gl.FUSED_KERNEL if fused_merge else KERNELS[variant], q, rot, dsc, sink_k, sink_v, recent_k, recent_v,
+        k_codes, k_params, v_codes, v_params, k_levels, v_levels, block_table, sink_len, num_pages, recent_len,
+        num_kv_heads, sink, recent_slots, pages_per_split, out_dtype,
         dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
              BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook, V_CODEBOOK=codebook,
              ROTATE_Q=rotate_q, **extra),
-        num_warps, num_stages, wrap,
+        num_warps, num_stages, wrap, counters,
     )
+
+
+#: the fused merge's counters, one int32 zero per (sequence, KV head) and device (``merge_counters``).
+MERGE_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """The int32 counters of the fused-merge "gluon" launches on ``device``: ``MERGE_COUNTERS`` zeros, allocated
+    once and never freed (captured CUDA graphs keep their address). Each launch's last program of a (sequence,
+    KV head) sets that pair's counter back to zero, so launches in one stream order share them; two streams
+    running fused-merge launches at the same time must not (they would count into the same pairs).
+
+    The first call must not be inside a CUDA-graph capture (the zero fill would only be recorded, not run):
+    one eager launch first, as every warm-up does."""
+    if pairs > MERGE_COUNTERS:
+        raise ValueError(f"decode_attention_v2 fused merge: {pairs} (sequence, KV head) pairs, at most "
+                         f"{MERGE_COUNTERS}; use fused_merge=False")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_attention_v2 fused merge: its counters are allocated by the first launch, "
+                               "which must run eagerly, not inside a CUDA-graph capture (run one warm-up step)")
+        buf = _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
 
 
 #: the v2 split kernels by variant name (the launch plan's DECODE_SPLIT_V2 names the default one); "gluon" is
@@ -673,4 +708,4 @@ def decode_attention_any(q, state, layout: KVCacheLayout, k_levels, v_levels, sc
 
 __all__ = ["GQ_SUPPORTED", "HEAD_DIMS_SUPPORTED", "KERNELS", "check_decode_v2_inputs", "check_decode_v2_layout",
            "decode_attention", "decode_attention_any", "default_pages_per_split", "default_variant",
-           "launch_decode_v2", "launch_options"]
+           "launch_decode_v2", "launch_options", "merge_counters"]

@@ -166,12 +166,23 @@ GL_MIN_PAGES_PER_SPLIT = 4
 #: a Gluon split program's fixed cost (query, block-table and first-page latency, its partial and the merge's
 #: share), in page times: what :func:`gl_pages_per_split` adds to each program's pages.
 GL_PROGRAM_PAGES = 2
+#: the Gluon split kernel merges in its last programs (DECODE_SPLIT_MERGE_GL: one launch a decode attention).
+GL_FUSED_MERGE = False
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
     params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
     num_warps=4, num_stages=2, grid=DECODE_SPLIT_V2.grid, sizes=DECODE_SPLIT_V2.sizes, derived=_SPLIT_DERIVED,
     doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
         "cp.async page stages); uniform codes, sm_90 only; merged by decode_merge (bundles: decode_variant=gluon)",
+)
+#: the Gluon split kernel with the merge in each (sequence, KV head)'s last program: one launch, no decode_merge.
+DECODE_SPLIT_MERGE_GL = KernelPlan(
+    name="decode_split_merge_gl", kernel=f"{_DAG}:_decode_split_merge_gl_kernel",
+    params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + (("out_ptr", "*bf16"), ("counters_ptr", "*i32")) + _SPLIT_SCALARS,
+    constexprs=DECODE_SPLIT_GL.constexprs, num_warps=4, num_stages=2, grid=DECODE_SPLIT_GL.grid,
+    sizes=DECODE_SPLIT_GL.sizes, derived=_SPLIT_DERIVED,
+    doc="decode_split_gl whose last program of each (sequence, KV head) merges the splits (an int32 counter each, "
+        "zero at launch and left zero); JIT only, not in bundles",
 )
 DECODE_MERGE = KernelPlan(
     name="decode_merge", kernel=f"{_DA}:_merge_kernel",
@@ -223,8 +234,8 @@ TRT_DECODE_MERGE = KernelPlan(
     constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
     grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
 )
-PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_SPLIT_GL, DECODE_MERGE, QUANT_PACK, QUANT_PACK_ROT,
-                             DECODE_APPEND, TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_SPLIT_GL, DECODE_SPLIT_MERGE_GL, DECODE_MERGE,
+                             QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND, TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
 
 
 def trt_io(plan: KernelPlan) -> tuple[list[str], list[str], list[str]]:
@@ -405,12 +416,11 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_V2", "GL_MAXNREG",
-    "GL_MIN_PAGES_PER_SPLIT", "GL_PAGE_STAGES", "GL_PROGRAM_PAGES", "gl_occupancy", "gl_pages_per_split",
-    "MERGE_CHUNK", "PAGE_SLOTS", "PLANS",
-    "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE",
-    "TRT_DECODE_SPLIT",
-    "KernelPlan", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
-    "decode_split_gl_constexprs", "decode_split_v2_constexprs",
-    "evaluate", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io",
+    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_MERGE_GL",
+    "DECODE_SPLIT_V2", "GL_FUSED_MERGE", "GL_MAXNREG", "GL_MIN_PAGES_PER_SPLIT", "GL_PAGE_STAGES", "GL_PROGRAM_PAGES",
+    "KernelPlan", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS", "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES",
+    "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT", "decode_append_constexprs",
+    "decode_merge_constexprs", "decode_split_constexprs", "decode_split_gl_constexprs", "decode_split_v2_constexprs",
+    "evaluate", "gl_occupancy", "gl_pages_per_split", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name",
+    "trt_io"
 ]

@@ -494,6 +494,58 @@ def test_decode_attention_gluon_cuda_graph_equals_eager():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("gran,hq,d,p", [("token", 32, 128, 128), ("channel", 32, 128, 64), ("token", 24, 64, 64),
+                                        ("token", 128, 256, 128)])
+def test_decode_attention_gluon_fused_merge_equals_two_launches(gran, hq, d, p):
+    """The merge in each (sequence, KV head)'s last program against split + decode_merge of the same kernel: equal
+    up to the summation order (fp32 outputs), the same with the query rotation, at 1 page a split (the most
+    programs racing to be last) and the plan's; deterministic over repeated launches; a CUDA graph's replays
+    equal eager; empty sequences zeros; every counter back at zero afterwards."""
+    from oscar_export.kernels import decode_attention_v2 as v2
+    from oscar_export.kernels.layout import RowFormat
+
+    lay = KVCacheLayout(8, d, RowFormat(d, d, gran, packing="mma16"), RowFormat(d, d, packing="mma16"), page_size=p)
+    tr = _fitted_rotated_transform_gpu(8, d)
+    lengths = [33000, 8192, 385, 0, 17]
+    torch.manual_seed(7)
+    st = _random_cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), hq, d, device=DEV)
+    rot = (tr.k_rotation, tr.k_scale)
+    for pps, q_rotation in ((None, None), (1, None), (None, rot)):
+        kw = dict(variant="gluon", pages_per_split=pps, q_rotation=q_rotation)
+        want = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=False, **kw)
+        got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True, **kw)
+        diff = (got - want).abs().max().item()
+        print(f"\n  fused merge {gran} hq={hq} d={d} p={p} pps={pps} rot={q_rotation is not None}: "
+              f"|fused - two| {diff:.2e}")
+        assert diff <= 1e-5 * want.abs().max().item(), diff
+        assert torch.equal(got[3], torch.zeros_like(got[3])), "an empty sequence must give zeros"
+        for _ in range(5):
+            again = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True, **kw)
+            assert torch.equal(again, got), "the merge must not depend on which program is last"
+    assert not v2.merge_counters(q.device, 1).any(), "every counter back at zero"
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon", fused_merge=True)
+    eager = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon", fused_merge=True)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert not v2.merge_counters(q.device, 1).any()
+
+
+def test_decode_attention_gluon_fused_merge_refuses_first_use_in_a_capture(monkeypatch):
+    """The counters' zero fill must run: their first allocation inside a CUDA-graph capture is refused."""
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    monkeypatch.setattr(v2, "_COUNTERS", {})
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="must run eagerly"):
+        with torch.cuda.graph(g):
+            v2.merge_counters(torch.device(DEV), 8)
+
+
 def test_decode_append_mma16_on_gpu_equals_reference():
     """The decode-step demotion writes mma16 pages equal to the reference's on the GPU (real shape)."""
     from oscar_export.kernels.decode_step import decode_append

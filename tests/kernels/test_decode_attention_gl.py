@@ -232,3 +232,46 @@ def test_a_non_trivial_operand_layout_fails_compilation():
     with pytest.raises(Exception) as err:  # triton's CompilationError, caused by convert_layout's TypeError
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "is not trivial" in f"{err.value} {err.value.__cause__}", err.value
+
+
+# ---- the fused merge (the split kernel's last program of each (sequence, KV head) merges) ------------------------
+
+
+@pytest.mark.parametrize("gran,d,p,gq", [("token", 128, 128, 4), ("channel", 256, 128, 8), ("token", 64, 64, 1)])
+def test_fused_merge_compiles_with_the_grid_barrier_ordering(gran, d, p, gq):
+    """The fused kernel counts its programs the cooperative-groups way: the partial stores, a CTA barrier, one
+    thread's ``atom.acq_rel.gpu`` add (its result shared through the CTA), then the partials read from L2;
+    the plain split kernel has no atomic."""
+    pytest.importorskip("triton")
+    if not gl_attn.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from oscar_export.kernels.aot.compile import compile_kernel
+    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_MERGE_GL
+    from oscar_export.kernels.aot.spec import KernelSpec
+
+    plain = _spec(gran, d, p, gq, True)
+    fused = KernelSpec.from_plan(DECODE_SPLIT_MERGE_GL, plain.name.replace("split", "split_merge"),
+                                 dict(plain.constexprs), maxnreg=plain.maxnreg)
+    ptx = compile_kernel(fused, "sm_90").ptx.decode()
+    atom = re.search(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
+    assert atom, "one predicated acq_rel add at gpu scope"
+    assert ptx.count("atom.global") == 1
+    before = ptx[:atom.start()]
+    assert before.rfind("bar.sync") > before.rfind("st.global"), "a CTA barrier between the partial stores and the add"
+    assert "ld.global.cg" in ptx[atom.end():], "the partials are read from L2"
+    assert "atom." not in compile_kernel(plain, "sm_90").ptx.decode()
+
+
+def test_fused_merge_options_are_refused_where_they_do_not_apply():
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    with pytest.raises(ValueError, match="at most 65536"):
+        v2.merge_counters(torch.device("cpu"), v2.MERGE_COUNTERS + 1)
+    lay = _mma(2, 128, "token")
+    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
+    st = PagedKV.allocate(lay, 1, 1, 1)
+    with pytest.raises(ValueError, match="fused_merge is an option of the 'gluon' kernel, not of 'fields'"):
+        v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, fused_merge=True)
+    buf = v2.merge_counters(torch.device("cpu"), 4)
+    assert buf.dtype == torch.int32 and buf.numel() == v2.MERGE_COUNTERS and not buf.any()
+    assert v2.merge_counters(torch.device("cpu"), 8) is buf, "allocated once: captured graphs keep its address"
