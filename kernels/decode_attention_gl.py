@@ -177,10 +177,15 @@ if HAVE_GLUON:
             arow = (b * H + h * GQ + ga).to(gl.int64) * D
             amask = (ga < GQ)[:, None]
             qf = gl.zeros([GQ_PAD, D], gl.float32, gl.SliceLayout(1, L3))
-            for k0 in range(0, D, KR):
-                qa = gl.load(q_ptr + arow[:, None] + (k0 + ka)[None, :], mask=amask, other=0.0).to(gl.float32)
-                rb_ = gl.load(rot_ptr + h * D * D + (k0 + kb)[:, None] * D + nb[None, :])
-                qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
+            # RU chunks unrolled (all of them up to D = 128): their loads need not wait for each other's products
+            RU: gl.constexpr = 16 if D <= 128 else 4
+            for k1 in range(0, D, RU * KR):
+                for k0 in gl.static_range(0, RU * KR, KR):
+                    if k0 < D:
+                        qa = gl.load(q_ptr + arow[:, None] + (k1 + k0 + ka)[None, :], mask=amask,
+                                     other=0.0).to(gl.float32)
+                        rb_ = gl.load(rot_ptr + h * D * D + (k1 + k0 + kb)[:, None] * D + nb[None, :])
+                        qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
             qf = gl.convert_layout(qf, QL)
             qf = qf / gl.load(dscale_ptr + h * D + dd)[None, :]
         else:
@@ -287,21 +292,9 @@ if HAVE_GLUON:
         s = gl.program_id(1)
         b = bh // H_KV
         h = bh % H_KV
-        q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)  # [GQ_PAD, D]
         if s < n_page_splits:
-            hc_q = _bit3_scale(D, 0.0625, gl.SliceLayout(0, QL))  # 4^-2hc of the key fields (K dim = dims)
-            qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
-            qk_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, (q32 * hc_q[None, :]).to(gl.float16))
-            p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, P], PS)
-            fence_async_shared()
             koffs = _word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KC // 16 (KC // 32 words of each row block)
             voffs = _word_offsets(D, P, 0, P, LWV)
-            hr_k = _bit3_scale(P, 0.25, ROW) * 16777216.0  # 2^24·4^-hr per token
-            hc_v = _bit3_scale(P, 0.0625, ROW)  # 4^-2hc of the value fields (K dim = tokens)
-            m = gl.full([GQ_PAD], float("-inf"), gl.float32, COL)
-            l_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
-            lo_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
-            acc = gl.zeros([D, GQ_PAD], gl.float32, MMA)  # O^T
             k16 = k_codes_ptr.to(gl.pointer_type(gl.uint16))
             v16 = v_codes_ptr.to(gl.pointer_type(gl.uint16))
             # the page codes stream through STAGES shared-memory stages (cp.async, STAGES - 1 pages ahead)
@@ -320,6 +313,19 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES - 1):
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, start + i, end,
                             i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES)
+            # the first pages are in flight while the query is loaded (and rotated)
+            q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)  # [GQ_PAD, D]
+            hc_q = _bit3_scale(D, 0.0625, gl.SliceLayout(0, QL))  # 4^-2hc of the key fields (K dim = dims)
+            qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
+            qk_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, (q32 * hc_q[None, :]).to(gl.float16))
+            p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, P], PS)
+            fence_async_shared()
+            hr_k = _bit3_scale(P, 0.25, ROW) * 16777216.0  # 2^24·4^-hr per token
+            hc_v = _bit3_scale(P, 0.0625, ROW)  # 4^-2hc of the value fields (K dim = tokens)
+            m = gl.full([GQ_PAD], float("-inf"), gl.float32, COL)
+            l_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+            lo_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+            acc = gl.zeros([D, GQ_PAD], gl.float32, MMA)  # O^T
             for pg in range(start, end):
                 it = pg - start
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of page pg have landed
@@ -360,6 +366,7 @@ if HAVE_GLUON:
             lo = gl.sum(lo_acc, axis=0)
             out_t = acc * (_bit3_scale(D, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
         else:
+            q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)
             qw_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, q32.to(gl.float16))
             fence_async_shared()
             _cta_barrier()

@@ -166,8 +166,10 @@ GL_MIN_PAGES_PER_SPLIT = 4
 #: a Gluon split program's fixed cost (query, block-table and first-page latency, its partial and the merge's
 #: share), in page times: what :func:`gl_pages_per_split` adds to each program's pages.
 GL_PROGRAM_PAGES = 2
-#: the Gluon split kernel merges in its last programs (DECODE_SPLIT_MERGE_GL: one launch a decode attention).
-GL_FUSED_MERGE = False
+#: the Gluon split kernel merges in its last programs (DECODE_SPLIT_MERGE_GL: one launch a decode attention). On
+#: the H200 as fast or faster than the merge's own launch at every measured shape: 1x8K 9.9 vs 11.2 us, 1x32K 17.7
+#: vs 19.5, within 1 % at 8x32K and 32x32K token keys (BENCHMARKS.md, "Decode v3, fused merge").
+GL_FUSED_MERGE = True
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
     params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
