@@ -167,7 +167,12 @@ if HAVE_GLUON:
         qrow = (b * H + h * GQ + g).to(gl.int64) * D
         if ROTATE_Q:
             KR: gl.constexpr = 8
-            L3: gl.constexpr = gl.BlockedLayout([GQ_PAD // 4, KR, D // 32], [1, 1, 32], [4, 1, 1], [2, 1, 0])
+            # the warps split the output dims (and the query heads only where D < 128): each program reads its head's
+            # rotation from L2 once, not once a warp (a 64 KB [128, 128] fp32 matrix: at 4 copies a program the
+            # rotated-query launches on the H200 spent ~5-10 us at batch 1 on it)
+            WD: gl.constexpr = D // 32 if D < 128 else 4
+            L3: gl.constexpr = gl.BlockedLayout([GQ_PAD // (4 // WD), KR, D // (32 * WD)], [1, 1, 32], [4 // WD, 1, WD],
+                                                [2, 1, 0])
             LA: gl.constexpr = gl.SliceLayout(2, L3)
             LB: gl.constexpr = gl.SliceLayout(0, L3)
             ga = gl.arange(0, GQ_PAD, layout=gl.SliceLayout(1, LA))
@@ -177,15 +182,10 @@ if HAVE_GLUON:
             arow = (b * H + h * GQ + ga).to(gl.int64) * D
             amask = (ga < GQ)[:, None]
             qf = gl.zeros([GQ_PAD, D], gl.float32, gl.SliceLayout(1, L3))
-            # RU chunks unrolled (all of them up to D = 128): their loads need not wait for each other's products
-            RU: gl.constexpr = 16 if D <= 128 else 4
-            for k1 in range(0, D, RU * KR):
-                for k0 in gl.static_range(0, RU * KR, KR):
-                    if k0 < D:
-                        qa = gl.load(q_ptr + arow[:, None] + (k1 + k0 + ka)[None, :], mask=amask,
-                                     other=0.0).to(gl.float32)
-                        rb_ = gl.load(rot_ptr + h * D * D + (k1 + k0 + kb)[:, None] * D + nb[None, :])
-                        qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
+            for k0 in range(0, D, KR):
+                qa = gl.load(q_ptr + arow[:, None] + (k0 + ka)[None, :], mask=amask, other=0.0).to(gl.float32)
+                rb_ = gl.load(rot_ptr + h * D * D + (k0 + kb)[:, None] * D + nb[None, :])
+                qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
             qf = gl.convert_layout(qf, QL)
             qf = qf / gl.load(dscale_ptr + h * D + dd)[None, :]
         else:
