@@ -56,12 +56,13 @@ if [ "${1:-}" = v3 ]; then  # issue 11: the Gluon kernel's and the mma16 writers
     exit 0
 fi
 if [ "${1:-}" = v3prof ]; then  # issue 11: Nsight Compute on v3 (stalls per SASS line), its AOT bundle on the GPU, the e2e step's idle gaps
+    # (NCU_CFGS: shape:gran:variant[:rot], rot = the query rotation fused)
     for cfg in ${NCU_CFGS:-32x32768:token:gluon 32x32768:channel:gluon 32x32768:token:gluon-r128 8x32768:token:gluon 1x8192:token:gluon}; do
-        IFS=: read -r shape gran var <<<"$cfg"; tag="ncu_${shape}_${gran}_${var}"
-        step "$tag" 150 ncu --clock-control none -k regex:_decode_split_gl --launch-count 1 --section SpeedOfLight \
+        IFS=: read -r shape gran var rot <<<"$cfg"; tag="ncu_${shape}_${gran}_${var}${rot:+_$rot}"
+        step "$tag" 150 ncu --clock-control none -k regex:_decode_split --launch-count 1 --section SpeedOfLight \
             --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
             --section MemoryWorkloadAnalysis --section SourceCounters -o "$OUT/$tag" \
-            python3 benchmarks/profile_decode.py --shape "$shape" --gran "$gran" --v2-variant "$var"
+            python3 benchmarks/profile_decode.py --shape "$shape" --gran "$gran" --v2-variant "$var" ${rot:+--q-rotation}
         ncu --import "$OUT/$tag.ncu-rep" --page details --csv >"$OUT/$tag.details.csv" 2>&1
         ncu --import "$OUT/$tag.ncu-rep" --page source --csv --print-source sass >"$OUT/$tag.sass.csv" 2>&1
         rm -f "$OUT/$tag.ncu-rep"

@@ -25,21 +25,27 @@ def main() -> int:
     ap.add_argument("--variant", default="default", help=f"one of {sorted(VARIANTS)}")
     ap.add_argument("--v2-variant", default=None, help=f"one of {sorted(V2_VARIANTS)}: mma16 pages, v2 / v3 kernels")
     ap.add_argument("--gran", default="token")
+    ap.add_argument("--q-rotation", action="store_true", help="queries in the model basis, the key rotation fused "
+                    "into the kernel (as serving launches it for rotated keys)")
     args = ap.parse_args()
     b, s = (int(x) for x in args.shape.split("x"))
     lay = KVCacheLayout.default(HKV, D, args.gran)
     st = random_state(lay, b, s)
     q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16)
     lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
+    rot = None
+    if args.q_rotation:
+        rot = (torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0].contiguous(),
+               torch.rand(HKV, D, device="cuda") + 0.5)
     if args.v2_variant is not None:
         from oscar_export.kernels import decode_attention_v2 as v2
 
         st, lay = mma16_copy(st, lay)
         call = lambda: v2.decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
-                                           **V2_VARIANTS[args.v2_variant])
+                                           q_rotation=rot, **V2_VARIANTS[args.v2_variant])
     else:
         call = lambda: decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
-                                        **VARIANTS[args.variant])
+                                        q_rotation=rot, **VARIANTS[args.variant])
     for _ in range(2):  # the first call compiles
         call()
     torch.cuda.synchronize()
