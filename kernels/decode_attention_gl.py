@@ -175,22 +175,17 @@ if HAVE_GLUON:
                                                 [2, 1, 0])
             LA: gl.constexpr = gl.SliceLayout(2, L3)
             LB: gl.constexpr = gl.SliceLayout(0, L3)
+            ga = gl.arange(0, GQ_PAD, layout=gl.SliceLayout(1, LA))
+            ka = gl.arange(0, KR, layout=gl.SliceLayout(0, LA))
             kb = gl.arange(0, KR, layout=gl.SliceLayout(1, LB))
             nb = gl.arange(0, D, layout=gl.SliceLayout(0, LB))
-            # the query rows are loaded once (spread over the threads) and read back by every thread chunk by chunk
-            # from shared memory as fp32; the next chunk of the rotation is loaded while this one is multiplied
-            q_in = gl.load(q_ptr + qrow[:, None] + dd[None, :], mask=(g < GQ)[:, None], other=0.0).to(gl.float32)
-            q_s = gl.allocate_shared_memory(gl.float32, [GQ_PAD, D], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]), q_in)
-            _cta_barrier()
-            rb_ = gl.load(rot_ptr + h * D * D + kb[:, None] * D + nb[None, :])
+            arow = (b * H + h * GQ + ga).to(gl.int64) * D
+            amask = (ga < GQ)[:, None]
             qf = gl.zeros([GQ_PAD, D], gl.float32, gl.SliceLayout(1, L3))
-            for k0 in gl.static_range(0, D, KR):  # (static: the shared-memory slices take constant offsets)
-                if k0 + KR < D:
-                    rb_next = gl.load(rot_ptr + h * D * D + (k0 + KR + kb)[:, None] * D + nb[None, :])
-                qa = q_s.slice(k0, KR, dim=1).load(LA)
+            for k0 in range(0, D, KR):
+                qa = gl.load(q_ptr + arow[:, None] + (k0 + ka)[None, :], mask=amask, other=0.0).to(gl.float32)
+                rb_ = gl.load(rot_ptr + h * D * D + (k0 + kb)[:, None] * D + nb[None, :])
                 qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
-                if k0 + KR < D:
-                    rb_ = rb_next
             qf = gl.convert_layout(qf, QL)
             qf = qf / gl.load(dscale_ptr + h * D + dd)[None, :]
         else:
