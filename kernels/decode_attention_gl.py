@@ -167,25 +167,29 @@ if HAVE_GLUON:
         qrow = (b * H + h * GQ + g).to(gl.int64) * D
         if ROTATE_Q:
             KR: gl.constexpr = 8
-            # the warps split the output dims (and the query heads only where D < 128): each program reads its head's
-            # rotation from L2 once, not once a warp (a 64 KB [128, 128] fp32 matrix: at 4 copies a program the
-            # rotated-query launches on the H200 spent ~5-10 us at batch 1 on it)
+            # the product runs on MH rows, half of GQ_PAD where the query heads fit (4 heads a KV head: 4, not 8), and
+            # the warps split the output dims (and the rows only where D < 128): each program reads its head's
+            # rotation from L2 once. Measured on the H200 (BENCHMARKS.md): the fused rotation costs v3 5-11 us a
+            # layer at batch 1 -- each split program of a head recomputes it
+            MH: gl.constexpr = GQ_PAD // 2 if GQ <= GQ_PAD // 2 else GQ_PAD
             WD: gl.constexpr = D // 32 if D < 128 else 4
-            L3: gl.constexpr = gl.BlockedLayout([GQ_PAD // (4 // WD), KR, D // (32 * WD)], [1, 1, 32], [4 // WD, 1, WD],
+            L3: gl.constexpr = gl.BlockedLayout([MH // (4 // WD), KR, D // (32 * WD)], [1, 1, 32], [4 // WD, 1, WD],
                                                 [2, 1, 0])
             LA: gl.constexpr = gl.SliceLayout(2, L3)
             LB: gl.constexpr = gl.SliceLayout(0, L3)
-            ga = gl.arange(0, GQ_PAD, layout=gl.SliceLayout(1, LA))
+            ga = gl.arange(0, MH, layout=gl.SliceLayout(1, LA))
             ka = gl.arange(0, KR, layout=gl.SliceLayout(0, LA))
             kb = gl.arange(0, KR, layout=gl.SliceLayout(1, LB))
             nb = gl.arange(0, D, layout=gl.SliceLayout(0, LB))
             arow = (b * H + h * GQ + ga).to(gl.int64) * D
             amask = (ga < GQ)[:, None]
-            qf = gl.zeros([GQ_PAD, D], gl.float32, gl.SliceLayout(1, L3))
+            qf = gl.zeros([MH, D], gl.float32, gl.SliceLayout(1, L3))
             for k0 in range(0, D, KR):
                 qa = gl.load(q_ptr + arow[:, None] + (k0 + ka)[None, :], mask=amask, other=0.0).to(gl.float32)
                 rb_ = gl.load(rot_ptr + h * D * D + (k0 + kb)[:, None] * D + nb[None, :])
                 qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
+            if MH < GQ_PAD:  # rows MH .. GQ_PAD - 1 are zeros: [MH, D] -> join -> [2, MH, D] -> [GQ_PAD, D]
+                qf = gl.reshape(gl.permute(gl.join(qf, gl.zeros_like(qf)), [2, 0, 1]), [GQ_PAD, D])
             qf = gl.convert_layout(qf, QL)
             qf = qf / gl.load(dscale_ptr + h * D + dd)[None, :]
         else:

@@ -457,6 +457,20 @@ def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p):
     q = torch.randn(len(lengths), hq, d, device=DEV)
     got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon")
     _budget(got, q, st, lay, tr, d**-0.5)
+    # the fused query rotation (its product runs on 4 rows at 3 query heads a KV head, 8 at 16) against queries
+    # rotated on the host in float64: only fp32 rounding and the queries' fp16 rounding differ
+    rot = _fitted_rotated_transform_gpu(8, d)
+    gq = hq // 8
+    q_model = torch.randn(len(lengths), hq, d, device=DEV).bfloat16().float()
+    q_stored = torch.einsum("bkgd,kde->bkge", q_model.double().view(len(lengths), 8, gq, d),
+                            rot.k_rotation.double()) / rot.k_scale.double()[None, :, None, :]
+    got = v2.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon",
+                              q_rotation=(rot.k_rotation, rot.k_scale))
+    want = v2.decode_attention(q_stored.reshape(len(lengths), hq, d).float(), st, lay, tr.k_levels, tr.v_levels,
+                               d**-0.5, variant="gluon")
+    diff = (got - want).abs().max().item()
+    print(f"\n  gluon hq={hq} d={d}: fused rotation vs host-rotated queries {diff:.2e}")
+    assert diff < 1e-2, diff
 
 
 def test_decode_attention_gluon_matches_its_emulation():
