@@ -1,7 +1,10 @@
 """Decode attention v3: the mma16 split kernel in Gluon, the unpacked codes as the register A operand of ``wgmma``.
 
-Same interface, semantics and partials as v2's split kernels (:mod:`.decode_attention_v2`), same merge (v1's
-``_merge_kernel``), same mma16 pages; what changes is that the kernel owns its register layouts:
+Same interface, semantics and partials as v2's split kernels (:mod:`.decode_attention_v2`), same mma16 pages, and
+two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by v1's ``_merge_kernel`` (the
+launch plan's DECODE_SPLIT_GL, what AOT bundles carry), and ``_decode_split_merge_gl_kernel``, whose last program of
+each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, :func:`_merge_if_last`: one launch; the JIT default,
+``GL_FUSED_MERGE``). What changes from v2 is that the kernel owns its register layouts:
 
 * one warpgroup (4 warps) per (sequence, KV head, split); every page dot is a Hopper ``warpgroup_mma`` with
   keys (``S^T [P, GQ_PAD] = K_c [P, D] · (q·s)^T``) or values (``O^T [D, GQ_PAD] += V_c^T [D, P] · (p·s_v)^T``)
@@ -32,8 +35,8 @@ Status: compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the H200's JIT) on the CP
 conversion proven trivial by the compiler (``tests/kernels/test_decode_attention_gl.py``). Hopper only
 (:func:`check_gluon_device`). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
 launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
-``gl_pages_per_split``: whole waves), it is the fastest decode kernel at every measured shape (BENCHMARKS.md,
-"Decode v3, tuned"). There is no CPU interpreter for Gluon:
+``gl_pages_per_split``: whole waves; the merge fused), it is the fastest decode kernel at every measured shape
+(BENCHMARKS.md, "Decode v3, tuned" and "fused merge"). There is no CPU interpreter for Gluon:
 the CPU check of its algorithm is :func:`emulate` (the same folding of scales and powers of two, in PyTorch, against
 ``reference.decode_attention``).
 """
