@@ -530,7 +530,8 @@ def decode_attention(
     fields kernel's inline-PTX field masks (default: on CUDA, uniform levels); False forces the plain path.
     ``maxnreg``: a register cap per thread for the "gluon" kernel's JIT launch (None: the launch plan's
     ``gl_occupancy``, 0: none). ``fused_merge``: the "gluon" kernel merges in each (sequence, KV head)'s last
-    program, one launch instead of two (None: the launch plan's ``GL_FUSED_MERGE``; :func:`merge_counters`).
+    program, one launch instead of two (None: the launch plan's ``GL_FUSED_MERGE`` up to ``MERGE_COUNTERS``
+    (sequence, KV head) pairs, the merge launched beyond; :func:`merge_counters`).
 
     Returns ``[B, H, D]`` in ``out_dtype``, stored value basis. Reads no device value on the host.
     """
@@ -640,7 +641,8 @@ def launch_decode_v2(
         maxnreg = _plan.gl_occupancy(d)[0] if maxnreg is None else maxnreg
         if maxnreg:  # a launch option of the JIT, passed beside the constexprs
             extra["maxnreg"] = int(maxnreg)
-        fused_merge = _plan.GL_FUSED_MERGE if fused_merge is None else fused_merge
+        if fused_merge is None:  # the plan's choice, where the counters reach
+            fused_merge = _plan.GL_FUSED_MERGE and q.shape[0] * num_kv_heads <= MERGE_COUNTERS
     else:
         for name, given in (("maxnreg", maxnreg), ("fused_merge", fused_merge)):
             if given is not None:

@@ -275,3 +275,32 @@ def test_fused_merge_options_are_refused_where_they_do_not_apply():
     buf = v2.merge_counters(torch.device("cpu"), 4)
     assert buf.dtype == torch.int32 and buf.numel() == v2.MERGE_COUNTERS and not buf.any()
     assert v2.merge_counters(torch.device("cpu"), 8) is buf, "allocated once: captured graphs keep its address"
+
+
+def test_fused_merge_is_the_plans_default_up_to_the_counters(monkeypatch):
+    """The launch takes the fused kernel with the shared counters by default, and the launched merge beyond
+    MERGE_COUNTERS (sequence, KV head) pairs (no error at a large batch); the device check and the launch are
+    stubbed (CPU), the decision is the wrapper's."""
+    from oscar_export.kernels import decode_attention_v2 as v2
+
+    if "gluon" not in v2.KERNELS:
+        pytest.skip("this Triton has no Gluon")
+    seen = []
+    monkeypatch.setattr(v2._gl, "check_gluon_device", lambda device: None)
+    monkeypatch.setattr(v2, "launch_split_merge", lambda kernel, *a: seen.append((kernel, a[-1])))
+    t = torch.zeros(1)
+
+    def launch(batch, **kw):
+        q = torch.zeros(batch, 8, 64)
+        v2.launch_decode_v2(q, *[t] * 16, num_kv_heads=8, page_size=64, sink=64, recent_slots=384, scale=0.125,
+                            k_channel=False, codebook=False, rotate_q=False, pages_per_split=4,
+                            out_dtype=torch.float32, num_warps=4, num_stages=3, variant="gluon", **kw)
+        return seen.pop()
+
+    kernel, counters = launch(2)
+    assert kernel is gl_attn.FUSED_KERNEL and counters is v2.merge_counters(torch.device("cpu"), 16)
+    kernel, counters = launch(v2.MERGE_COUNTERS // 8 + 1)
+    assert kernel is gl_attn.KERNEL and counters is None
+    assert launch(2, fused_merge=False) == (gl_attn.KERNEL, None)
+    with pytest.raises(ValueError, match="at most 65536"):
+        launch(v2.MERGE_COUNTERS // 8 + 1, fused_merge=True)
