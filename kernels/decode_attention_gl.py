@@ -172,7 +172,7 @@ if HAVE_GLUON:
             KR: gl.constexpr = 8
             # the product runs on MH rows, half of GQ_PAD where the query heads fit (4 heads a KV head: 4, not 8), and
             # the warps split the output dims (and the rows only where D < 128): each program reads its head's
-            # rotation from L2 once. Measured on the H200 (BENCHMARKS.md): the fused rotation costs v3 5-11 us a
+            # rotation from L2 once. Measured on the H200 (BENCHMARKS.md): the fused rotation costs v3 5-12 us a
             # layer at batch 1 -- each split program of a head recomputes it
             MH: gl.constexpr = GQ_PAD // 2 if GQ <= GQ_PAD // 2 else GQ_PAD
             WD: gl.constexpr = D // 32 if D < 128 else 4
