@@ -138,12 +138,12 @@ def _decode_append_op(
 ) -> None:
     bsz, h, d = k.shape
     torch.library.wrap_triton(_decode_append_kernel)[(bsz, h)](
-        k, v, k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
+        k, v, k, k, k_rotation,  # q_ptr, q_rot_ptr: unread (ROTATE_Q off) k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
         k_codes, k_params, v_codes, v_params, k_removals, v_removals, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, status, block_table.shape[1],
         H_KV=h, P=page_size, D=d, G=group_size, S0=sink, C=recent_slots, RCAP=recent_capacity,
         K_CHANNEL=k_channel, TRANSFORM=fused_transform, RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE,
-        K_PACKING=k_packing, V_PACKING=v_packing, K_BITS=key_bits, num_warps=APPEND_WARPS,
+        K_PACKING=k_packing, V_PACKING=v_packing, K_BITS=key_bits, GQ=1, ROTATE_Q=False, num_warps=APPEND_WARPS,
     )
 
 

@@ -210,7 +210,8 @@ QUANT_PACK_ROT = KernelPlan(
 )
 DECODE_APPEND = KernelPlan(
     name="decode_append", kernel=f"{_DS}:_decode_append_kernel",
-    params=(("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("rot_ptr", "*fp32"), ("kscale_ptr", "*fp32"),
+    params=(("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("q_ptr", "*bf16"), ("q_rot_ptr", "*fp32"),
+            ("rot_ptr", "*fp32"), ("kscale_ptr", "*fp32"),
             ("kmean_ptr", "*fp32"), ("vmean_ptr", "*fp32"), ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"),
             ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"), ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"),
             ("v_codes_ptr", "*u8"), ("v_params_ptr", "*fp16"), ("k_rank_ptr", "*i32"), ("v_rank_ptr", "*i32"),
@@ -218,10 +219,11 @@ DECODE_APPEND = KernelPlan(
             ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
             ("max_pages", "i32")),
     constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE", "K_PACKING",
-                "V_PACKING", "K_BITS"),
+                "V_PACKING", "K_BITS", "GQ", "ROTATE_Q"),
     num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
     doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
-        "full (decided on the device; lengths are read, the page book commits them)",
+        "full (decided on the device; lengths are read, the page book commits them); with ROTATE_Q the step's "
+        "queries rotated into the stored key basis (q_rot, fp32), once a step",
 )
 #: TensorRT's AOT-plugin order: input tensors, int32 extras, output tensors (``trt_order.py``).
 TRT_DECODE_SPLIT = KernelPlan(
@@ -343,9 +345,12 @@ def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> di
             "PACKING": packing_code(fmt, operand), "BITS": fmt.bits}
 
 
-def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str, Any]:
+def decode_append_constexprs(layout, fused_transform: bool = False, num_heads: int | None = None) -> dict[str, Any]:
     """Constexprs of the decode-step writer: ``C`` the ring's slots (``W + 2P``), ``RCAP`` the window's most
-    recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``)."""
+    recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``);
+    ``num_heads``: the launch also rotates the step's ``num_heads`` queries (``ROTATE_Q``), None: it does not."""
+    if num_heads is not None and (num_heads % layout.num_kv_heads or num_heads < layout.num_kv_heads):
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
     from ..layout import packing_code
     from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
 
@@ -354,7 +359,8 @@ def decode_append_constexprs(layout, fused_transform: bool = False) -> dict[str,
             "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
             "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE,
             "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value"),
-            "K_BITS": layout.key.bits}
+            "K_BITS": layout.key.bits, "GQ": 1 if num_heads is None else num_heads // layout.num_kv_heads,
+            "ROTATE_Q": num_heads is not None}
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------

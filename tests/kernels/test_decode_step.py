@@ -204,6 +204,38 @@ def test_triton_fused_transform_and_nonfinite_flag(ds, device):
     _assert_equal("sink_k of the flagged slot", st_g.sink_k[0].cpu(), before[0].cpu())
 
 
+@pytest.mark.parametrize("gq,d", [(1, 64), (3, 64), (4, 128), (16, 64)])
+def test_triton_query_rotation_once_a_step(ds, device, gq, d):
+    """With ``q``, the append launch also returns ``(q @ R_K) / d_K`` per KV head (fp32: within a few fp32 ulps of
+    the float64 product, the FMA order differing from torch.matmul), for every row, a flagged one included; the
+    cache writes are those of the launch without ``q``."""
+    lay = KVCacheLayout(2, d, RowFormat(d, d), RowFormat(d, d), sink=16, window=16, page_size=16)
+    tr = _random_transform(2, d, seed=gq)
+    trd = tr.to(device)
+    g = torch.Generator().manual_seed(gq)
+    q = torch.randn(3, 2 * gq, d, generator=g).to(torch.bfloat16)
+    k, v = torch.randn(3, 2, d, generator=g), torch.randn(3, 2, d, generator=g)
+    want = (q.double().view(3, 2, gq, d) @ tr.k_rotation.double()[None]) / tr.k_scale.double()[None, :, None, :]
+    want = want.view(3, 2 * gq, d)
+    assert torch.allclose(ds.rotate_queries(q, tr).double(), want, rtol=1e-5, atol=1e-5)
+    states = []
+    for with_q in (True, False):
+        book, st = _book_state(lay, 3, 64, device)
+        book.status[1] = STATUS_NONFINITE  # a row that writes nothing still gets its query rotated
+        out = ds.decode_append(st, k.to(device), v.to(device), book.status, lay, trd, fused_transform=True,
+                               q=q.to(device) if with_q else None)
+        states.append(st)
+        if not with_q:
+            assert out is None
+            continue
+        assert out.dtype == torch.float32 and out.shape == (3, 2 * gq, d)
+        err = (out.cpu().double() - want).abs()
+        bound = 1e-5 * (q.double().abs().view(3, 2, gq, d).sum(-1, keepdim=True) + 1).view(3, 2 * gq, 1)
+        assert (err <= bound).all(), f"worst error {err.max().item():.3g} at {divmod(int(err.argmax()), d)}"
+    for f in BUFFERS:
+        _assert_equal(f"{f} with and without q", getattr(states[0], f).cpu(), getattr(states[1], f).cpu())
+
+
 def test_decode_append_bad_inputs(ds, device):
     lay = _layout("token")
     book, st = _book_state(lay, 2, 64, device)
@@ -224,6 +256,12 @@ def test_decode_append_bad_inputs(ds, device):
     wide_v = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64, bits=4), sink=16, window=16, page_size=16)
     with pytest.raises(NotImplementedError, match="values are 2-bit"):
         ds.decode_append(PagedKV.allocate(wide_v, 2, 4, 2, device=device), k, k, book.status, wide_v, tr)
+    with pytest.raises(ValueError, match=r"q: expected \[2, H_kv \* GQ \(GQ <= 64\), 64\] with H_kv=2, got \[2, 3, 64\]"):
+        ds.decode_append(st, k, k, book.status, lay, tr, q=torch.randn(2, 3, 64, device=device))
+    with pytest.raises(ValueError, match="q: expected dtype"):
+        ds.decode_append(st, k, k, book.status, lay, tr, q=torch.randn(2, 4, 64, device=device).double())
+    with pytest.raises(ValueError, match="q: expected a contiguous"):
+        ds.decode_append(st, k, k, book.status, lay, tr, q=torch.randn(2, 64, 4, device=device).transpose(1, 2))
     k4 = lay.with_key_bits(4)
     with pytest.raises(ValueError, match=r"state.k_codes: expected shape \[\d+, 2, 16, 32\], got \[\d+, 2, 16, 16\]"):
         ds.decode_append(PagedKV.allocate(lay, 2, 4, 2, device=device), k, k, book.status, k4, tr)
