@@ -43,7 +43,7 @@ from oscar_export.plugins.trtllm import register
 
 _ROOT = Path(__file__).resolve().parents[1]  # deploy/trtllm_module/__init__.py -> deploy/
 # module=__name__: the registered model class lives here, so executor workers that re-import it register again
-register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels", module=__name__)
+deployment = register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels", module=__name__)
 '''
 
 

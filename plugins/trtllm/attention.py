@@ -2,8 +2,11 @@
 
 A subclass of TensorRT-LLM's ``AttentionBackend`` with upstream's constructor and both ``forward`` forms
 (1.2: ``forward(q, k, v, metadata, *, attention_mask, **kwargs)``; main: ``forward(q, k, v, metadata,
-forward_args)`` with a preallocated ``forward_args.output``). It reports no fused RoPE and no fused QKV, so the
-model's attention module hands it post-RoPE ``q [tokens, H*D]``, ``k, v [tokens, H_kv*D]``.
+forward_args=None, **kwargs)``, which ``Attention._attn_impl`` calls with ``forward_args=`` by keyword
+(``_torch/modules/attention.py``); a preallocated ``forward_args.output`` / ``output=`` is written into). Its
+``support_fused_rope`` / ``support_fused_qkv`` are classmethods answering False, as upstream's are
+classmethods: the model's attention module, constructed for an unfused backend (``model.py``), hands it
+post-RoPE ``q [tokens, H*D]``, ``k, v [tokens, H_kv*D]``; packed QKV (``k = v = None``) is refused.
 
 Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests (never "no cached tokens"):
 
@@ -67,20 +70,26 @@ def make_attention_class(up, deployment):
             if not 0 <= layer_idx < deployment.num_layers:
                 raise ValueError(f"layer_idx {layer_idx}: the artifact has {deployment.num_layers} layers")
 
-        def support_fused_rope(self) -> bool:
+        @classmethod
+        def support_fused_rope(cls) -> bool:
             return False
 
-        def support_fused_qkv(self) -> bool:
+        @classmethod
+        def support_fused_qkv(cls) -> bool:
             return False
 
-        def forward(self, q, k, v, metadata, *args, forward_args=None, **kwargs):
+        def forward(self, q, k, v, metadata, forward_args=None, **kwargs):
+            if k is None or v is None:
+                raise RuntimeError(
+                    f"OSCAR attention (layer {self.layer_idx}) got packed QKV (k, v None): the attention module was "
+                    "wired for a fused backend, so RoPE was not applied either (see model.check_model)")
             mgr = metadata.kv_cache_manager
             if not getattr(mgr, "is_oscar_cache", False):
                 raise RuntimeError(
                     f"OSCAR attention (layer {self.layer_idx}) got a {type(mgr).__name__} as the KV cache manager: "
                     "the OSCAR cache is not installed (the trtllm_module must be imported in the executor worker)"
                 )
-            out = getattr(forward_args, "output", None) if forward_args is not None else kwargs.get("output")
+            out = forward_args.output if forward_args is not None else kwargs.get("output")
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             if out is None:
                 out = torch.empty(q.shape[0], h * d, dtype=q.dtype, device=q.device)

@@ -28,6 +28,14 @@ book owns no free list here. The subclass
   every layer writes beyond the committed lengths, the commit adds each slot's tokens (``step_tokens``, device);
   a state row that takes no token is flagged :data:`STATUS_IDLE`, so no writer touches it;
 * ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them);
+* at startup TensorRT-LLM builds the manager twice (``_torch/pyexecutor/_util.py`` ``KvCacheCreator``): once for
+  the KV-cache estimation (``is_estimating_kv_cache``; dummy context requests of ``max_num_tokens``), then
+  ``shutdown()`` and a rebuild with ``max_tokens`` = the memory left over :meth:`get_cache_size_per_token`.
+  ``shutdown`` releases the OSCAR pools (anything still holding the estimation's manager holds no pool);
+  ``get_cache_size_per_token`` is the OSCAR cache's bytes per token (INT2 pages of every layer plus the one-layer
+  stock pool); the rebuilt manager refuses a ``max_tokens`` below what ``max_batch_size`` sequences of
+  ``max_seq_len`` need (the memory would not hold them);
+* ``add_dummy_requests`` passes on upstream's ``None`` (no free block: no padding request);
 * a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
   later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
   pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) raises
@@ -87,7 +95,13 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 raise NotImplementedError("the OSCAR cache serves one GPU (tensor/pipeline parallelism: world_size 1)")
             pages_per_seq = math.ceil(max_seq_len / lay.page_size)
             slots = max_batch_size
-            kv_cache_config = _with_max_tokens(kv_cache_config, slots * pages_per_seq * lay.page_size)
+            need, budget = slots * pages_per_seq * lay.page_size, kv_cache_config.max_tokens
+            if budget is not None and need > budget and not kwargs.get("is_estimating_kv_cache", False):
+                raise ValueError(
+                    f"max_batch_size {slots} x max_seq_len {max_seq_len} needs {need} tokens of OSCAR cache; the KV "
+                    f"cache memory holds {budget} (kv_cache_config.max_tokens / free_gpu_memory_fraction): lower "
+                    "max_batch_size or max_seq_len")
+            kv_cache_config = _with_max_tokens(kv_cache_config, need)
             super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
                              head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
                              max_batch_size=max_batch_size, mapping=mapping, **kwargs)
@@ -120,6 +134,24 @@ def make_cache_manager_class(up, deployment, ops_factory):
             by_layout = {layer_lay: ops_factory(layer_lay) for layer_lay in dict.fromkeys(deployment.layer_layouts)}
             #: the cache ops of each layer (one object per distinct layout)
             self.ops = [by_layout[layer_lay] for layer_lay in deployment.layer_layouts]
+
+        @staticmethod
+        def get_cache_size_per_token(model_config=None, mapping=None, **kwargs) -> int:
+            """Bytes per cached token: the INT2 pages (codes and params) of every layer plus the one-layer BF16
+            stock pool (the BF16 sink and recent ring are a fixed cost per sequence slot, not per token)."""
+            pages = 0
+            for layer_lay in deployment.layer_layouts:
+                pages += math.prod(layer_lay.key_codes_shape(1)) + 2 * math.prod(layer_lay.key_params_shape(1))
+                pages += math.prod(layer_lay.value_codes_shape(1)) + 2 * math.prod(layer_lay.value_params_shape(1))
+            return math.ceil(pages / lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
+
+        def shutdown(self):
+            """Release the OSCAR pools, then upstream's (teardown after the KV-cache estimation, and at exit)."""
+            self.layers, self.step_layers, self.ops = [], [], []
+            self.book = self.step_slots = self.step_tokens = None
+            self.slot_rid = self.bad_rid = self.bad_rid_host = None
+            self.slots, self.rows, self.dummy_ids = {}, {}, set()
+            return super().shutdown()
 
         # ---- slots -------------------------------------------------------------------------------------------
         def slot_of(self, request_id: int) -> int:
@@ -189,12 +221,13 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self._write_step_slots(slots)
 
         def add_dummy_requests(self, request_ids, *args, **kwargs):
-            """Upstream's, remembering the ids: their rows go to the scratch slot. ``step_slots`` is left alone:
-            TensorRT-LLM makes its padding request inside the forward, after ``prepare_resources`` wrote the
-            batch (rows past it already point at the scratch slot); an eager warmup batch is mapped by the
-            attention's check."""
+            """Upstream's (``None`` when no block is free), remembering the ids: their rows go to the scratch
+            slot. ``step_slots`` is left alone: TensorRT-LLM makes its padding request inside the forward, after
+            ``prepare_resources`` wrote the batch (rows past it already point at the scratch slot); an eager warmup
+            batch is mapped by the attention's check."""
             reqs = super().add_dummy_requests(request_ids, *args, **kwargs)
-            self.dummy_ids.update(r.py_request_id for r in reqs)
+            if reqs is not None:  # None: no free block (upstream then pads nothing)
+                self.dummy_ids.update(r.py_request_id for r in reqs)
             return reqs
 
         def free_resources(self, request, *args, **kwargs):

@@ -1,10 +1,29 @@
 """The OSCAR TensorRT-LLM adapter against stand-ins of TensorRT-LLM under its real module names.
 
-Stand-ins (``trtllm_standins.py``) for the 1.2 and main layouts, with the signatures recorded in
-``trtllm_signatures.json``; executor-loop replays (``trtllm_driver.py``: plain loop, overlap loop, CUDA-graph
-warmup/capture/replay with dummy requests) compare the adapter's cache after every step with the reference
-cache writer. The cache ops are the reference ones (``plugins/trtllm/reference_ops.py``, same semantics as the
-AOT kernels, which tests/gpu/test_trtllm_gpu.py compares with the JIT on an H200).
+Stand-ins (``trtllm_standins.py``, whose docstring tables each upstream fact with its file and commit) for the
+1.2 and main layouts, with the signatures recorded in ``trtllm_signatures.json``. The model is built by
+``AutoModelForCausalLM.from_config`` on a frozen ``ModelConfig``, each layer's ``Attention.forward`` gets the
+packed ``q|k|v`` rows before RoPE, ``KvCacheCreator`` runs the estimation / teardown / rebuild, a spawned
+worker process unpickles the model-class mapping (``trtllm_worker.py``); executor-loop replays
+(``trtllm_driver.py``: plain loop, overlap loop, CUDA-graph warmup/capture/replay with upstream's padding
+request) compare the adapter's cache after every step with the reference cache writer. The cache ops are the
+reference ones (``plugins/trtllm/reference_ops.py``, same semantics as the AOT kernels, which
+tests/gpu/test_trtllm_gpu.py compares with the JIT on an H200). Nothing here ran against TensorRT-LLM itself.
+
+The adapter before issue 28 (commit 0fca1be), on these stand-ins (1.2 layout), 2026-12-02:
+
+    test_plain_executor_loop_matches_reference (every loop)  RuntimeError: shape '[5, 4, 64]' is invalid for
+                                                           input of size 2560 (packed, un-rotated QKV)
+    test_frozen_config_startup_wires_every_layer_...      (rope_fusion, support_fused_qkv, rotary_emb) =
+                                                           (True, True, False)
+    test_kv_cache_estimation_builds_twice_...              the estimation's first dummy request: shape
+                                                           '[127, 4, 64]' is invalid for input of size 65024
+    test_worker_process_imports_the_module_and_serves      the same, inside the spawned worker
+    test_add_dummy_requests_returning_none_is_passed_on    TypeError: 'NoneType' object is not iterable
+    test_kv_cache_budget_below_the_slots_fails_at_startup  no OSCAR get_cache_size_per_token (TypeError)
+    test_startup_check_asserts_every_wiring_flag,          DID NOT RAISE
+    test_startup_refuses_when_the_cache_manager_...,
+    test_prespawned_workers_without_the_module_path_...
 
 Where TensorRT-LLM itself imports, ``LAYOUTS`` gains ``"real"`` and the registration tests run on it
 unchanged (UNTESTED here: it never imports on these machines).
@@ -124,10 +143,10 @@ def _pretrained(dep):
     return SimpleNamespace(**{k: v for k, v in dep.config.items() if k != "oscar"})
 
 
-def _driver(deploy, max_batch=3):
+def _driver(deploy, max_batch=3, **kw):
     ns, dep = deploy
     standins_only(ns)
-    return Driver(ns, dep, max_batch, MAX_SEQ, _pretrained(dep))
+    return Driver(ns, dep, max_batch, MAX_SEQ, _pretrained(dep), **kw)
 
 
 # ---- registration: the real extension points ---------------------------------------------------------------
@@ -184,35 +203,169 @@ def test_registration_selects_the_oscar_model_and_cache(deploy):
     assert d.mgr.num_layers == 1 and d.mgr.get_max_resource_count() == 3 * (MAX_SEQ // 16)
 
 
-def test_worker_import_reinstalls_the_cache(ns, tmp_path, monkeypatch):
-    """Bug: custom-module imports run in the driver process only. The registered model class lives in the
-    deployment's trtllm_module, so a worker that re-imports it (upstream re-imports the module of every
-    out-of-tree model class) installs the OSCAR cache manager in its own process."""
-    standins_only(ns)
-    import importlib
-    import sys
-
+def _deploy_dir(root: Path) -> Path:
+    """A deployment directory as ``oscar-export build`` lays it out (fake kernel bundle)."""
     from oscar_export.build import SHIM
 
-    root = tmp_path / "deploy"
     _checkpoint(root / "checkpoint"), _bundle(root / "kernels")
     (root / "trtllm_module").mkdir()
     (root / "trtllm_module" / "__init__.py").write_text(SHIM)
+    return root
+
+
+@pytest.mark.parametrize("layout", ["1.2", pytest.param("main", marks=pytest.mark.slow)])  # ~5 s CPU each
+def test_worker_process_imports_the_module_and_serves(layout, tmp_path, monkeypatch):
+    """Bug: the worker re-import was tested in the same process. Here the worker is a separate spawned process
+    that gets only the parent's sys.path (as MpiPoolSession gives its MPI workers) and the pickled
+    MODEL_CLASS_MAPPING: unpickling imports trtllm_module there, which registers the model and installs the cache
+    manager in that process; it then starts (from_config, KV-cache estimation, rebuild) and serves."""
+    ns = trtllm_standins.install(monkeypatch, layout)
+    import multiprocessing
+    import os
+    import pickle
+    import sys
+
+    import trtllm_worker
+
+    root = _deploy_dir(tmp_path / "deploy")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.delitem(sys.modules, "trtllm_module", raising=False)
     importlib.import_module("trtllm_module")  # the driver process (--custom_module_dirs)
     cls = ns.modeling_utils.MODEL_CLASS_MAPPING["OscarLlamaForCausalLM"]
-    assert cls.__module__ == "trtllm_module" and getattr(sys.modules["trtllm_module"], cls.__name__) is cls
-    # a fresh worker: new TensorRT-LLM modules, nothing registered, then the re-import of cls.__module__
-    worker = trtllm_standins.install(monkeypatch, ns.layout)
-    monkeypatch.delitem(sys.modules, "trtllm_module")
-    assert worker.modeling_utils.MODEL_CLASS_MAPPING == {}
-    importlib.import_module(cls.__module__)
-    mc = trtllm_standins.ModelConfig(pretrained_config=type("C", (), {"architectures": [cls.__name__]})())
-    get_cls = worker.util.get_kv_cache_manager_cls
-    mgr_cls = get_cls(mc) if ns.layout == "1.2" else get_cls(mc, None)
-    assert getattr(mgr_cls, "is_oscar_cache", False), f"worker got {mgr_cls.__name__}"
-    assert "OscarLlamaForCausalLM" in worker.modeling_utils.MODEL_CLASS_MAPPING
+    assert cls.__module__ == "trtllm_module"
+    blob = pickle.dumps(dict(ns.modeling_auto.MODEL_CLASS_MAPPING))  # what executor/proxy.py sends
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    worker = ctx.Process(target=trtllm_worker.worker_main, args=(ns.layout, blob, queue))
+    worker.start()
+    try:
+        res = queue.get(timeout=300)
+    finally:
+        worker.join(60)
+    assert res["ok"], res.get("error")
+    assert res["pid"] != os.getpid() and not res["imported_before"]
+    assert res["manager"] == "OscarKVCacheManager" and res["estimated"] and res["done"]
+    assert res["registered"] == ["OscarLlamaForCausalLM"] and res["checked"] > 20
+
+
+def test_prespawned_workers_without_the_module_path_fail_at_startup(ns, tmp_path, monkeypatch):
+    """Pre-spawned MPI workers (TLLM_SPAWN_PROXY_PROCESS=1) do not get the driver's sys.path: unless the
+    deployment directory is on PYTHONPATH, importing trtllm_module refuses with one line saying what to set."""
+    standins_only(ns)
+    import sys
+
+    root = _deploy_dir(tmp_path / "deploy")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("TLLM_SPAWN_PROXY_PROCESS", "1")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delitem(sys.modules, "trtllm_module", raising=False)
+    with pytest.raises(RuntimeError, match=f"pre-spawned .* cannot import 'trtllm_module': add {root} to PYTHONPATH"):
+        importlib.import_module("trtllm_module")
+    monkeypatch.delitem(sys.modules, "trtllm_module", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    importlib.import_module("trtllm_module")
+    assert "OscarLlamaForCausalLM" in ns.modeling_utils.MODEL_CLASS_MAPPING
+
+
+# ---- startup on upstream's construction and estimation paths (issue 28) ------------------------------------
+
+
+def test_frozen_config_startup_wires_every_layer_for_the_oscar_backend(deploy):
+    """Bug: the model constructor set attn_backend on a config from_config had frozen, swallowed the error and
+    swapped .attn into layers wired for TRTLLM (fused RoPE, no rotary_emb, fused QKV): the first forward got packed,
+    un-rotated q/k/v. Now each layer comes out unfused and the executor's config keeps its backend."""
+    ns, dep = deploy
+    standins_only(ns)
+    mc = trtllm_standins.ModelConfig(pretrained_config=_pretrained(dep))
+    model = ns.modeling_auto.AutoModelForCausalLM.from_config(mc)
+    assert mc._frozen and mc.attn_backend == "TRTLLM"  # what KvCacheCreator and the engine read afterwards
+    with pytest.raises(AttributeError, match="frozen"):
+        mc.attn_backend = "VANILLA"
+    assert len(model.layers) == LAYERS
+    for m in model.layers:
+        assert type(m.attn) is dep.attention_cls
+        assert (m.rope_fusion, m.support_fused_qkv, m.rotary_emb is not None) == (False, False, True)
+    assert not dep.attention_cls.support_fused_rope() and not dep.attention_cls.support_fused_qkv()
+
+
+@pytest.mark.parametrize("flag,value", [("rope_fusion", True), ("support_fused_qkv", True), ("rotary_emb", None)])
+def test_startup_check_asserts_every_wiring_flag(deploy, flag, value):
+    """check_model checked only the backend class; a layer wired for a fused backend must be refused too."""
+    ns, dep = deploy
+    from oscar_export.plugins.trtllm.model import check_model
+
+    d = _driver(deploy)
+    check_model(d.model, dep.upstream, dep, dep.attention_cls)  # passes as built
+    setattr(d.model.layers[1], flag, value)
+    with pytest.raises(RuntimeError, match=f"wired for a fused backend \\(layers.1.{flag} = "):
+        check_model(d.model, dep.upstream, dep, dep.attention_cls)
+
+
+def test_startup_refuses_when_the_cache_manager_substitution_did_not_take(deploy):
+    """A process whose get_kv_cache_manager_cls is not the OSCAR dispatch (the module was not imported there)
+    must refuse to build the model, not serve a plain BF16 cache."""
+    ns, dep = deploy
+    standins_only(ns)
+    util = ns.util
+    util.get_kv_cache_manager_cls = util.get_kv_cache_manager_cls.oscar_original
+    mc = trtllm_standins.ModelConfig(pretrained_config=_pretrained(dep))
+    with pytest.raises(RuntimeError, match="get_kv_cache_manager_cls is not the OSCAR dispatch in process"):
+        ns.modeling_auto.AutoModelForCausalLM.from_config(mc)
+
+
+def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
+    """Upstream builds the KV manager for the estimation, runs dummy context requests of max_num_tokens, sizes the
+    cache from get_cache_size_per_token, shuts the manager down and builds it again. The OSCAR pools of the first
+    build are released by shutdown (the engine may still hold that manager), the budget is counted in OSCAR
+    bytes per token, and the rebuilt manager serves."""
+    import gc
+    import weakref
+
+    ns, dep = deploy
+    d = _driver(deploy, estimate=True)
+    assert d.estimated and d.creator.dummy_requests == [MAX_SEQ - 1, 1]
+    old = d.estimation_mgr
+    assert old is not None and old is not d.mgr and type(d.mgr) is dep.manager_cls
+    gc.collect()
+    assert old.book is None and not old.layers and not old.step_layers  # the pools went with shutdown()
+    pools = [weakref.ref(getattr(s, f)) for s in d.mgr.layers for f in ("k_codes", "v_codes")]
+    per_page = sum(getattr(s, f)[0].numel() * getattr(s, f).element_size() for s in d.mgr.layers
+                   for f in ("k_codes", "k_params", "v_codes", "v_params"))
+    per_token = dep.manager_cls.get_cache_size_per_token(d.model_config, trtllm_standins.Mapping())
+    assert per_token == -(-per_page // LAYOUT.page_size) + 2 * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim
+    assert per_token < ns.resource_manager.KVCacheManager.get_cache_size_per_token(d.model_config, None)
+    assert d.kv_config.max_tokens == (1 << 34) // per_token  # the budget, in OSCAR tokens
+    assert d.mgr.layers[0].k_codes.shape[0] == d.mgr.get_max_resource_count()
+    reqs = _requests()[:3]
+    d.run_plain(reqs)
+    assert all(r.done for r in reqs) and d.checked_outputs > 100
+    d.mgr.shutdown()
+    gc.collect()
+    assert all(r() is None for r in pools)
+
+
+def test_kv_cache_budget_below_the_slots_fails_at_startup(deploy):
+    """The memory left after the estimation must hold max_batch_size sequences of max_seq_len: else one clear
+    error at the rebuild (not an out-of-memory later)."""
+    ns, dep = deploy
+    per_token = dep.manager_cls.get_cache_size_per_token()
+    with pytest.raises(ValueError, match=r"max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache; "
+                                         r"the KV cache memory holds 100"):
+        _driver(deploy, estimate=True, available_bytes=100 * per_token)
+
+
+def test_add_dummy_requests_returning_none_is_passed_on(deploy):
+    """Upstream's add_dummy_requests returns None when no block is free (no padding); the override iterated it."""
+    ns, dep = deploy
+    d = _driver(deploy, max_batch=1)
+    req = ns.llm_request.LlmRequest(request_id=1, max_new_tokens=1, input_tokens=[1] * (MAX_SEQ - 1))
+    d.mgr.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
+    assert d.mgr.get_num_free_blocks() == 0
+    assert d.mgr.add_dummy_requests([trtllm_standins.CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True) is None
+    assert not d.mgr.dummy_ids
+    d.mgr.free_resources(req)
+    (pad,) = d.mgr.add_dummy_requests([trtllm_standins.CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True)
+    assert d.mgr.slots_for([pad.py_request_id]) == [d.mgr.scratch]
 
 
 def test_startup_check_refuses_a_stock_attention_layer(deploy):
@@ -259,13 +412,15 @@ def test_q_scaling_is_honoured(deploy):
     """Bug: q_scaling was ignored. The kernel's scale is a compile-time constant: a q_scaling that changes it
     is refused at model build time; the prefill attention uses the same scale."""
     ns, dep = deploy
+    standins_only(ns)
     with pytest.raises(ValueError, match="q_scaling 2.0 gives softmax scale 0.0625; the kernel bundle was compiled "
                                          "for 0.125"):
         dep.attention_cls(0, HEADS, 64, 2, None, q_scaling=2.0)
     assert dep.attention_cls(0, HEADS, 64, 2, None, q_scaling=1.0).scale == 0.125
-    mc = trtllm_standins.ModelConfig(pretrained_config=_pretrained(dep), q_scaling=2.0)
+    pretrained = _pretrained(dep)
+    pretrained.q_scaling = 2.0  # the stand-in model passes it to every Attention
     with pytest.raises(ValueError, match="q_scaling 2.0"):
-        dep.model_cls(mc)
+        ns.modeling_auto.AutoModelForCausalLM.from_config(trtllm_standins.ModelConfig(pretrained_config=pretrained))
 
 
 # ---- executor loops vs the reference -----------------------------------------------------------------------

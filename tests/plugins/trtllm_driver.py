@@ -1,20 +1,27 @@
-"""Replays of TensorRT-LLM's executor loops over the OSCAR adapter, checked against the reference cache writer.
+"""Replays of TensorRT-LLM's startup and executor loops over the OSCAR adapter, checked against the reference.
 
-:class:`Driver` builds the served model the way TensorRT-LLM does (``MODEL_CLASS_MAPPING[architecture]``, the
-KV cache manager class from ``get_kv_cache_manager_cls``) and runs requests through one of three loops:
+:class:`Driver` starts the served model the way ``create_py_executor`` does, on the stand-ins of
+``trtllm_standins.py``: the model from ``AutoModelForCausalLM.from_config`` (a frozen ``ModelConfig`` with the
+stock ``TRTLLM`` backend configured), the KV cache manager class from ``get_kv_cache_manager_cls`` inside
+``KvCacheCreator``, and with ``estimate=True`` the KV-cache estimation: a manager built for the estimation, its
+dummy context requests (``max_num_tokens`` tokens, one generated token each) run through the plain loop, the
+budget from ``get_cache_size_per_token``, teardown (``shutdown``) and the rebuild. Every forward goes through
+each layer's ``Attention.forward`` with the packed ``q|k|v`` rows (the fused-QKV input shape) before RoPE, so
+whatever the layer wired at construction (RoPE, QKV split) is what reaches the backend. Loops:
 
 * ``plain``   -- ``_executor_loop``: prepare_resources(N), forward(N), update_resources(N), free finished;
 * ``overlap`` -- ``_executor_loop_overlap``: prepare_resources(N+1) and forward(N+1) run before
   update_resources(N) and before the requests finished in N are freed (which therefore take one more step);
 * ``graph``   -- CUDA graphs: warmup and capture on dummy requests (``add_dummy_requests``), then every
-  generation batch is padded to the captured size and "replayed": the forward runs with the capture-time
-  metadata and host-side checks off (``attention._capturing`` is True), so anything the adapter decided on the
-  host at capture time is what the replay uses, as in a real graph.
+  generation batch is padded to the captured size with upstream's padding request
+  (``CUDA_GRAPH_DUMMY_REQUEST_ID``, made after ``prepare_resources``; no padding when ``add_dummy_requests``
+  returns ``None``) and "replayed": the forward runs with the capture-time metadata and host-side checks off
+  (``attention._capturing`` is True), so anything the adapter decided on the host at capture time is what the
+  replay uses, as in a real graph.
 
 After every step each live request's cache (lengths, BF16 windows, the INT2 pages its block-table row names)
-is compared with a cache written step by step by ``kernels/reference.append_tokens`` from the same rows (the
-recent ring's slots that hold the committed tokens), and
-every generated row's attention output with ``reference.decode_attention`` / ``chunk_attention`` on it.
+is compared with a cache written step by step by ``kernels/reference.append_tokens`` from the same (rotated)
+rows, and every generated row's attention output with ``reference.decode_attention`` / ``chunk_attention``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,11 @@ import torch
 from oscar_export.kernels import reference
 from oscar_export.kernels.layout import PagedKV
 
-from trtllm_standins import AttentionForwardArgs, KVCacheParams, KvCacheConfig, Mapping, ModelConfig, ScheduledRequests
+from trtllm_standins import (CUDA_GRAPH_DUMMY_REQUEST_ID, KVCacheParams, KvCacheConfig, Mapping, ModelConfig,
+                             ScheduledRequests, rope)
+
+#: request ids of the estimation's dummy context requests (the executor numbers them like any request)
+ESTIMATION_IDS = 10**7
 
 
 @dataclass
@@ -47,7 +58,7 @@ class Req:
 
 
 def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int):
-    """Deterministic model-basis q ``[n, H*D]``, k, v ``[n, H_kv*D]`` for tokens ``pos .. pos+n-1``."""
+    """Deterministic q ``[n, H*D]``, k, v ``[n, H_kv*D]`` (before RoPE) for tokens ``pos .. pos+n-1``."""
     out = []
     for p in range(pos, pos + n):
         g = torch.Generator().manual_seed((rid * 100003 + p) * 31 + layer)
@@ -57,23 +68,36 @@ def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int
 
 
 class Driver:
-    def __init__(self, ns, dep, max_batch: int, max_seq_len: int, pretrained) -> None:
+    def __init__(self, ns, dep, max_batch: int, max_seq_len: int, pretrained, estimate: bool = False,
+                 max_num_tokens: int | None = None, available_bytes: int = 1 << 34) -> None:
         self.ns, self.dep, self.lay = ns, dep, dep.layout
-        self.model_config = ModelConfig(pretrained_config=pretrained)
-        arch = pretrained.architectures[0]
-        self.model = ns.modeling_utils.MODEL_CLASS_MAPPING[arch](self.model_config)
-        get_cls = ns.util.get_kv_cache_manager_cls
-        kv_config = KvCacheConfig()
-        cls = get_cls(self.model_config) if ns.layout == "1.2" else get_cls(self.model_config, kv_config)
         c = pretrained
-        self.mgr = cls(kv_config, "SELF", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
-                       head_dim=c.head_dim, tokens_per_block=self.lay.page_size, max_seq_len=max_seq_len,
-                       max_batch_size=max_batch, mapping=Mapping())
-        self.backends = [m.attn for m in self.model.layers]
         self.heads, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.theta = float(getattr(c, "rope_theta", 10000.0))
         self.max_batch = max_batch
         self.steps = 0
         self.checked_outputs = 0
+        self.model_config = ModelConfig(pretrained_config=pretrained, max_num_tokens=max_num_tokens or max_seq_len)
+        self.model = ns.modeling_auto.AutoModelForCausalLM.from_config(self.model_config)
+        self.backends = [m.attn for m in self.model.layers]
+        self.kv_config = KvCacheConfig()
+        self.creator = ns.util.KvCacheCreator(
+            model=self.model, mapping=Mapping(), max_num_tokens=self.model_config.max_num_tokens,
+            tokens_per_block=self.lay.page_size, max_seq_len=max_seq_len, max_batch_size=max_batch,
+            kv_cache_config=self.kv_config)
+        resources: dict = {}
+        #: the estimation's manager (the engine's metadata keeps pointing at it until the next forward)
+        self.estimation_mgr = None
+        self.estimated = estimate and self.creator.try_prepare_estimation()
+        self.creator.build_managers(resources, estimating_kv_cache=self.estimated)
+        if self.estimated:
+            self.mgr = self.estimation_mgr = resources["kv_cache_manager"]
+            dummies = [Req(ESTIMATION_IDS + i, n, 1) for i, n in enumerate(self.creator.dummy_requests)]
+            self.run_plain(dummies)
+            self.creator.configure_kv_cache_capacity(available_bytes)
+            self.creator.teardown_managers(resources)
+            self.creator.build_managers(resources)
+        self.mgr = resources["kv_cache_manager"]
 
     # ---- one forward over a batch ------------------------------------------------------------------------
     def metadata(self, ctx: list[Req], gen: list, padded: int = 0):
@@ -85,13 +109,19 @@ class Driver:
             kv_cache_manager=self.mgr, seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx),
             request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded))
 
+    def rotated(self, q, k, pos: int):
+        """q, k as the layer's RoPE leaves them (bf16 in, bf16 out) at positions ``pos ..``."""
+        p = torch.arange(pos, pos + q.shape[0])
+        return rope(q.bfloat16(), p, self.d, self.theta), rope(k.bfloat16(), p, self.d, self.theta)
+
     def forward(self, ctx: list[Req], gen: list, metadata=None, check: bool = True):
-        """Run every layer; ``gen`` may hold dummy requests (padding). Checks outputs of real rows."""
+        """Run every layer's ``Attention.forward`` on the packed rows; ``gen`` may hold dummy requests (padding).
+        Checks outputs of real rows against the reference."""
         md = metadata if metadata is not None else self.metadata(ctx, gen)
         lens = md.seq_lens.tolist()
         real = list(ctx) + [r for r in gen if isinstance(r, Req)]
-        for layer, backend in enumerate(self.backends):
-            qs, ks, vs = [], [], []
+        for layer, module in enumerate(self.model.layers):
+            packed, pos_ids, qs, ks, vs = [], [], [], [], []
             for i, r in enumerate(list(ctx) + list(gen)):
                 n = lens[i] if i < len(lens) else 1
                 if isinstance(r, Req):
@@ -100,17 +130,16 @@ class Driver:
                     if pos <= r.nan_at < pos + n and layer == 0:
                         k[r.nan_at - pos, self.d + 3] = float("nan")
                 else:  # a dummy request: garbage the adapter must not store
+                    pos = 0
                     widths = (self.heads * self.d, self.kv * self.d, self.kv * self.d)
                     q, k, v = (torch.full((n, w), 7.0) for w in widths)
-                qs.append(q), ks.append(k), vs.append(v)
-            q, k, v = (torch.cat(x).bfloat16() for x in (qs, ks, vs))
-            if self.ns.layout == "main":
-                buf = torch.empty(q.shape[0], self.heads * self.d, dtype=torch.bfloat16)
-                out = backend.forward(q, k, v, md, forward_args=AttentionForwardArgs(output=buf))
-                assert out is buf, "main layout: the output must be written into forward_args.output"
-            else:
-                out = backend.forward(q, k, v, md)
+                packed.append(torch.cat([q, k, v], -1))
+                pos_ids.append(torch.arange(pos, pos + n))
+                qr, kr = self.rotated(q, k, pos)
+                qs.append(qr), ks.append(kr), vs.append(v.bfloat16())
+            out = module(torch.cat(pos_ids)[None], torch.cat(packed).bfloat16(), md)
             if check:
+                q, k, v = (torch.cat(x) for x in (qs, ks, vs))
                 self._check_outputs(layer, ctx, gen, lens, q, k, v, out)
         for r in real:
             self._advance_reference(r, lens[(list(ctx) + list(gen)).index(r)])
@@ -169,8 +198,9 @@ class Driver:
             r.skipped += n
             return
         for layer in range(len(self.backends)):
-            _, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
-            t, ks, vs = self._stored(layer, k.bfloat16(), v.bfloat16())
+            q, k, v = rows_for(r.rid, r.written, n, layer, self.heads, self.kv, self.d)
+            _, k = self.rotated(q, k, r.written)
+            t, ks, vs = self._stored(layer, k, v.bfloat16())
             self._append(self._ref_state(r, layer), layer, t, ks, vs)
         r.written += n
 
@@ -288,11 +318,15 @@ class Driver:
                 self.forward(ctx, gen)  # context steps run eagerly
             else:
                 if pad is None and len(gen) < batch_size:
-                    (pad,) = self.mgr.add_dummy_requests([2 * 10**6], is_gen=True)
-                padded = list(gen) + [pad] * (batch_size - len(gen))  # padded after prepare_resources
-                with monkeypatch.context() as m:
-                    m.setattr(attention, "_capturing", lambda: True)
-                    self.forward([], padded, captured)  # "replay": capture-time metadata
+                    made = self.mgr.add_dummy_requests([CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True)
+                    pad = made[0] if made else None  # None: no free block, so no padding (runs eagerly)
+                if pad is None and len(gen) < batch_size:
+                    self.forward(ctx, gen)
+                else:
+                    padded = list(gen) + [pad] * (batch_size - len(gen))  # padded after prepare_resources
+                    with monkeypatch.context() as m:
+                        m.setattr(attention, "_capturing", lambda: True)
+                        self.forward([], padded, captured)  # "replay": capture-time metadata
             self.mgr.update_resources(b)
             self.check_cache(reqs)
             for r in self._progress(ctx, gen):

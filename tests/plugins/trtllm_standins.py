@@ -1,22 +1,66 @@
 """Stand-ins for the TensorRT-LLM classes the OSCAR adapter touches, placed under their real dotted module names.
 
 TensorRT-LLM cannot be imported without its C++ parts (../shared/TRTLLM.md), so :func:`install` builds, in
-``sys.modules`` (restored by ``monkeypatch``), the modules of one source layout -- ``"1.2"`` (the 1.2.1
-image: ``tensorrt_llm/_torch/attention_backend/interface.py``) or ``"main"`` (``tensorrt_llm/_torch/attention/
-backends/interface.py``) -- with classes whose signatures are the upstream ones recorded in
-``trtllm_signatures.json`` (checked by ``test_standins_mirror_the_recorded_signatures``) and whose behaviour is
-the upstream behaviour the adapter relies on, written from reading upstream (no upstream code):
+``sys.modules`` (restored by ``monkeypatch``; :func:`install_globally` for a fresh worker process), the modules
+of one source layout -- ``"1.2"`` (the 1.2.1 image: ``tensorrt_llm/_torch/attention_backend/interface.py``) or
+``"main"`` (``tensorrt_llm/_torch/attention/backends/interface.py``). Signatures are the upstream ones recorded
+in ``trtllm_signatures.json`` (``test_standins_mirror_the_recorded_signatures``); behaviour is upstream's on
+the paths that decide whether serving starts, written from reading upstream (no upstream code). Each fact and
+the upstream file it was read from (NVIDIA/TensorRT-LLM, the copies in this project's search index, read
+2026-12-02; "commit" is the stored version the index named):
 
-* ``KVCacheManager``: a Python block manager in place of the C++ one (``impl``): ``add_sequence`` allocates
-  ``ceil(prompt_len / tokens_per_block)`` blocks lowest id first, ``add_token`` one more when the last is full,
-  ``remove_sequence`` returns them (so a later request reuses a finished one's blocks); ``prepare_resources`` /
-  ``add_dummy_requests`` / ``free_resources`` / ``get_cache_indices`` as upstream's Python wrapper does;
-* ``get_kv_cache_manager_cls`` (``_torch/pyexecutor/_util.py``): the fixed dispatch returning ``KVCacheManager``;
-* ``register_auto_model`` / ``MODEL_CLASS_MAPPING`` (``_torch/models/modeling_utils.py``);
-* ``LlamaForCausalLM`` with one ``Attention`` module per layer (``_torch/modules/attention.py``) whose ``attn``
-  comes from ``create_attention(model_config.attn_backend, ...)``: TRTLLM -> ``TrtllmAttention``, VANILLA ->
-  ``VanillaAttention`` (only the class identity and constructor matter here);
-* ``ScheduledRequests``, ``LlmRequest``, ``AttentionMetadata`` with the fields of TRTLLM.md fact 8.
+================================================  ==============================================================
+stand-in behaviour                                upstream file (commit)
+================================================  ==============================================================
+``ModelConfig.__setattr__`` raises on a frozen     ``_torch/model_config.py`` (008e0af8); its docstring names the
+instance except ``_frozen``, ``extra_attrs``,      bypass "manually setting '_frozen' to False"
+``pretrained_config``, ``quant_config``
+``AutoModelForCausalLM.from_config``: class from   ``_torch/models/modeling_auto.py`` (01bffee1)
+``architectures[0]``, ``_frozen = False``,
+``skip_create_weights_in_init = True``,
+``_frozen = True``, then ``cls(config)``
+``Attention.__init__``: ``attn_cls =                ``_torch/modules/attention.py`` (00547a25)
+get_attention_backend(config.attn_backend)``;
+``rope_fusion`` = ``attn_cls.support_fused_rope()``
+when not given; ``rotary_emb`` only when RoPE is
+not fused; ``self.attn = create_attention(...)``;
+``support_fused_qkv = self.attn.support_fused_qkv()``
+``Attention.forward``: ``qkv_proj`` -> ``(qkv,      same file
+None, None)`` -> ``apply_rope`` (split + RoPE only
+when not fused) -> ``convert_qkv`` (split when the
+backend takes no fused QKV, concat when it does) ->
+``q[:num_tokens]`` -> ``self.attn.forward``
+main: ``forward(..., forward_args=                  same file (keyword); ``_torch/attention/backends/interface.py``
+AttentionForwardArgs(...))`` by keyword, no output  (1262edbc): ``forward(q, k, v, metadata, forward_args=None,
+buffer outside torch.compile                        **kwargs)``, ``support_*`` classmethods
+1.2: ``forward(q, k, v, metadata, *,                ``_torch/attention_backend/interface.py`` (000a01de, and the
+attention_mask, **kwargs)``; ``support_*``          recorded 51ea5c96)
+classmethods, ``TrtllmAttention`` says True to
+both (VANILLA: False)
+``KvCacheCreator``: the dispatch is looked up at    ``_torch/pyexecutor/_util.py`` (1.x layout; the index named no
+construction through the module global; no          commit for this copy; main d8ae02ca / 00043967 has the same
+estimation with a VANILLA ``model_config``;         build / teardown / rebuild and the 4-argument dispatch)
+estimation ``max_tokens`` = the dummy requests'
+blocks; dummy context requests of
+``min(max_num_tokens, max_seq_len - 1)`` tokens up
+to ``max_num_tokens``, ``max_tokens=1``; the
+budget over ``cls.get_cache_size_per_token(
+model_config, mapping, tokens_per_block=...)``;
+``teardown_managers``: ``shutdown()`` then ``del``;
+a rebuild with the new ``max_tokens``
+``add_dummy_requests`` returns ``None`` when        ``_torch/pyexecutor/resource_manager.py`` (1.x and main copies;
+``get_num_free_blocks() < 1``                       no commit named)
+CUDA-graph padding id ``(1 << 64) - 1``             ``_torch/pyexecutor/cuda_graph_runner.py``
+(``CUDA_GRAPH_DUMMY_REQUEST_ID``)
+the worker gets ``MODEL_CLASS_MAPPING`` pickled     ``executor/proxy.py`` (005bc848), ``executor/worker.py``
+(``_torch_model_class_mapping``) and ``update``\\ s  (``worker_main``)
+its own; ``MpiPoolSession`` starts workers with     ``llmapi/mpi_session.py``; pre-spawned (``TLLM_SPAWN_PROXY_
+``path=sys.path``                                   PROCESS=1``): ``create_mpi_comm_session``, no path
+================================================  ==============================================================
+
+Simplified on purpose (not on the startup path): the C++ block manager (``impl``) is a Python one (lowest free
+block id first, returned on ``remove_sequence``); ``qkv_proj`` / ``o_proj`` are identities (the driver feeds the
+packed ``q|k|v`` rows); the model has attention layers only; RoPE is the plain GPT-NeoX rotation.
 """
 
 from __future__ import annotations
@@ -40,10 +84,16 @@ COMMON = {
     "util": "tensorrt_llm._torch.pyexecutor._util",
     "scheduler": "tensorrt_llm._torch.pyexecutor.scheduler",
     "llm_request": "tensorrt_llm._torch.pyexecutor.llm_request",
+    "cuda_graph_runner": "tensorrt_llm._torch.pyexecutor.cuda_graph_runner",
+    "model_config": "tensorrt_llm._torch.model_config",
     "modeling_utils": "tensorrt_llm._torch.models.modeling_utils",
+    "modeling_auto": "tensorrt_llm._torch.models.modeling_auto",
     "modeling_llama": "tensorrt_llm._torch.models.modeling_llama",
     "attention_module": "tensorrt_llm._torch.modules.attention",
 }
+
+#: ``cuda_graph_runner.py``: the request id of CUDA-graph padding requests
+CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
 
 
 # ---- requests and scheduling (_torch/pyexecutor/llm_request.py, scheduler.py) ------------------------------
@@ -101,6 +151,10 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
 
 TMetadata = TypeVar("TMetadata", bound=AttentionMetadata)
 
@@ -116,27 +170,47 @@ class _Backend12(Generic[TMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.quant_config = quant_config
 
+    def update_quant_config(self, new_quant_config) -> None:
+        self.quant_config = new_quant_config
+
     def forward(self, q, k, v, metadata, *, attention_mask=None, **kwargs):
         raise NotImplementedError
 
-    def support_fused_rope(self) -> bool:
+    @classmethod
+    def support_fused_rope(cls) -> bool:
         return False
 
-    def support_fused_qkv(self) -> bool:
+    @classmethod
+    def support_fused_qkv(cls) -> bool:
         return False
 
 
 class _BackendMain(_Backend12):
-    """``AttentionBackend`` of the main layout (``forward_args`` with a preallocated output)."""
+    """``AttentionBackend`` of the main layout (``forward_args``)."""
 
     def forward(self, q, k, v, metadata, forward_args=None, **kwargs):
         raise NotImplementedError
 
 
-@dataclass
+def _fused(base):
+    """``TrtllmAttention`` of a layout: RoPE and QKV fused into its kernel."""
+
+    class TrtllmAttention(base):
+        @classmethod
+        def support_fused_rope(cls) -> bool:
+            return True
+
+        @classmethod
+        def support_fused_qkv(cls) -> bool:
+            return True
+
+    return TrtllmAttention
+
+
+@dataclass(kw_only=True)
 class AttentionForwardArgs:
     output: Optional[torch.Tensor] = None
-    attention_mask: Any = None
+    attention_mask: Any = "causal"
 
 
 # ---- the KV cache manager (_torch/pyexecutor/resource_manager.py) -----------------------------------------
@@ -155,6 +229,9 @@ class BaseResourceManager:
         pass
 
     def free_resources(self, request) -> None:
+        pass
+
+    def shutdown(self) -> None:
         pass
 
 
@@ -207,8 +284,17 @@ class KVCacheManager(BaseResourceManager):
         heads = num_kv_heads if isinstance(num_kv_heads, int) else max(num_kv_heads)
         self.stock_pool_bytes = blocks * tokens_per_block * num_layers * heads * head_dim * 2 * 2  # K+V BF16
 
+    @staticmethod
+    def get_cache_size_per_token(model_config, mapping, **kwargs) -> int:
+        """Bytes of K and V per token over every layer (BF16)."""
+        c = model_config.pretrained_config
+        return c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 2
+
     def get_max_resource_count(self) -> int:
         return self.impl.max_num_blocks
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.impl.free)
 
     def get_needed_resource_to_completion(self, request) -> int:
         return math.ceil((request.orig_prompt_len + request.max_new_tokens) / self.tokens_per_block)
@@ -223,6 +309,8 @@ class KVCacheManager(BaseResourceManager):
     def add_dummy_requests(self, request_ids, token_nums=None, is_gen: bool = False, prepare_resource: bool = True,
                            max_num_draft_tokens: int = 0, use_mrope: bool = False, max_beam_width: int = 1,
                            num_extra_decoding_steps: int = 0):
+        if self.get_num_free_blocks() < 1:  # "No padding if not enough KV cache space"
+            return None
         requests = []
         for i, rid in enumerate(request_ids):
             n = token_nums[i] if token_nums is not None else 1 + max_num_draft_tokens
@@ -246,6 +334,9 @@ class KVCacheManager(BaseResourceManager):
     def get_cache_indices(self, request, window_size: Optional[int] = None) -> list[int]:
         return self.impl.get_cache_block_ids(request.py_request_id, window_size or self.max_seq_len)[0]
 
+    def shutdown(self) -> None:
+        self.impl = None  # the C++ manager releases its pool
+
 
 @dataclass
 class KvCacheConfig:
@@ -254,6 +345,12 @@ class KvCacheConfig:
     enable_block_reuse: bool = False
     tokens_per_block: int = 32
 
+    def model_copy(self, update=None):
+        """pydantic's copy (``llmapi/llm_args.py``: ``KvCacheConfig`` is a pydantic model)."""
+        import dataclasses
+
+        return dataclasses.replace(self, **(update or {}))
+
 
 @dataclass
 class Mapping:
@@ -261,53 +358,226 @@ class Mapping:
     tp_size: int = 1
 
 
-# ---- models (_torch/models/modeling_utils.py, modeling_llama.py, _torch/modules/attention.py) ------------
+# ---- model config and models (_torch/model_config.py, models/, modules/attention.py) -----------------------
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    pretrained_config: Any = None
+    mapping: Mapping = field(default_factory=Mapping)
+    quant_config: Any = None
+    skip_create_weights_in_init: bool = False
+    sparse_attention_config: Any = None
+    max_num_tokens: int = 8192
+    attn_backend: str = "TRTLLM"
+    extra_attrs: dict = field(default_factory=dict, repr=False, init=False)
+    _frozen: bool = field(default=False, init=False, repr=False)
+
+    def __setattr__(self, key, value):
+        if self._frozen and key not in ("_frozen", "extra_attrs", "pretrained_config", "quant_config"):
+            raise AttributeError(f"Cannot modify ModelConfig.'{key}' - instance is frozen")
+        super().__setattr__(key, value)
+
 
 _ACTIVE: dict[str, Any] = {}  # the installed layout's backend classes (install())
 
 
+def _get_attention_backend(backend_name: str):
+    """``get_attention_backend`` of ``attention_backend/utils.py``: a fixed if-chain (TRTLLM the default)."""
+    return _ACTIVE["VanillaAttention" if backend_name == "VANILLA" else "TrtllmAttention"]
+
+
 def _create_attention(backend_name: str, layer_idx, num_heads, head_dim, num_kv_heads=None, **kwargs):
-    """``create_attention`` of ``attention_backend/utils.py``: the backend class by name."""
-    cls = _ACTIVE["VanillaAttention" if backend_name == "VANILLA" else "TrtllmAttention"]
-    return cls(layer_idx, num_heads, head_dim, num_kv_heads, **kwargs)
+    return _get_attention_backend(backend_name)(layer_idx, num_heads, head_dim, num_kv_heads, **kwargs)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """GPT-NeoX RoPE of ``x [tokens, heads * head_dim]`` at ``positions [tokens]`` (float math, ``x``'s dtype)."""
+    n = x.shape[0]
+    h = x.view(n, -1, head_dim).float()
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = positions.double()[:, None] * inv[None]  # [n, D/2]
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).float()[:, None] for f in (torch.cos, torch.sin))
+    half = head_dim // 2
+    rot = torch.cat([-h[..., half:], h[..., :half]], -1)
+    return (h * cos + rot * sin).to(x.dtype).reshape(n, -1)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, rope_params, head_dim: int, is_neox: bool = True) -> None:
+        super().__init__()
+        self.theta, self.head_dim = rope_params, head_dim
+
+    def forward(self, position_ids, targets):
+        pos = position_ids.reshape(-1)
+        return [rope(t, pos, self.head_dim, self.theta) for t in targets]
+
+
+@dataclass(frozen=True)
+class PositionalEmbeddingParams:
+    rope: float  # the stand-in keeps only theta
+    is_neox: bool = True
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, *, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, layer_idx: int,
-                 config=None, q_scaling: float = 1.0, **kwargs) -> None:
+    def __init__(self, *, hidden_size: int, num_attention_heads: int, num_key_value_heads: int,
+                 max_position_embeddings: int = 2048, bias: bool = False, pos_embd_params=None, rope_fusion=None,
+                 layer_idx=None, dtype=None, dense_bias=None, config=None, q_scaling: float = 1.0, **kwargs) -> None:
         super().__init__()
         self.layer_idx, self.q_scaling = layer_idx, q_scaling
         self.num_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
-        self.head_dim = hidden_size // num_attention_heads
-        self.attn = _create_attention(config.attn_backend, layer_idx, num_attention_heads, self.head_dim,
-                                      num_key_value_heads, q_scaling=q_scaling)
+        self.head_dim = getattr(config.pretrained_config, "head_dim", None) or hidden_size // num_attention_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        self.pos_embd_params = pos_embd_params
+        self.attn_backend = config.attn_backend
+        attn_cls = _get_attention_backend(self.attn_backend)
+        self.rope_fusion = rope_fusion
+        if self.rope_fusion and not attn_cls.support_fused_rope():
+            self.rope_fusion = False
+        if self.rope_fusion is None:
+            self.rope_fusion = attn_cls.support_fused_rope()
+        self.rotary_emb = None
+        if not self.rope_fusion and pos_embd_params is not None:
+            self.rotary_emb = RotaryEmbedding(pos_embd_params.rope, head_dim=self.head_dim,
+                                              is_neox=pos_embd_params.is_neox)
+        self.attn = _create_attention(self.attn_backend, layer_idx, self.num_heads, self.head_dim,
+                                      self.num_key_value_heads,
+                                      pos_embd_params=pos_embd_params if self.rope_fusion else None,
+                                      quant_config=config.quant_config, q_scaling=q_scaling)
+        self.support_fused_qkv = self.attn.support_fused_qkv()
+
+    def split_qkv(self, q, k=None, v=None):
+        if k is None and v is None:
+            q, k, v = q.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+    def convert_qkv(self, q, k, v):
+        if k is None and v is None and not self.support_fused_qkv:
+            q, k, v = self.split_qkv(q)
+        elif k is not None and v is not None and self.support_fused_qkv:
+            q, k, v = torch.concat([q, k, v], dim=-1), None, None
+        return q, k, v
+
+    def apply_rope(self, q, k, v, position_ids):
+        if not self.rope_fusion and position_ids is not None:
+            q, k, v = self.split_qkv(q, k, v)
+            q, k = self.rotary_emb(position_ids, [q, k])
+        return q, k, v
+
+    def forward(self, position_ids, hidden_states, attn_metadata, attention_mask="causal", **kwargs):
+        qkv = hidden_states  # qkv_proj: the identity here
+        q, k, v = self.apply_rope(qkv, None, None, position_ids)
+        q, k, v = self.convert_qkv(q, k, v)
+        n = attn_metadata.num_tokens
+        q, k, v = q[:n], None if k is None else k[:n], None if v is None else v[:n]
+        if _ACTIVE["layout"] == "main":
+            fa = _ACTIVE["AttentionForwardArgs"](attention_mask=attention_mask, output=None)
+            out = self.attn.forward(q, k, v, attn_metadata, forward_args=fa)
+        else:
+            out = self.attn.forward(q, k, v, attn_metadata, out_scale=None, out_scale_sf=None,
+                                    attention_mask=attention_mask, mrope_config=None, attention_window_size=None,
+                                    output=None)
+        return out  # o_proj: the identity here
 
 
-class LlamaForCausalLM(torch.nn.Module):
+class DecoderModelForCausalLM(torch.nn.Module):
+    pass
+
+
+class LlamaForCausalLM(DecoderModelForCausalLM):
     def __init__(self, model_config) -> None:
         super().__init__()
+        self.model_config = model_config
         c = model_config.pretrained_config
-        q_scaling = getattr(model_config, "q_scaling", 1.0)
+        q_scaling = getattr(c, "q_scaling", 1.0)  # stand-in hook for the q_scaling test
+        pos = PositionalEmbeddingParams(rope=float(getattr(c, "rope_theta", 10000.0)))
         self.layers = torch.nn.ModuleList(
             Attention(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, layer_idx=i, config=model_config, q_scaling=q_scaling)
+                      num_key_value_heads=c.num_key_value_heads, pos_embd_params=pos, layer_idx=i, config=model_config,
+                      q_scaling=q_scaling)
             for i in range(c.num_hidden_layers)
         )
 
 
-@dataclass
-class ModelConfig:
-    pretrained_config: Any
-    attn_backend: str = "TRTLLM"
-    q_scaling: float = 1.0
-    sparse_attention_config: Any = None
+def _from_config(config):
+    """``AutoModelForCausalLM.from_config``: the registered class of ``architectures[0]`` on a frozen config."""
+    mapping = sys.modules[COMMON["modeling_utils"]].MODEL_CLASS_MAPPING
+    arch = config.pretrained_config.architectures[0]
+    if arch not in mapping:
+        raise ValueError(f"Unknown architecture for AutoModelForCausalLM: {arch}")
+    cls = mapping[arch]
+    if issubclass(cls, DecoderModelForCausalLM):
+        config._frozen = False
+        config.skip_create_weights_in_init = True
+        config._frozen = True
+    return cls(config)
 
+
+# ---- startup: KvCacheCreator (_torch/pyexecutor/_util.py) ---------------------------------------------------
+
+class KvCacheCreator:
+    """The estimation, teardown and rebuild of the KV cache manager that ``create_py_executor`` runs."""
+
+    def __init__(self, *, model, mapping, max_num_tokens: int, tokens_per_block: int, max_seq_len: int,
+                 max_batch_size: int, kv_cache_config) -> None:
+        self._model, self._mapping, self._kv_cache_config = model, mapping, kv_cache_config
+        self._max_kv_tokens_in = kv_cache_config.max_tokens
+        self._max_num_tokens, self._tokens_per_block = max_num_tokens, tokens_per_block
+        self._max_seq_len, self._max_batch_size = max_seq_len, max_batch_size
+        util = sys.modules[COMMON["util"]]  # the module global, looked up now (a patch must precede this)
+        mc = model.model_config
+        self._kv_cache_manager_cls = (util.get_kv_cache_manager_cls(mc) if _ACTIVE["layout"] == "1.2"
+                                      else util.get_kv_cache_manager_cls(mc, kv_cache_config))
+        self.dummy_requests = self._create_dummy_context_requests(max(1, max_seq_len - 1))
+
+    def _create_dummy_context_requests(self, input_seq_len: int) -> list[int]:
+        """Prompt lengths of the estimation requests (each ``max_tokens=1``)."""
+        out, remaining = [], self._max_num_tokens
+        n = min(self._max_num_tokens, input_seq_len)
+        while remaining > 0:
+            n = min(n, remaining)
+            out.append(n)
+            remaining -= n
+        return out
+
+    def try_prepare_estimation(self) -> bool:
+        extra = 1 + 1  # one generated token, and one more with the overlap scheduler
+        blocks = sum(math.ceil((n + extra) / self._tokens_per_block) for n in self.dummy_requests)
+        self._kv_cache_config.max_tokens = blocks * self._tokens_per_block
+        return self._model.model_config.attn_backend != "VANILLA"
+
+    def configure_kv_cache_capacity(self, available_bytes: int) -> None:
+        """After the dummy requests ran: ``max_tokens`` from the memory left (on the GPU: measured)."""
+        per_token = self._kv_cache_manager_cls.get_cache_size_per_token(
+            self._model.model_config, self._mapping, tokens_per_block=self._tokens_per_block)
+        if self._max_kv_tokens_in is not None:
+            available_bytes = min(available_bytes, self._max_kv_tokens_in * per_token)
+        self._kv_cache_config.max_tokens = int(available_bytes // per_token)
+
+    def build_managers(self, resources: dict, estimating_kv_cache: bool = False) -> None:
+        c = self._model.model_config.pretrained_config
+        resources["kv_cache_manager"] = self._kv_cache_manager_cls(
+            self._kv_cache_config, "SELF", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, tokens_per_block=self._tokens_per_block, max_seq_len=self._max_seq_len,
+            max_batch_size=self._max_batch_size, mapping=self._mapping, max_num_tokens=self._max_num_tokens,
+            is_estimating_kv_cache=estimating_kv_cache)
+
+    def teardown_managers(self, resources: dict) -> None:
+        resources["kv_cache_manager"].shutdown()
+        del resources["kv_cache_manager"]
+
+
+# ---- installation ---------------------------------------------------------------------------------------------
 
 def install(monkeypatch, layout: str) -> types.SimpleNamespace:
-    """Put the stand-in modules of ``layout`` into ``sys.modules``; returns them by short name."""
+    """Put the stand-in modules of ``layout`` into ``sys.modules``; returns them by short name.
+
+    ``monkeypatch=None``: for good (a fresh worker process)."""
     names = {**MODULES[layout], **COMMON}
     for name in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
-        monkeypatch.delitem(sys.modules, name)
+        if monkeypatch is None:
+            del sys.modules[name]
+        else:
+            monkeypatch.delitem(sys.modules, name)
     made: dict[str, types.ModuleType] = {}
 
     def module(dotted: str) -> types.ModuleType:
@@ -318,7 +588,10 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
                 m = types.ModuleType(name)
                 m.__path__ = []  # a package, so submodules import
                 made[name] = m
-                monkeypatch.setitem(sys.modules, name, m)
+                if monkeypatch is None:
+                    sys.modules[name] = m
+                else:
+                    monkeypatch.setitem(sys.modules, name, m)
                 if i > 1:
                     setattr(made[".".join(parts[: i - 1])], parts[i - 1], m)
         return made[dotted]
@@ -326,13 +599,17 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
     ns = types.SimpleNamespace(layout=layout)
     iface = module(names["interface"])
     iface.AttentionBackend = backend = _Backend12 if layout == "1.2" else _BackendMain
+    _ACTIVE.clear()
+    _ACTIVE["layout"] = layout
+    _ACTIVE["TrtllmAttention"] = _fused(backend)
+    _ACTIVE["VanillaAttention"] = type("VanillaAttention", (backend,), {})
     for name in ("TrtllmAttention", "VanillaAttention"):
-        _ACTIVE[name] = type(name, (backend,), {})
         setattr(ns, name, _ACTIVE[name])
     iface.AttentionMetadata, iface.KVCacheParams = AttentionMetadata, KVCacheParams
     if layout == "main":
-        iface.AttentionForwardArgs = AttentionForwardArgs
-    module(names["utils"]).create_attention = _create_attention
+        iface.AttentionForwardArgs = _ACTIVE["AttentionForwardArgs"] = AttentionForwardArgs
+    utils = module(names["utils"])
+    utils.create_attention, utils.get_attention_backend = _create_attention, _get_attention_backend
     rm = module(names["resource_manager"])
     rm.BaseResourceManager, rm.KVCacheManager = BaseResourceManager, KVCacheManager
     util = module(names["util"])
@@ -343,10 +620,14 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
         def get_kv_cache_manager_cls(model_config, kv_cache_config, is_disagg=False, cache_transceiver_config=None):
             return KVCacheManager
     util.get_kv_cache_manager_cls = get_kv_cache_manager_cls
+    util.KvCacheCreator = KvCacheCreator
     module(names["scheduler"]).ScheduledRequests = ScheduledRequests
     module(names["llm_request"]).LlmRequest = LlmRequest
+    module(names["cuda_graph_runner"]).CUDA_GRAPH_DUMMY_REQUEST_ID = CUDA_GRAPH_DUMMY_REQUEST_ID
+    module(names["model_config"]).ModelConfig = ModelConfig
     mu = module(names["modeling_utils"])
     mu.MODEL_CLASS_MAPPING = {}
+    mu.DecoderModelForCausalLM = DecoderModelForCausalLM
 
     def register_auto_model(name: str):
         def decorator(cls):
@@ -355,11 +636,19 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
         return decorator
 
     mu.register_auto_model = register_auto_model
+    auto = module(names["modeling_auto"])
+    auto.MODEL_CLASS_MAPPING = mu.MODEL_CLASS_MAPPING  # re-exported: executor/proxy.py imports it from here
+    auto.AutoModelForCausalLM = types.SimpleNamespace(from_config=_from_config)
     module(names["modeling_llama"]).LlamaForCausalLM = LlamaForCausalLM
     module(names["attention_module"]).Attention = Attention
     for short, dotted in names.items():
         setattr(ns, short, made[dotted])
     return ns
+
+
+def install_globally(layout: str) -> types.SimpleNamespace:
+    """:func:`install` for the lifetime of this process (a worker started for one test)."""
+    return install(None, layout)
 
 
 def real_namespace() -> types.SimpleNamespace:
