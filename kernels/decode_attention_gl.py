@@ -27,8 +27,13 @@ each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, :func:`_merge_if_last`: 
 The BF16 sink / recent chunks (``s >= n_page_splits``) use the same warpgroup MMAs on operands converted
 through shared memory (a few chunks per sequence, not the hot loop).
 
-Limits: uniform 2-bit codes (``K_CODEBOOK``/``V_CODEBOOK`` False), token or channel keys, ``P`` 64 or 128,
-``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; :func:`check_gluon_layout` refuses the rest.
+4-bit key pages (``KEY_BITS`` 4, ``reference.pack_mma16(..., bits=4)``: a word holds one 16x16 tile's fragment) take
+the same path with four nibble fields a word (:func:`_a_operand4`: ``c·16^hr·2^-24``, the ``hc`` field by the ``shr``,
+so the query rows carry no power of two), twice the code bytes a page in the cp.async stages.
+
+Limits: uniform codes (``K_CODEBOOK``/``V_CODEBOOK`` False; 2-bit values, 2- or 4-bit keys), token or channel keys,
+``P`` 64 or 128, ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; :func:`check_gluon_layout` refuses the
+rest.
 ``FAST_UNPACK`` is accepted for v2's signature and ignored (the field masks are always PTX: CUDA only).
 
 Status: compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the H200's JIT) on the CPU, with every A-operand
@@ -70,6 +75,7 @@ STAGES = _plan.GL_PAGE_STAGES
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (64, 128)
 GQ_PADS = (8, 16)
+KEY_BITS = (2, 4)
 
 
 def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) -> None:
@@ -84,6 +90,9 @@ def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) ->
     gq = num_heads // layout.num_kv_heads
     if _plan.gq_pad_v2(gq) not in GQ_PADS:
         raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
+    if layout.key.bits not in KEY_BITS or layout.value.bits != 2:
+        raise NotImplementedError(f"decode_attention_gl: {list(KEY_BITS)}-bit key and 2-bit value pages, got "
+                                  f"{layout.key.bits}-bit keys and {layout.value.bits}-bit values")
 
 
 def check_gluon_device(device: torch.device) -> None:
@@ -134,6 +143,42 @@ if HAVE_GLUON:
         lane = t % 32
         word = (((rb // MB) * 32 + lane) * MB + rb % MB) * (C // 32) + C0 // 32
         return 2 * word[:, None] + j[None, :]
+
+    @gluon.jit
+    def _and_nibble(x, J: gl.constexpr):
+        """``x & (0x000F000F << 4J)`` on packed uint16 pairs, read as fp16x2 (one ``and.b32`` per two 4-bit codes)."""
+        if J == 0:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x000F000F;", "=r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise("and.b32 $0, $1, 0x00F000F0;", "=r,r", [x], dtype=gl.float16,
+                                             is_pure=True, pack=2)
+
+    @gluon.jit
+    def _word_offsets4(R: gl.constexpr, C: gl.constexpr, C0: gl.constexpr, CT: gl.constexpr, LW: gl.constexpr):
+        """:func:`_word_offsets` of 4-bit codes (``reference.pack_mma16(..., bits=4)``): uint16 offsets ``[R // 16 *
+        32, CT // 8]``, row ``rb * 32 + lane``, column ``2 * w + e`` (word ``C0 // 16 + w``, half ``e``)."""
+        MB0: gl.constexpr = 64 // C if C < 64 else 1
+        MB: gl.constexpr = MB0 if (R // 16) % MB0 == 0 else 1
+        t = gl.arange(0, R // 16 * 32, layout=gl.SliceLayout(1, LW))
+        j = gl.arange(0, CT // 8, layout=gl.SliceLayout(0, LW))
+        rb = t // 32
+        lane = t % 32
+        word = (((rb // MB) * 32 + lane) * MB + rb % MB) * (C // 16) + C0 // 16
+        return 2 * word[:, None] + j[None, :]
+
+    @gluon.jit
+    def _a_operand4(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
+        """uint16 halves ``h [R // 16 * 32, CT // 8]`` of 4-bit codes (:func:`_word_offsets4`) -> the fp16 ``[R, CT]``
+        wgmma A operand: code ``(16 rb + 8 hr + g, 16 w + 8 hc + 2 tq + e)`` as ``c·16^hr·2^-24`` (the ``hc`` field
+        shifted down by the ``shr``: no power of two on the K dim). ``assert_trivial`` as in :func:`_a_operand`."""
+        RB: gl.constexpr = R // 16
+        W: gl.constexpr = CT // 16
+        x = gl.reshape(h, [RB, 8, 4, W, 2])  # (rb, g, tq, w, e)
+        x8 = gl.reshape(_shr8(h), [RB, 8, 4, W, 2])
+        j = gl.join(gl.join(_and_nibble(x, 0), _and_nibble(x, 1)), gl.join(_and_nibble(x8, 0), _and_nibble(x8, 1)))
+        j = gl.permute(j, [0, 5, 1, 3, 6, 2, 4])  # (rb, g, tq, w, e, hr, hc) -> (rb, hr, g, w, hc, tq, e)
+        return gl.convert_layout(gl.reshape(j, [R, CT]), A_LAYOUT, assert_trivial=True)
 
     @gluon.jit
     def _a_operand(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
@@ -240,17 +285,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg, end, it,
                     max_pages, h, koffs, voffs, K_CHANNEL: gl.constexpr, H_KV: gl.constexpr, P: gl.constexpr,
-                    D: gl.constexpr, KC: gl.constexpr, STAGES: gl.constexpr):
+                    D: gl.constexpr, KC: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr):
         """cp.async the K and V codes of page ``pg`` of sequence ``b`` (zeros if ``pg >= end``) into stage
         ``it % STAGES`` with its params: the V per-token words and the K ones (token keys) into ``tbuf``, or the
         K channel ``[2, D]`` scales and lows into ``cbuf`` (channel keys); committed as one group."""
         ok = pg < end
         page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg, mask=ok, other=0).to(gl.int64)
         half_off = gl.multiple_of((page * H_KV + h) * (P * D // 8), 8)  # uint16 units; pages are 16-byte aligned
+        khalf_off = gl.multiple_of((page * H_KV + h) * (P * D * KEY_BITS // 16), 8)
         NCH: gl.constexpr = D // KC
+        KH: gl.constexpr = KC * KEY_BITS // 32  # uint16 halves of a chunk's row block a lane holds
         st = it % STAGES
         for ch in gl.static_range(NCH):
-            _cp_async(kbuf.index(st * NCH + ch), k16 + half_off + koffs + ch * (KC // 16), mask=ok)
+            _cp_async(kbuf.index(st * NCH + ch), k16 + khalf_off + koffs + ch * KH, mask=ok)
         _cp_async(vbuf.index(st), v16 + half_off + voffs, mask=ok)
         LP: gl.constexpr = gl.BlockedLayout([P // 128 if P >= 128 else 1], [32], [4], [0])
         t = gl.arange(0, P, layout=LP)
@@ -274,10 +321,11 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        STAGES: gl.constexpr,
+        STAGES: gl.constexpr, KEY_BITS: gl.constexpr,
     ):
         """The body of both split kernels: this program's partial (out / l and log2-sum-exp) into ``part_o`` /
         ``part_lse``."""
+        gl.static_assert(KEY_BITS == 2 or KEY_BITS == 4, "decode_attention_gl: 2- or 4-bit key pages")
         gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
         gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -291,7 +339,8 @@ if HAVE_GLUON:
         QS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, D], gl.float16)
         PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, P], gl.float16)
         KC: gl.constexpr = D if D < 128 else 128  # key columns per A operand (registers: KC / 2 per thread)
-        LWK: gl.constexpr = gl.BlockedLayout([1, KC // 16], [32, 1], [4, 1], [1, 0])
+        KH: gl.constexpr = KC * KEY_BITS // 32  # uint16 halves of a key chunk's row block a lane holds
+        LWK: gl.constexpr = gl.BlockedLayout([1, KH], [32, 1], [4, 1], [1, 0])
         LWV: gl.constexpr = gl.BlockedLayout([1, P // 16], [32, 1], [4, 1], [1, 0])
         H: gl.constexpr = H_KV * GQ
 
@@ -300,14 +349,17 @@ if HAVE_GLUON:
         b = bh // H_KV
         h = bh % H_KV
         if s < n_page_splits:
-            koffs = _word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KC // 16 (KC // 32 words of each row block)
+            if KEY_BITS == 4:
+                koffs = _word_offsets4(P, D, 0, KC, LWK)  # chunk ch: + ch * KH (KC // 16 words of each row block)
+            else:
+                koffs = _word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KH (KC // 32 words of each row block)
             voffs = _word_offsets(D, P, 0, P, LWV)
             k16 = k_codes_ptr.to(gl.pointer_type(gl.uint16))
             v16 = v_codes_ptr.to(gl.pointer_type(gl.uint16))
             # the page codes stream through STAGES shared-memory stages (cp.async, STAGES - 1 pages ahead)
             NCH: gl.constexpr = D // KC
             CS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # lane-contiguous rows: conflict-free
-            kbuf = gl.allocate_shared_memory(gl.uint16, [STAGES * NCH, P // 16 * 32, KC // 16], CS)
+            kbuf = gl.allocate_shared_memory(gl.uint16, [STAGES * NCH, P // 16 * 32, KH], CS)
             vbuf = gl.allocate_shared_memory(gl.uint16, [STAGES, D // 16 * 32, P // 16], CS)
             tbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 2, P], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             if K_CHANNEL:  # the page's channel scales and lows, fp16 rows
@@ -319,15 +371,16 @@ if HAVE_GLUON:
             end = gl.minimum(start + pages_per_split, gl.load(num_pages_ptr + b))
             for i in gl.static_range(STAGES - 1):
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, start + i, end,
-                            i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES)
+                            i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES, KEY_BITS)
             # the first pages are in flight while the query is loaded (and rotated)
             q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)  # [GQ_PAD, D]
-            hc_q = _bit3_scale(D, 0.0625, gl.SliceLayout(0, QL))  # 4^-2hc of the key fields (K dim = dims)
+            # 4^-2hc of the 2-bit key fields (K dim = dims); 4-bit fields have none (hc is shifted down)
+            hc_q = _bit3_scale(D, 0.0625 if KEY_BITS == 2 else 1.0, gl.SliceLayout(0, QL))
             qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
             qk_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, (q32 * hc_q[None, :]).to(gl.float16))
             p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, P], PS)
             fence_async_shared()
-            hr_k = _bit3_scale(P, 0.25, ROW) * 16777216.0  # 2^24·4^-hr per token
+            hr_k = _bit3_scale(P, 0.25 if KEY_BITS == 2 else 0.0625, ROW) * 16777216.0  # 2^24·4^-hr (16^-hr) per token
             hc_v = _bit3_scale(P, 0.0625, ROW)  # 4^-2hc of the value fields (K dim = tokens)
             m = gl.full([GQ_PAD], float("-inf"), gl.float32, COL)
             l_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
@@ -338,7 +391,8 @@ if HAVE_GLUON:
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of page pg have landed
                 _cta_barrier()  # ... everyone's; and stage (it - 1) % STAGES is free again
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg + STAGES - 1,
-                            end, it + STAGES - 1, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES)
+                            end, it + STAGES - 1, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES,
+                            KEY_BITS)
                 stage = it % STAGES
                 if K_CHANNEL:
                     ksc = cbuf.index(2 * stage).load(gl.SliceLayout(0, QL)).to(gl.float32)
@@ -351,7 +405,10 @@ if HAVE_GLUON:
                 vs, vlo = _token_pair(tbuf.index(2 * stage + 1).load(ROW))
                 st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
                 for ch in gl.static_range(NCH):
-                    a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                    if KEY_BITS == 4:
+                        a = _a_operand4(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                    else:
+                        a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
                     st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=1).permute((1, 0)), st)
                 if K_CHANNEL:
                     st = st * hr_k[:, None] + const[None, :]
@@ -452,7 +509,7 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2,
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
         those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes
@@ -461,7 +518,7 @@ if HAVE_GLUON:
                        k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
                        recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
                        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
-                       STAGES)
+                       STAGES, KEY_BITS)
 
     @gluon.jit
     def _decode_split_merge_gl_kernel(
@@ -474,7 +531,7 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2,
     ):
         """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`_merge_if_last`): one launch
         for the whole decode attention. ``out_ptr [B, H, D]`` (fp32 / bf16 / fp16), ``counters_ptr`` int32 ``[>=
@@ -483,7 +540,7 @@ if HAVE_GLUON:
                        k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
                        recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
                        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
-                       STAGES)
+                       STAGES, KEY_BITS)
         _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV, GQ, D)
 
     KERNEL = _decode_split_gl_kernel
@@ -492,12 +549,15 @@ else:  # pragma: no cover
     KERNEL = FUSED_KERNEL = None
 
 
-def emulate_a_operand(page: torch.Tensor, rows: int, cols: int, c0: int = 0, ct: int | None = None) -> torch.Tensor:
+def emulate_a_operand(page: torch.Tensor, rows: int, cols: int, c0: int = 0, ct: int | None = None,
+                      bits: int = 2) -> torch.Tensor:
     """:func:`_a_operand` of :func:`_word_offsets` in PyTorch, step by step: the uint16 halves of columns ``c0 ..
     c0 + ct`` of one page's ``[rows, cols]`` mma16 matrix (``page``: its bytes), the eight fields masked and read
     as fp16 bits, joined, permuted and reshaped in the kernel's order. Returns the fp16 ``[rows, ct]`` operand
-    (``code·4^(2hc + hr)·2^-24``)."""
+    (``code·4^(2hc + hr)·2^-24``). ``bits=4``: :func:`_a_operand4` of :func:`_word_offsets4` (``code·16^hr·2^-24``)."""
     ct = cols if ct is None else ct
+    if bits == 4:
+        return _emulate_a_operand4(page, rows, cols, c0, ct)
     mb0 = 128 // cols if cols < 128 else 1
     mb = mb0 if (rows // 16) % mb0 == 0 else 1
     t = torch.arange(rows // 16 * 32)
@@ -517,6 +577,22 @@ def emulate_a_operand(page: torch.Tensor, rows: int, cols: int, c0: int = 0, ct:
     return j.reshape(rows, ct)
 
 
+def _emulate_a_operand4(page: torch.Tensor, rows: int, cols: int, c0: int, ct: int) -> torch.Tensor:
+    mb0 = 64 // cols if cols < 64 else 1
+    mb = mb0 if (rows // 16) % mb0 == 0 else 1
+    t = torch.arange(rows // 16 * 32)
+    rb, lane = t // 32, t % 32
+    word = (((rb // mb) * 32 + lane) * mb + rb % mb) * (cols // 16) + c0 // 16
+    offs = 2 * word[:, None] + torch.arange(ct // 8)[None, :]
+    h = (page.contiguous().view(torch.int16).long() & 0xFFFF)[offs]  # [R/16 * 32, CT/8]
+    x = h.reshape(rows // 16, 8, 4, ct // 16, 2)
+    x8 = (h >> 8).reshape(rows // 16, 8, 4, ct // 16, 2)
+    nib = lambda v, j: (v & (15 << (4 * j))).to(torch.int16).view(torch.float16)  # noqa: E731
+    join = lambda a, b: torch.stack([a, b], dim=-1)  # noqa: E731
+    j = join(join(nib(x, 0), nib(x, 1)), join(nib(x8, 0), nib(x8, 1))).permute(0, 5, 1, 3, 6, 2, 4)
+    return j.reshape(rows, ct)
+
+
 def _bit3(n: int, small: float) -> torch.Tensor:
     return torch.where((torch.arange(n) // 8) % 2 == 1, small, 1.0).double()
 
@@ -526,14 +602,15 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
     page operands from :func:`emulate_a_operand`, the ``4^-2hc`` folded into the query dims (keys) and the
     probabilities' token rows (values), ``2^24·4^-hr`` into the per-token key scales and the per-dim outputs,
     the queries rounded to fp16 after ``sm_scale·log2(e)``, ``p·s_v`` rounded to fp16. One softmax over the
-    sequence (the split + merge are v1's, tested there). Token or channel keys, uniform 2-bit codes, queries in
-    the stored basis. Returns ``[B, H, D]`` float32 in the stored value basis."""
+    sequence (the split + merge are v1's, tested there). Token or channel keys, uniform 2-bit codes (4-bit key
+    pages: ``16^-hr`` per token, nothing on the dims), queries in the stored basis. Returns ``[B, H, D]`` float32 in
+    the stored value basis."""
     bsz, hq, d = q.shape
-    hkv, p = layout.num_kv_heads, layout.page_size
+    hkv, p, kbits = layout.num_kv_heads, layout.page_size, layout.key.bits
     gq = hq // hkv
     qs = (q.double() * (scale * 1.4426950408889634)).half().double()
-    hc_d, hc_t = _bit3(d, 0.0625), _bit3(p, 0.0625)
-    hr_t, hr_d = _bit3(p, 0.25) * 2.0 ** 24, _bit3(d, 0.25) * 2.0 ** 24
+    hc_d, hc_t = _bit3(d, 0.0625 if kbits == 2 else 1.0), _bit3(p, 0.0625)
+    hr_t, hr_d = _bit3(p, 0.25 if kbits == 2 else 0.0625) * 2.0 ** 24, _bit3(d, 0.25) * 2.0 ** 24
     out = torch.zeros(bsz, hq, d, dtype=torch.float32)
     for bi in range(bsz):
         for hi in range(hkv):
@@ -541,7 +618,7 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
             parts = []  # (scores [T, GQ], value operand [D, T], probability factor [T], lo [T] or None)
             for pi in range(int(state.num_pages[bi])):
                 page = int(state.block_table[bi, pi])
-                a_k = emulate_a_operand(state.k_codes[page, hi].reshape(-1), p, d).double()  # [P, D]
+                a_k = emulate_a_operand(state.k_codes[page, hi].reshape(-1), p, d, bits=kbits).double()  # [P, D]
                 a_v = emulate_a_operand(state.v_codes[page, hi].reshape(-1), d, p).double()  # [D, P]
                 kp, vp = state.k_params[page, hi].double(), state.v_params[page, hi].double()
                 if layout.key.granularity == "channel":

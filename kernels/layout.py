@@ -80,7 +80,7 @@ ONE_THIRD_F32 = 0.3333333432674408
 #: 2-bit codes per byte (the default row format; ``RowFormat.codes_per_byte`` is the general one).
 CODES_PER_BYTE = 4
 #: code widths a row format may have: 2 (the cache's INT2) and 4 (wider key pages of the layers that need
-#: them, issue 17: uniform levels 0..15, linear packing, no codebook).
+#: them, issue 17: uniform levels 0..15, linear or mma16 packing, no codebook).
 CODE_BITS = (2, 4)
 #: uniform 2-bit levels (a fitted codebook replaces them; level 0 is 0 and level 3 is 3 in both).
 UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
@@ -122,7 +122,7 @@ class RowFormat:
         granularity: ``"token"`` (one (scale, lo) per G elements of a row) or ``"channel"`` (one
             (scale, lo) per channel over the P tokens of a page; keys only).
         bits: bits per code, one of :data:`CODE_BITS`: 2 (levels 0..3 or a fitted codebook) or 4 (uniform levels
-            0..15, ``"linear"`` packing only, no codebook).
+            0..15, no codebook).
         codebook: False for the uniform levels 0..3; True when the artifact supplies fitted levels.
         packing: order of the codes inside a page (module doc): ``"linear"`` (default) or ``"mma16"``
             (fragment order of the v2 decode kernel; needs ``head_dim`` a multiple of 32).
@@ -138,9 +138,8 @@ class RowFormat:
     def __post_init__(self) -> None:
         if self.bits not in CODE_BITS:
             raise NotImplementedError(f"RowFormat.bits: {list(CODE_BITS)} are implemented, got {self.bits}")
-        if self.bits != 2 and (self.codebook or self.packing != "linear"):
-            raise NotImplementedError(f"RowFormat.bits {self.bits}: only uniform levels in 'linear' packing "
-                                      f"(got codebook={self.codebook}, packing={self.packing!r})")
+        if self.bits != 2 and self.codebook:
+            raise NotImplementedError(f"RowFormat.bits {self.bits}: only uniform levels (got codebook=True)")
         if self.head_dim < 16 or self.head_dim % 4:
             raise ValueError(f"RowFormat.head_dim: expected a multiple of 4 >= 16, got {self.head_dim}")
         if self.group_size <= 0 or self.group_size % 4 or self.head_dim % self.group_size:
@@ -312,7 +311,7 @@ class KVCacheLayout:
         return self.codes_shape(num_pages, self.value)
 
     def with_key_bits(self, bits: int) -> "KVCacheLayout":
-        """This layout with ``bits``-bit key codes (``bits`` 4: uniform levels, linear packing; the layer
+        """This layout with ``bits``-bit key codes (``bits`` 4: uniform levels, the same packing; the layer
         layout of a layer whose artifact entry says so)."""
         if bits == self.key.bits:
             return self

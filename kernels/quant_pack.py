@@ -95,7 +95,8 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     and then repacked in place (``mma16.repack_linear_to_mma16``: no exchange between threads); with several, the
     codes of a row block are computed on whole rows after its groups' thresholds (same arithmetic) and stored in
     mma16 order (:mod:`.mma16`). ``BITS == 4``: 16 uniform
-    levels (``lv*`` unused), quarters 0 | 2 << 4 into bytes ``g G/2 + q``, 1 | 3 << 4 into ``g G/2 + G/4 + q``.
+    levels (``lv*`` unused), quarters 0 | 2 << 4 into bytes ``g G/2 + q``, 1 | 3 << 4 into ``g G/2 + G/4 + q``; mma16
+    pages (keys) are written so and repacked in place, whatever the groups per row.
     """
     Q: tl.constexpr = G // 4
     C: tl.constexpr = 8 if Q >= 8 else Q
@@ -108,7 +109,7 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     t1p = (lv1 + lv2) * 0.5
     t2p = (lv2 + lv3) * 0.5
     for rb in range(0, P, S):
-        if PACKING != 0 and NG > 1:  # per-element group parameters of the row block, for the whole-row code pass
+        if PACKING != 0 and NG > 1 and BITS == 2:  # per-element group parameters of the row block (whole-row codes)
             colg = tl.arange(0, D)[None, :] // G
             thr_f = tl.zeros((S, D), tl.float32)
             lof_f = tl.zeros((S, D), tl.float32)
@@ -171,12 +172,12 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             prm = (params_base + ((rb + r) * NG + g) * 2).to(tl.pointer_type(tl.uint32))
             tl.store(prm[:, None] + 0 * q[None, :], word[:, None] + 0 * q[None, :].to(tl.uint32),
                      mask=q[None, :] == 0)
-        if PACKING != 0 and NG > 1:
+        if PACKING != 0 and NG > 1 and BITS == 2:
             x = tl.load(x_base + (rb + r)[:, None] * stride_xp + tl.arange(0, D)[None, :]).to(tl.float32)
             _store_codes_mma16(codes_base, _code(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
-    if PACKING != 0 and NG == 1 and BITS == 2:
+    if PACKING != 0 and (NG == 1 or BITS == 4):
         tl.debug_barrier()  # the linear codes of every row block are written (by other threads too)
-        repack_linear_to_mma16(codes_base, P, D, PACKING != _MMA16_KEY)
+        repack_linear_to_mma16(codes_base, P, D, PACKING != _MMA16_KEY, G, BITS)
 
 
 @triton.jit
@@ -284,13 +285,16 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     ts1 = ((lv1 + lv2) * 0.5) * s
     ts2 = ((lv2 + lv3) * 0.5) * s
     if PACKING != 0:  # mma16: whole rows of 16 * MB tokens per step (keys only: channel groups)
-        TB0: tl.constexpr = 128 // D if D < 128 else 1
-        TM: tl.constexpr = 16 * (TB0 if (P // 16) % TB0 == 0 else 1)  # 16 * mma16_group(P, D)
+        TB0: tl.constexpr = 256 // (D * BITS) if D * BITS < 256 else 1
+        TM: tl.constexpr = 16 * (TB0 if (P // 16) % TB0 == 0 else 1)  # 16 * mma16_group(P, D, BITS)
         tm = tl.arange(0, TM)[:, None]
         for tb in range(0, P, TM):
             x = tl.load(x_base + (tb + tm) * stride_xp + i[None, :]).to(tl.float32)
-            code = _code(x, thr[None, :], lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
-            _store_codes_mma16(codes_base, code, tb, P, D, TM, PACKING)
+            if BITS == 4:
+                code = _code16(x, thr[None, :], lof[None, :], s[None, :])
+            else:
+                code = _code(x, thr[None, :], lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
+            _store_codes_mma16(codes_base, code, tb, P, D, TM, PACKING, BITS)
         return
     T3: tl.constexpr = 2 * T if P >= 2 * T else T  # tokens per step of the code pass
     t = tl.arange(0, T3)[:, None, None]
@@ -357,18 +361,18 @@ def _code16(x, thr, lof, s):
 
 @triton.jit
 def _store_codes_mma16(codes_base, code, t0, P: tl.constexpr, D: tl.constexpr, T: tl.constexpr,
-                       PACKING: tl.constexpr):
-    """Store the codes ``code [T, D]`` of tokens ``t0 .. t0 + T`` of a page-head in mma16 order: keys as rows of
-    the ``[P, D]`` matrix, values (``PACKING == PACK_MMA16_VALUE``) as columns of the ``[D, P]`` one."""
-    # MB = mma16_group(rows, cols) as constexpr arithmetic (a jit function cannot call Python helpers)
+                       PACKING: tl.constexpr, BITS: tl.constexpr = 2):
+    """Store the ``BITS``-bit codes ``code [T, D]`` of tokens ``t0 .. t0 + T`` of a page-head in mma16 order: keys as
+    rows of the ``[P, D]`` matrix, values (``PACKING == PACK_MMA16_VALUE``) as columns of the ``[D, P]`` one."""
+    # MB = reference.mma16_group(rows, cols, BITS) as constexpr arithmetic (a jit function cannot call Python helpers)
     if PACKING == _MMA16_KEY:
-        KB0: tl.constexpr = 128 // D if D < 128 else 1
+        KB0: tl.constexpr = 256 // (D * BITS) if D * BITS < 256 else 1
         KMB: tl.constexpr = KB0 if (P // 16) % KB0 == 0 else 1
-        store_mma16(codes_base, code, t0, 0, P, D, T, D, KMB)
+        store_mma16(codes_base, code, t0, 0, P, D, T, D, KMB, BITS)
     else:
-        VB0: tl.constexpr = 128 // P if P < 128 else 1
+        VB0: tl.constexpr = 256 // (P * BITS) if P * BITS < 256 else 1
         VMB: tl.constexpr = VB0 if (D // 16) % VB0 == 0 else 1
-        store_mma16(codes_base, tl.trans(code), 0, t0, D, P, D, T, VMB)
+        store_mma16(codes_base, tl.trans(code), 0, t0, D, P, D, T, VMB, BITS)
 
 
 @triton.jit
@@ -437,7 +441,7 @@ def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv
         xt = tl.trans(x)  # [D, P]: one group per channel, over the P tokens of the page
         codes, scale16, lo16 = _clip_quantize(tl.abs(xt), xt, removals, lv0, lv1, lv2, lv3, P, BITS)
         if PACKING != 0:
-            _store_codes_mma16(codes_ptr + page_head * (P * D // 4), tl.trans(codes), 0, P, D, P, PACKING)
+            _store_codes_mma16(codes_ptr + page_head * (P * RB_), tl.trans(codes), 0, P, D, P, PACKING, BITS)
         else:
             c4 = tl.reshape(codes, (NG, CPB, Q, P))
             packed = tl.sum(c4 * shifts[None, :, None, None], axis=1)  # [NG, Q, P]
@@ -450,7 +454,8 @@ def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv
         xg = tl.reshape(x, (P * NG, G))  # one group per row segment
         codes, scale16, lo16 = _clip_quantize(tl.abs(xg), xg, removals, lv0, lv1, lv2, lv3, G, BITS)
         if PACKING != 0:
-            _store_codes_mma16(codes_ptr + page_head * (P * D // 4), tl.reshape(codes, (P, D)), 0, P, D, P, PACKING)
+            _store_codes_mma16(codes_ptr + page_head * (P * RB_), tl.reshape(codes, (P, D)), 0, P, D, P, PACKING,
+                               BITS)
         else:
             c4 = tl.reshape(codes, (P * NG, CPB, Q))
             packed = tl.sum(c4 * shifts[None, :, None], axis=1)  # [P*NG, Q]

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .layout import CODES_PER_BYTE, ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
+from .layout import ONE_THIRD_F32, KVCacheLayout, PagedKV, RowFormat
 from .transform import LayerTransform, clip_rank
 
 # ---- packing ------------------------------------------------------------------------------------------------
@@ -63,14 +63,15 @@ def unpack_codes(packed: torch.Tensor, group_size: int, bits: int = 2) -> torch.
 # ---- the mma16 packing (RowFormat.packing == "mma16") ---------------------------------------------------------
 
 
-def mma16_group(rows: int, cols: int) -> int:
-    """``MB``: 16-row blocks interleaved per lane so that one lane's run of bytes is 16 bytes when ``cols < 128``
-    (``MB = 128 // cols`` where that divides the ``rows // 16`` blocks, else 1). See :func:`pack_mma16`."""
-    mb = 128 // cols if cols < 128 else 1
+def mma16_group(rows: int, cols: int, bits: int = 2) -> int:
+    """``MB``: 16-row blocks interleaved per lane so that one lane's run of bytes is 16 bytes when ``cols * bits <
+    256`` (``MB = 256 // (cols * bits)`` where that divides the ``rows // 16`` blocks, else 1). See
+    :func:`pack_mma16`."""
+    mb = 256 // (cols * bits) if cols * bits < 256 else 1
     return mb if (rows // 16) % mb == 0 else 1
 
 
-def pack_mma16(codes: torch.Tensor) -> torch.Tensor:
+def pack_mma16(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
     """``[..., R, C]`` uint8 codes in 0..3 (``R % 16 == 0``, ``C % 32 == 0``) -> ``[..., R * C // 4]`` uint8 in the
     fragment order of ``mma.sync.m16n8k16`` (and of ``wgmma`` with A from registers): the matrix is the MMA's
     A operand, R on M, C on K. Keys pack their ``[P, D]`` codes (tokens on M), values their transposed
@@ -95,8 +96,19 @@ def pack_mma16(codes: torch.Tensor) -> torch.Tensor:
     Worked example, R = 16, C = 32 (MB = 1, 128 bytes): code (0, 0) -> byte 0 bits 0-1; (8, 0) -> byte 0 bits
     2-3 (hr); (0, 8) -> byte 0 bits 4-5 (hc); (0, 1) -> byte 2 bits 0-1 (e); (0, 16) -> byte 1 (kb);
     (0, 2) -> byte 4 (lane 1); (1, 0) -> byte 16 (lane 4).
+
+    ``bits=4`` (the 4-bit key pages, codes in 0..15, ``C % 16 == 0``): a word holds one 16x16 tile's fragment,
+    column ``c = 16 * w + 8 * hc + 2 * tq + e``; code ``(r, c)`` sits in byte ``(((mo * 32 + lane) * MB + mi) *
+    (C // 16) + w) * 4 + 2 * e + hc`` at bits ``4 * hr`` (``MB = mma16_group(R, C, 4)``): field ``k = 2 * hc + hr``
+    of a word at bits ``4k`` and ``16 + 4k``, so ``(word >> 8 hc) & (0x000F000F << 4 hr)`` is register ``a[hr + 2
+    * hc]`` as a ``half2`` of ``c·16^hr`` subnormals. Worked example, R = 16, C = 16 (128 bytes): (0, 0) -> byte 0
+    bits 0-3; (8, 0) -> byte 0 bits 4-7 (hr); (0, 8) -> byte 1 (hc); (0, 1) -> byte 2 (e); (0, 2) -> byte 4.
     """
     *lead, r, c = codes.shape
+    if bits == 4:
+        return _pack_mma16_4bit(codes)
+    if bits != 2:
+        raise ValueError(f"pack_mma16: bits 2 or 4, got {bits}")
     if r % 16 or c % 32:
         raise ValueError(f"pack_mma16: expected [..., R, C] with R % 16 == 0 and C % 32 == 0, got {list(codes.shape)}")
     mb = mma16_group(r, c)
@@ -109,9 +121,34 @@ def pack_mma16(codes: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def unpack_mma16(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``[..., rows * cols // 4]`` uint8 -> ``[..., rows, cols]`` uint8 codes (inverse of :func:`pack_mma16`)."""
+def _pack_mma16_4bit(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_mma16` with ``bits=4``: ``[..., R, C]`` codes in 0..15 -> ``[..., R * C // 2]`` uint8."""
+    *lead, r, c = codes.shape
+    if r % 16 or c % 16:
+        raise ValueError(f"pack_mma16: 4-bit codes need [..., R, C] with R % 16 == 0 and C % 16 == 0, "
+                         f"got {list(codes.shape)}")
+    mb = mma16_group(r, c, 4)
+    n = len(lead)
+    x = codes.to(torch.uint8).reshape(*lead, r // (16 * mb), mb, 2, 8, c // 16, 2, 4, 2)
+    # axes after lead: mo mi hr g w hc tq e  ->  mo g tq mi w e hc hr
+    x = x.permute(*range(n), n + 0, n + 3, n + 6, n + 1, n + 4, n + 7, n + 5, n + 2)
+    x = x.reshape(*lead, r * c // 2, 2)  # [..., byte, hr]
+    return x[..., 0] | (x[..., 1] << 4)
+
+
+def unpack_mma16(packed: torch.Tensor, rows: int, cols: int, bits: int = 2) -> torch.Tensor:
+    """``[..., rows * cols * bits // 8]`` uint8 -> ``[..., rows, cols]`` uint8 codes (inverse of :func:`pack_mma16`)."""
     *lead, nb = packed.shape
+    if bits == 4:
+        if nb * 2 != rows * cols or rows % 16 or cols % 16:
+            raise ValueError(f"unpack_mma16: {nb} bytes cannot hold [{rows}, {cols}] 4-bit codes in mma16 order")
+        mb = mma16_group(rows, cols, 4)
+        n = len(lead)
+        f = (packed.unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8, device=packed.device)) & 15
+        x = f.reshape(*lead, rows // (16 * mb), 8, 4, mb, cols // 16, 2, 2, 2)
+        # axes after lead: mo g tq mi w e hc hr  ->  mo mi hr g w hc tq e
+        x = x.permute(*range(n), n + 0, n + 3, n + 7, n + 1, n + 4, n + 6, n + 2, n + 5)
+        return x.reshape(*lead, rows, cols)
     if nb * 4 != rows * cols or rows % 16 or cols % 32:
         raise ValueError(f"unpack_mma16: {nb} bytes cannot hold [{rows}, {cols}] codes in mma16 order")
     mb = mma16_group(rows, cols)
@@ -136,9 +173,9 @@ def pack_page_codes(codes: torch.Tensor, fmt: RowFormat, operand: str = "key") -
         return pack_codes(codes, fmt.group_size, fmt.bits)
     *lead, p, d = codes.shape
     if operand == "key":
-        return pack_mma16(codes).reshape(*lead, p, d // CODES_PER_BYTE)
+        return pack_mma16(codes, fmt.bits).reshape(*lead, p, d // fmt.codes_per_byte)
     if operand == "value":
-        return pack_mma16(codes.transpose(-1, -2)).reshape(*lead, p, d // CODES_PER_BYTE)
+        return pack_mma16(codes.transpose(-1, -2), fmt.bits).reshape(*lead, p, d // fmt.codes_per_byte)
     raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
 
 
@@ -147,12 +184,12 @@ def unpack_page_codes(packed: torch.Tensor, fmt: RowFormat, operand: str = "key"
     if fmt.packing == "linear":
         return unpack_codes(packed, fmt.group_size, fmt.bits)
     *lead, p, nb = packed.shape
-    d = nb * CODES_PER_BYTE
+    d = nb * fmt.codes_per_byte
     flat = packed.reshape(*lead, p * nb)
     if operand == "key":
-        return unpack_mma16(flat, p, d)
+        return unpack_mma16(flat, p, d, fmt.bits)
     if operand == "value":
-        return unpack_mma16(flat, d, p).transpose(-1, -2).contiguous()
+        return unpack_mma16(flat, d, p, fmt.bits).transpose(-1, -2).contiguous()
     raise ValueError(f"operand: expected 'key' or 'value', got {operand!r}")
 
 

@@ -80,6 +80,9 @@ def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, ta
     if layout.packing == "mma16":
         if layout.page_size < 64:
             raise NotImplementedError(f"decode_split v2: page_size 64 or 128, got {layout.page_size}")
+        if layout.key.bits != 2:
+            raise NotImplementedError(f"decode_split v2: 2-bit key pages, got {layout.key.bits}-bit (mma16 pages with "
+                                      f"4-bit keys: decode_variant='gluon')")
         return KernelSpec.from_plan(lp.DECODE_SPLIT_V2, f"decode_split_{tag}",
                                     lp.decode_split_v2_constexprs(layout, num_heads, sm_scale))
     raise NotImplementedError(f"decode_split: keys packed {layout.key.packing!r}, values {layout.value.packing!r}; "

@@ -172,10 +172,11 @@ GL_PROGRAM_PAGES = 2
 GL_FUSED_MERGE = True
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
-    params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES",),
+    params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES", "KEY_BITS"),
     num_warps=4, num_stages=2, grid=DECODE_SPLIT_V2.grid, sizes=DECODE_SPLIT_V2.sizes, derived=_SPLIT_DERIVED,
     doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
-        "cp.async page stages); uniform codes, sm_90 only; merged by decode_merge (bundles: decode_variant=gluon)",
+        "cp.async page stages); uniform codes, 2- or 4-bit key pages, sm_90 only; merged by decode_merge (bundles: "
+        "decode_variant=gluon)",
 )
 #: the Gluon split kernel with the merge in each (sequence, KV head)'s last program: one launch, no decode_merge.
 DECODE_SPLIT_MERGE_GL = KernelPlan(
@@ -325,11 +326,11 @@ def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: i
 def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float,
                                stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
     """Constexprs of the Gluon split kernel (``decode_attention_gl``; uniform codes only): v2's plus ``STAGES``,
-    its cp.async page stages."""
+    its cp.async page stages, and ``KEY_BITS``, the key pages' code width (2 or 4)."""
     cx = decode_split_v2_constexprs(layout, num_heads, sm_scale)
     if cx["K_CODEBOOK"]:
         raise NotImplementedError("decode_split_gl: uniform codes only (fitted levels: decode_split_v2)")
-    return {**cx, "STAGES": int(stages)}
+    return {**cx, "STAGES": int(stages), "KEY_BITS": layout.key.bits}
 
 
 def decode_merge_constexprs(layout) -> dict[str, Any]:

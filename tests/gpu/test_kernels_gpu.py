@@ -399,35 +399,59 @@ def test_decode_attention_v2_real_shape_and_vs_v1(gran, variant):
     assert diff <= e1 + e2 + 1e-6, (diff, e1, e2)  # both against the same fp64 output of the same tokens
 
 
+def _hopper():
+    from oscar_export.kernels.decode import hopper
+
+    return hopper
+
+
+def _linear_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]:
+    """The same pages in linear order (the reference repacks the codes): the portable kernel's input."""
+    from dataclasses import replace
+
+    lin = lay.with_packing("linear")
+    codes = {}
+    for name, fmt, lfmt, operand in (("k_codes", lay.key, lin.key, "key"), ("v_codes", lay.value, lin.value, "value")):
+        codes[name] = ref.pack_page_codes(ref.unpack_page_codes(getattr(st, name), fmt, operand), lfmt, operand)
+    return replace(st, **codes), lin
+
+
+@pytest.mark.parametrize("key_bits", [2, 4])
 @pytest.mark.parametrize("p", [128, 64])
 @pytest.mark.parametrize("gran", ["token", "channel"])
-def test_decode_attention_gluon_real_shape_vs_budget_and_v2(gran, p):
-    """v3 (the Gluon kernel) within budget at the Llama-3-8B shape (32 / 8 heads, D 128) on pages of 128 and 64
-    tokens, close to v2 "fields" on the same pages, with and without the fused query rotation; pages per split
-    1 (prologue only), 3 (a partial last split) and the default."""
-    from oscar_export.kernels import decode_attention_v2 as v2
+def test_decode_attention_gluon_real_shape_vs_budget_and_portable(gran, p, key_bits):
+    """The Hopper (Gluon) kernel within budget at the Llama-3-8B shape (32 / 8 heads, D 128) on 2- and 4-bit key
+    pages of 128 and 64 tokens, close to the portable kernel on the same pages in linear order; pages per split 1
+    (prologue only), 3 (a partial last split) and the plan's; queries rotated once a step by the append launch
+    (``decode_step.decode_append(q=...)``) against the kernel's own per-program rotation."""
+    from oscar_export.kernels.decode_step import rotate_queries
 
-    lay = _mma16_layout(gran, p)
+    hopper = _hopper()
+    lay = _mma16_layout(gran, p).with_key_bits(key_bits)
     tr = _fitted_rotated_transform_gpu(8, 128)
     lengths = [33000, 8192, 385, 17, 0]
     torch.manual_seed(3)
     st = _random_cache(lay, lengths, tr)
+    assert key_bits == 2 or int(ref.unpack_page_codes(st.k_codes, lay.key, "key").max()) == 15
+    st_lin, lin = _linear_copy(st, lay)
     q = torch.randn(len(lengths), 32, 128, device=DEV)
     for pps in (None, 1, 3):
-        got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon", pages_per_split=pps)
+        got = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, pages_per_split=pps)
         assert torch.equal(got[4], torch.zeros_like(got[4])), "an empty sequence must give zeros"
         e3, _ = _budget(got, q, st, lay, tr, 128**-0.5)
-        want = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, pages_per_split=pps)
-        e2, _ = _budget(want, q, st, lay, tr, 128**-0.5)
+        want = decode_attention(q, st_lin, lin, tr.k_levels, tr.v_levels, 128**-0.5)
+        e1, _ = _budget(want, q, st_lin, lin, tr, 128**-0.5)
         diff = (got - want).abs().max().item()
-        print(f"\n  gluon {gran} p={p} pps={pps}: err {e3:.3e}, v2 err {e2:.3e}, |gluon - v2| {diff:.3e}")
-        assert diff <= e2 + e3 + 1e-6, (diff, e2, e3)
-    rot = (tr.k_rotation, tr.k_scale)
-    q_model = torch.randn(len(lengths), 32, 128, device=DEV).bfloat16().float()
-    got = v2.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon", q_rotation=rot)
-    want = v2.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, q_rotation=rot)
-    e_rot = (got - want).abs().max().item()
-    assert e_rot <= 2 * e2 + 1e-3, (e_rot, e2)
+        print(f"\n  hopper {gran} p={p} k{key_bits} pps={pps}: err {e3:.3e}, portable err {e1:.3e}, |diff| {diff:.3e}")
+        assert diff <= e1 + e3 + 1e-6, (diff, e1, e3)
+    q_model = torch.randn(len(lengths), 32, 128, device=DEV).bfloat16()
+    in_kernel = hopper.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, 128**-0.5,
+                                        q_rotation=(tr.k_rotation, tr.k_scale))
+    once = hopper.decode_attention(rotate_queries(q_model, tr), st, lay, tr.k_levels, tr.v_levels, 128**-0.5)
+    e_rot, _ = _budget(once, rotate_queries(q_model, tr), st, lay, tr, 128**-0.5)
+    diff = (once - in_kernel).abs().max().item()
+    print(f"  rotation once a step vs in every program: {diff:.2e}")
+    assert diff <= 2 * e_rot + 1e-5, (diff, e_rot)
 
 
 def _fitted_rotated_transform_gpu(hkv: int, d: int) -> LayerTransform:
@@ -442,83 +466,93 @@ def _fitted_rotated_transform_gpu(hkv: int, d: int) -> LayerTransform:
     ).to(DEV)
 
 
+@pytest.mark.parametrize("key_bits", [2, 4])
 @pytest.mark.parametrize("hq,d,p", [(64, 256, 128), (128, 128, 64), (24, 64, 64)])
-def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p):
-    """Head dims 256 (two key chunks) and 64, 16 and 3 query heads per KV head (N = 16 and 8), within budget."""
-    from oscar_export.kernels import decode_attention_v2 as v2
+def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p, key_bits):
+    """Head dims 256 (two key chunks) and 64, 16 and 3 query heads per KV head (N = 16 and 8), 2- and 4-bit keys,
+    within budget; the query rotation of the append launch (once a step) equal to the host's float64 one up to
+    fp32 rounding, and the kernel fed with it equal to the kernel rotating in every program up to the queries'
+    fp16 rounding."""
+    from oscar_export.kernels.decode_step import decode_append
     from oscar_export.kernels.layout import RowFormat
 
-    # one group per row (v2 and v3 need it: the default layout has two groups of 128 at D = 256)
-    lay = KVCacheLayout(8, d, RowFormat(d, d, "token", packing="mma16"), RowFormat(d, d, packing="mma16"), page_size=p)
+    hopper = _hopper()
+    # one group per row (the kernel's token keys need it: the default layout has two groups of 128 at D = 256)
+    lay = KVCacheLayout(8, d, RowFormat(d, d, "token", packing="mma16"), RowFormat(d, d, packing="mma16"),
+                        page_size=p).with_key_bits(key_bits)
     tr = LayerTransform.identity(8, d, 0.96, 0.92).to(DEV)
     lengths = [9000, 700]
     torch.manual_seed(4)
     st = _random_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), hq, d, device=DEV)
-    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon")
+    got = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5)
     _budget(got, q, st, lay, tr, d**-0.5)
-    # the fused query rotation (its product runs on 4 rows at 3 query heads a KV head, 8 at 16) against queries
-    # rotated on the host in float64: only fp32 rounding and the queries' fp16 rounding differ
     rot = _fitted_rotated_transform_gpu(8, d)
     gq = hq // 8
-    q_model = torch.randn(len(lengths), hq, d, device=DEV).bfloat16().float()
+    q_model = torch.randn(len(lengths), hq, d, device=DEV).bfloat16()
     q_stored = torch.einsum("bkgd,kde->bkge", q_model.double().view(len(lengths), 8, gq, d),
                             rot.k_rotation.double()) / rot.k_scale.double()[None, :, None, :]
-    got = v2.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon",
-                              q_rotation=(rot.k_rotation, rot.k_scale))
-    want = v2.decode_attention(q_stored.reshape(len(lengths), hq, d).float(), st, lay, tr.k_levels, tr.v_levels,
-                               d**-0.5, variant="gluon")
-    diff = (got - want).abs().max().item()
-    print(f"\n  gluon hq={hq} d={d}: fused rotation vs host-rotated queries {diff:.2e}")
+    # the append launch's rotation, on a scratch cache of the same layout (the rows it writes are not read here)
+    scratch = PagedKV.allocate(lay, len(lengths), 4, 2, device=DEV)
+    kv = torch.randn(len(lengths), 8, d, device=DEV)
+    q_once = decode_append(scratch, kv, kv, torch.zeros(len(lengths), dtype=torch.int32, device=DEV), lay, rot,
+                           fused_transform=True, q=q_model)
+    assert (q_once.double() - q_stored.reshape(q_once.shape)).abs().max().item() < 1e-4 * q_stored.abs().max().item()
+    in_kernel = hopper.decode_attention(q_model, st, lay, tr.k_levels, tr.v_levels, d**-0.5,
+                                        q_rotation=(rot.k_rotation, rot.k_scale))
+    once = hopper.decode_attention(q_once, st, lay, tr.k_levels, tr.v_levels, d**-0.5)
+    diff = (once - in_kernel).abs().max().item()
+    print(f"\n  gluon hq={hq} d={d} k{key_bits}: rotation once a step vs in every program {diff:.2e}")
     assert diff < 1e-2, diff
 
 
-def test_decode_attention_gluon_matches_its_emulation():
+@pytest.mark.parametrize("key_bits", [2, 4])
+def test_decode_attention_gluon_matches_its_emulation(key_bits):
     """The kernel against decode_attention_gl.emulate (its own arithmetic in float64 on the CPU, one softmax
     instead of split + merge): a wrong operand bit or scale folding moves outputs of magnitude ~1 by O(0.1);
     the different fp16 roundings of ``p·s_v`` (running vs global max) by ~1e-3."""
     from oscar_export.kernels import decode_attention_gl as gla
-    from oscar_export.kernels import decode_attention_v2 as v2
 
-    lay = _mma16_layout("token", 128)
+    lay = _mma16_layout("token", 128).with_key_bits(key_bits)
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
     torch.manual_seed(5)
     st = _random_cache(lay, [2000, 130], tr)
     q = torch.randn(2, 32, 128, device=DEV)
-    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon").cpu()
+    got = _hopper().decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5).cpu()
     cpu = PagedKV(**{f: getattr(st, f).cpu() for f in st.__dataclass_fields__})
     want = gla.emulate(q.cpu(), cpu, lay, 128**-0.5)
     assert (got - want).abs().max().item() < 1e-2, (got - want).abs().max().item()
 
 
 def test_decode_attention_gluon_cuda_graph_equals_eager():
-    from oscar_export.kernels import decode_attention_v2 as v2
-
+    hopper = _hopper()
     lay = _mma16_layout("token", 128)
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
     torch.manual_seed(6)
     st = _random_cache(lay, [8192, 300], tr)
     q = torch.randn(2, 32, 128, device=DEV)
-    eager = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon")
+    eager = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, variant="gluon")
+        out = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5)
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("gran,hq,d,p", [("token", 32, 128, 128), ("channel", 32, 128, 64), ("token", 24, 64, 64),
-                                        ("token", 128, 256, 128)])
-def test_decode_attention_gluon_fused_merge_equals_two_launches(gran, hq, d, p):
+@pytest.mark.parametrize("gran,hq,d,p,key_bits", [("token", 32, 128, 128, 2), ("channel", 32, 128, 64, 2),
+                                                  ("token", 24, 64, 64, 2), ("token", 128, 256, 128, 2),
+                                                  ("channel", 32, 128, 128, 4)])
+def test_decode_attention_gluon_fused_merge_equals_two_launches(gran, hq, d, p, key_bits):
     """The merge in each (sequence, KV head)'s last program against split + decode_merge of the same kernel: equal
     up to the summation order (fp32 outputs), the same with the query rotation, at 1 page a split (the most
     programs racing to be last) and the plan's; deterministic over repeated launches; a CUDA graph's replays
     equal eager; empty sequences zeros; every counter back at zero afterwards."""
-    from oscar_export.kernels import decode_attention_v2 as v2
     from oscar_export.kernels.layout import RowFormat
 
-    lay = KVCacheLayout(8, d, RowFormat(d, d, gran, packing="mma16"), RowFormat(d, d, packing="mma16"), page_size=p)
+    hopper = _hopper()
+    lay = KVCacheLayout(8, d, RowFormat(d, d, gran, packing="mma16"), RowFormat(d, d, packing="mma16"),
+                        page_size=p).with_key_bits(key_bits)
     tr = _fitted_rotated_transform_gpu(8, d)
     lengths = [33000, 8192, 385, 0, 17]
     torch.manual_seed(7)
@@ -526,38 +560,67 @@ def test_decode_attention_gluon_fused_merge_equals_two_launches(gran, hq, d, p):
     q = torch.randn(len(lengths), hq, d, device=DEV)
     rot = (tr.k_rotation, tr.k_scale)
     for pps, q_rotation in ((None, None), (1, None), (None, rot)):
-        kw = dict(variant="gluon", pages_per_split=pps, q_rotation=q_rotation)
-        want = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=False, **kw)
-        got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True, **kw)
+        kw = dict(pages_per_split=pps, q_rotation=q_rotation)
+        want = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=False, **kw)
+        got = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True, **kw)
         diff = (got - want).abs().max().item()
-        print(f"\n  fused merge {gran} hq={hq} d={d} p={p} pps={pps} rot={q_rotation is not None}: "
+        print(f"\n  fused merge {gran} hq={hq} d={d} p={p} k{key_bits} pps={pps} rot={q_rotation is not None}: "
               f"|fused - two| {diff:.2e}")
         assert diff <= 1e-5 * want.abs().max().item(), diff
         assert torch.equal(got[3], torch.zeros_like(got[3])), "an empty sequence must give zeros"
         for _ in range(5):
-            again = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True, **kw)
+            again = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True, **kw)
             assert torch.equal(again, got), "the merge must not depend on which program is last"
-    assert not v2.merge_counters(q.device, 1).any(), "every counter back at zero"
+    assert not hopper.merge_counters(q.device, 1).any(), "every counter back at zero"
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon", fused_merge=True)
-    eager = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, variant="gluon", fused_merge=True)
+        out = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True)
+    eager = hopper.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, d**-0.5, fused_merge=True)
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
-    assert not v2.merge_counters(q.device, 1).any()
+    assert not hopper.merge_counters(q.device, 1).any()
 
 
 def test_decode_attention_gluon_fused_merge_refuses_first_use_in_a_capture(monkeypatch):
     """The counters' zero fill must run: their first allocation inside a CUDA-graph capture is refused."""
-    from oscar_export.kernels import decode_attention_v2 as v2
-
-    monkeypatch.setattr(v2, "_COUNTERS", {})
+    hopper = _hopper()
+    monkeypatch.setattr(hopper, "_COUNTERS", {})
     g = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="must run eagerly"):
         with torch.cuda.graph(g):
-            v2.merge_counters(torch.device(DEV), 8)
+            hopper.merge_counters(torch.device(DEV), 8)
+
+
+def test_decode_append_4bit_mma16_keys_on_gpu_equals_reference():
+    """The decode-step demotion writes 4-bit mma16 key pages equal to the reference's on the GPU (real shape),
+    both key granularities, and the prefill quantizer too."""
+    from oscar_export.kernels.decode_step import decode_append
+
+    for gran in ("token", "channel"):
+        lay = _mma16_layout(gran).with_key_bits(4)
+        tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+        x = (torch.randn(64, 8, 64, 128, device=DEV) * torch.linspace(0.1, 3, 128, device=DEV)).bfloat16().float()
+        for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
+                              ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
+            assert torch.equal(g, w), f"quantize 4-bit mma16 {gran} keys {name}: {(g != w).sum().item()} mismatches"
+        lengths = [lay.sink + lay.recent_capacity, lay.sink + lay.recent_capacity - 1, 2000]  # slot 0 demotes
+        torch.manual_seed(2)
+        book_r, st_r = _book_cache(lay, lengths, tr, 2500)
+        book_g, st_g = _book_cache(lay, [0, 0, 0], tr, 2500)
+        for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+            getattr(st_g, f).copy_(getattr(st_r, f))
+        book_g.seq_len.copy_(book_r.seq_len)
+        book_g.commit(0)
+        k, v = torch.randn(3, 8, 128, device=DEV), torch.randn(3, 8, 128, device=DEV)
+        for book, st, fn in ((book_r, st_r, ref.decode_append), (book_g, st_g, decode_append)):
+            book.begin(1)
+            fn(book.state_view(st, book.committed), k, v, book.status, lay, tr)
+            book.commit(1)
+        assert int(book_r.committed.num_pages[0]) == 1
+        for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+            assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"4-bit mma16 {gran}: state.{f} differs"
 
 
 def test_decode_append_mma16_on_gpu_equals_reference():

@@ -116,8 +116,11 @@ def test_4bit_key_variants_are_named_and_set():
     assert cx("decode_split")["KEY_BITS"] == cx("trt_decode_split")["KEY_BITS"] == cx("decode_append")["K_BITS"] == 4
     assert cx("quant_pack_k")["BITS"] == cx("quant_pack_k_rot")["BITS"] == 4 and cx("quant_pack_v")["BITS"] == 2
     assert names[f"decode_split_{bundle.layout_tag(layout, heads)}"].constexpr_dict["KEY_BITS"] == 2
-    with pytest.raises(NotImplementedError, match="bits 4: only uniform levels in 'linear' packing"):
+    with pytest.raises(NotImplementedError, match="decode_split v2: 2-bit key pages, got 4-bit"):
         bundle.serving_specs(LAYOUTS["mma16_llama"][0], 32, 0.125, key_bits=(2, 4))
+    gl = bundle.serving_specs(LAYOUTS["mma16_llama"][0], 32, 0.125, probes=False, key_bits=(2, 4),
+                              decode_variant="gluon")  # the Hopper kernel reads 4-bit mma16 key pages
+    assert sorted(s.constexpr_dict["KEY_BITS"] for s in gl if s.name.startswith("decode_split_")) == [2, 4]
 
 
 @pytest.mark.parametrize("name", ["k4_llama", pytest.param("k4_channel_d256", marks=pytest.mark.slow)])  # d256: ~30 s

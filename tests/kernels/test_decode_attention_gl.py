@@ -47,6 +47,21 @@ def test_a_operand_is_the_codes_times_the_folded_powers(rows, cols):
             assert torch.equal(gl_attn.emulate_a_operand(page, rows, cols, c0, 128).double(), want[:, c0:c0 + 128])
 
 
+@pytest.mark.parametrize("rows,cols", [(128, 128), (64, 64), (128, 256), (64, 128)])
+def test_4bit_a_operand_is_the_codes_times_the_folded_powers(rows, cols):
+    """4-bit key pages: the operand is ``code·16^hr·2^-24`` (nothing on the columns)."""
+    torch.manual_seed(rows + cols + 4)
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
+    page = ref.pack_mma16(codes, 4)
+    want = codes.double() * (16.0 ** ((torch.arange(rows) // 8) % 2))[:, None] * 2.0 ** -24
+    got = gl_attn.emulate_a_operand(page, rows, cols, bits=4)
+    assert got.dtype == torch.float16
+    assert torch.equal(got.double(), want)
+    for c0 in range(0, cols, 64):  # the kernel's column chunks
+        assert torch.equal(gl_attn.emulate_a_operand(page, rows, cols, c0, 64, bits=4).double(), want[:, c0:c0 + 64])
+    assert not torch.equal(gl_attn.emulate_a_operand(ref.pack_mma16(codes.flip(0), 4), rows, cols, bits=4), got)
+
+
 def test_a_operand_emulation_sees_a_wrong_order():
     """The check above can fail: the transposed codes' page does not give the operand."""
     torch.manual_seed(0)
@@ -57,8 +72,9 @@ def test_a_operand_emulation_sees_a_wrong_order():
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
 @pytest.mark.parametrize("hq,hkv,d,p", [(8, 2, 128, 128), (4, 1, 64, 64), (16, 1, 128, 64), (3, 1, 256, 128)])
-def test_emulated_kernel_within_budget(gran, hq, hkv, d, p):
-    lay = _mma(hkv, d, gran, sink=16, window=32, page_size=p)
+@pytest.mark.parametrize("key_bits", [2, 4])
+def test_emulated_kernel_within_budget(gran, hq, hkv, d, p, key_bits):
+    lay = _mma(hkv, d, gran, sink=16, window=32, page_size=p).with_key_bits(key_bits)
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
     lengths = [0, 3, 16 + 32 + p + 1, 16 + 32 + 3 * p + 17]
     torch.manual_seed(hq * d + p)
@@ -66,7 +82,7 @@ def test_emulated_kernel_within_budget(gran, hq, hkv, d, p):
     q = torch.randn(len(lengths), hq, d) * 2
     got = gl_attn.emulate(q, st, lay, d**-0.5)
     assert torch.equal(got[0], torch.zeros(hq, d)), "an empty sequence must give zeros"
-    _check_budget(got, q, st, lay, tr, d**-0.5, f"gluon emulation {gran} {hq}/{hkv} d={d} p={p}")
+    _check_budget(got, q, st, lay, tr, d**-0.5, f"gluon emulation {gran} {hq}/{hkv} d={d} p={p} k{key_bits}")
 
 
 def test_check_gluon_layout_refusals():
@@ -79,6 +95,7 @@ def test_check_gluon_layout_refusals():
     with pytest.raises(NotImplementedError, match="at most 16"):
         gl_attn.check_gluon_layout(_mma(1, 128, "token"), 32, codebook=False)
     gl_attn.check_gluon_layout(_mma(8, 128, "token"), 32, codebook=False)
+    gl_attn.check_gluon_layout(_mma(8, 128, "channel").with_key_bits(4), 32, codebook=False)
 
 
 def _gluon_wrapper_case(pages: int):
@@ -128,32 +145,34 @@ def test_gluon_device_check(monkeypatch):
 
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
 
-SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate q)
-    ("token", 128, 128, 4, False), ("channel", 128, 128, 4, False), ("token", 128, 64, 4, True),
-    ("token", 64, 64, 3, True), ("channel", 256, 128, 8, True), ("token", 256, 64, 16, False),
-    ("channel", 64, 128, 1, False),
+SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate q, key bits)
+    ("token", 128, 128, 4, False, 2), ("channel", 128, 128, 4, False, 2), ("token", 128, 64, 4, True, 2),
+    ("token", 64, 64, 3, True, 2), ("channel", 256, 128, 8, True, 2), ("token", 256, 64, 16, False, 2),
+    ("channel", 64, 128, 1, False, 2), ("token", 128, 128, 4, False, 4), ("channel", 128, 128, 4, False, 4),
+    ("channel", 64, 64, 3, False, 4), ("token", 256, 128, 8, False, 4),
 ]
 
 
-def _spec(gran, d, p, gq, rotate, stages=gl_attn.STAGES):
+def _spec(gran, d, p, gq, rotate, stages=gl_attn.STAGES, key_bits=2):
     from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs, gl_occupancy
     from oscar_export.kernels.aot.spec import KernelSpec
 
-    lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p)
+    lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p).with_key_bits(key_bits)
     cx = decode_split_gl_constexprs(lay, 8 * gq, d**-0.5)
+    assert cx["KEY_BITS"] == key_bits
     cx.update(ROTATE_Q=rotate, STAGES=stages)
-    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}", cx,
+    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}_k{key_bits}", cx,
                                 maxnreg=gl_occupancy(d)[0])
 
 
-@pytest.mark.parametrize("gran,d,p,gq,rotate", SHAPES)
-def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate):
+@pytest.mark.parametrize("gran,d,p,gq,rotate,key_bits", SHAPES)
+def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate, key_bits):
     pytest.importorskip("triton")
     if not gl_attn.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     from oscar_export.kernels.aot.compile import compile_kernel
 
-    spec = _spec(gran, d, p, gq, rotate)
+    spec = _spec(gran, d, p, gq, rotate, key_bits=key_bits)
     ck = compile_kernel(spec, "sm_90")  # raises if an operand conversion is not trivial
     ptx = ck.ptx.decode()
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ptx), "the dots are warpgroup MMAs"

@@ -1,0 +1,118 @@
+"""The mma16 page order of 4-bit key codes (``reference.pack_mma16(..., bits=4)``) and its Triton writers.
+
+The reference defines the order (worked example, round trip, the word/field rule the Hopper kernel reads); the
+Triton writers (prefill pages, the in-kernel rotation path, the decode step's demotion) must leave every code and
+param ``torch.equal`` to the reference's. On the CPU the writers run through Triton's interpreter
+(tests/kernels/conftest.py), on the H200 compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from oscar_export.kernels import reference as ref
+from oscar_export.kernels.layout import KVCacheLayout, RowFormat
+from oscar_export.kernels.transform import LayerTransform
+
+from test_decode_step import _appends_equal_reference
+from test_quant_pack import CLIPS, LEVELS, _assert_equal, _rows
+
+
+def _k4_mma16(d: int, gran: str, g: int | None = None, p: int = 64, h: int = 3) -> KVCacheLayout:
+    """4-bit mma16 keys, 2-bit mma16 values."""
+    g = g or d
+    return KVCacheLayout(h, d, RowFormat(d, g, gran, bits=4, packing="mma16"), RowFormat(d, g, packing="mma16"),
+                         sink=16, window=64, page_size=p)
+
+
+def test_4bit_worked_example():
+    """R = C = 16 (128 bytes), the docstring's bytes code by code."""
+    for (r, c), (byte, value) in {(0, 0): (0, 0x0F), (8, 0): (0, 0xF0), (0, 8): (1, 0x0F), (0, 1): (2, 0x0F),
+                                  (0, 2): (4, 0x0F), (1, 0): (16, 0x0F)}.items():
+        codes = torch.zeros(16, 16, dtype=torch.uint8)
+        codes[r, c] = 15
+        packed = ref.pack_mma16(codes, 4)
+        assert packed.shape == (128,) and packed.nonzero().flatten().tolist() == [byte], (r, c)
+        assert int(packed[byte]) == value, (r, c)
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 16), (64, 64), (128, 128), (64, 256), (32, 16), (16, 48)])
+def test_4bit_round_trip_and_word_rule(rows, cols):
+    """Round trip, and every code where the word rule says: word ``((mo 32 + lane) MB + mi) (C / 16) + w``,
+    bits ``4 (2 hc + hr) + 16 e``."""
+    torch.manual_seed(rows * cols)
+    codes = torch.randint(0, 16, (2, rows, cols), dtype=torch.uint8)
+    packed = ref.pack_mma16(codes, 4)
+    assert packed.shape == (2, rows * cols // 2)
+    assert torch.equal(ref.unpack_mma16(packed, rows, cols, 4), codes)
+    words = packed[1].view(torch.int32).long() & 0xFFFFFFFF
+    mb = ref.mma16_group(rows, cols, 4)
+    r = torch.arange(rows)[:, None].expand(rows, cols)
+    c = torch.arange(cols)[None, :].expand(rows, cols)
+    blk, hr, g = r // 16, (r // 8) % 2, r % 8
+    w, hc, tq, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
+    word = (((blk // mb) * 32 + 4 * g + tq) * mb + blk % mb) * (cols // 16) + w
+    got = (words[word] >> (4 * (2 * hc + hr) + 16 * e)) & 15
+    assert torch.equal(got, codes[1].long())
+
+
+def test_page_codes_round_trip_and_refusals():
+    fmt = RowFormat(128, 128, bits=4, packing="mma16")
+    codes = torch.randint(0, 16, (3, 2, 64, 128), dtype=torch.uint8)
+    packed = ref.pack_page_codes(codes, fmt, "key")
+    assert packed.shape == (3, 2, 64, 64)
+    assert torch.equal(ref.unpack_page_codes(packed, fmt, "key"), codes)
+    assert ref.mma16_group(64, 32, 4) == 2 and ref.mma16_group(64, 64, 4) == 1 and ref.mma16_group(64, 32) == 4
+    with pytest.raises(ValueError, match="4-bit codes need"):
+        ref.pack_mma16(torch.zeros(16, 24, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ref.unpack_mma16(torch.zeros(100, dtype=torch.uint8), 16, 16, 4)
+    with pytest.raises(ValueError, match="bits 2 or 4"):
+        ref.pack_mma16(torch.zeros(16, 32, dtype=torch.uint8), 3)
+
+
+# ---- the Triton writers ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d,g,p,gran", [(64, 64, 64, "token"), (128, 128, 32, "token"), (256, 128, 64, "token"),
+                                        (128, 64, 32, "token"), (64, 64, 64, "channel"), (128, 128, 32, "channel"),
+                                        (256, 128, 32, "channel")])
+def test_quantize_4bit_mma16_key_pages_bit_exact(qp, device, d, g, p, gran):
+    """Prefill pages (the plain quantizer): codes and params equal to the reference's."""
+    lay = _k4_mma16(d, gran, g, p)
+    x = _rows(2, 3, p, d)
+    want_c, want_p = ref.quantize_pages(x, lay.key, CLIPS, LEVELS, "key")
+    assert int(ref.unpack_page_codes(want_c, lay.key, "key").max()) > 3, "the pages must use 4-bit codes"
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, CLIPS.to(device), LEVELS.to(device), operand="key")
+    _assert_equal("params", got_p.cpu(), want_p)
+    _assert_equal("codes", got_c.cpu(), want_c)
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_fused_rotation_4bit_mma16_is_the_linear_result_reordered(qp, device, gran):
+    """The in-kernel rotation path (the AOT ``_rot`` kernel) writes the linear 4-bit result in mma16 order."""
+    mma = _k4_mma16(64, gran, p=32)
+    lin = replace(mma, key=replace(mma.key, packing="linear"), value=replace(mma.value, packing="linear"))
+    h, d = 3, 64
+    gen = torch.Generator().manual_seed(3)
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0].contiguous().to(device)
+    rotation = (rot, (torch.rand(h, d, generator=gen) + 0.5).to(device), (torch.randn(h, d, generator=gen) * 0.1).to(device))
+    x = (torch.randn(2, h, 32, d, generator=gen) * 2).to(device)
+    kw = dict(rotation=rotation, fused_rotation=True)
+    cl, pl = qp.quantize_pages(x, lin, lin.key, CLIPS.to(device), LEVELS.to(device), **kw)
+    cm, pm = qp.quantize_pages(x, mma, mma.key, CLIPS.to(device), LEVELS.to(device), operand="key", **kw)
+    _assert_equal("params", pm.cpu(), pl.cpu())
+    _assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d, 4), mma.key, "key"))
+
+
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_append_4bit_mma16_keys_matches_reference(ds, device, gran):
+    """The decode step's demotion into 4-bit mma16 key pages (2-bit mma16 values): every buffer equal."""
+    lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran, bits=4, packing="mma16"), RowFormat(64, 64, packing="mma16"),
+                        sink=16, window=32, page_size=32)
+    tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 150, 200, 8, f"4-bit mma16 keys {gran}")
+    assert int(book_r.committed.num_pages.min()) >= 2, "the test must demote"
