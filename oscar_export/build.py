@@ -6,6 +6,9 @@ Layout of ``--out`` (written to a temp dir beside it and renamed at the end: ``o
     kernels/           the AOT bundle: <kernel>.<sm_XX>.cubin / .ptx + manifest.json (kernels/aot/)
     trtllm_module/     the directory ``trtllm-serve --custom_module_dirs`` imports (a thin shim that
                        registers ``oscar_export.plugins.trtllm`` with the paths of this deployment)
+    wheels/            a wheel of this project built from the source ``build`` runs from
+                       (:func:`project_wheel`): ``pip install --no-deps --no-index --find-links wheels
+                       oscar-export`` in the serving image gives the shim its package (README.md, Dockerfile)
     extra_llm_api_options.yaml   ``--extra_llm_api_options``: features not run inside TensorRT-LLM turned off
                        (both only for a model family the adapter serves; ``deploy.json`` ``trtllm_module``)
     onnx/              with --onnx: one decode-attention layer as ONNX with the OSCAR custom node
@@ -18,9 +21,14 @@ installed there); the kernel bundle itself was loaded and checked on an H200 (te
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +140,7 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "PyTorch backend) on a GPU of " + ", ".join(archs) + ":",
         "",
         "```bash",
-        "pip install --no-deps oscar-export   # the module imports oscar_export.plugins.trtllm",
+        "pip install --no-deps --no-index --find-links ./wheels oscar-export   # the wheel shipped here",
         "trtllm-serve serve ./checkpoint --backend pytorch --custom_module_dirs ./trtllm_module \\",
         "    --extra_llm_api_options ./extra_llm_api_options.yaml --max_batch_size 64 --max_seq_len 8192",
         "```",
@@ -142,8 +150,12 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "cache manager is the OSCAR subclass of `KVCacheManager` (C++ block ids = INT2 page ids, tokens_per_block = page",
         "size). A startup check refuses to serve if any attention layer is not on the OSCAR backend; a bundle that does",
         "not match the checkpoint, a GPU the bundle has no binaries for, an unsupported model family or a",
-        "max_seq_len beyond the reserved pages fail before any request. Unverified on the image: that its `trtllm-serve`",
-        "has `--custom_module_dirs` (upstream PR #9269, Nov 2025) and re-imports the module in its executor workers.",
+        "max_seq_len beyond the reserved pages fail before any request. `wheels/` holds the oscar-export package the",
+        "module imports, built from the source that wrote this deployment; the repository's `Dockerfile` builds an",
+        "image from this directory (`docker build -f Dockerfile <this directory>`). What was read from upstream and",
+        "what is unverified (e.g. `--custom_module_dirs` on the 1.2.1 tag: without it `trtllm-serve` stops with",
+        "\"No such option\"; pre-spawned MPI workers need this directory on `PYTHONPATH`, checked at startup):",
+        "docs/deploy.md of the oscar-export repository.",
         "",
         "`extra_llm_api_options.yaml` turns off what was not run inside TensorRT-LLM: the overlap scheduler and CUDA",
         "graphs (the adapter is designed for both -- demotion happens on the device inside the forward, batch slots come",
@@ -172,9 +184,61 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
     return "\n".join(lines) + "\n"
 
 
+#: the project wheels built in this process: digest of the sources -> (file name, bytes)
+_WHEELS: dict[str, tuple[str, bytes]] = {}
+
+
+def source_root() -> Path:
+    """The source tree this ``oscar_export`` was loaded from (an install from source, ``pip install -e``)."""
+    root = Path(__file__).resolve().parents[1]
+    pyproject = root / "pyproject.toml"
+    if not pyproject.is_file() or 'name = "oscar-export"' not in pyproject.read_text():
+        raise RuntimeError(
+            f"oscar-export build ships a wheel of this project built from the source it runs from; {root} holds no "
+            "oscar-export source tree (install the project from its source: pip install -e <source>)")
+    return root
+
+
+def project_wheel(dest: Path) -> Path:
+    """Build a wheel of this project from the source it runs from into ``dest``; returns its path.
+
+    ``pip wheel --no-deps --no-build-isolation --no-index`` (setuptools and wheel of the running environment, no
+    network) over a copy of ``pyproject.toml``, ``README.md`` and the package directories ``pyproject.toml``
+    names, so nothing else of the source tree (an old ``build/``) goes in. Built once per process for the same
+    source bytes."""
+    root = source_root()
+    text = (root / "pyproject.toml").read_text()
+    dirs = sorted({d.split("/")[0] for d in re.findall(r'^"oscar_export[\w.]*"\s*=\s*"([^"]+)"', text, re.M)})
+    files = ["pyproject.toml", "README.md"] + [
+        str(f.relative_to(root)) for d in dirs for f in sorted((root / d).rglob("*"))
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"]
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    key = digest.hexdigest()
+    if key not in _WHEELS:
+        with tempfile.TemporaryDirectory() as td:
+            src, out = Path(td) / "src", Path(td) / "wheel"
+            for name in files:
+                (src / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(root / name, src / name)
+            proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                                   "--no-index", "-q", "-w", str(out), str(src)], capture_output=True, text=True)
+            wheels = sorted(out.glob("*.whl")) if proc.returncode == 0 else []
+            if len(wheels) != 1:
+                last = (proc.stderr.strip().splitlines() or ["no wheel written"])[-1]
+                raise RuntimeError(f"building the oscar-export wheel from {root} failed: {last}")
+            _WHEELS[key] = (wheels[0].name, wheels[0].read_bytes())
+    name, blob = _WHEELS[key]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / name).write_bytes(blob)
+    return dest / name
+
+
 def write_trtllm_files(tmp: Path, layout) -> bool:
-    """The TensorRT-LLM side of the deployment: the module shim, the served config and the options YAML. Returns
-    False (and writes nothing) for a model family the adapter does not serve."""
+    """The TensorRT-LLM side of the deployment: the module shim, the served config, the options YAML and the
+    project's wheel (``wheels/``). Returns False (and writes nothing) for a model family the adapter does not
+    serve."""
     from oscar_export.plugins.trtllm.deployment import SUPPORTED_FAMILIES, extra_llm_api_options, trtllm_config
 
     cfg_path = tmp / "checkpoint" / "config.json"
@@ -184,6 +248,7 @@ def write_trtllm_files(tmp: Path, layout) -> bool:
     (tmp / "trtllm_module" / "__init__.py").write_text(SHIM)
     cfg_path.write_text(json.dumps(trtllm_config(json.loads(cfg_path.read_text())), indent=2) + "\n")
     (tmp / "extra_llm_api_options.yaml").write_text(extra_llm_api_options(layout))
+    project_wheel(tmp / "wheels")
     return True
 
 
@@ -249,6 +314,7 @@ def build_deployment(
             "onnx": onnx,
             "decode_kernel": decode_kernel or ("v1" if layout.packing == "linear" else "v2"),
             "trtllm_module": trtllm,
+            "wheel": sorted(p.name for p in (tmp / "wheels").glob("*.whl")) if trtllm else [],
             "executed_here": {"kernel_bundle": "compiled (GPU-checked build path)", "tensorrt_llm": False, "tensorrt": False},
         }
         (tmp / "deploy.json").write_text(json.dumps(deploy, indent=1, sort_keys=True) + "\n")

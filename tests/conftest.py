@@ -40,6 +40,7 @@ REPRESENTATIVE_SLOW = {
     "tests/plugins/test_hf_models.py::test_1500_tokens_with_small_windows",
     "tests/plugins/test_hf_smollm2.py::test_int2_history_beats_same_scale_noise",
     "tests/plugins/test_hf_smollm2.py::test_ragged_batch_equals_each_alone",
+    "tests/plugins/test_trtllm_deploy.py::test_deploy_folder_installs_into_a_fresh_virtualenv",
 }
 
 

@@ -99,7 +99,8 @@ class AotCacheOps:
         (``TRANSFORM`` off: the keys are already in the stored basis)."""
         lay, tr = self.layout, transform
         self.append_kernel.launch(named=dict(
-            k_ptr=k.contiguous(), v_ptr=v.contiguous(), q_ptr=k, q_rot_ptr=k,  # q: read only with ROTATE_Q
+            k_ptr=k.contiguous(), v_ptr=v.contiguous(),  # q_ptr, q_rot_ptr (bf16, fp32): read only with ROTATE_Q
+            q_ptr=k, q_rot_ptr=tr.k_scale.contiguous(),
             rot_ptr=tr.k_rotation.contiguous(),  # the AOT ABI: dense
             kscale_ptr=tr.k_scale.contiguous(), kmean_ptr=tr.k_mean.contiguous(),
             vmean_ptr=tr.v_mean.contiguous(),  # read only with TRANSFORM

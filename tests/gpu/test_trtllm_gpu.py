@@ -7,14 +7,18 @@ Run on the H200 (the bundle is compiled there, for this GPU only, with the machi
 Checks: ``AotCacheOps.decode_step`` (the bundle's ``decode_append`` through the driver API) leaves the same
 cache bytes and step status as the JIT ``decode_step.decode_append``, on rows that demote, rows that do not
 and flagged rows; ``AotCacheOps.decode`` equals the JIT ``decode_attention`` bit for bit (same Triton, same
-launch plan); and the adapter's whole decode forward (``OscarAttention.forward`` on a generation batch: the
-page book's step begun, the decode step with the rows outside the batch flagged, decode attention, the
-commit), captured once in a CUDA graph, replays over 40 steps with new tokens exactly as eager runs it.
+launch plan); and the adapter's whole decode forward as TensorRT-LLM calls it -- an attention layer
+(``Attention.forward`` of tests/plugins/trtllm_standins.py, upstream's path: the packed ``q|k|v`` rows of the
+fused-QKV projection, RoPE applied by the layer, the split, then ``OscarAttention.forward``: the page book's step
+begun, the decode step with the rows outside the batch flagged, decode attention, the commit) -- equals the same
+layer over the JIT kernels bit for bit, and, captured once in a CUDA graph, replays over 40 steps with new tokens
+exactly as eager runs it. TensorRT-LLM itself is not installed: the layer is the stand-in's.
 """
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -197,44 +201,83 @@ def _manager(ops, dep, lengths, cuda):
     return mgr
 
 
-def test_adapter_decode_step_cuda_graph_replay_equals_eager(ops, cuda):
+class JitCacheOps:
+    """The adapter's decode-step device ops over the Triton JIT kernels (what ``AotCacheOps`` launches from the
+    bundle)."""
+
+    def __init__(self, lay):
+        self.layout = lay
+
+    def decode_step(self, state, k, v, status, transform):
+        from oscar_export.kernels.decode_step import decode_append
+
+        decode_append(state, k.contiguous(), v.contiguous(), status, self.layout, transform)
+
+    def decode(self, q, state, transform, pages_per_split):
+        from oscar_export.kernels.decode_attention import decode_attention
+
+        return decode_attention(q, state, self.layout, transform.k_levels, transform.v_levels, SCALE,
+                                q_rotation=(transform.k_rotation, transform.k_scale), out_dtype=torch.bfloat16,
+                                pages_per_split=pages_per_split)
+
+
+def _attention_layer(monkeypatch, dep):
+    """One attention layer built as the adapter's model class builds it: the stand-in ``Attention`` constructed
+    for the unfused backend (``model.constructed_with``), its ``.attn`` the OSCAR backend."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "plugins"))
+    import trtllm_standins
+
     from oscar_export.plugins.trtllm.attention import make_attention_class
+    from oscar_export.plugins.trtllm.model import CONSTRUCTION_BACKEND, constructed_with
 
+    ns = trtllm_standins.install(monkeypatch, "1.2")
+    cfg = trtllm_standins.ModelConfig(pretrained_config=SimpleNamespace(head_dim=64))
+    with constructed_with(cfg, CONSTRUCTION_BACKEND):
+        layer = trtllm_standins.Attention(hidden_size=HEADS * 64, num_attention_heads=HEADS, num_key_value_heads=2,
+                                          pos_embd_params=trtllm_standins.PositionalEmbeddingParams(rope=10000.0),
+                                          layer_idx=0, config=cfg)
+    layer.attn = make_attention_class(SimpleNamespace(AttentionBackend=ns.interface.AttentionBackend), dep)(
+        0, HEADS, 64, 2)
+    assert (layer.rope_fusion, layer.support_fused_qkv, layer.rotary_emb is not None) == (False, False, True)
+    return layer
+
+
+def test_adapter_decode_layer_aot_equals_jit_and_graph_replay_equals_eager(ops, cuda, monkeypatch):
     lay, t = _layout(), _transform(cuda)
-
-    class Backend:
-        def __init__(self, layer_idx, num_heads, head_dim, num_kv_heads=None, quant_config=None, **kw):
-            self.layer_idx, self.num_heads, self.head_dim = layer_idx, num_heads, head_dim
-            self.num_kv_heads = num_kv_heads
-
     dep = SimpleNamespace(sm_scale=SCALE, layout=lay, layer_layouts=(lay,), num_layers=1,
                           transform=lambda i, dev: t, check_limits=lambda *a: None)
-    attn = make_attention_class(SimpleNamespace(AttentionBackend=Backend), dep)(0, HEADS, 64, 2)
+    layer = _attention_layer(monkeypatch, dep)
     lengths = [30, 79, 0, 16 + 2 * 16 + 63]  # slot 2 idle; the scratch slot (4) takes the padding row
     eager, graphed = _manager(ops, dep, lengths, cuda), _manager(ops, dep, lengths, cuda)
+    jit = _manager(JitCacheOps(lay), dep, lengths, cuda)
     start = _clone(eager.layers[0])
     g_rows = 4  # three requests + one padding row
-    md = lambda m: SimpleNamespace(kv_cache_manager=m, num_contexts=0, num_seqs=g_rows,  # noqa: E731
+    md = lambda m: SimpleNamespace(kv_cache_manager=m, num_contexts=0, num_seqs=g_rows, num_tokens=g_rows,  # noqa: E731
                                    seq_lens=torch.ones(g_rows, dtype=torch.int32), request_ids=[10, 11, 12, 99],
                                    kv_cache_params=None)
-    static = {n: torch.zeros(g_rows, w, device=cuda, dtype=torch.bfloat16) for n, w in (("q", HEADS * 64),
-                                                                                        ("k", 128), ("v", 128))}
+    width = (HEADS + 2 * 2) * 64  # the fused QKV projection's rows: q | k | v
+    static = {"qkv": torch.zeros(g_rows, width, device=cuda, dtype=torch.bfloat16),
+              "pos": torch.zeros(1, g_rows, device=cuda, dtype=torch.int64)}
     warm = _manager(ops, dep, lengths, cuda)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warmup outside the graph, on another manager
-        attn.forward(static["q"], static["k"], static["v"], md(warm))
+        layer(static["pos"], static["qkv"], md(warm))
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = attn.forward(static["q"], static["k"], static["v"], md(graphed))
+        static_out = layer(static["pos"], static["qkv"], md(graphed))
     for step in range(40):
-        x = {n: torch.randn_like(b) for n, b in static.items()}
-        for n in static:
-            static[n].copy_(x[n])
+        qkv = torch.randn(g_rows, width, device=cuda).bfloat16()
+        pos = torch.tensor([[n + step for n in lengths[:3]] + [0]], device=cuda)
+        static["qkv"].copy_(qkv)
+        static["pos"].copy_(pos)
         graph.replay()
-        want = attn.forward(x["q"], x["k"], x["v"], md(eager))
+        want = layer(pos, qkv, md(eager))
+        got_jit = layer(pos, qkv, md(jit))
         torch.cuda.synchronize()
+        assert torch.equal(want[:3], got_jit[:3]), f"step {step}: the layer over AOT ops differs from over the JIT"
+        _assert_same(eager.layers[0], jit.layers[0], f"step {step}: cache, AOT ops vs JIT")
         assert torch.equal(static_out[:3], want[:3]), f"step {step}: graph replay output differs from eager"
         _assert_same(graphed.layers[0], eager.layers[0], f"step {step}: graph replay cache vs eager")
         assert torch.equal(graphed.book.seq_len, eager.book.seq_len), f"step {step}: lengths differ"

@@ -39,7 +39,8 @@ def exported(tmp_path_factory):
 def test_build_writes_the_deployment(exported, tmp_path):
     out = build_deployment(exported, tmp_path / "deploy", ["sm_90"], onnx=True)
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "checkpoint", "deploy.json", "extra_llm_api_options.yaml", "kernels", "onnx", "trtllm_module"]
+        "README.md", "checkpoint", "deploy.json", "extra_llm_api_options.yaml", "kernels", "onnx", "trtllm_module",
+        "wheels"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy"]  # no temp dir left
     m = read_manifest(out / "kernels")
     assert m.archs() == ["sm_90"]
@@ -219,6 +220,7 @@ def test_bundle_bakes_the_models_attention_scale(tmp_path, monkeypatch):
     # the TensorRT-LLM adapter serves llama only: no module, no options, the checkpoint's architectures kept
     assert json.loads((out / "deploy.json").read_text())["trtllm_module"] is False
     assert not (out / "trtllm_module").exists() and not (out / "extra_llm_api_options.yaml").exists()
+    assert not (out / "wheels").exists()
     assert "No `trtllm_module/`" in (out / "README.md").read_text()
 
 

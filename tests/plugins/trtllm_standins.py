@@ -5,58 +5,13 @@ TensorRT-LLM cannot be imported without its C++ parts (../shared/TRTLLM.md), so 
 of one source layout -- ``"1.2"`` (the 1.2.1 image: ``tensorrt_llm/_torch/attention_backend/interface.py``) or
 ``"main"`` (``tensorrt_llm/_torch/attention/backends/interface.py``). Signatures are the upstream ones recorded
 in ``trtllm_signatures.json`` (``test_standins_mirror_the_recorded_signatures``); behaviour is upstream's on
-the paths that decide whether serving starts, written from reading upstream (no upstream code). Each fact and
-the upstream file it was read from (NVIDIA/TensorRT-LLM, the copies in this project's search index, read
-2026-12-02; "commit" is the stored version the index named):
-
-================================================  ==============================================================
-stand-in behaviour                                upstream file (commit)
-================================================  ==============================================================
-``ModelConfig.__setattr__`` raises on a frozen     ``_torch/model_config.py`` (008e0af8); its docstring names the
-instance except ``_frozen``, ``extra_attrs``,      bypass "manually setting '_frozen' to False"
-``pretrained_config``, ``quant_config``
-``AutoModelForCausalLM.from_config``: class from   ``_torch/models/modeling_auto.py`` (01bffee1)
-``architectures[0]``, ``_frozen = False``,
-``skip_create_weights_in_init = True``,
-``_frozen = True``, then ``cls(config)``
-``Attention.__init__``: ``attn_cls =                ``_torch/modules/attention.py`` (00547a25)
-get_attention_backend(config.attn_backend)``;
-``rope_fusion`` = ``attn_cls.support_fused_rope()``
-when not given; ``rotary_emb`` only when RoPE is
-not fused; ``self.attn = create_attention(...)``;
-``support_fused_qkv = self.attn.support_fused_qkv()``
-``Attention.forward``: ``qkv_proj`` -> ``(qkv,      same file
-None, None)`` -> ``apply_rope`` (split + RoPE only
-when not fused) -> ``convert_qkv`` (split when the
-backend takes no fused QKV, concat when it does) ->
-``q[:num_tokens]`` -> ``self.attn.forward``
-main: ``forward(..., forward_args=                  same file (keyword); ``_torch/attention/backends/interface.py``
-AttentionForwardArgs(...))`` by keyword, no output  (1262edbc): ``forward(q, k, v, metadata, forward_args=None,
-buffer outside torch.compile                        **kwargs)``, ``support_*`` classmethods
-1.2: ``forward(q, k, v, metadata, *,                ``_torch/attention_backend/interface.py`` (000a01de, and the
-attention_mask, **kwargs)``; ``support_*``          recorded 51ea5c96)
-classmethods, ``TrtllmAttention`` says True to
-both (VANILLA: False)
-``KvCacheCreator``: the dispatch is looked up at    ``_torch/pyexecutor/_util.py`` (1.x layout; the index named no
-construction through the module global; no          commit for this copy; main d8ae02ca / 00043967 has the same
-estimation with a VANILLA ``model_config``;         build / teardown / rebuild and the 4-argument dispatch)
-estimation ``max_tokens`` = the dummy requests'
-blocks; dummy context requests of
-``min(max_num_tokens, max_seq_len - 1)`` tokens up
-to ``max_num_tokens``, ``max_tokens=1``; the
-budget over ``cls.get_cache_size_per_token(
-model_config, mapping, tokens_per_block=...)``;
-``teardown_managers``: ``shutdown()`` then ``del``;
-a rebuild with the new ``max_tokens``
-``add_dummy_requests`` returns ``None`` when        ``_torch/pyexecutor/resource_manager.py`` (1.x and main copies;
-``get_num_free_blocks() < 1``                       no commit named)
-CUDA-graph padding id ``(1 << 64) - 1``             ``_torch/pyexecutor/cuda_graph_runner.py``
-(``CUDA_GRAPH_DUMMY_REQUEST_ID``)
-the worker gets ``MODEL_CLASS_MAPPING`` pickled     ``executor/proxy.py`` (005bc848), ``executor/worker.py``
-(``_torch_model_class_mapping``) and ``update``\\ s  (``worker_main``)
-its own; ``MpiPoolSession`` starts workers with     ``llmapi/mpi_session.py``; pre-spawned (``TLLM_SPAWN_PROXY_
-``path=sys.path``                                   PROCESS=1``): ``create_mpi_comm_session``, no path
-================================================  ==============================================================
+the paths that decide whether serving starts, written from reading upstream (no upstream code). Each upstream
+fact they mirror, with the upstream file and the commit read, is one row of docs/deploy.md's table: the frozen
+``ModelConfig`` and ``from_config``; ``Attention.__init__`` wiring RoPE and QKV from the configured backend class
+(``TrtllmAttention``: both fused, ``VanillaAttention``: neither; ``support_*`` classmethods) and ``Attention.forward``
+-> ``apply_rope`` -> ``convert_qkv`` -> the backend (main: ``forward_args=`` by keyword; 1.2: keyword arguments);
+``KvCacheCreator``'s estimation, teardown (``shutdown``) and rebuild; ``add_dummy_requests`` returning ``None``;
+the CUDA-graph padding id; the worker's unpickled ``MODEL_CLASS_MAPPING``.
 
 Simplified on purpose (not on the startup path): the C++ block manager (``impl``) is a Python one (lowest free
 block id first, returned on ``remove_sequence``); ``qkv_proj`` / ``o_proj`` are identities (the driver feeds the
@@ -394,7 +349,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float) 
     """GPT-NeoX RoPE of ``x [tokens, heads * head_dim]`` at ``positions [tokens]`` (float math, ``x``'s dtype)."""
     n = x.shape[0]
     h = x.view(n, -1, head_dim).float()
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     ang = positions.double()[:, None] * inv[None]  # [n, D/2]
     cos, sin = (torch.cat([f(ang), f(ang)], -1).float()[:, None] for f in (torch.cos, torch.sin))
     half = head_dim // 2
