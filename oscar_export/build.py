@@ -275,10 +275,10 @@ def build_deployment(
     section = read_export(export_dir)
     for a in archs:
         parse_arch(a)
-    check_out_dir(out, force, looks_like="deploy.json")
     o, e = Path(out).resolve(), export_dir.resolve()
     if o.is_relative_to(e) or e.is_relative_to(o):  # copying into itself, or replacing what is being copied
         raise ValueError(f"--out {out}: overlaps the checkpoint {export_dir}; choose a directory beside it")
+    check_out_dir(out, force, looks_like="deploy.json")
     check_inside(export_dir)
     shape = model_shape(export_dir)
     art = load_packaged_artifact(export_dir, section, shape)
@@ -337,7 +337,7 @@ def run(args) -> int:
     from oscar_export.atomic_dir import check_out_dir
     from oscar_export.kernels.aot.compile import DEFAULT_ARCHS
 
-    check_out_dir(args.out, args.force, looks_like="deploy.json")
+    check_out_dir(args.out, args.force, looks_like="deploy.json", inputs=[("--export", args.export)], claim=True)
     archs = args.arch or list(DEFAULT_ARCHS)
     out = build_deployment(args.export, args.out, archs, onnx=args.onnx, force=args.force,
                            decode_kernel=args.decode_kernel,

@@ -124,6 +124,16 @@ def parse_device_map(text: str | None) -> str | dict | None:
                     f"JSON object {{module: device}}, got {text!r}")
 
 
+def check_device_map(device_map: str | dict | None) -> None:
+    """Every device ``--device-map`` names exists here (``cli.check_device``), before the model loads."""
+    from oscar_export.cli import check_device
+
+    devices = device_map.values() if isinstance(device_map, dict) else [device_map]
+    for dev in devices:
+        if dev is not None and dev not in DEVICE_MAP_STRATEGIES:
+            check_device(dev, "--device-map")
+
+
 def gpu_peak_memory() -> dict[str, int]:
     """Peak bytes torch allocated on each CUDA device since the process started (or the last reset); ``{}``
     when CUDA was never used."""
@@ -156,8 +166,10 @@ def check_args(args: argparse.Namespace) -> None:
     for src in args.data:
         if src not in ("pydoc", "generate") and not Path(src).is_file():
             raise UserError(f"--data {src}: no such file (expected 'pydoc', 'generate', or a .txt/.jsonl file)")
-    check_out_dir(args.out, args.force, looks_like=META_FILE)
-    parse_device_map(args.device_map)
+    inputs = [("--model", None if args.model == "default" else args.model),
+              *(("--data", src) for src in args.data if src not in ("pydoc", "generate"))]
+    check_out_dir(args.out, args.force, looks_like=META_FILE, inputs=inputs, claim=True)
+    check_device_map(parse_device_map(args.device_map))
 
 
 def config_from_args(args: argparse.Namespace):

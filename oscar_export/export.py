@@ -171,7 +171,7 @@ def _plain_float_model(model) -> Iterator[None]:
 
 def export_checkpoint(
     model, tokenizer, artifact, out: str | Path, source: str = "", dtype: torch.dtype | None = None,
-    force: bool = False, tp: int | None = None,
+    force: bool = False, tp: int | None = None, inputs=(),
 ) -> Path:
     """Fold ``artifact`` into ``model`` (in place) and write the checkpoint directory ``out`` atomically.
 
@@ -179,6 +179,7 @@ def export_checkpoint(
     is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
     With ``tp`` the per-rank view ``out/tp{tp}/rank{r}/`` is written in the same transaction
     (``tensor_parallel.write_ranks``; a ``tp`` that does not fit the heads is refused before folding).
+    ``inputs``: ``(option, path)`` pairs ``out`` must stay apart from (``atomic_dir.check_inputs``).
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.tensor_parallel import rank_heads, write_ranks
@@ -186,14 +187,15 @@ def export_checkpoint(
     if getattr(model.config, "oscar", None):
         raise ValueError("export: this model is already an OSCAR export (its config has an 'oscar' section)")
     artifact.check_model(model.config)
-    check_out_dir(out, force, looks_like="config.json")
+    inputs = list(inputs)
+    check_out_dir(out, force, looks_like="config.json", inputs=inputs)
     facts = family_for(model)
     if tp is not None:
         rank_heads(facts.num_heads, facts.num_kv_heads, tp)  # refused before anything is folded
     fold_value_transforms(model, artifact.transforms)
     if dtype is not None:
         model.to(dtype)
-    with atomic_dir(out, force=force, looks_like="config.json") as tmp:
+    with atomic_dir(out, force=force, looks_like="config.json", inputs=inputs) as tmp:
         model.config.oscar = oscar_section(artifact, source)
         try:
             with _plain_float_model(model):
@@ -327,7 +329,8 @@ def run(args) -> int:
     from oscar_export.models import load_model
     from oscar_export.tensor_parallel import rank_heads
 
-    check_out_dir(args.out, args.force, looks_like="config.json")  # everything checked before the model loads
+    inputs = [("--model", None if args.model == "default" else args.model), ("--artifact", args.artifact)]
+    check_out_dir(args.out, args.force, looks_like="config.json", inputs=inputs, claim=True)  # before the model loads
     if not Path(args.artifact).is_dir():
         raise FileNotFoundError(f"--artifact {args.artifact}: no such directory")
     if (Path(args.model) / "config.json").is_file():
@@ -337,7 +340,7 @@ def run(args) -> int:
         rank_heads(artifact.fingerprint["num_attention_heads"], artifact.fingerprint["num_key_value_heads"], args.tp)
     model, tok = load_model(args.model, dtype=torch.float32)
     out = export_checkpoint(model, tok, artifact, args.out, source=args.model, dtype=DTYPES[args.dtype],
-                            force=args.force, tp=args.tp)
+                            force=args.force, tp=args.tp, inputs=inputs)
     print(f"wrote {out} ({len(artifact.transforms)} layers folded, artifact in {out / ARTIFACT_DIR})")
     if args.tp is not None:
         n = check_tp_export(out, args.tp)

@@ -117,21 +117,41 @@ class _Progress:
         self._bar.close()
 
 
+def check_options(args: argparse.Namespace) -> str:
+    """The device to run on, once the options that need no model are checked (before it loads): the device
+    exists, the backend is known and runs there, the prompt is not empty."""
+    import torch
+
+    from oscar_export.plugins.hf.ops import BACKENDS
+
+    from .cli import UserError, check_device
+
+    device = check_device(args.device, "--device") if args.device else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.backend not in BACKENDS:
+        raise UserError(f"--backend: expected one of {sorted(BACKENDS)}, got {args.backend!r}")
+    if args.backend == "triton" and not device.startswith("cuda"):
+        raise UserError(f"--backend triton: the Triton kernels run on a CUDA GPU (BF16 windows), not on {device}; "
+                        f"use --backend torch here")
+    if args.prompt == "" and not args.chat:
+        raise UserError("--prompt: empty; give some text (or --prompt-topic)")
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from oscar_export.models import load_model
     from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
-    from .cli import check_int
+    from .cli import UserError, check_int
 
     check_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
+    device = check_options(args)
     artifact = None
     if args.artifact is not None:  # verified in full before the model loads
         from oscar_export.calibration.artifact import load_artifact
 
         artifact = load_artifact(args.artifact)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     text = _prompt_text(args)
     model, tok = load_model(args.model, dtype=dtype, device=device)
@@ -139,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     ids = tok(text, return_tensors="pt").input_ids.to(device)
     n_prompt = ids.shape[1]
+    if n_prompt == 0:
+        raise UserError(f"--prompt: {text!r:.80} is no tokens at all; give some text")
     check_fits(model.config, n_prompt, args.max_new_tokens, dtype, device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dtype}")

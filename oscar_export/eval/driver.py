@@ -282,6 +282,30 @@ def preset_from_args(args) -> Preset:
     return replace(preset, **over) if over else preset
 
 
+def check_outputs(args) -> dict | None:
+    """``--out`` writable and apart from the inputs, ``--merge`` read (a JSON object of an earlier run), before any
+    model loads; returns the ``--merge`` results (None without it)."""
+    import json
+    from pathlib import Path
+
+    from oscar_export.atomic_dir import check_writable
+    from oscar_export.calibration.artifact import printable
+    from oscar_export.cli import UserError
+
+    check_writable(args.out, "--out", [("--model", None if args.model == "default" else args.model),
+                                       ("--artifact", args.artifact), ("--merge", args.merge)])
+    if args.merge is None:
+        return None
+    try:
+        data = json.loads(Path(args.merge).read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise UserError(f"--merge {printable(args.merge)}: not valid JSON ({printable(e, 160)})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("methods"), list):
+        raise UserError(f"--merge {printable(args.merge)}: expected the JSON object of an earlier results.json "
+                        f"(with a 'methods' list), got {type(data).__name__}")
+    return data
+
+
 def run(args) -> int:
     from .report import markdown, write_all
     from .recipes import attention_shape
@@ -289,6 +313,7 @@ def run(args) -> int:
 
     preset = preset_from_args(args)
     device = check_device(args.device)
+    merged = check_outputs(args)  # before the model loads: minutes before the results are written
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device=str(device))
     attention_shape(model)
@@ -321,13 +346,10 @@ def run(args) -> int:
                                                         sorted(vars(args).items()) if not k.startswith("_"))
     result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
     result["timings"]["wall_s"] = round(time.perf_counter() - t0, 1)
-    if args.merge:
-        import json
-        from pathlib import Path
-
+    if merged is not None:
         from .report import merge
 
-        result = merge(json.loads(Path(args.merge).read_text()), result)
+        result = merge(merged, result)
     paths = write_all(result, args.out)
     print(markdown(result))
     for k, p in paths.items():

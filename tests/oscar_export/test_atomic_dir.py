@@ -62,7 +62,7 @@ def test_files_and_directories_are_fsynced(tmp_path, monkeypatch):
 def test_non_empty_out_refused_unless_force(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    with atomic_dir(out) as tmp:  # an empty directory is fine
+    with atomic_dir(out, looks_like="oscar.json") as tmp:  # an empty directory is fine
         (tmp / "oscar.json").write_text("1")
     with pytest.raises(FileExistsError, match=f"--out {out}: already exists and is not empty.*--force"):
         check_out_dir(out, force=False, looks_like="oscar.json")
@@ -78,7 +78,9 @@ def test_force_refuses_a_directory_that_is_not_an_output(tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     (home / "thesis.tex").write_text("years of work")
-    with pytest.raises(FileExistsError, match="does not look like .*no oscar.json.*refusing to replace it"):
+    (home / "oscar.json").write_text("{}")  # the right file name is not enough: only the tool's own marker is
+    with pytest.raises(FileExistsError, match="does not look like .*no .oscar-output marker of a oscar.json output"
+                                              ".*refusing to replace it"):
         check_out_dir(home, force=True, looks_like="oscar.json")
     assert (home / "thesis.tex").exists()
 
@@ -127,7 +129,7 @@ def test_stale_temporary_of_a_killed_run_is_removed(tmp_path):
         with atomic_dir(out) as new:
             assert not tmp.exists(), "the killed run's temporary is removed on the next run"
             (new / "done").write_text("1")
-        assert siblings(out) == sorted(["out", live[1].name])
+        assert siblings(out) == sorted(["out", live[1].name, ".other.oscar-lock"])  # the live run's lock
         with atomic_dir(tmp_path / "other2"):
             pass
         assert live[1].exists(), "a live process's temporary is never removed"
@@ -152,15 +154,19 @@ def test_foreign_directories_are_not_temporaries(tmp_path):
     assert siblings(tmp_path / "out") == sorted(["out", link, other, *foreign])
 
 
-def test_interrupted_replace_is_recovered(tmp_path):
-    """A run killed between moving the old output aside and renaming the new one in: the old one comes back."""
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+def test_interrupted_replace_is_recovered(tmp_path, exchange):
+    """A run killed during a replace: ``out`` is always a complete output (the new one right after the swap; with
+    two plain renames, the old one is put back by the next run)."""
     out = tmp_path / "out"
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, looks_like="oscar.json") as tmp:
         (tmp / "oscar.json").write_text("old")
     child = textwrap.dedent("""
         import os, sys
         from pathlib import Path
         import oscar_export.atomic_dir as ad
+        if sys.argv[2] == "0":
+            ad._renameat2 = None
         real = os.rename
         def rename(a, b):
             real(a, b)
@@ -170,10 +176,11 @@ def test_interrupted_replace_is_recovered(tmp_path):
         with ad.atomic_dir(Path(sys.argv[1]), force=True, looks_like="oscar.json") as tmp:
             (tmp / "oscar.json").write_text("new")
     """)
-    p = subprocess.run([sys.executable, "-c", child, str(out)], cwd=ROOT, timeout=60)
-    assert p.returncode == -9 and not out.exists()
+    p = subprocess.run([sys.executable, "-c", child, str(out), str(int(exchange))], cwd=ROOT, timeout=60)
+    assert p.returncode == -9
+    assert (out / "oscar.json").read_text() == "new" if exchange else not out.exists()
     time.sleep(0.05)
-    with pytest.raises(FileExistsError):  # the next run first puts the old output back, then refuses to overwrite
+    with pytest.raises(FileExistsError):  # the next run first tidies up (puts the old output back), then refuses
         with atomic_dir(out):
             pass
-    assert (out / "oscar.json").read_text() == "old" and siblings(out) == ["out"]
+    assert (out / "oscar.json").read_text() == ("new" if exchange else "old") and siblings(out) == ["out"]

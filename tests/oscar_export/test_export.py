@@ -206,6 +206,10 @@ def test_cli_existing_output(tmp_path, capsys):
     (tmp_path / "art").mkdir()
     rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
     assert rc == 2
+    assert "contains the input --artifact" in capsys.readouterr().err  # issue 31: checked before "already exists"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
