@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
 # The Hopper decode kernel on the H200 in one call: its GPU tests (2/4-bit keys, rotation once a step) and
 # benchmarks/bench_hopper.py (rotated queries, 2/4-bit keys, token/channel keys, head_dim 128 and 256, SDPA beside).
-# Kernel variants are compiled first by parallel --warm processes (one Triton cache); timings run alone after.
-#   OUT=/tmp/out bash benchmarks/gpu_hopper.sh
+# Kernel variants are compiled first by parallel --warm processes (one Triton cache) beside the tests; the timings
+# run alone after. Seven files land in $OUT.
+#   OUT=/tmp/out SHA=<commit> bash benchmarks/gpu_hopper.sh
 set -u
 OUT=${OUT:-/tmp/gpu_hopper}
+W=$(mktemp -d)
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u; } > "$OUT/setup.log"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$OUT/setup.log" 2>&1
 SHA=${SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/env.txt"
 L="--heads llama3-8b --shapes 1x8192"
 G="--heads gemma3-12b --shapes 1x32768"
 for g in token channel; do for b in 2 4; do
-  timeout 170 python3 benchmarks/bench_hopper.py --warm $L --gran $g --key-bits $b > "$OUT/warm_l_${g}_$b.log" 2>&1 &
-  timeout 170 python3 benchmarks/bench_hopper.py --warm $G --gran $g --key-bits $b > "$OUT/warm_g_${g}_$b.log" 2>&1 &
+  timeout 170 python3 benchmarks/bench_hopper.py --warm $L --gran $g --key-bits $b > "$W/warm_l_${g}_$b.log" 2>&1 &
+  timeout 170 python3 benchmarks/bench_hopper.py --warm $G --gran $g --key-bits $b > "$W/warm_g_${g}_$b.log" 2>&1 &
 done; done
 T="tests/gpu/test_kernels_gpu.py -m gpu -q -x -s -p no:cacheprovider"
-timeout 170 python3 -m pytest $T -k "gluon_real_shape and token-128" > "$OUT/test_a.log" 2>&1 &
-timeout 170 python3 -m pytest $T -k "gluon_real_shape and channel-128" > "$OUT/test_b.log" 2>&1 &
-timeout 170 python3 -m pytest $T -k "gluon_matches_its_emulation or 4bit_mma16_keys_on_gpu or gluon_cuda_graph" > "$OUT/test_c.log" 2>&1 &
+timeout 170 python3 -m pytest $T -k "gluon_real_shape and token-128" > "$W/test_a.log" 2>&1 &
+timeout 170 python3 -m pytest $T -k "gluon_real_shape and channel-128" > "$W/test_b.log" 2>&1 &
+timeout 170 python3 -m pytest $T -k "gluon_matches_its_emulation or 4bit_mma16_keys_on_gpu or gluon_cuda_graph" > "$W/test_c.log" 2>&1 &
+timeout 170 python3 -m pytest $T -k "gluon_head_dims_and_gqa and 64-256-128" > "$W/test_d.log" 2>&1 &
 wait
-tail -3 "$OUT"/test_*.log
+for f in "$W"/warm_*.log; do echo "== $f"; tail -n 3 "$f"; done > "$OUT/warm.log"
+for f in "$W"/test_*.log; do echo "== $f"; cat "$f"; done > "$OUT/tests.log"
+date -u >> "$OUT/setup.log"
+grep -h "passed\|failed\|error" "$W"/test_*.log
 timeout 110 python3 benchmarks/bench_hopper.py --heads llama3-8b --commit "$SHA" --json "$OUT/bench_llama.json" > "$OUT/bench_llama.log" 2>&1
 timeout 60 python3 benchmarks/bench_hopper.py $G --portable --commit "$SHA" --json "$OUT/bench_gemma.json" > "$OUT/bench_gemma.log" 2>&1
+date -u >> "$OUT/setup.log"
 cat "$OUT/bench_llama.log" "$OUT/bench_gemma.log"
