@@ -282,6 +282,10 @@ def build_deployment(
     check_inside(export_dir)
     shape = model_shape(export_dir)
     art = load_packaged_artifact(export_dir, section, shape)
+    from oscar_export.plugins.trtllm.deployment import SUPPORTED_FAMILIES
+
+    if shape["model_type"] in SUPPORTED_FAMILIES:
+        source_root()  # the TensorRT-LLM module's wheel is built from it: refused before anything compiles
     layout = art.layout
     key_bits = sorted(set(art.key_bits or (layout.key.bits,)))  # one kernel set per key width the layers use
     if decode_kernel not in (None, "gluon"):

@@ -73,7 +73,8 @@ def check_model(model, up, deployment, attention_cls) -> None:
     """Raise unless every attention layer of ``model`` runs the OSCAR backend (one per artifact layer), is wired
     for it (RoPE applied by the layer, q/k/v split: ``rope_fusion`` False, a ``rotary_emb``, ``support_fused_qkv``
     False) and has the heads and head_dim the family table read from the checkpoint (``deployment.facts``)."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "attn", None), up.AttentionBackend)]
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(getattr(m, "attn", None), up.AttentionBackend)]
     stock = [f"{name} ({type(m.attn).__name__})" for name, m in layers if not isinstance(m.attn, attention_cls)]
     if stock or len(layers) != deployment.num_layers:
         raise RuntimeError(

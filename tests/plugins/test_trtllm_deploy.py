@@ -106,3 +106,17 @@ def test_dockerfile_installs_the_deployments_wheel():
     assert "pip install --no-cache-dir --no-deps --no-index --find-links /deploy/wheels oscar-export" in text
     assert "COPY oscar_export" not in text and "pip install --no-deps oscar-export" not in text
     assert "/deploy/trtllm_module" in text and "/deploy/extra_llm_api_options.yaml" in text
+
+
+def test_build_without_a_source_tree_refused_before_compiling(deployment, tmp_path, monkeypatch):
+    """`oscar-export build` run from an installed (not source) package cannot build the wheel: one clear error
+    before the bundle compiles, nothing written."""
+    import oscar_export.build as build_mod
+    import oscar_export.kernels.aot.compile as compile_mod
+
+    monkeypatch.setattr(compile_mod, "build_bundle", lambda *a, **k: pytest.fail("bundle compiled before the check"))
+    monkeypatch.setattr(build_mod, "__file__", str(tmp_path / "site-packages" / "oscar_export" / "build.py"))
+    with pytest.raises(RuntimeError, match="holds no oscar-export source tree \\(install the project from its "
+                                           "source: pip install -e <source>\\)"):
+        build_mod.build_deployment(deployment.parent / "ckpt", tmp_path / "out", ["sm_90"])
+    assert not (tmp_path / "out").exists()
