@@ -34,7 +34,8 @@ book owns no free list here. The subclass
   ``shutdown`` releases the OSCAR pools (anything still holding the estimation's manager holds no pool);
   ``get_cache_size_per_token`` is the OSCAR cache's bytes per token (INT2 pages of every layer plus the one-layer
   stock pool); the rebuilt manager refuses a ``max_tokens`` below what ``max_batch_size`` sequences of
-  ``max_seq_len`` need (the memory would not hold them);
+  ``max_seq_len`` need (the memory would not hold them) where upstream passes ``is_estimating_kv_cache=False``
+  (versions without that argument: no check, an out-of-memory error at allocation instead);
 * ``add_dummy_requests`` passes on upstream's ``None`` (no free block: no padding request);
 * a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
   later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
@@ -96,7 +97,9 @@ def make_cache_manager_class(up, deployment, ops_factory):
             pages_per_seq = math.ceil(max_seq_len / lay.page_size)
             slots = max_batch_size
             need, budget = slots * pages_per_seq * lay.page_size, kv_cache_config.max_tokens
-            if budget is not None and need > budget and not kwargs.get("is_estimating_kv_cache", False):
+            # only where upstream says this is not the estimation's build (newer versions pass the flag; the
+            # estimation's max_tokens is the dummy requests' tokens, not a memory budget)
+            if budget is not None and need > budget and kwargs.get("is_estimating_kv_cache", True) is False:
                 raise ValueError(
                     f"max_batch_size {slots} x max_seq_len {max_seq_len} needs {need} tokens of OSCAR cache; the KV "
                     f"cache memory holds {budget} (kv_cache_config.max_tokens / free_gpu_memory_fraction): lower "

@@ -355,6 +355,11 @@ def test_kv_cache_budget_below_the_slots_fails_at_startup(deploy):
     with pytest.raises(ValueError, match=r"max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache; "
                                          r"the KV cache memory holds 100"):
         _driver(deploy, estimate=True, available_bytes=100 * per_token)
+    # upstream versions that do not pass is_estimating_kv_cache: the estimation's max_tokens is no budget
+    kw = dict(num_layers=LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=MAX_SEQ,
+              max_batch_size=3, mapping=trtllm_standins.Mapping())
+    mgr = dep.manager_cls(trtllm_standins.KvCacheConfig(max_tokens=100), "SELF", **kw)
+    assert mgr.get_max_resource_count() == 3 * MAX_SEQ // 16
 
 
 def test_add_dummy_requests_returning_none_is_passed_on(deploy):
