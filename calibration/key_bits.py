@@ -40,6 +40,9 @@ QUERIES = 64
 TOP = 8
 #: the wider key width calibration allocates.
 WIDE_BITS = 4
+#: the page-bit budget of the default calibration: on SmolLM2 (EVALUATION.md, "Needles as deployed with 4-bit keys")
+#: 4-bit keys in the 15 of 30 layers it chose kept NIAH within one needle of BF16 and cut the 8K text KL 7.6x.
+DEFAULT_BUDGET = 3.0
 #: held-out sequence length below which ``calibrate`` warns that the choice is made on too few page rows (and
 #: its ``--seq-len`` default with ``--key-bits-budget``):
 #: on SmolLM2 (EVALUATION.md, "Needles as deployed with 4-bit keys") sequences of 512 tokens (192 page rows each)
@@ -137,6 +140,16 @@ def layer_key_errors(held: HeldOut, transform: LayerTransform, layout: KVCacheLa
     }
 
 
+def check_budget(budget: float, layout: KVCacheLayout) -> None:
+    """``ValueError`` unless ``budget`` (page bits per element) reaches ``layout``'s 2-bit pages: the check
+    ``calibrate`` makes before capture, and the command line before the model loads where it can."""
+    base = layout.int2_bits_per_element()
+    if not budget >= base - 1e-9:
+        raise ValueError(f"key_bits_budget: {budget:g} bits per element is below the {base:g} of this model's 2-bit "
+                         f"pages (head_dim {layout.head_dim}, page {layout.page_size}); {base:g} or more, or none for "
+                         f"2-bit keys in every layer")
+
+
 def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budget: float,
                       wide: int = WIDE_BITS) -> list[int]:
     """The layers to give ``wide``-bit keys, sorted: largest ``gains[i]`` first (the metric ``wide`` bits remove;
@@ -160,7 +173,7 @@ def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budg
 
 def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[LayerTransform], layout: KVCacheLayout,
                     budget: float, metric: str = "kl", skip: Sequence[int] = (), queries: int = QUERIES,
-                    wide: int = WIDE_BITS) -> tuple[tuple[int, ...], dict]:
+                    wide: int = WIDE_BITS, progress: Callable[[int], None] | None = None) -> tuple[tuple[int, ...], dict]:
     """Per-layer key widths for an artifact: ``(key_bits, stats)``.
 
     Args:
@@ -168,18 +181,19 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
         transforms: the fitted transforms (one per layer); layout: the artifact's (2-bit) layout.
         budget: average page bits per element (module doc); metric: one of :data:`METRICS`.
         skip: layers without pages (the family table's sliding layers): 2 bits, not measured.
+        progress: called with 1 after each layer.
     Returns:
         ``key_bits`` (one per layer) and JSON stats (budget, metric, chosen layers, per-layer errors; None for
         skipped layers).
     """
     if metric not in METRICS:
         raise ValueError(f"key_bits_metric: expected one of {METRICS}, got {metric!r}")
-    if budget < layout.int2_bits_per_element() - 1e-9:
-        raise ValueError(f"key_bits_budget: {budget:g} bits per element is below the "
-                         f"{layout.int2_bits_per_element():g} of this layout's 2-bit pages")
+    check_budget(budget, layout)
     errors: list[dict | None] = []
     for i, t in enumerate(transforms):
         errors.append(None if i in skip else layer_key_errors(heldout(i), t, layout, queries, wide))
+        if progress is not None:
+            progress(1)
     gains = [None if e is None else e[layout.key.bits][metric] - e[wide][metric] for e in errors]
     chosen = allocate_key_bits(gains, layout, budget, wide)
     key_bits = tuple(wide if i in chosen else layout.key.bits for i in range(len(transforms)))
@@ -213,6 +227,6 @@ def parse_layers(spec: str) -> list[int]:
     return sorted(out)
 
 
-__all__ = ["METRICS", "MIN_SEQ_LEN", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits",
-           "choose_key_bits", "key_attention_error", "layer_key_errors", "page_keys", "paged_rows", "parse_layers",
-           "widen_keys"]
+__all__ = ["DEFAULT_BUDGET", "METRICS", "MIN_SEQ_LEN", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits",
+           "check_budget", "choose_key_bits", "key_attention_error", "layer_key_errors", "page_keys", "paged_rows",
+           "parse_layers", "widen_keys"]

@@ -29,7 +29,7 @@ from oscar_export.kernels.reference import dequantize_groups, quantize_groups
 from oscar_export.kernels.transform import clip_rank
 
 from .capture import HeldOut
-from .covariance import causal_probs
+from .covariance import group_queries
 
 
 @dataclass
@@ -40,7 +40,8 @@ class LayerObjective:
         k: ``[N, H_kv, T_q, D]`` fp64 rows of the quantized region (T_q = pages * P).
         v: ``[N, H_kv, T_v, D]`` fp64, the first ``T_v <= T_q`` of those rows: the pages some query reads.
         c_q: ``[H_kv, D, D]`` fp64 held-out query second moment (all g query heads).
-        m: ``[N, H_kv, T_v, T_v]`` fp64 ``Σ_i p_i p_i^T`` over queries and query heads, divided by their count.
+        m: ``[N, H_kv, T_v, T_v]`` fp32 ``Σ_i p_i p_i^T`` over queries and query heads, divided by their count
+            (:func:`value_weights`).
         scaling: softmax scale.
     """
 
@@ -64,22 +65,15 @@ class LayerObjective:
                 f"use seq_len >= {skip + page_size}"
             )
         lo, hi = skip, skip + pages * page_size
+        if window > 0 and t - 1 - lo <= window:
+            raise ValueError(f"held-out sequences of {t} tokens have no token beyond the {window}-token window")
         qs = held.q[:, :, skip:].double().reshape(n, hkv, -1, d)  # [N, H_kv, g*(T-skip), D]
         c_q = torch.einsum("nhid,nhie->hde", qs, qs) / (n * qs.shape[2])
-        p = causal_probs(held.q, held.k, held.scaling)[..., lo:, lo:hi].double()  # [N, H_kv, g, T-lo, T_q]
-        if window > 0:
-            qpos = torch.arange(lo, t)[:, None]
-            kpos = torch.arange(lo, hi)[None, :]
-            if not bool((qpos - kpos > window).any()):
-                raise ValueError(f"held-out sequences of {t} tokens have no token beyond the {window}-token window")
-            p = p * (qpos - kpos > window).double()
-        p = p.reshape(n, hkv, -1, hi - lo)
-        m = p.transpose(-1, -2) @ p / p.shape[2]
         # Values: only the pages some query reads outside its window matter (M is zero elsewhere).
         vpages = pages if window <= 0 else min(pages, -(-(t - 1 - window - lo) // page_size))
-        vhi = lo + vpages * page_size
-        m = m[..., : vhi - lo, : vhi - lo].contiguous()
-        return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo:vhi].double(), c_q, m, held.scaling, page_size)
+        m = value_weights(held.q, held.k, held.scaling, lo, vpages * page_size, window)
+        return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo : lo + vpages * page_size].double(), c_q, m,
+                   held.scaling, page_size)
 
     @property
     def num_kv_heads(self) -> int:
@@ -132,11 +126,10 @@ class LayerObjective:
         """``[len(clips), H_kv]`` mean squared attention-output error of values stored as ``v R d - mu``."""
         vs = torch.matmul(self.v, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
         out = []
-        m = self.m.float()
-        for delta in self._quant_errors(vs, fmt, clips, levels):
-            delta = delta / d.float()[None, :, None]
-            out.append((torch.matmul(m, delta) * delta).sum(dim=(-1, -2), dtype=torch.float64).mean(0))  # [H_kv]
-        return torch.stack(out)
+        for delta in self._quant_errors(vs, fmt, clips, levels):  # one product a clip: an error never depends
+            delta = delta / d.float()[None, :, None]  # on which other clips are evaluated beside it
+            out.append((torch.matmul(self.m, delta) * delta).sum(dim=(-1, -2), dtype=torch.float64).mean(0))
+        return torch.stack(out)  # [R, H_kv]
 
     def key_error(self, r, d, mu, clip, levels, fmt) -> torch.Tensor:
         """``[H_kv]``: :meth:`key_errors` for one clip vector."""
@@ -153,7 +146,58 @@ class LayerObjective:
 
     def value_scale(self) -> torch.Tensor:
         """``[H_kv]`` mean squared output norm carried by the quantized tokens, ``E||Σ_t p_t v_t||^2``."""
-        return (torch.matmul(self.m, self.v) * self.v).sum(dim=(-1, -2)).mean(0)
+        v = self.v.float()
+        return (torch.matmul(self.m, v) * v).sum(dim=(-1, -2), dtype=torch.float64).mean(0)
+
+
+#: query positions per block and key columns per tile of :func:`value_weights`.
+VALUE_BLOCK = 256
+
+
+@torch.no_grad()
+def value_weights(q: torch.Tensor, k: torch.Tensor, scaling: float, lo: int, tv: int, window: int = 0,
+                  block: int = VALUE_BLOCK) -> torch.Tensor:
+    """``M = Σ_i p_i p_i^T / count`` ``[N, H_kv, T_v, T_v]`` fp32 over the rows ``[lo, lo + T_v)``.
+
+    ``p_i`` is the causal softmax attention of query ``i`` (every position ``>= lo``, every query head of the
+    KV head: ``count = g * (T - lo)``) restricted to those rows, zero where ``i - t <= window`` (with
+    ``window > 0``: the BF16 recent window). Computed a sequence and a block of query positions at a time
+    (never the ``[T, T]`` probabilities of every head at once), and tile by tile of ``M`` over only the queries
+    that read the later tile (a query reads no row within ``window`` of it), each tile pair once (``M`` is
+    symmetric): about a sixth of the products of ``P^T P``.
+
+    Args:
+        q: ``[N, H, T, D]``; k: ``[N, H_kv, T, D]`` (model basis, post-RoPE).
+    """
+    n, h, t, _ = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    m = torch.zeros(n, hkv, tv, tv)
+    shift = window if window > 0 else -1  # query i reads row r when i - r > shift
+    tiles = [(c, min(c + block, tv)) for c in range(0, tv, block)]
+    for b in range(n):
+        p = torch.zeros(hkv, t - lo, g, tv)  # [H_kv, query position, head, row]
+        for a in range(lo, t, block):
+            e = min(a + block, t)
+            cols = max(0, min(e - 1 - shift - lo, tv))  # rows any query of [a, e) reads
+            if cols == 0:
+                continue
+            s = torch.matmul(group_queries(q[b : b + 1, :, a:e].float(), hkv)[0], k[b, :, :e].float().transpose(-1, -2))
+            s = (s * scaling).view(hkv, g, e - a, e)
+            qpos = torch.arange(a, e)[:, None]
+            s.masked_fill_(qpos < torch.arange(e)[None, :], float("-inf"))
+            pr = torch.softmax(s, dim=-1)[..., lo : lo + cols]  # [H_kv, g, B, cols]
+            pr = pr * (qpos - torch.arange(lo, lo + cols)[None, :] > shift)
+            p[:, a - lo : e - lo, :, :cols] = pr.transpose(1, 2)
+        p = p.view(hkv, -1, tv)  # rows ordered (position, head)
+        for j, (c0, c1) in enumerate(tiles):
+            first = max(0, c0 + shift + 1) * g  # earlier queries read nothing of tile j
+            pj = p[:, first:, c0:c1]
+            for c2, c3 in tiles[: j + 1]:
+                blk = torch.matmul(p[:, first:, c2:c3].transpose(-1, -2), pj)  # [H_kv, rows c2:c3, rows c0:c1]
+                m[b, :, c2:c3, c0:c1] = blk
+                m[b, :, c0:c1, c2:c3] = blk.transpose(-1, -2)
+    return m / (g * (t - lo))
 
 
 def roundtrip(
@@ -182,4 +226,4 @@ def roundtrip(
     return out
 
 
-__all__ = ["LayerObjective", "roundtrip"]
+__all__ = ["VALUE_BLOCK", "LayerObjective", "roundtrip", "value_weights"]

@@ -36,7 +36,7 @@ from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
 from .families import family_for
 from .key_bits import METRICS as KEY_BITS_METRICS
-from .key_bits import choose_key_bits, widen_keys
+from .key_bits import check_budget, choose_key_bits, widen_keys
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
@@ -358,8 +358,12 @@ def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_
 def calibrate(
     model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None,
     on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = 1,
+    on_key_bits: Callable[[int], None] | None = None,
 ) -> OscarArtifact:
     """Calibrate ``model`` (any HF causal LM whose attention goes through ``AttentionInterface``).
+
+    ``progress(tokens)`` follows capture, ``on_layer(i, summary)`` the fit of each layer, ``on_key_bits(1)`` the
+    key-width measurement of each layer (with ``key_bits_budget``).
 
     ``fit_threads``: torch CPU threads while fitting (many small ops: one thread is fastest, and on a
     shared machine several threads oversubscribe badly); restored afterwards. None leaves them alone.
@@ -368,6 +372,8 @@ def calibrate(
     facts = family_for(model)  # refuses unsupported architectures and features before any capture
     fp = model_fingerprint(model)
     h, d = facts.num_kv_heads, facts.head_dim
+    if cfg.key_bits_budget is not None:
+        check_budget(cfg.key_bits_budget, cfg.layout(h, d))  # before the capture's minutes
     col = capture(model, tokenizer, cfg, progress)
     t_capture = time.perf_counter() - t0
     layout = cfg.layout(h, d)
@@ -398,7 +404,8 @@ def calibrate(
     extra = {}
     if cfg.key_bits_budget is not None:
         key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
-                                                      cfg.key_bits_metric, skip=col.sliding_layers)
+                                                      cfg.key_bits_metric, skip=col.sliding_layers,
+                                                      progress=on_key_bits)
         transforms = widen_keys(transforms, key_bits, layout)
     stats = {
         "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(len(fitted), 1)),

@@ -300,6 +300,11 @@ def build_deployment(
     if onnx and layout.packing != "linear":  # refused before anything compiles
         raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read linear pages; this artifact has "
                          f"{layout.packing!r} pages (calibrate --packing linear)")
+    if onnx and key_bits != [layout.key.bits]:  # refused too: the ONNX form unpacks 2-bit codes (onnx_export)
+        wide = [i for i, b in enumerate(art.key_bits) if b != layout.key.bits]
+        raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read 2-bit key pages; this artifact has "
+                         f"4-bit keys in {len(wide)} of {art.num_layers} layers {wide} (calibrate --key-bits-budget "
+                         f"none gives 2-bit keys everywhere)")
     specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits, decode_variant=decode_kernel)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         shutil.copytree(export_dir, tmp / "checkpoint")

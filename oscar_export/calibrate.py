@@ -25,18 +25,17 @@ import time
 from pathlib import Path
 
 EPILOG = """examples:
-  oscar-export calibrate --model default --out artifacts/smollm2 --tokens 20000
+  oscar-export calibrate --model default --out art   # 4-bit keys in the layers that need them, pages 3.0 bits/element
+  oscar-export calibrate --model default --out art --key-bits-budget none   # 2-bit keys everywhere (ONNX / TensorRT)
   oscar-export calibrate --model ./my-llama --out art --data notes.txt chats.jsonl --seq-len 1024 --shared
   oscar-export calibrate --model default --out art --key-granularity token --clip global --rotation oscar
   oscar-export calibrate --model default --out art --force     # replace the artifact in art/ (atomically)
-  oscar-export calibrate --model default --out art --key-bits-budget 3.0   # 4-bit keys where they help most
-                                                                           # (held-out sequences of 2048 tokens)
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from oscar_export.calibration.covariance import VALUE_WEIGHTINGS
-    from oscar_export.calibration.key_bits import METRICS
+    from oscar_export.calibration.key_bits import DEFAULT_BUDGET, METRICS
     from oscar_export.calibration.key_bits import MIN_SEQ_LEN as KEY_BITS_SEQ_LEN
     from oscar_export.calibration.pipeline import CalibrationConfig
     from oscar_export.calibration.rotation import ROTATION_KINDS
@@ -49,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'pydoc' (built-in), 'generate' (the model's own answers to seed prompts), .txt or .jsonl files")
     p.add_argument("--tokens", type=int, default=d.tokens, help=f"calibration token budget (default {d.tokens})")
     p.add_argument("--seq-len", type=int, default=None,
-                   help=f"tokens per sequence (default {d.seq_len}; {KEY_BITS_SEQ_LEN} with --key-bits-budget)")
+                   help=f"tokens per sequence (default {KEY_BITS_SEQ_LEN}; {d.seq_len} with --key-bits-budget none)")
     p.add_argument("--heldout", type=int, default=d.heldout, help=f"held-out sequences for clip fitting (default {d.heldout})")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     g = p.add_mutually_exclusive_group()
@@ -74,10 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="page code order: 'linear' (the v1 decode kernel; every export path) or 'mma16' (the "
                         "fragment order of the v2 / v3 kernels: HF Triton backend, 2-bit keys only)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--key-bits-budget", type=float, default=d.key_bits_budget, metavar="BITS",
-                   help="give 4-bit keys to the layers whose held-out key attention error they reduce most, while the "
-                        "pages average at most BITS bits per element (e.g. 3.0; 2-bit pages are 2.5 for G = P = 64); "
-                        "default: 2-bit keys everywhere")
+    p.add_argument("--key-bits-budget", type=parse_budget, default=DEFAULT_BUDGET, metavar="BITS",
+                   help=f"give 4-bit keys to the layers whose held-out key attention error they reduce most, while the "
+                        f"pages average at most BITS bits per element (default {DEFAULT_BUDGET}; 2-bit pages are 2.5 for "
+                        f"G = P = 64); 'none': 2-bit keys in every layer, the format the ONNX / TensorRT export reads")
     p.add_argument("--key-bits-metric", choices=METRICS, default=d.key_bits_metric,
                    help="what 4-bit keys must reduce: 'kl' (attention KL, default) or 'top' (probability moved on the "
                         "most-attended page rows)")
@@ -86,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="spread a large model over the GPUs (accelerate): 'auto', 'balanced', 'sequential', a device, "
                         "or a JSON object {module: device}; prints the peak memory per GPU at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar or per-layer table")
+
+
+def parse_budget(text: str) -> float | None:
+    """``--key-bits-budget``: bits per element, or ``none`` (2-bit keys in every layer)."""
+    return None if text.strip().lower() == "none" else float(text)
 
 
 #: bounds of the numeric options that the artifact's LIMITS do not already state (sink, window, page size).
@@ -223,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
 
     from oscar_export.atomic_dir import atomic_dir
     from oscar_export.calibration.artifact import META_FILE
-    from oscar_export.calibration.families import family_for_pretrained
+    from oscar_export.calibration.families import family_for, family_for_pretrained
+    from oscar_export.calibration.key_bits import check_budget
     from oscar_export.calibration.pipeline import calibrate
     from oscar_export.models import load_model
 
@@ -231,31 +236,46 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     warn_short_key_bits_sequences(cfg)
     if (Path(args.model) / "config.json").is_file():
-        family_for_pretrained(args.model)  # refuse what serving cannot run (enable_oscar's message) before loading
+        # refuse what serving cannot run (enable_oscar's message) and a budget below the 2-bit pages before loading
+        facts = family_for_pretrained(args.model)
+        if cfg.key_bits_budget is not None:  # (the embedded GGUF model: calibrate checks it before its capture)
+            check_budget(cfg.key_bits_budget, cfg.layout(facts.num_kv_heads, facts.head_dim))
     t0 = time.perf_counter()
     kw = {"device_map": parse_device_map(args.device_map)} if args.device_map else {}
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), **kw)
     t_load = time.perf_counter() - t0
-    total = cfg.num_sequences * cfg.seq_len
-    bar = tqdm(total=total, unit="tok", desc="capture", disable=args.quiet, file=sys.stderr)
-    if not args.quiet:
-        print(f"{'layer':>5} {'K err':>9} {'K/id':>6} {'K/had':>6} {'K rot':>10} {'K clip':>6}   "
-              f"{'V err':>9} {'V/id':>6} {'V/had':>6} {'V rot':>10} {'V clip':>6}", file=sys.stderr)
+    bars = {"capture": tqdm(total=cfg.num_sequences * cfg.seq_len, unit="tok", desc="capture", disable=args.quiet,
+                            file=sys.stderr)}
+
+    def phase(name: str) -> tqdm:
+        """The bar of phase ``name`` (capture, fit, key bits), the previous phase's closed when it opens."""
+        if name not in bars:
+            for b in bars.values():
+                b.close()
+            bars[name] = tqdm(total=family_for(model).num_layers, unit="layer", desc=name, disable=args.quiet,
+                              file=sys.stderr)
+        return bars[name]
 
     def on_layer(i: int, s: dict) -> None:
-        if i == 0:
-            bar.close()  # capture is over: the per-layer fit table follows
+        first = "fit" not in bars
+        phase("fit").update(1)
         if args.quiet:
             return
+        if first:
+            tqdm.write(f"{'layer':>5} {'K err':>9} {'K/id':>6} {'K/had':>6} {'K rot':>10} {'K clip':>6}   "
+                       f"{'V err':>9} {'V/id':>6} {'V/had':>6} {'V rot':>10} {'V clip':>6}", file=sys.stderr)
         cols = []
         for side in "kv":
             x = s[side]
             rot = ",".join(sorted(set(x["rotation"])))
             cols.append(f"{x['relative_error']:9.3g} {_r(x['vs_identity']):>6} {_r(x['vs_hadamard']):>6} "
                         f"{rot[:10]:>10} {min(x['clip']):6.3f}")
-        print(f"{i:5d} " + "   ".join(cols), file=sys.stderr)
+        tqdm.write(f"{i:5d} " + "   ".join(cols), file=sys.stderr)
 
-    art = calibrate(model, tok, cfg, progress=bar.update, on_layer=on_layer)
+    art = calibrate(model, tok, cfg, progress=bars["capture"].update, on_layer=on_layer,
+                    on_key_bits=lambda n: phase("key bits").update(n))
+    for b in bars.values():
+        b.close()
     if cfg.key_bits_budget is not None:
         print(key_bits_line(art), file=sys.stderr)
     art.stats["seconds_load"] = round(t_load, 2)

@@ -74,7 +74,7 @@ def test_allocation_refuses_budgets_it_cannot_meet():
     assert KB.allocate_key_bits([0.1], LAYOUT, 2.0) == []  # below 2-bit pages: nothing fits
     with pytest.raises(ValueError, match="expected a finite number"):
         KB.allocate_key_bits([0.1], LAYOUT, float("nan"))
-    with pytest.raises(ValueError, match="2 bits per element is below the 3.5 of this layout's 2-bit pages"):
+    with pytest.raises(ValueError, match="2 bits per element is below the 3.5 of this model's 2-bit pages"):
         KB.choose_key_bits(lambda i: held(), [LayerTransform.identity(2, 32)], LAYOUT, 2.0)
 
 

@@ -14,7 +14,7 @@ from oscar_export.cli import main
 @pytest.mark.parametrize(
     "argv,msg",
     [
-        (["--tokens", "100"], "100 tokens make 0 sequences of 512"),
+        (["--tokens", "100"], "100 tokens make 0 sequences of 2048"),
         (["--seq-len", "100"], "seq_len: expected >= sink \\+ page_size = 128, got 100"),
         (["--heldout", "0"], "heldout and batch_size must be >= 1"),
         (["--model", "/nonexistent/model"], "expected 'default' or a local Hugging Face model directory"),
@@ -268,17 +268,45 @@ def test_calibrate_key_bits_options_checked_before_the_model_loads(tmp_path, cap
     assert rc == 2 and err.count("\n") == 1 and "key_bits_budget: expected None or bits per element > 0" in err, err
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-metric", "mse"])
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", str(tmp_path / "c"), "--key-bits-budget", "lots"])
 
 
-def test_key_bits_budget_defaults_to_long_sequences_and_warns_on_short_ones(tmp_path, capsys, monkeypatch,
-                                                                            fake_calibration):
+def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A budget the model's 2-bit pages cannot meet: one line before the model loads (a local model: its config),
+    naming the least budget and ``none``; the embedded model is checked by ``calibrate`` before its capture."""
+    import oscar_export.calibration.pipeline as pipeline
+    import oscar_export.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the budget check"))
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "a"), "--key-bits-budget", "2.4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    # head_dim 16, G = P = 64 -> groups of 16: keys 2 + 32/64, values 2 + 32/16 = 4 -> 3.25 bits per element
+    assert "key_bits_budget: 2.4 bits per element is below the 3.25 of this model's 2-bit pages (head_dim 16, page 64)" \
+        in err and "or none for 2-bit keys in every layer" in err, err
+    monkeypatch.setattr(pipeline, "capture", lambda *a, **k: pytest.fail("captured before the budget check"))
+    with pytest.raises(ValueError, match="2.4 bits per element is below the 3.25"):
+        pipeline.calibrate(_load(tiny_model_dir), None, pipeline.CalibrationConfig(key_bits_budget=2.4, seq_len=2048))
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def test_key_bits_budget_3_by_default_on_long_sequences_none_is_2_bit_and_short_ones_warn(tmp_path, capsys, monkeypatch,
+                                                                                          fake_calibration):
+    """The default is the accurate recipe (budget 3.0 on 2,048-token sequences); ``--key-bits-budget none`` the
+    all-2-bit format on the 512-token sequences it was measured with; shorter sequences with a budget warn."""
     import oscar_export.calibration.pipeline as pipeline
 
     seen = []
     monkeypatch.setattr(pipeline, "calibrate", lambda model, tok, cfg, **k: seen.append(cfg) or _tiny_artifact())
-    assert main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", "3.0", "--quiet"]) == 0
-    assert seen[-1].seq_len == 2048 and "warning" not in capsys.readouterr().err
-    assert main(["calibrate", "--out", str(tmp_path / "b"), "--quiet"]) == 0
+    assert main(["calibrate", "--out", str(tmp_path / "a"), "--quiet"]) == 0
+    assert (seen[-1].seq_len, seen[-1].key_bits_budget) == (2048, 3.0) and "warning" not in capsys.readouterr().err
+    assert main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-budget", "none", "--quiet"]) == 0
     assert seen[-1].seq_len == 512 and seen[-1].key_bits_budget is None
     assert main(["calibrate", "--out", str(tmp_path / "c"), "--key-bits-budget", "3.0", "--seq-len", "512",
                  "--quiet"]) == 0
@@ -318,7 +346,7 @@ def test_calibrate_packing_mma16_is_the_linear_run_in_another_code_order(tmp_pat
     arts = {}
     for packing in ("linear", "mma16"):
         rc = main(["calibrate", "--model", str(model_dir), "--out", str(tmp_path / packing), *small,
-                   "--packing", packing])
+                   "--packing", packing, "--key-bits-budget", "none"])
         assert rc == 0, capsys.readouterr().err
         arts[packing] = load_artifact(tmp_path / packing)
     lin, mma = arts["linear"], arts["mma16"]
@@ -344,3 +372,28 @@ def test_calibrate_packing_options_checked_before_the_model_loads(tmp_path, caps
     assert rc == 2 and "'mma16' pages hold 2-bit keys only" in err, err
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(tmp_path / "b"), "--packing", "tiled"])
+
+
+def test_an_all_2_bit_artifact_of_the_old_default_still_loads_and_serves(tiny_model_dir, tmp_path, capsys):
+    """``--key-bits-budget none`` writes what the old default wrote (no ``key_bits`` in ``oscar.json``: 2-bit keys
+    everywhere); it loads, and the reference cache serves it: prefill into INT2 pages, then a decode step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oscar_export.calibration.artifact import load_artifact
+    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "a"), *SMALL,
+                 "--key-bits-budget", "none"]) == 0, capsys.readouterr().err
+    meta = json.loads((tmp_path / "a" / "oscar.json").read_text())
+    assert "key_bits" not in meta and meta["config"]["key_bits_budget"] is None
+    art = load_artifact(tmp_path / "a")
+    assert not art.mixed_key_bits and art.layout.key.bits == 2
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    ids = torch.randint(1, 200, (1, 150))
+    with enable_oscar(model, art, backend="torch") as oscar, torch.no_grad():
+        cache = oscar.make_cache(1, 200)
+        out = model(ids, use_cache=True, **cache_kwargs(model, cache))
+        nxt = model(ids[:, -1:], use_cache=True, **cache_kwargs(model, cache))
+    assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [art.layout.pages_for(151)] * 2
+    assert art.layout.pages_for(151) > 0 and bool(torch.isfinite(out.logits).all() & torch.isfinite(nxt.logits).all())

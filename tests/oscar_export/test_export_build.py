@@ -268,6 +268,22 @@ def test_bundle_carries_a_kernel_set_per_key_width_of_the_artifact(tmp_path, mon
     assert any(n.endswith("_k4") for n in names) and any(not n.endswith("_k4") for n in names), names
 
 
+def test_onnx_of_4bit_key_layers_refused_before_compiling(tmp_path, no_compile):
+    """The ONNX form and the TensorRT plugins unpack 2-bit codes: ``--onnx`` with 4-bit keys in some layers (what
+    ``calibrate`` makes by default) is refused before the bundle compiles, naming the flag that gives an exportable
+    artifact; nothing is written."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ckpt = export_checkpoint(model, None, OscarArtifact.identity(model).with_key_bits((4, 2)), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"--onnx: the ONNX form and the TensorRT plugins read 2-bit key pages; this "
+                                         r"artifact has 4-bit keys in 1 of 2 layers \[0\] \(calibrate "
+                                         r"--key-bits-budget none gives 2-bit keys everywhere\)"):
+        build_deployment(ckpt, tmp_path / "deploy", ["sm_90"], onnx=True)
+    assert not (tmp_path / "deploy").exists()
+
+
 def test_onnx_of_mma16_pages_refused_before_compiling(tmp_path, no_compile):
     """The ONNX form and the TensorRT plugins read linear pages: ``--onnx`` with an mma16 artifact (``calibrate
     --packing mma16``) is refused before the bundle compiles, and nothing is written."""
