@@ -84,7 +84,21 @@ def model_shape(ckpt: Path) -> dict[str, Any]:
         "num_kv_heads": f.num_kv_heads,
         "head_dim": f.head_dim,
         "sm_scale": f.scaling,
+        "max_position_embeddings": max_positions(cfg, where),
     }
+
+
+def max_positions(cfg: dict[str, Any], where: str) -> int | None:
+    """The model's ``max_position_embeddings`` (of its text config for a multimodal one), or None."""
+    from oscar_export.calibration.artifact import json_int
+
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    value = text.get("max_position_embeddings", cfg.get("max_position_embeddings"))
+    return None if value is None else json_int(value, f"{where}: max_position_embeddings", 1, 1 << 24)
+
+
+#: the --max_seq_len the generated README proposes (the model's own limit when it is lower).
+README_MAX_SEQ_LEN = 8192
 
 
 def check_inside(root: Path) -> None:
@@ -144,7 +158,8 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "```bash",
         "pip install --no-deps --no-index --find-links ./wheels oscar-export   # the wheel shipped here",
         "trtllm-serve serve ./checkpoint --backend pytorch --custom_module_dirs ./trtllm_module \\",
-        "    --extra_llm_api_options ./extra_llm_api_options.yaml --max_batch_size 64 --max_seq_len 8192",
+        "    --extra_llm_api_options ./extra_llm_api_options.yaml --max_batch_size 64 --max_seq_len "
+        f"{min(README_MAX_SEQ_LEN, shape.get('max_position_embeddings') or README_MAX_SEQ_LEN)}",
         "```",
         "",
         "How it plugs in: `checkpoint/config.json` names the architecture `OscarLlamaForCausalLM`, which",
@@ -271,6 +286,7 @@ def build_deployment(
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.export import read_export
+    from oscar_export.outputs import checkpoint_files, copy_checkpoint
     from oscar_export.kernels.aot.bundle import serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
@@ -284,6 +300,7 @@ def build_deployment(
         raise ValueError(f"--out {out}: overlaps the checkpoint {export_dir}; choose a directory beside it")
     check_out_dir(out, force, looks_like="deploy.json")
     check_inside(export_dir)
+    files, left_out = checkpoint_files(export_dir)  # regular files only, those of a checkpoint (oscar_export.outputs)
     shape = model_shape(export_dir)
     art = load_packaged_artifact(export_dir, section, shape)
     from oscar_export.plugins.trtllm.deployment import SUPPORTED_FAMILIES
@@ -307,7 +324,7 @@ def build_deployment(
                          f"none gives 2-bit keys everywhere)")
     specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits, decode_variant=decode_kernel)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
-        shutil.copytree(export_dir, tmp / "checkpoint")
+        copy_checkpoint(export_dir, files, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
                      packing={"key": layout.key.packing, "value": layout.value.packing}, key_bits=key_bits)
         trtllm = write_trtllm_files(tmp, layout)
@@ -327,6 +344,7 @@ def build_deployment(
             "onnx": onnx,
             "decode_kernel": decode_kernel or ("v1" if layout.packing == "linear" else "v2"),
             "trtllm_module": trtllm,
+            "left_out_of_checkpoint": left_out,
             "wheel": sorted(p.name for p in (tmp / "wheels").glob("*.whl")) if trtllm else [],
             "executed_here": {"kernel_bundle": "compiled (GPU-checked build path)", "tensorrt_llm": False, "tensorrt": False},
         }
@@ -355,6 +373,9 @@ def run(args) -> int:
     out = build_deployment(args.export, args.out, archs, onnx=args.onnx, force=args.force,
                            decode_kernel=args.decode_kernel,
                            progress=lambda i, n, name: print(f"[{i}/{n}] compiled {name}", flush=True))
+    left_out = json.loads((out / "deploy.json").read_text())["left_out_of_checkpoint"]
+    if left_out:
+        print(f"left out of {out / 'checkpoint'}: {', '.join(left_out)} (not files of a checkpoint)")
     print(f"wrote {out}: see {out / 'README.md'} for the trtllm-serve command (TensorRT-LLM not executed here)")
     return 0
 
