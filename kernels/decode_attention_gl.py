@@ -66,7 +66,7 @@ except (ImportError, AttributeError):  # pragma: no cover - exercised only on ot
     HAVE_GLUON = False
 
 from .aot import launch_plan as _plan
-from .decode_attention import window_block
+from .decode.portable import window_block
 from .layout import KVCacheLayout
 
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.

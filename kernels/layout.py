@@ -317,6 +317,14 @@ class KVCacheLayout:
             return self
         return replace(self, key=replace(self.key, bits=bits, codebook=False))
 
+    def with_packing(self, packing: str) -> "KVCacheLayout":
+        """This layout with both K and V pages in ``packing`` (the serving host's choice: ``decode.select_backend``).
+        Raises what ``RowFormat`` / the layout refuse (e.g. ``NotImplementedError`` for 4-bit keys in a packing
+        that does not hold them)."""
+        if self.key.packing == packing and self.value.packing == packing:
+            return self
+        return replace(self, key=replace(self.key, packing=packing), value=replace(self.value, packing=packing))
+
     def params_shape(self, fmt: RowFormat, num_pages: int) -> tuple[int, ...]:
         """fp16 params: token ``[N, H_kv, P, D // G, 2]``; channel ``[N, H_kv, 2, D]`` (scale row, lo row)."""
         if fmt.granularity == "token":

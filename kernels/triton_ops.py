@@ -1,76 +1,121 @@
-"""The Triton kernels as PyTorch custom ops, so ``torch.compile`` sees them without graph breaks.
-
-``torch.library.triton_op`` registers each op with a schema of tensors and plain scalars; inside, the
-kernels launch through ``torch.library.wrap_triton``, which lets Inductor trace and schedule them (and
-gives fake-tensor shape propagation for free). The Python entry points take the same arguments as the
-plain wrappers (:func:`.decode_attention.decode_attention`, :func:`.decode_step.decode_append`), run
-the same input checks and then call the op:
+"""The Triton kernels as PyTorch custom ops, so ``torch.compile(fullgraph=True)`` sees them without graph breaks.
 
 =====================================  ======================================================================
-``oscar::decode_attention``            ``[B, H, D]`` output; reads the cache (``mutates_args=()``): v1, linear pages
-``oscar::decode_attention_v2``         the same over mma16 pages (v2 "fields"/"tile" or v3 "gluon"); a
-                                       ``torch.library.custom_op``, opaque to Inductor (which cannot trace a
-                                       Gluon kernel), with a fake implementation for the output's shape
+``oscar::decode_attention``            ``[B, H, D]`` output; reads the cache (``mutates_args=()``): the
+                                       portable kernel over linear pages or the hopper (Gluon) kernel over
+                                       mma16 pages, by the layout's packing (``decode.select_backend``)
 ``oscar::decode_append``               writes one token per sequence (+ demotion when due) into the cache
 =====================================  ======================================================================
 
-:func:`decode_attention` picks the op by the layout's page packing.
+Both are ``torch.library.custom_op`` s with a fake implementation for the output's shape: opaque to Dynamo and
+Inductor, which therefore neither trace the Python around a launch nor analyse the kernels (Inductor's analysis
+of a ``triton_op``'s kernel compiles it to TTIR at every call site, twice: with two launches a layer that is
+most of a compile), and captured as they are in the step's CUDA graph.
+
+Every check is made once, by :func:`plan_decode` / :func:`plan_append`, when a cache is made (the HF cache keeps
+the plans); a traced step calls :func:`run_decode` / :func:`run_append`, which read no pointer, no device value
+and no shape-dependent Python value. :func:`decode_attention` and :func:`decode_append` are the eager entry points
+(plan + run) with the plain wrappers' signatures.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from . import decode_attention_v2 as _v2
-from .decode_attention import check_decode_inputs, launch_decode
-from .layout import KVCacheLayout, PagedKV, packing_code
+from .decode import hopper, portable
 from .decode_step import APPEND_WARPS, ROT_BLOCK, _decode_append_kernel, check_decode_append_inputs, removals
+from .layout import KVCacheLayout, PagedKV, packing_code
 from .pages import STATUS_NONFINITE
 from .transform import LayerTransform
 
-_STATE = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params",
-          "block_table", "sink_len", "num_pages", "recent_len")
+_WINDOWS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
+_BOOK = ("block_table", "sink_len", "num_pages", "recent_len")
 
 
-@torch.library.triton_op("oscar::decode_attention", mutates_args=())
+@torch.library.custom_op("oscar::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, rot: torch.Tensor, dsc: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor,
     recent_k: torch.Tensor, recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor,
     v_codes: torch.Tensor, v_params: torch.Tensor, k_levels: torch.Tensor, v_levels: torch.Tensor,
     block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor, recent_len: torch.Tensor,
-    num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float, k_channel: bool,
-    codebook: bool, rotate_q: bool, fast_unpack: bool, pages_per_split: int, out_dtype: torch.dtype,
-    group_size: int, key_bits: int,
+    hopper_kernel: bool, num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float,
+    k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool, pages_per_split: int,
+    out_dtype: torch.dtype, group_size: int, key_bits: int,
 ) -> torch.Tensor:
-    return launch_decode(
+    if hopper_kernel:
+        return hopper.launch(
+            q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+            block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
+            k_channel, rotate_q, pages_per_split, out_dtype,
+        )
+    return portable.launch_decode(
         q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
-        k_channel, codebook, rotate_q, fast_unpack, pages_per_split, out_dtype, wrap=torch.library.wrap_triton,
-        group_size=group_size, key_bits=key_bits,
+        k_channel, codebook, rotate_q, fast_unpack, pages_per_split, out_dtype, group_size=group_size,
+        key_bits=key_bits,
     )
 
 
-@torch.library.custom_op("oscar::decode_attention_v2", mutates_args=())
-def _decode_attention_v2_op(
-    q: torch.Tensor, out_dtype: torch.dtype, rot: torch.Tensor, dsc: torch.Tensor, sink_k: torch.Tensor,
-    sink_v: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor,
-    v_codes: torch.Tensor, v_params: torch.Tensor, k_levels: torch.Tensor, v_levels: torch.Tensor,
-    block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor, recent_len: torch.Tensor,
-    num_kv_heads: int, page_size: int, sink: int, recent_slots: int, scale: float, k_channel: bool,
-    codebook: bool, rotate_q: bool, fast_unpack: bool, pages_per_split: int, variant: str, num_warps: int,
-    num_stages: int,
-) -> torch.Tensor:
-    return _v2.launch_decode_v2(
-        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
-        k_channel, codebook, rotate_q, pages_per_split, out_dtype, num_warps, num_stages, variant=variant,
-        fast_unpack=fast_unpack,
-    )
-
-
-@_decode_attention_v2_op.register_fake
-def _(q, out_dtype, *_):
+@_decode_attention_op.register_fake
+def _(q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+      block_table, sink_len, num_pages, recent_len, hopper_kernel, num_kv_heads, page_size, sink, recent_slots, scale,
+      k_channel, codebook, rotate_q, fast_unpack, pages_per_split, out_dtype, group_size, key_bits):
     return q.new_empty(q.shape, dtype=out_dtype)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One layer's decode launch, checked (:func:`plan_decode`): everything but the tensors and the scale."""
+
+    hopper_kernel: bool
+    num_kv_heads: int
+    page_size: int
+    sink: int
+    recent_slots: int
+    k_channel: bool
+    codebook: bool
+    rotate_q: bool
+    fast_unpack: bool
+    pages_per_split: int
+    out_dtype: torch.dtype
+    group_size: int
+    key_bits: int
+
+
+def plan_decode(
+    q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor,
+    scale: float, *, q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32, pages_per_split: int | None = None,
+) -> tuple[DecodePlan, torch.Tensor, torch.Tensor]:
+    """Every check of a decode launch (``q`` may be any tensor of the step's query shape, dtype and device);
+    returns ``(plan, R, d)``: ``R``/``d`` the query rotation as the kernels take it (placeholders without one).
+    The kernel follows the page packing: mma16 -> hopper, linear -> portable (``decode.select_backend`` chose)."""
+    if layout.packing == "mma16":
+        rot, dsc, pps = hopper.check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation,
+                                                   out_dtype, pages_per_split)
+    else:
+        rot, dsc, pps = portable.check_decode_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation,
+                                                     out_dtype, pages_per_split)
+    codebook = bool(layout.key.codebook or layout.value.codebook)
+    plan = DecodePlan(
+        layout.packing == "mma16", layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots,
+        layout.key.granularity == "channel", codebook, q_rotation is not None,
+        q.device.type == "cuda" and not codebook, pps, out_dtype, layout.value.group_size, layout.key.bits,
+    )
+    return plan, rot, dsc
+
+
+def run_decode(plan: DecodePlan, q: torch.Tensor, state: PagedKV, k_levels: torch.Tensor, v_levels: torch.Tensor,
+               rot: torch.Tensor, dsc: torch.Tensor, scale: float) -> torch.Tensor:
+    """``oscar::decode_attention`` on a checked plan (no checks: what a traced step calls)."""
+    p = plan
+    return torch.ops.oscar.decode_attention(
+        q, rot, dsc, *(getattr(state, f) for f in _WINDOWS), k_levels, v_levels, *(getattr(state, f) for f in _BOOK),
+        p.hopper_kernel, p.num_kv_heads, p.page_size, p.sink, p.recent_slots, float(scale), p.k_channel, p.codebook,
+        p.rotate_q, p.fast_unpack, p.pages_per_split, p.out_dtype, p.group_size, p.key_bits,
+    )
 
 
 def decode_attention(
@@ -84,44 +129,15 @@ def decode_attention(
     q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     pages_per_split: int | None = None,
-    variant: str | None = None,
 ) -> torch.Tensor:
-    """Decode attention through the custom ops: :func:`.decode_attention.decode_attention` (``oscar::decode_attention``)
-    for linear pages, :func:`.decode_attention_v2.decode_attention` (``oscar::decode_attention_v2``) for mma16 pages.
-
-    ``variant``: the mma16 kernel (``decode_attention_v2.KERNELS``: ``"fields"``, the default, ``"tile"`` or
-    ``"gluon"``); linear pages have one kernel and take None."""
-    if layout.packing != "linear":
-        return _decode_attention_mma16(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
-                                       pages_per_split, variant or "fields")
-    if variant is not None:
-        raise ValueError(f"variant {variant!r}: linear pages have one decode kernel (v1); variants are for mma16 pages")
-    rot, dsc, pps = check_decode_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
-                                        pages_per_split)
-    codebook = layout.key.codebook or layout.value.codebook
-    return torch.ops.oscar.decode_attention(
-        q, rot, dsc, *(getattr(state, f) for f in _STATE[:8]), k_levels, v_levels,
-        *(getattr(state, f) for f in _STATE[8:]), layout.num_kv_heads, layout.page_size,
-        layout.sink, layout.recent_slots, float(scale), layout.key.granularity == "channel", codebook,
-        q_rotation is not None, q.device.type == "cuda" and not codebook, pps, out_dtype, layout.value.group_size,
-        layout.key.bits,
-    )
+    """``reference.decode_attention`` through ``oscar::decode_attention`` (arguments as the portable wrapper's):
+    :func:`plan_decode`, then :func:`run_decode`."""
+    plan, rot, dsc = plan_decode(q, state, layout, k_levels, v_levels, scale, q_rotation=q_rotation,
+                                 out_dtype=out_dtype, pages_per_split=pages_per_split)
+    return run_decode(plan, q, state, k_levels, v_levels, rot, dsc, scale)
 
 
-def _decode_attention_mma16(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split,
-                            variant: str) -> torch.Tensor:
-    rot, dsc, pps, codebook = _v2.check_decode_v2_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation,
-                                                          out_dtype, pages_per_split, variant, None)
-    num_warps, num_stages = _v2.launch_options(variant, None, None)
-    return torch.ops.oscar.decode_attention_v2(
-        q, out_dtype, rot, dsc, *(getattr(state, f) for f in _STATE[:8]), k_levels, v_levels,
-        *(getattr(state, f) for f in _STATE[8:]), layout.num_kv_heads, layout.page_size,
-        layout.sink, layout.recent_slots, float(scale), layout.key.granularity == "channel", codebook,
-        q_rotation is not None, q.device.type == "cuda" and not codebook, pps, variant, num_warps, num_stages,
-    )
-
-
-@torch.library.triton_op(
+@torch.library.custom_op(
     "oscar::decode_append",
     mutates_args=("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params",
                   "status"),
@@ -137,8 +153,9 @@ def _decode_append_op(
     key_bits: int,
 ) -> None:
     bsz, h, d = k.shape
-    torch.library.wrap_triton(_decode_append_kernel)[(bsz, h)](
-        k, v, k, k, k_rotation,  # q_ptr, q_rot_ptr: unread (ROTATE_Q off) k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
+    _decode_append_kernel[(bsz, h)](
+        k, v, k, k,  # q_ptr, q_rot_ptr: not read (ROTATE_Q off)
+        k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
         k_codes, k_params, v_codes, v_params, k_removals, v_removals, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, status, block_table.shape[1],
         H_KV=h, P=page_size, D=d, G=group_size, S0=sink, C=recent_slots, RCAP=recent_capacity,
@@ -147,22 +164,65 @@ def _decode_append_op(
     )
 
 
+@_decode_append_op.register_fake
+def _(*args):
+    return None
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """One layer's decode-step write, checked (:func:`plan_append`): its removals and constants."""
+
+    k_removals: torch.Tensor
+    v_removals: torch.Tensor
+    page_size: int
+    sink: int
+    recent_slots: int
+    recent_capacity: int
+    group_size: int
+    k_channel: bool
+    fused_transform: bool
+    k_packing: int
+    v_packing: int
+    key_bits: int
+
+
+def plan_append(
+    state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor, layout: KVCacheLayout,
+    transform: LayerTransform, *, fused_transform: bool = False,
+    group_removals: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> AppendPlan:
+    """Every check of a decode-step write (``k``, ``v`` any tensors of the step's shape, dtype and device)."""
+    check_decode_append_inputs(state, k, v, status, layout, transform)
+    k_rem, v_rem = group_removals if group_removals is not None else removals(layout, transform)
+    return AppendPlan(k_rem, v_rem, layout.page_size, layout.sink, layout.recent_slots, layout.recent_capacity,
+                      layout.value.group_size, layout.key.granularity == "channel", fused_transform,
+                      packing_code(layout.key, "key"), packing_code(layout.value, "value"), layout.key.bits)
+
+
+def run_append(plan: AppendPlan, state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor,
+               transform: LayerTransform) -> None:
+    """``oscar::decode_append`` on a checked plan (no checks: what a traced step calls)."""
+    p, tr = plan, transform
+    torch.ops.oscar.decode_append(
+        k, v, tr.k_rotation, tr.k_scale, tr.k_mean, tr.v_mean, *(getattr(state, f) for f in _WINDOWS),
+        p.k_removals, p.v_removals, tr.k_levels, tr.v_levels, *(getattr(state, f) for f in _BOOK), status,
+        p.page_size, p.sink, p.recent_slots, p.recent_capacity, p.group_size, p.k_channel, p.fused_transform,
+        p.k_packing, p.v_packing, p.key_bits,
+    )
+
+
 def decode_append(
     state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor, layout: KVCacheLayout,
     transform: LayerTransform, *, fused_transform: bool = False,
     group_removals: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """:func:`.decode_step.decode_append` through the ``oscar::decode_append`` custom op."""
-    check_decode_append_inputs(state, k, v, status, layout, transform)
-    tr = transform
-    k_rem, v_rem = group_removals if group_removals is not None else removals(layout, tr)
-    torch.ops.oscar.decode_append(
-        k, v, tr.k_rotation, tr.k_scale, tr.k_mean, tr.v_mean, *(getattr(state, f) for f in _STATE[:8]),
-        k_rem, v_rem, tr.k_levels, tr.v_levels, *(getattr(state, f) for f in _STATE[8:]), status,
-        layout.page_size, layout.sink, layout.recent_slots, layout.recent_capacity, layout.value.group_size,
-        layout.key.granularity == "channel", fused_transform, packing_code(layout.key, "key"),
-        packing_code(layout.value, "value"), layout.key.bits,
-    )
+    """:func:`.decode_step.decode_append` through ``oscar::decode_append``: :func:`plan_append`, then
+    :func:`run_append`."""
+    plan = plan_append(state, k, v, status, layout, transform, fused_transform=fused_transform,
+                       group_removals=group_removals)
+    run_append(plan, state, k, v, status, transform)
 
 
-__all__ = ["decode_append", "decode_attention"]
+__all__ = ["AppendPlan", "DecodePlan", "decode_append", "decode_attention", "plan_append", "plan_decode",
+           "run_append", "run_decode"]

@@ -45,7 +45,7 @@ TRITON_DEFAULT_STAGES = 3
 #: plugin tensor names that are not the kernel parameter name minus ``_ptr``.
 TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
 
-_DA = "oscar_export.kernels.decode_attention"
+_DA = "oscar_export.kernels.decode.portable"
 _DS = "oscar_export.kernels.decode_step"
 _DA2 = "oscar_export.kernels.decode_attention_v2"
 _DAG = "oscar_export.kernels.decode_attention_gl"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..decode_attention import _decode_split_kernel, _merge_kernel
+from ..decode.portable import _decode_split_kernel, _merge_kernel
 
 
 @triton.jit

@@ -35,9 +35,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
-from oscar_export.kernels.decode_attention import PAGE_SLOTS
-from oscar_export.kernels.decode_attention_v2 import default_pages_per_split
-from oscar_export.kernels.decode_step import removals
+from oscar_export.kernels.decode import DecodeBackend
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.pages import PageBook
 from oscar_export.kernels.transform import LayerTransform
@@ -110,16 +108,16 @@ class OscarLayer(OscarCacheLayer):
         self.batch_size = book.batch
         self.transform = _contiguous(transform.to(book.device))
         self.flags = TransformFlags.of(self.transform)
-        self.group_removals = removals(layout, self.transform)
-        self.decode_variant = cache.decode_variant
-        self.pages_per_split = default_pages_per_split(self.decode_variant, book.batch, layout.num_kv_heads,
-                                                       book.max_pages, self.device, PAGE_SLOTS, layout.head_dim)
         state = PagedKV.allocate(layout, book.batch, book.num_pool_pages, book.max_pages, device=book.device,
                                  dtype=dtype)
         #: the state as the committed lengths describe it (what a reader between steps sees)
         self.state = book.state_view(state, book.committed)
         #: the state as the step in flight will leave it (what that step's attention reads)
         self.step_state = book.state_view(state, book.in_step)
+        #: the backend's checked launch plans (``ops.prepare``; None: the backend keeps none)
+        self.append_plan = self.decode_plan = None
+        if ops.prepare is not None:
+            ops.prepare(self)
         self.is_initialized = True
 
     # ---- transformers' CacheLayerMixin interface (the rest: cache_layer.OscarCacheLayer) ----------------------
@@ -188,6 +186,10 @@ class OscarCache(Cache):
         max_length: most tokens one slot may hold (prompt + generated); its pages are reserved up front.
         device, dtype: where and in which float dtype the windows live (fp32 on CPU, BF16 on GPU).
         backend: ``"torch"`` (reference), ``"torch.compile"``, ``"triton"`` or a ``CacheOps`` (``ops.py``).
+        decode_backends: one ``kernels.decode.DecodeBackend`` per layer (``enable_oscar`` picks them with
+            ``select_backend``): the layer's decode kernel and so its page packing; None: the layout's packing.
+        num_heads: the model's query heads; with them the backend checks and plans its launches now, not in the
+            first decode step.
         sliding_layers, sliding_window: layers with a sliding window (Gemma 3's local layers) and its width W:
             they get a :class:`~.sliding.SlidingLayer` (a model-dtype ring of W tokens) instead of an
             :class:`OscarLayer`; their entries of ``transforms`` are not read (the family table says which).
@@ -198,7 +200,8 @@ class OscarCache(Cache):
     def __init__(
         self, layout: KVCacheLayout, transforms, batch_size: int, max_length: int, *,
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
-        sliding_layers=(), sliding_window: int | None = None, key_bits=None, decode_variant: str | None = None,
+        sliding_layers=(), sliding_window: int | None = None, key_bits=None,
+        decode_backends: "tuple[DecodeBackend, ...] | None" = None, num_heads: int | None = None,
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
@@ -212,8 +215,14 @@ class OscarCache(Cache):
         ops = get_ops(backend)
         self.book = PageBook(layout, batch_size, max_length, device)
         self.key_bits = key_bits
-        #: the mma16 decode kernel the Triton backend launches (``enable_oscar(decode_variant=...)``); None: default
-        self.decode_variant = decode_variant
+        if decode_backends is not None and len(decode_backends) != len(transforms):
+            raise ValueError(f"decode_backends: expected one per layer ({len(transforms)}), got {len(decode_backends)}")
+        #: each layer's decode backend (``kernels.decode.select_backend``: it fixes the layer's page packing); None:
+        #: the layout's packing in every layer
+        self.decode_backends = tuple(decode_backends) if decode_backends is not None else None
+        #: query heads of the model (``enable_oscar`` passes them): the backend checks its launches when the cache
+        #: is made; None: at the first decode step
+        self.num_heads = num_heads
         self.layout = layout
         self.max_length = max_length
         self.active_slots: list[int] = list(range(batch_size))
@@ -238,8 +247,11 @@ class OscarCache(Cache):
                 torch._dynamo.mark_static_address(t)
 
     def layer_layout(self, i: int) -> KVCacheLayout:
-        """The layout of layer ``i``: the base layout with its ``key_bits[i]``-bit keys."""
-        return self.layout.with_key_bits(self.key_bits[i])
+        """The layout of layer ``i``: the base layout with its ``key_bits[i]``-bit keys, its pages in the packing of
+        its decode backend (``decode_backends[i]``, when given)."""
+        if self.decode_backends is None:
+            return self.layout.with_key_bits(self.key_bits[i])
+        return self.decode_backends[i].layout(self.layout.with_packing("linear").with_key_bits(self.key_bits[i]))
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""

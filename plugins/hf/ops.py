@@ -37,6 +37,8 @@ class CacheOps:
     decode_append: Callable
     decode_attention: Callable
     chunk_attention: Callable
+    #: ``(layer) -> None``, called once per layer when a cache is made (checks and launch plans), or None
+    prepare: Callable | None = None
 
 
 def ref_write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch.Tensor) -> None:

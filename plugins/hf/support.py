@@ -10,7 +10,6 @@ naming the architecture or the feature.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from dataclasses import dataclass
@@ -22,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_export.calibration.families import FAMILIES, ModelAttention, family_for
+from oscar_export.kernels.decode import DecodeBackend, select_backend
+from oscar_export.kernels.decode.backend import have_triton
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
@@ -82,7 +83,8 @@ class OscarSetup:
     ops: CacheOps
     previous_attn_implementation: str
     key_bits: tuple[int, ...] | None = None
-    decode_variant: str | None = None
+    #: each layer's decode backend (``kernels.decode.select_backend``), which fixes its page packing
+    decode_backends: tuple[DecodeBackend, ...] | None = None
 
     def make_cache(self, batch_size: int, max_length: int) -> OscarCache:
         """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
@@ -91,7 +93,7 @@ class OscarSetup:
         return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
                           backend=self.ops, sliding_layers=self.shape.sliding_layers,
                           sliding_window=self.shape.sliding_window, key_bits=self.key_bits,
-                          decode_variant=self.decode_variant)
+                          decode_backends=self.decode_backends, num_heads=self.shape.num_heads)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
@@ -109,7 +111,7 @@ def resolve_backend(model: Any, backend: str | CacheOps) -> str | CacheOps:
     if backend != "auto":
         return backend
     p = next(model.parameters())
-    if p.is_cuda and p.dtype == torch.bfloat16 and importlib.util.find_spec("triton") is not None:
+    if p.is_cuda and p.dtype == torch.bfloat16 and have_triton():
         return "triton"
     return "torch"
 
@@ -124,7 +126,6 @@ def enable_oscar(
     k_clip: float = 1.0,
     v_clip: float = 1.0,
     key_bits: Sequence[int] | None = None,
-    decode_variant: str | None = None,
 ) -> OscarSetup:
     """Switch ``model`` to the OSCAR cache: validate it, register and select the ``"oscar"`` attention.
 
@@ -143,11 +144,6 @@ def enable_oscar(
             BF16): identity rotation with per-token keys agreed on 2/32 tokens, with per-channel keys 28/32.
         key_bits: without an artifact, the key code width of each layer (``layout.CODE_BITS``; e.g. 4-bit keys
             in some layers for a speed or memory benchmark); an artifact carries its own.
-        decode_variant: with ``backend="triton"`` and mma16 pages (``RowFormat.packing``), the decode kernel
-            (``kernels.decode_attention_v2.KERNELS``: ``"fields"``, ``"tile"``, or ``"gluon"``, the Gluon kernel,
-            Hopper only); None picks ``decode_attention_v2.default_variant`` ("gluon" where it runs — a model on
-            a Hopper GPU, uniform codes, the head shapes it takes — else "fields", the reason logged at INFO).
-            Must be None otherwise (linear pages have one kernel, v1).
     Returns:
         an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
         ``past_key_values``.
@@ -170,45 +166,43 @@ def enable_oscar(
         layout, transforms = art.layout, list(art.transforms)
         key_bits = tuple(getattr(art, "key_bits", ())) or None
     _check_layout(layout, transforms, shape)
-    if decode_variant is not None and (ops.name != "triton" or layout.packing != "mma16"):
-        raise ValueError(f"decode_variant {decode_variant!r}: picks the Triton kernel of mma16 pages; this setup has "
-                         f"backend {ops.name!r} and {layout.packing!r} pages")
-    if ops.name == "triton" and layout.packing == "mma16":  # v2 / v3: checked now, not at the first decode step
-        from oscar_export.kernels import decode_attention_gl, decode_attention_v2
-
-        device = next(model.parameters()).device
-        if decode_variant is None:
-            decode_variant, why = decode_attention_v2.default_variant(layout, shape.num_heads, device)
-            if why:
-                log.info("enable_oscar: mma16 pages decode with v2 'fields', not v3 'gluon': %s", why)
-        if decode_variant not in decode_attention_v2.KERNELS:
-            raise ValueError(f"decode_variant: expected one of {sorted(decode_attention_v2.KERNELS)}, "
-                             f"got {decode_variant!r}")
-        if any(b != layout.key.bits for b in key_bits or ()):
-            raise NotImplementedError("backend 'triton': mma16 pages hold 2-bit keys only; 4-bit key layers use "
-                                      "linear pages (the v1 kernel)")
-        decode_attention_v2.check_decode_v2_layout(layout, shape.num_heads)
-        if decode_variant == "gluon":
-            decode_attention_gl.check_gluon_layout(layout, shape.num_heads,
-                                                   bool(layout.key.codebook or layout.value.codebook))
-            if device.type == "cuda":  # a model still on the CPU is checked at its first decode step
-                decode_attention_gl.check_gluon_device(device)
-    elif ops.name == "triton":  # what the GPU kernels refuse is refused now, not at the first decode step
-        from oscar_export.kernels.decode_attention import check_decode_layout
-
-        for bits in sorted(set(key_bits or (layout.key.bits,))):
-            try:
-                check_decode_layout(layout.with_key_bits(bits))
-            except NotImplementedError as e:
-                if bits == layout.key.bits:
-                    raise
-                raise NotImplementedError(f"backend 'triton': this artifact stores {bits}-bit keys in layers "
-                                          f"{[i for i, b in enumerate(key_bits) if b == bits]}, which the Triton "
-                                          f"kernels do not read yet ({e}); use backend='torch'") from e
+    backends = _decode_backends(model, ops, layout, key_bits, shape)
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits, decode_variant)
+    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits, backends)
+
+
+def _decode_backends(model: Any, ops: CacheOps, layout: KVCacheLayout, key_bits: tuple[int, ...] | None,
+                     shape: AttentionShape) -> tuple[DecodeBackend, ...]:
+    """Each layer's decode backend (``select_backend`` on the model's device; the Triton ops take the portable
+    kernel where it says "reference", e.g. a model still on the CPU), checked now, not at the first decode step:
+    a layout the chosen kernel does not read raises here."""
+    device = next(model.parameters()).device
+    bits = key_bits or (layout.key.bits,) * shape.num_layers
+    base = layout.with_packing("linear")
+    chosen: dict[int, DecodeBackend] = {}
+    for b in sorted(set(bits)):
+        lay = base.with_key_bits(b)
+        if ops.name != "triton":
+            chosen[b] = DecodeBackend("reference", f"backend {ops.name!r}")
+            continue
+        backend = select_backend(lay, device, shape.num_heads)
+        if backend.name == "reference":
+            backend = DecodeBackend("portable", backend.why)
+        if backend.name == "portable":
+            from oscar_export.kernels.decode.portable import check_decode_layout
+
+            try:
+                check_decode_layout(lay)
+            except NotImplementedError as e:
+                layers = [i for i, x in enumerate(bits) if x == b]
+                raise NotImplementedError(f"backend 'triton': layers {layers} ({b}-bit keys) have a format the "
+                                          f"Triton kernels do not read ({e}); use backend='torch'") from e
+            if device.type == "cuda":
+                log.info("enable_oscar: %d-bit key layers decode with the portable kernel: %s", b, backend.why)
+        chosen[b] = backend
+    return tuple(chosen[b] for b in bits)
 
 
 def cache_kwargs(model: Any, cache: OscarCache) -> dict[str, OscarCache]:

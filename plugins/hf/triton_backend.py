@@ -5,14 +5,14 @@
                        ``kernels.quant_pack.write_pages`` (bit-exact with the reference quantizer)
 ``decode_append``      ``oscar::decode_append``: one launch (key transform fused unless it is the identity,
                        NaN/Inf check, demotion when due, the token)
-``decode_attention``   ``oscar::decode_attention`` (linear pages) or ``oscar::decode_attention_v2`` (mma16
-                       pages, the layer's ``decode_variant``): split + merge, the query transform fused in
-                       the prologue, output in the model dtype
+``decode_attention``   ``oscar::decode_attention``: the layer's decode backend (``kernels.decode.select_backend``,
+                       by its page packing): split + merge, the query transform fused, output in the model dtype
 ``chunk_attention``    the reference (no Triton chunked-prefill kernel yet)
 =====================  ====================================================================================
 
 The windows must be BF16 (the cache's GPU default). Both decode ops are ``torch.library`` custom ops, so
-``torch.compile`` traces them without a graph break.
+``torch.compile`` traces them without a graph break; every check of a launch is made by :func:`prepare`, when the
+cache is made, so a traced step reads no pointer and no device value.
 """
 
 from __future__ import annotations
@@ -41,22 +41,44 @@ def write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch
     reference.write_tokens(state, b, start, k_s, v_s, layer.layout, layer.transform, write=_write)
 
 
+def prepare(layer) -> None:
+    """Check and plan the layer's two decode-step launches (``kernels.triton_ops.plan_append`` / ``plan_decode``)
+    on tensors of the step's shapes; the plans are kept on the layer. Needs the model's query heads
+    (``cache.num_heads``); without them the plans are made by the first decode step (eager only)."""
+    if layer.cache.num_heads is not None:
+        _plan(layer, layer.batch_size, layer.cache.num_heads)
+
+
+def _plan(layer, batch: int, num_heads: int) -> None:
+    from oscar_export.kernels import triton_ops
+
+    lay, tr = layer.layout, layer.transform
+    kv = torch.empty(batch, lay.num_kv_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
+    q = torch.empty(batch, num_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
+    fused = not layer.flags.keys_identity or not layer.flags.values_centered
+    layer.append_plan = triton_ops.plan_append(layer.state, kv, kv, layer.cache.book.status, lay, tr,
+                                               fused_transform=fused)
+    rot = None if layer.flags.keys_identity else (tr.k_rotation, tr.k_scale)
+    layer.decode_plan = triton_ops.plan_decode(q, layer.step_state, lay, tr.k_levels, tr.v_levels, 1.0,
+                                               q_rotation=rot, out_dtype=layer.dtype)
+
+
 def decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor) -> None:
     from oscar_export.kernels import triton_ops
 
-    triton_ops.decode_append(state, k, v, status, layer.layout, layer.transform,
-                             fused_transform=not layer.flags.keys_identity or not layer.flags.values_centered,
-                             group_removals=layer.group_removals)
+    if layer.append_plan is None:
+        _plan(layer, k.shape[0], layer.cache.num_heads or k.shape[1])
+    triton_ops.run_append(layer.append_plan, state, k, v, status, layer.transform)
 
 
 def decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
     from oscar_export.kernels import triton_ops
 
+    if layer.decode_plan is None or layer.decode_plan[0].out_dtype != q.dtype:
+        _plan(layer, q.shape[0], q.shape[1])
+    plan, rot, dsc = layer.decode_plan
     tr = layer.transform
-    rot = None if layer.flags.keys_identity else (tr.k_rotation, tr.k_scale)
-    return triton_ops.decode_attention(q, state, layer.layout, tr.k_levels, tr.v_levels, scale, q_rotation=rot,
-                                       out_dtype=q.dtype, pages_per_split=layer.pages_per_split,
-                                       variant=layer.decode_variant)
+    return triton_ops.run_decode(plan, q, state, tr.k_levels, tr.v_levels, rot, dsc, scale)
 
 
 def triton_ops() -> CacheOps:
@@ -65,7 +87,7 @@ def triton_ops() -> CacheOps:
         import triton  # noqa: F401
     except ImportError as e:
         raise ImportError("backend 'triton' needs Triton: pip install 'oscar-export[triton]'") from e
-    return CacheOps("triton", write_tokens, decode_append, decode_attention, ref_chunk_attention)
+    return CacheOps("triton", write_tokens, decode_append, decode_attention, ref_chunk_attention, prepare)
 
 
-__all__ = ["decode_append", "decode_attention", "triton_ops", "write_tokens"]
+__all__ = ["decode_append", "decode_attention", "prepare", "triton_ops", "write_tokens"]

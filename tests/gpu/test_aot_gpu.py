@@ -305,7 +305,7 @@ def _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, what):
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", SOURCES)
 def test_decode_attention(bundles, where, source, lay, cuda):
-    from oscar_export.kernels import decode_attention as jit_mod
+    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
 
     layout = layouts()[lay]
@@ -351,7 +351,7 @@ def test_decode_attention(bundles, where, source, lay, cuda):
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", [("cpu", "cubin"), ("cpu", "ptx")])
 def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
-    from oscar_export.kernels import decode_attention as jit_mod
+    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import layout_tag
     from oscar_export.plugins.trtllm.device import AotCacheOps
@@ -395,7 +395,7 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
     """Prefill three prompts, then decode 140 steps the way the TensorRT-LLM module does (the page book's step
     around the AOT device ops: write at the committed length, one decode_append per step, commit); after
     every step the cache equals reference.append_tokens'."""
-    from oscar_export.kernels import decode_attention as jit_mod
+    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import layout_tag
     from oscar_export.kernels.layout import PagedKV

@@ -88,47 +88,55 @@ def test_mixed_key_bits_triton_matches_reference_ops(gran):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("variant", ["fields", "gluon"])
-def test_mma16_pages_triton_matches_reference_ops(variant):
-    """Issue 11: mma16 pages through the Triton backend (prefill write, decode_append demotions, the v2 "fields" or
-    the v3 Gluon decode kernel behind ``oscar::decode_attention_v2``) agree with the reference ops as linear pages do."""
+@pytest.mark.parametrize("backend", ["hopper", "portable"])
+def test_each_decode_backend_matches_reference_ops(backend):
+    """Issue 26: each Triton decode backend (its packing written by the prefill and the decode-step demotions, its
+    kernel reading them) agrees with the reference ops; the layout's own packing (mma16 here) does not matter."""
+    from dataclasses import replace
+
+    from oscar_export.kernels.decode import DecodeBackend
     from oscar_export.kernels.layout import KVCacheLayout
 
+    if backend == "hopper" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper backend runs on sm_90")
     model = model_of(kv_heads=4, head_dim=64)
     lay = KVCacheLayout.default(4, 64, "channel", packing="mma16", page_size=64)
     prompt = torch.randint(0, 512, (1, 700), device="cuda")
     tokens = torch.randint(0, 512, (130,), device="cuda")
-    with enable_oscar(model, layout=lay, decode_variant=variant) as setup:
+    with enable_oscar(model, layout=lay) as setup:
         assert setup.ops.name == "triton"
+        setup = replace(setup, decode_backends=(DecodeBackend(backend),) * 4)
         got = forced_logits(model, setup, prompt, tokens)
     with enable_oscar(model, layout=lay, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
     assert torch.isfinite(got).all()
     rel, top1 = agreement(got, want)
-    print(f"mma16 pages ({variant}), triton vs torch: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
+    print(f"{backend} backend, triton vs torch: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
     assert rel < 2e-2, rel
     assert top1 >= 0.95, top1
 
 
-def test_mma16_pages_default_to_gluon_on_hopper_with_the_plans_split():
-    """Issue 11: with mma16 pages and no ``decode_variant``, a model on the H200 decodes with v3 ("gluon"), each
-    layer splitting its pages by the launch plan's wave rule (``gl_pages_per_split``)."""
+def test_select_backend_on_this_gpu_with_the_plans_split():
+    """Issue 26: on the H200 ``enable_oscar`` picks the hopper backend (mma16 pages) for 2-bit key layers and each
+    layer splits its pages by the launch plan's wave rule; the 4-bit key layers get what ``select_backend`` says."""
     from oscar_export.kernels.aot.launch_plan import gl_pages_per_split
+    from oscar_export.kernels.decode import select_backend
     from oscar_export.kernels.layout import KVCacheLayout
 
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("v3 is the default on Hopper only")
+        pytest.skip("the hopper backend is chosen on sm_90 only")
     model = model_of(kv_heads=4, head_dim=64)
-    lay = KVCacheLayout.default(4, 64, "channel", packing="mma16", page_size=64)
-    with enable_oscar(model, layout=lay) as setup:
-        assert setup.decode_variant == "gluon"
+    lay = KVCacheLayout.default(4, 64, "channel", page_size=64)
+    with enable_oscar(model, layout=lay, key_bits=(2, 4, 2, 4)) as setup:
+        k4 = select_backend(lay.with_key_bits(4), torch.device("cuda"), 16).name
+        assert [b.name for b in setup.decode_backends] == ["hopper", k4, "hopper", k4]
         cache = setup.make_cache(2, 8192)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         want = gl_pages_per_split(2, 4, cache.book.max_pages, sms, 64)
-        assert [layer.decode_variant for layer in cache.layers] == ["gluon"] * 4
-        assert [layer.pages_per_split for layer in cache.layers] == [want] * 4
-        print(f"mma16 default on {torch.cuda.get_device_name()}: gluon, {want} pages a split "
-              f"({cache.book.max_pages} pages)")
+        assert [layer.layout.packing for layer in cache.layers[::2]] == ["mma16"] * 2
+        assert [layer.decode_plan[0].pages_per_split for layer in cache.layers[::2]] == [want] * 2
+        print(f"on {torch.cuda.get_device_name()}: 2-bit key layers hopper, {want} pages a split "
+              f"({cache.book.max_pages} pages); 4-bit key layers {k4}")
 
 
 @torch.no_grad()
@@ -275,3 +283,37 @@ def test_generate_with_a_compile_config():
     print(f"generate with compile_config vs eager: {agree:.2f} of 24 greedy tokens agree")
     assert got.shape == eager.shape and cache.sequence_lengths() == [600 + 23]
     assert torch.equal(got[0, 600:604], eager[0, 600:604])
+
+
+@torch.no_grad()
+def test_readme_loop_with_a_calibrated_shape_artifact():
+    """Issue 26: the README loop (``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``) with an
+    artifact of a calibrated model's shape (rotated and scaled keys, means, channel keys, 4-bit keys in half the
+    layers: ``bench_e2e.random_artifact``) on the backends ``select_backend`` picks, against the eager forward over
+    steps that cross a demotion."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).parents[2] / "benchmarks/bench_e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = model_of(kv_heads=8, head_dim=128, heads=32)
+    art = bench.random_artifact(model)
+    with enable_oscar(model, art) as setup:
+        print("backends:", [b.name for b in setup.decode_backends])
+        comp, tok = _prefilled(model, setup, 2, 1000, 0)
+        ref, _ = _prefilled(model, setup, 2, 1000, 0)
+        f = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        pos = torch.full((2, 1), 1000, device="cuda")
+        worst, same = 0.0, 0
+        for i in range(70):
+            got = f(tok, position_ids=pos, **cache_kwargs(model, comp)).logits.float()
+            want = model(tok, position_ids=pos, **cache_kwargs(model, ref)).logits.float()
+            worst = max(worst, ((got - want).norm() / want.norm()).item())
+            same += int(torch.equal(got.argmax(-1), want.argmax(-1)))
+            tok, pos = want[:, -1:].argmax(-1), pos + 1
+        print(f"README loop vs eager, calibrated-shape artifact, 70 steps: max relative logit error {worst:.2e}, "
+              f"{same}/70 steps with the same greedy tokens")
+        assert comp.sequence_lengths() == ref.sequence_lengths() == [1070, 1070]
+        assert bool((comp.step_status() == 0).all())
+        assert worst < 2e-2

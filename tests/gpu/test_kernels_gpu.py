@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from oscar_export.kernels import reference as ref  # noqa: E402
-from oscar_export.kernels.decode_attention import decode_attention  # noqa: E402
+from oscar_export.kernels.decode.portable import decode_attention  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
 from oscar_export.kernels.quant_pack import quantize_pages  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402

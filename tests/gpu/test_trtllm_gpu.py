@@ -128,7 +128,7 @@ def test_decode_step_aot_equals_jit(ops, cuda):
 
 
 def test_decode_aot_equals_jit(ops, cuda):
-    from oscar_export.kernels.decode_attention import decode_attention
+    from oscar_export.kernels.decode.portable import decode_attention
 
     t = _transform(cuda)
     st = _state(cuda, [1, 17, 80, 16 + 5 * 16 + 40])
@@ -143,7 +143,7 @@ def test_4bit_key_ops_aot_equal_jit(cuda, tmp_path_factory):
     """Issue 17: the bundle's ``_k4`` kernels (a layer with 4-bit key pages) through the adapter's device ops:
     the decode step's bytes and status and the decode attention equal to the JIT kernels'. Written in session 6
     without a GPU: NOT RUN yet."""
-    from oscar_export.kernels.decode_attention import decode_attention
+    from oscar_export.kernels.decode.portable import decode_attention
     from oscar_export.kernels.decode_step import decode_append
 
     lay = _layout().with_key_bits(4)
@@ -214,7 +214,7 @@ class JitCacheOps:
         decode_append(state, k.contiguous(), v.contiguous(), status, self.layout, transform)
 
     def decode(self, q, state, transform, pages_per_split):
-        from oscar_export.kernels.decode_attention import decode_attention
+        from oscar_export.kernels.decode.portable import decode_attention
 
         return decode_attention(q, state, self.layout, transform.k_levels, transform.v_levels, SCALE,
                                 q_rotation=(transform.k_rotation, transform.k_scale), out_dtype=torch.bfloat16,

@@ -85,11 +85,5 @@ def ds(request) -> ModuleType:
 
 @pytest.fixture
 def da(request) -> ModuleType:
-    """``kernels.decode_attention`` as it runs here (see the module doc)."""
-    return _kernel_module(request, "decode_attention")
-
-
-@pytest.fixture
-def da2(request) -> ModuleType:
-    """``kernels.decode_attention_v2`` as it runs here (see the module doc)."""
-    return _kernel_module(request, "decode_attention_v2")
+    """``kernels.decode.portable`` as it runs here (see the module doc)."""
+    return _kernel_module(request, "decode.portable")

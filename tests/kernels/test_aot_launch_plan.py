@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from oscar_export.kernels import decode_attention as da  # noqa: E402
+from oscar_export.kernels.decode import portable as da  # noqa: E402
 from oscar_export.kernels import decode_step as ds  # noqa: E402
 from oscar_export.kernels import quant_pack as qp  # noqa: E402
 from oscar_export.kernels.aot import launch_plan as lp  # noqa: E402
@@ -159,6 +159,23 @@ def test_jit_decode_step_launches_the_plan(monkeypatch, fused):
                   {"B": 2}, known)
 
 
+def test_jit_decode_step_with_the_query_rotation_launches_the_plan(monkeypatch):
+    """``decode_append(q=...)``: the same launch rotating the step's queries (``ROTATE_Q``, ``GQ``) as the plan says."""
+    (rec,) = _record(monkeypatch, ds._decode_append_kernel)
+    st, t = _state()
+    k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    q = torch.randn(2, 12, 64).bfloat16()
+    status = torch.zeros(2, dtype=torch.int32)
+    q_rot = ds.decode_append(st, k, v, status, LAYOUT, t, fused_transform=True, q=q)
+    assert q_rot.shape == (2, 12, 64) and q_rot.dtype == torch.float32
+    cx = lp.decode_append_constexprs(LAYOUT, True, num_heads=12)
+    assert (cx["GQ"], cx["ROTATE_Q"]) == (4, True)
+    _check_launch(lp.DECODE_APPEND, rec.calls[0], cx, {"max_pages": 4}, {"B": 2},
+                  {"k_ptr": k, "v_ptr": v, "q_ptr": q, "q_rot_ptr": q_rot, "status_ptr": status})
+    with pytest.raises(ValueError, match="not a multiple"):
+        lp.decode_append_constexprs(LAYOUT, True, num_heads=13)
+
+
 def test_wrapper_constants_are_the_plan():
     assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS, da.BF16_CHUNK) == (
         lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS, lp.BF16_CHUNK)
@@ -194,17 +211,20 @@ def test_gl_pages_per_split_head_dim_256_has_half_the_slots_and_bad_sizes_are_re
             lp.gl_pages_per_split(*bad)
 
 
-def test_v2_wrapper_defaults_the_gluon_split_to_the_plan_rule():
-    """``check_decode_v2_inputs`` (what the Gluon launch reads, before the device check) takes the v3 rule;
-    the other variants keep v1's."""
-    from oscar_export.kernels import decode_attention_v2 as v2
+def test_hopper_plan_defaults_the_split_to_the_plan_rule():
+    """``triton_ops.plan_decode`` (what the hopper launch reads; checked off the GPU too) takes the launch plan's wave
+    rule for mma16 pages and the portable rule for linear ones."""
+    pytest.importorskip("triton")
+    from oscar_export.kernels import triton_ops
+    from oscar_export.kernels.decode import hopper
 
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
     lay = KVCacheLayout.default(2, 128, packing="mma16")
     tr = LayerTransform.identity(2, 128, 0.96, 0.92)
-    st = PagedKV.allocate(lay, 1, 64, 62)
     q = torch.randn(1, 8, 128)
-    got = {var: v2.check_decode_v2_inputs(q, st, lay, tr.k_levels, tr.v_levels, 0.1, None, torch.float32, None,
-                                          var, None)[2] for var in v2.KERNELS}
-    assert got["fields"] == da.default_pages_per_split(1, 2, 62, 132, 1)
-    if "gluon" in got:
-        assert got["gluon"] == lp.gl_pages_per_split(1, 2, 62, 132) == 4
+    got = triton_ops.plan_decode(q, PagedKV.allocate(lay, 1, 64, 62), lay, tr.k_levels, tr.v_levels, 0.1)[0]
+    assert got.hopper_kernel and got.pages_per_split == lp.gl_pages_per_split(1, 2, 62, 132) == 4
+    lin = lay.with_packing("linear")
+    got = triton_ops.plan_decode(q, PagedKV.allocate(lin, 1, 64, 62), lin, tr.k_levels, tr.v_levels, 0.1)[0]
+    assert not got.hopper_kernel and got.pages_per_split == da.default_pages_per_split(1, 2, 62, 132)

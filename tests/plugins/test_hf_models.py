@@ -333,73 +333,51 @@ def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time()
             assert (oscar.layout.key.group_size, oscar.layout.head_dim) == (128, 256)
 
 
-def test_triton_backend_takes_mma16_pages_and_a_decode_variant_checked_at_enable_time():
-    """mma16 pages on the Triton backend (v2 / v3 kernels): accepted, the variant reaches every layer of a cache;
-    what those kernels refuse is refused by ``enable_oscar``."""
-    pytest.importorskip("triton")
+def _mma(codebook=False):
     from oscar_export.kernels.layout import RowFormat
 
+    return KVCacheLayout(2, 64, RowFormat(64, 64, "token", codebook=codebook, packing="mma16"),
+                         RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=64, page_size=64)
+
+
+def test_packing_is_chosen_at_serve_time_and_an_artifact_packing_still_loads():
+    """Issue 26: the page packing follows the decode backend ``select_backend`` picks, whatever the layout (or an
+    old artifact) says: a BF16 model on the CPU gets linear pages (portable kernel, interpreted here, or the
+    reference), and a layout written with mma16 pages is still accepted."""
+    pytest.importorskip("triton")
     cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    model = LlamaForCausalLM(cfg)
-
-    def mma(codebook=False):
-        return KVCacheLayout(2, 64, RowFormat(64, 64, "token", codebook=codebook, packing="mma16"),
-                             RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=32, page_size=64)
-
-    with enable_oscar(model, backend="triton", layout=mma()) as oscar:
-        assert oscar.decode_variant == "fields"  # the default on a model outside a Hopper GPU (here: the CPU)
-    with enable_oscar(model, backend="triton", layout=mma(), decode_variant="gluon") as oscar:
-        cache = oscar.make_cache(1, 256)
-        assert [layer.decode_variant for layer in cache.layers] == ["gluon", "gluon"]
-    with pytest.raises(ValueError, match=r"decode_variant: expected one of \['fields', 'gluon', 'tile'\], got 'v9'"):
-        enable_oscar(model, backend="triton", layout=mma(), decode_variant="v9")
-    with pytest.raises(ValueError, match="picks the Triton kernel of mma16 pages; this setup has backend 'torch'"):
-        enable_oscar(model, backend="torch", layout=mma(), decode_variant="fields")
-    with pytest.raises(ValueError, match="this setup has backend 'triton' and 'linear' pages"):
-        enable_oscar(model, backend="triton", decode_variant="fields")
-    with pytest.raises(NotImplementedError, match="codebook"):
-        enable_oscar(model, backend="triton", layout=mma(codebook=True), decode_variant="gluon")
-    with pytest.raises(NotImplementedError, match="mma16 pages hold 2-bit keys only"):
-        enable_oscar(model, backend="triton", layout=mma(), key_bits=(4, 2))
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    for backend, name in (("triton", "portable"), ("torch", "reference")):
+        with enable_oscar(model, backend=backend, layout=_mma(), key_bits=(4, 2)) as oscar:
+            assert [b.name for b in oscar.decode_backends] == [name, name]
+            cache = oscar.make_cache(1, 256)
+            assert [layer.layout.packing for layer in cache.layers] == ["linear", "linear"]
+            assert [layer.layout.key.bits for layer in cache.layers] == [4, 2]
     with pytest.raises(NotImplementedError, match="GQA ratios"):
-        cfg9 = LlamaConfig(vocab_size=96, hidden_size=576, intermediate_size=96, num_hidden_layers=1,
-                           num_attention_heads=18, num_key_value_heads=2, head_dim=64)
-        enable_oscar(LlamaForCausalLM(cfg9), backend="triton", layout=mma())
+        from oscar_export.kernels.decode import hopper
+
+        hopper.check_hopper_layout(_mma(), 18)
 
 
-def test_mma16_default_variant_is_gluon_where_it_runs(monkeypatch, caplog):
-    """``decode_variant=None`` with mma16 pages: v3 ("gluon") on a Hopper GPU for the layouts it takes, else v2
-    "fields" with the reason logged; a named variant is never replaced."""
+def test_select_backend_table(monkeypatch):
+    """``select_backend``: Hopper -> the Gluon kernel on mma16 pages for the formats it reads, another GPU or a
+    format it does not read -> the portable kernel on linear pages, the CPU -> the reference; by sm arch too (what
+    a bundle built without a GPU asks)."""
     pytest.importorskip("triton")
-    import logging
+    from oscar_export.kernels.decode import hopper, select_backend
 
-    from oscar_export.kernels import decode_attention_v2 as v2
-    from oscar_export.kernels.layout import RowFormat
-
-    if "gluon" not in v2.KERNELS:
-        pytest.skip("this Triton has no Gluon")
-
-    def mma(codebook=False):
-        return KVCacheLayout(2, 64, RowFormat(64, 64, "token", codebook=codebook, packing="mma16"),
-                             RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=32, page_size=64)
-
-    cuda = torch.device("cuda")
+    lay = KVCacheLayout.default(2, 64, "channel")
+    assert select_backend(lay, "cpu", 4).name == "reference"
+    assert select_backend(lay, 80, 4).name == "portable" and "sm_80" in select_backend(lay, 80, 4).why
+    if not hopper.HAVE_GLUON:
+        assert select_backend(lay, 90, 4).name == "portable"
+        return
+    assert select_backend(lay, 90, 4).name == "hopper"
+    assert select_backend(lay, 90, 4).layout(lay).packing == "mma16"
+    assert select_backend(_mma(codebook=True), 90, 4).name == "portable"  # fitted levels: not in the Gluon kernel
+    assert select_backend(lay, 90, 18).name == "portable"  # GQA 9
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert select_backend(lay, torch.device("cuda"), 4).name == "portable"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert v2.default_variant(mma(), 4, cuda) == ("gluon", "")
-    variant, why = v2.default_variant(mma(codebook=True), 4, cuda)
-    assert variant == "fields" and "codebook" in why
-    variant, why = v2.default_variant(mma(), 4, torch.device("cpu"))
-    assert variant == "fields" and "CUDA only" in why
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    variant, why = v2.default_variant(mma(), 4, cuda)
-    assert variant == "fields" and "sm_80" in why
-
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    with caplog.at_level(logging.INFO, logger="oscar_export.plugins.hf.support"):
-        with enable_oscar(LlamaForCausalLM(cfg), backend="triton", layout=mma()) as oscar:
-            assert oscar.decode_variant == "fields"
-    assert "not v3 'gluon': decode_attention_gl: CUDA only" in caplog.text
-    with enable_oscar(LlamaForCausalLM(cfg), backend="triton", layout=mma(), decode_variant="tile") as oscar:
-        assert oscar.decode_variant == "tile"
+    assert select_backend(lay, torch.device("cuda"), 4).name == "hopper"

@@ -1,4 +1,4 @@
-"""Mixed-precision paged decode attention: the Triton twin of ``reference.decode_attention``.
+"""The ``"portable"`` decode backend (linear pages, any CUDA GPU): the Triton twin of ``reference.decode_attention``.
 
 One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent window, in two launches:
 
@@ -44,9 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .aot import launch_plan as _plan
-from .layout import KVCacheLayout, PagedKV
-from .quant_pack import _check, check_format, check_paged_state
+from ..aot import launch_plan as _plan
+from ..layout import KVCacheLayout, PagedKV
+from ..quant_pack import _check, check_format, check_paged_state
 
 LOG2E = 1.4426950408889634
 #: tokens per BF16 chunk, INT2 pages per loop iteration, warps/stages of the split kernel (one page per warp;
@@ -444,7 +444,7 @@ def window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_pt
     the recent ring's. Returns the K and V base pointers of the chunk's ``BN`` rows (bf16, row ``t`` at
     ``base + t * D``) and the mask ``[BN]`` of its tokens (``tb = tl.arange(0, BN)``) that hold a cached token.
 
-    The split kernels of v1, v2 (:mod:`.decode_attention_v2`) and v3 (:mod:`.decode_attention_gl`, a Gluon kernel
+    The split kernels of this backend and of the hopper one (``kernels/decode_attention_gl.py``, a Gluon kernel
     calling it on its own layouts) read their BF16 windows through this one helper.
     """
     NSINK: tl.constexpr = (S0 + BN - 1) // BN
@@ -768,9 +768,9 @@ def check_decode_layout(layout: KVCacheLayout) -> None:
     if layout.value.bits != 2:
         raise NotImplementedError(f"decode_attention: values are 2-bit (only keys may be wider), got "
                                   f"{layout.value.bits}-bit")
-    if layout.packing != "linear":  # mma16 pages: kernels/decode_attention_v2.py
+    if layout.packing != "linear":  # mma16 pages: the hopper backend (decode/hopper.py)
         raise ValueError(f"decode_attention (v1): reads 'linear' pages, the layout's are {layout.packing!r} "
-                         f"(mma16 pages: decode_attention_v2)")
+                         f"(mma16 pages: the hopper backend)")
     if d not in (64, 128, 256):
         raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")
     for name, fmt in (("key", layout.key), ("value", layout.value)):
@@ -926,7 +926,7 @@ def launch_split_merge(
     pages_per_split: int, out_dtype: torch.dtype, constexprs: dict, num_warps: int, num_stages: int,
     wrap=lambda k: k, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Allocate the partials, launch ``split_kernel`` (v1's or a v2 one: the same parameters in the same order,
+    """Allocate the partials, launch ``split_kernel`` (this module's or the Gluon one: the same parameters in the same order,
     then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
 
     Grids: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages, pages_per_split)``,

@@ -1,0 +1,168 @@
+"""The ``"hopper"`` decode backend: the Gluon kernel (``kernels/decode_attention_gl.py``) over mma16 pages.
+
+The wrapper around the kernel: what it reads (:func:`check_hopper_layout`, :func:`check_hopper_state`, checked
+when a cache or a setup is made, never inside a traced step), how it is launched (the launch plan's wave rule
+for the pages per split, :func:`pages_per_split`; the merge fused into the split kernel's last program of each
+(sequence, KV head), counted in :func:`merge_counters`), and :func:`decode_attention`, the eager entry point with
+``reference.decode_attention``'s signature. The split/merge partials layout and the BF16 window chunks are the
+portable kernel's (:mod:`.portable`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import decode_attention_gl as _gl
+from ..aot import launch_plan as _plan
+from ..layout import KVCacheLayout, PagedKV
+from .portable import check_decode_inputs, launch_split_merge
+
+HAVE_GLUON = _gl.HAVE_GLUON
+BF16_CHUNK = _plan.BF16_CHUNK
+#: GQA ratios (query heads per KV head) the kernel is built for.
+GQ_SUPPORTED = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+#: (sequence, KV head) pairs one fused-merge launch can count (:func:`merge_counters`); beyond, the merge is launched.
+MERGE_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def check_hopper_layout(layout: KVCacheLayout, num_heads: int) -> None:
+    """Raise for what the Gluon kernel does not read: pages not mma16 (``ValueError``), and ``NotImplementedError``
+    for key codes it does not hold, a head_dim / page size / GQA ratio it is not built for, token groups smaller
+    than a row or fitted (codebook) levels."""
+    if layout.key.packing != "mma16" or layout.value.packing != "mma16":
+        raise ValueError(f"hopper decode: reads 'mma16' pages, the layout has key {layout.key.packing!r}, value "
+                         f"{layout.value.packing!r} (linear pages: the portable kernel)")
+    if layout.key.bits not in _gl.KEY_BITS or layout.value.bits != 2:
+        raise NotImplementedError(f"hopper decode: reads {list(_gl.KEY_BITS)}-bit key and 2-bit value pages, the "
+                                  f"layout has {layout.key.bits}-bit keys and {layout.value.bits}-bit values")
+    if num_heads % layout.num_kv_heads or num_heads // layout.num_kv_heads not in GQ_SUPPORTED:
+        raise NotImplementedError(f"hopper decode: {num_heads} query heads over {layout.num_kv_heads} KV heads; GQA "
+                                  f"ratios {list(GQ_SUPPORTED)} supported")
+    for name, fmt in (("key", layout.key), ("value", layout.value)):
+        if fmt.granularity == "token" and fmt.group_size != layout.head_dim:
+            raise NotImplementedError(f"hopper decode: {name} group_size must equal head_dim ({layout.head_dim}), "
+                                      f"got {fmt.group_size}")
+    if not HAVE_GLUON:
+        raise NotImplementedError("hopper decode: this Triton has no Gluon")
+    _gl.check_gluon_layout(layout, num_heads, bool(layout.key.codebook or layout.value.codebook))
+
+
+def check_hopper_state(state: PagedKV) -> None:
+    """The kernel copies pages 16 bytes at a time (cp.async): every page pool must start 16-byte aligned. Reads
+    pointers: call it when the cache is made, not in a traced step."""
+    for name in ("k_codes", "v_codes", "k_params", "v_params"):
+        off = getattr(state, name).data_ptr() % 16
+        if off:
+            raise ValueError(f"state.{name}: the hopper kernel copies pages 16 bytes at a time; the buffer must start "
+                             f"16-byte aligned, it starts {off} bytes past a boundary (a sliced view?)")
+
+
+def pages_per_split(batch: int, num_kv_heads: int, max_pages: int, device: torch.device, head_dim: int) -> int:
+    """The launch plan's wave rule (``gl_pages_per_split``) on ``device``'s SM count (132 off the GPU)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return _plan.gl_pages_per_split(batch, num_kv_heads, max_pages, sms, head_dim)
+
+
+def merge_counters(device: torch.device, pairs: int) -> torch.Tensor:
+    """The int32 counters of the fused-merge launches on ``device``: ``MERGE_COUNTERS`` zeros, allocated once and
+    never freed (captured CUDA graphs keep their address). Each launch's last program of a (sequence, KV head) sets
+    that pair's counter back to zero, so launches in one stream order share them; two streams running fused-merge
+    launches at the same time must not.
+
+    The first call must not be inside a CUDA-graph capture (the zero fill would only be recorded): one eager
+    launch first, as every warm-up (and ``torch.compile``'s ``reduce-overhead`` warm-up run) does."""
+    if pairs > MERGE_COUNTERS:
+        raise ValueError(f"hopper decode fused merge: {pairs} (sequence, KV head) pairs, at most {MERGE_COUNTERS}; "
+                         f"use fused_merge=False")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("hopper decode fused merge: its counters are allocated by the first launch, which "
+                               "must run eagerly, not inside a CUDA-graph capture (run one warm-up step)")
+        buf = _COUNTERS[device] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split_):
+    """Every check before a launch (layout, device, the portable kernel's packing-independent input checks,
+    alignment); returns ``(rot, dsc, pages_per_split)`` as the launch takes them."""
+    if q.dim() == 3:  # (other shapes: the input checks below say what is wrong)
+        check_hopper_layout(layout, q.shape[1])
+        if pages_per_split_ is None:
+            pages_per_split_ = pages_per_split(q.shape[0], layout.num_kv_heads, state.block_table.shape[-1],
+                                               q.device, layout.head_dim)
+    rot, dsc, pps = check_decode_inputs(q, state, layout.with_packing("linear"), k_levels, v_levels, scale,
+                                        q_rotation, out_dtype, pages_per_split_, 1)
+    if q.device.type == "cuda":  # off the GPU the layout checks still run (tests); the launch needs sm_90
+        _gl.check_gluon_device(q.device)
+    check_hopper_state(state)
+    return rot, dsc, pps
+
+
+def launch(
+    q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+    block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
+    recent_slots: int, scale: float, k_channel: bool, rotate_q: bool, pages_per_split_: int, out_dtype: torch.dtype,
+    *, stages: int | None = None, maxnreg: int | None = None, fused_merge: bool | None = None,
+) -> torch.Tensor:
+    """Launch the split kernel (and the merge, unless fused) on checked inputs. ``stages``: cp.async page stages
+    (None: the plan's ``GL_PAGE_STAGES``); ``maxnreg``: registers a thread (None: the plan's ``gl_occupancy``,
+    0: no cap); ``fused_merge`` (None: the plan's ``GL_FUSED_MERGE`` up to ``MERGE_COUNTERS`` pairs)."""
+    _, hq, d = q.shape
+    gq = hq // num_kv_heads
+    stages = _plan.GL_PAGE_STAGES if stages is None else stages
+    if stages < 2:
+        raise ValueError(f"hopper decode: stages (cp.async page stages) must be >= 2, got {stages}")
+    extra = dict(FAST_UNPACK=True, STAGES=stages)
+    maxnreg = _plan.gl_occupancy(d)[0] if maxnreg is None else maxnreg
+    if maxnreg:  # a launch option of the JIT, passed beside the constexprs
+        extra["maxnreg"] = int(maxnreg)
+    if fused_merge is None:
+        fused_merge = _plan.GL_FUSED_MERGE and q.shape[0] * num_kv_heads <= MERGE_COUNTERS
+    counters = merge_counters(q.device, q.shape[0] * num_kv_heads) if fused_merge else None
+    return launch_split_merge(
+        _gl.FUSED_KERNEL if fused_merge else _gl.KERNEL, q, rot, dsc, sink_k, sink_v, recent_k, recent_v,
+        k_codes, k_params, v_codes, v_params, k_levels, v_levels, block_table, sink_len, num_pages, recent_len,
+        num_kv_heads, sink, recent_slots, pages_per_split_, out_dtype,
+        dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
+             BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=False, V_CODEBOOK=False,
+             ROTATE_Q=rotate_q, KEY_BITS=k_codes.shape[-1] * 8 // d,
+             NG=v_params.shape[-2] if v_params.dim() == 5 else 1, **extra),
+        _gl.NUM_WARPS, stages, counters=counters,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    state: PagedKV,
+    layout: KVCacheLayout,
+    k_levels: torch.Tensor,
+    v_levels: torch.Tensor,
+    scale: float,
+    *,
+    q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    pages_per_split: int | None = None,
+    stages: int | None = None,
+    maxnreg: int | None = None,
+    fused_merge: bool | None = None,
+) -> torch.Tensor:
+    """``reference.decode_attention`` over mma16 pages on a Hopper GPU (arguments as the portable
+    ``decode_attention``; ``stages``, ``maxnreg``, ``fused_merge``: :func:`launch`). Returns ``[B, H, D]`` in
+    ``out_dtype``, stored value basis. Reads no device value on the host."""
+    rot, dsc, pps = check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
+                                        pages_per_split)
+    return launch(
+        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
+        state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
+        state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
+        layout.key.granularity == "channel", q_rotation is not None, pps, out_dtype, stages=stages, maxnreg=maxnreg,
+        fused_merge=fused_merge,
+    )
+
+
+__all__ = ["GQ_SUPPORTED", "HAVE_GLUON", "MERGE_COUNTERS", "check_hopper_inputs", "check_hopper_layout",
+           "check_hopper_state", "decode_attention", "launch", "merge_counters", "pages_per_split"]

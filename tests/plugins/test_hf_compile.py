@@ -1,0 +1,148 @@
+"""The README's serving loop under ``torch.compile(fullgraph=True)`` on the CPU, and a model without Triton (issue 26).
+
+``step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` must trace every backend's decode
+step in one graph: nothing in it may read a pointer, a device value or a shape-dependent Python value (every check
+runs when the cache is made). On the CPU: the reference backend end to end, and the hopper backend's step traced
+by Dynamo (its kernels need an sm_90 GPU: tests/gpu/test_hf_gpu.py runs them).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_export.kernels.layout import KVCacheLayout
+from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+LAYOUT = KVCacheLayout.default(2, 64, "channel", sink=16, window=64, page_size=64)
+
+
+def tiny(dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def _readme_loop(compiler: str, mode: str | None, steps: int) -> None:
+    """Prefill two caches, then ``steps`` decode steps (crossing a demotion): compiled vs eager, same tokens."""
+    model = tiny()
+    with torch.no_grad(), enable_oscar(model, layout=LAYOUT, key_bits=(4, 2)) as oscar:
+        assert oscar.ops.name == "torch"
+        eager, comp = oscar.make_cache(2, 400), oscar.make_cache(2, 400)
+        ids = torch.randint(1, 96, (2, 150))
+        tok = model(ids, **cache_kwargs(model, eager)).logits[:, -1:].argmax(-1)
+        model(ids, **cache_kwargs(model, comp))
+        step = torch.compile(model.forward, mode=mode, fullgraph=True, backend=compiler)
+        pos = torch.full((2, 1), 150)
+        for i in range(steps):
+            got = step(tok, position_ids=pos, **cache_kwargs(model, comp)).logits
+            want = model(tok, position_ids=pos, **cache_kwargs(model, eager)).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {i}: {m}")
+            tok, pos = want[:, -1:].argmax(-1), pos + 1
+        assert comp.sequence_lengths() == eager.sequence_lengths() == [150 + steps] * 2
+        assert int(comp.layers[0].state.num_pages[0]) >= 1, "the steps crossed a demotion"
+
+
+def test_readme_loop_fullgraph_on_cpu_reference():
+    """The reference backend's decode step in one graph (Dynamo + AOT autograd, the custom-op-free reference ops),
+    equal to eager over 30 steps that demote a page."""
+    _readme_loop("aot_eager", None, 30)
+
+
+@pytest.mark.slow
+def test_readme_loop_inductor_reduce_overhead_on_cpu_reference():
+    """The README's exact compile call (Inductor, ``mode="reduce-overhead"``) on the CPU reference backend
+    (about 3 minutes of C++ compilation on a 2-core machine)."""
+    _readme_loop("inductor", "reduce-overhead", 20)
+
+
+class _Traced(Exception):
+    pass
+
+
+def _trace_only(gm, example_inputs):
+    """A torch.compile backend that stops once Dynamo has traced the whole step: returns a callable that raises."""
+    _trace_only.graphs.append(gm)
+
+    def run(*args):
+        raise _Traced
+
+    return run
+
+
+_trace_only.graphs = []
+
+
+def test_hopper_decode_step_traces_in_one_graph():
+    """Bug (issue 26): with mma16 pages the README loop failed, Dynamo could not trace the Gluon wrapper's
+    ``data_ptr() % 16`` check. Now the hopper backend's checks run when the cache is made and the step traced with
+    ``fullgraph=True`` holds the two custom ops per layer and nothing host-side. (Tracing only: the kernels need
+    an sm_90 GPU.)"""
+    pytest.importorskip("triton")
+    from oscar_export.kernels.decode import DecodeBackend, hopper
+
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    model = tiny(torch.bfloat16)
+    with enable_oscar(model, layout=LAYOUT, backend="triton") as oscar:
+        from dataclasses import replace
+
+        on_hopper = replace(oscar, decode_backends=(DecodeBackend("hopper"),) * 2)
+        cache = on_hopper.make_cache(2, 400)
+        assert [layer.layout.packing for layer in cache.layers] == ["mma16", "mma16"]
+        assert all(layer.decode_plan[0].hopper_kernel for layer in cache.layers)
+        _trace_only.graphs.clear()
+        step = torch.compile(model.forward, fullgraph=True, backend=_trace_only)
+        tok, pos = torch.ones(2, 1, dtype=torch.long), torch.full((2, 1), 150)
+        with torch.no_grad(), pytest.raises(_Traced):
+            step(tok, position_ids=pos, **cache_kwargs(model, cache))
+    (gm,) = _trace_only.graphs
+    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "oscar" in str(n.target)]
+    assert sorted(ops) == ["oscar.decode_append", "oscar.decode_append", "oscar.decode_attention",
+                           "oscar.decode_attention"], ops
+
+
+_NO_TRITON = textwrap.dedent("""
+    import sys, importlib.abc
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "triton" or name.startswith("triton."):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from oscar_export.kernels.decode import select_backend
+    from oscar_export.kernels.layout import KVCacheLayout
+    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+    lay = KVCacheLayout.default(2, 64, "channel", sink=16, window=64, page_size=64)
+    assert select_backend(lay, "cuda:0", 4).why == "Triton is not installed"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad(), enable_oscar(model, layout=lay) as oscar:
+        assert oscar.ops.name == "torch", oscar.ops.name
+        cache = oscar.make_cache(1, 300)
+        out = model.generate(torch.randint(1, 96, (1, 120)), max_new_tokens=80, do_sample=False,
+                             **cache_kwargs(model, cache))
+    assert out.shape == (1, 200) and cache.sequence_lengths() == [199], cache.sequence_lengths()
+    assert "triton" not in sys.modules
+    print("ok")
+""")
+
+
+def test_a_model_without_triton_installed_generates():
+    """A CPU model where Triton cannot be imported (an import blocker in a child process): ``enable_oscar`` picks
+    the reference backend and ``generate`` runs past a demotion; nothing imports Triton."""
+    proc = subprocess.run([sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
