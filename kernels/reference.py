@@ -312,20 +312,22 @@ def dequantize_pages(
 
 
 def gather_context(
-    state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor
+    state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor, memo: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every sequence's cache as dense float32 ``[B, H_kv, S0 + M*P + C, D]`` K and V and a ``[B, T]`` mask.
 
     Order along T: sink slots, then the ``M = block_table.shape[1]`` page slots, then the recent ring's
     ``C`` slots (ring order, not token order: attention does not care); the mask marks the slots a
-    sequence actually holds.
+    sequence actually holds. ``memo``: see :func:`dequantize_memo` (eager host code; None: none).
     """
     b, m = state.block_table.shape
     p = layout.page_size
     pool = state.k_codes.shape[0]
     ids = state.block_table.long().clamp(0, pool - 1)  # entries past num_pages are masked below
-    k_hist = dequantize_pages(state.k_codes[ids], state.k_params[ids], layout.key, k_levels)  # [B, M, H, P, D]
-    v_hist = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels, "value")
+    k_hist = dequantize_memo(memo, "k", state.k_codes[ids], state.k_params[ids],
+                             lambda c, s: dequantize_pages(c, s, layout.key, k_levels))  # [B, M, H, P, D]
+    v_hist = dequantize_memo(memo, "v", state.v_codes[ids], state.v_params[ids],
+                             lambda c, s: dequantize_pages(c, s, layout.value, v_levels, "value"))
     h, d = layout.num_kv_heads, layout.head_dim
     k_hist = k_hist.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
     v_hist = v_hist.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
@@ -341,6 +343,26 @@ def gather_context(
         dim=1,
     )
     return k, v, valid
+
+
+def dequantize_memo(memo: dict | None, name: str, codes: torch.Tensor, params: torch.Tensor,
+                    dequantize: Callable) -> torch.Tensor:
+    """``dequantize(codes, params)`` of gathered pages ``[B, M, ...]``, computed again only for the pages whose codes
+    or params differ from the last call's under ``name`` in ``memo`` (which keeps them): a decode step then
+    dequantizes the pages demoted since the previous one, not the whole history. Reads a mask on the host (eager
+    host code such as the CPU path; pass ``memo=None`` under graph capture). ``memo=None``: no reuse."""
+    if memo is None:
+        return dequantize(codes, params)
+    old = memo.get(name)
+    if old is None or old[0].shape != codes.shape or old[1].shape != params.shape:
+        out = dequantize(codes, params)
+    else:
+        c0, p0, out = old
+        changed = (codes != c0).flatten(2).any(2) | (params != p0).flatten(2).any(2)  # [B, M]
+        if bool(changed.any()):
+            out[changed] = dequantize(codes[changed], params[changed])
+    memo[name] = (codes, params, out)
+    return out
 
 
 def read_sequence(
@@ -387,16 +409,18 @@ def decode_attention(
     k_levels: torch.Tensor,
     v_levels: torch.Tensor,
     scale: float,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """One decode step over sink + INT2 pages + recent, in the stored basis.
 
     Args:
         q: ``[B, H, D]`` queries already in the stored key basis (``LayerTransform.transform_queries``).
         state: the layer's cache, the new token already appended.
+        memo: the layer's dequantized pages kept between steps (:func:`dequantize_memo`), or None.
     Returns:
         ``[B, H, D]`` float32 in the stored value basis (``LayerTransform.restore_output`` undoes it).
     """
-    k, v, valid = gather_context(state, layout, k_levels, v_levels)
+    k, v, valid = gather_context(state, layout, k_levels, v_levels, memo)
     return masked_attention(q.unsqueeze(2), k, v, valid[:, None, :], scale).squeeze(2)
 
 
@@ -556,7 +580,7 @@ def append_tokens(
 
 def decode_append(
     state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor, layout: KVCacheLayout,
-    transform: LayerTransform,
+    transform: LayerTransform, skip_idle: bool = False,
 ) -> None:
     """Append one token to every sequence, demoting a page where the recent window is full: the decode step's
     write, all on the device (no host read, no value-dependent branch; compiles with ``fullgraph=True``).
@@ -572,6 +596,8 @@ def decode_append(
     Every row writes its candidate page (unchanged where no demotion is due) in one indexed assignment, so the
     rows' ``block_table[b, num_pages[b]]`` must be distinct pages (a cache's reserved pages are; a host pool
     that leaves entries unassigned calls this one row at a time).
+    ``skip_idle``: read on the host whether any slot is due and skip the candidate pages' quantization when none
+    is (the same bytes; for eager host code such as the CPU path, not for graph capture or fullgraph compile).
     """
     from .pages import STATUS_NONFINITE
 
@@ -587,10 +613,11 @@ def decode_append(
     due = ok & ~to_sink & (state.recent_len == layout.recent_capacity)
     rows = layout.recent_slot(n[:, None] * p + torch.arange(p, device=k.device))  # [B, P]
     page = state.block_table[bi, n.clamp(max=state.block_table.shape[1] - 1)].long()  # [B]
-    for x, fmt, clip, levels, codes, params, operand in (
+    demotions = () if skip_idle and not bool(due.any()) else (
         (state.recent_k, layout.key, transform.k_clip, transform.k_levels, state.k_codes, state.k_params, "key"),
         (state.recent_v, layout.value, transform.v_clip, transform.v_levels, state.v_codes, state.v_params, "value"),
-    ):
+    )
+    for x, fmt, clip, levels, codes, params, operand in demotions:
         rows_x = x[bi[:, None], :, rows].permute(0, 2, 1, 3)  # [B, H_kv, P, D]
         qc, qp = quantize_pages(rows_x, fmt, clip, levels, operand)
         codes[page] = torch.where(due.view(-1, 1, 1, 1), qc, codes[page])
@@ -613,6 +640,7 @@ __all__ = [
     "decode_append",
     "decode_attention",
     "dequantize_groups",
+    "dequantize_memo",
     "dequantize_pages",
     "gather_context",
     "masked_attention",

@@ -49,13 +49,18 @@ def ref_decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: to
     tr = layer.transform
     k_s = tr.transform_keys(k.unsqueeze(2)).squeeze(2)  # [B, H_kv, D] fp32
     v_s = v.float() - tr.v_mean
-    reference.decode_append(state, k_s, v_s, status, layer.layout, tr)
+    # eager on the CPU a host read is free: skip the candidate page's quantization in the steps that demote nothing
+    idle = not k.is_cuda and not torch.compiler.is_compiling()
+    reference.decode_append(state, k_s, v_s, status, layer.layout, tr, skip_idle=idle)
 
 
 def ref_decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
     tr = layer.transform
     q_s = tr.transform_queries(q.unsqueeze(2)).squeeze(2)
-    return reference.decode_attention(q_s, state, layer.layout, tr.k_levels, tr.v_levels, scale)
+    memo = None  # eager on the CPU: the layer keeps its dequantized pages between steps (host reads are free)
+    if not q.is_cuda and not torch.compiler.is_compiling():
+        memo = layer.__dict__.setdefault("dequantized_pages", {})
+    return reference.decode_attention(q_s, state, layer.layout, tr.k_levels, tr.v_levels, scale, memo)
 
 
 def ref_chunk_attention(layer, q_s, k_s, v_s, state, scale: float) -> torch.Tensor:
