@@ -14,8 +14,11 @@ error serving makes. Per KV head:
                  attention probabilities (of the whole sequence, sink and window included); Δv in the
                  model basis (Δv_s / d, rotated back; R orthogonal so the norm needs no R).
 
-Both are exact quadratic forms of the pooled data, so the cost is one quantization plus one small matmul
-per evaluation: ``C_Q`` ``[H_kv, D, D]`` and ``M = Σ_i p_i p_i^T`` ``[N, H_kv, T_q, T_q]`` are built once.
+The key error is an exact quadratic form of the pooled data (``C_Q`` ``[H_kv, D, D]`` is built once: one
+quantization and one small matmul per evaluation). The value error is ``||P Δv||^2`` with the value queries'
+probabilities ``P`` built once, in blocks that keep only the rows their queries read (:func:`value_queries`);
+its queries can be every ``query_stride``-th position (the calibration's choice: ``pipeline``), which divides its
+cost by the stride. The groups' sorted ``|x|`` is computed once for all the clips of a grid (:func:`roundtrip`).
 """
 
 from __future__ import annotations
@@ -40,22 +43,26 @@ class LayerObjective:
         k: ``[N, H_kv, T_q, D]`` fp64 rows of the quantized region (T_q = pages * P).
         v: ``[N, H_kv, T_v, D]`` fp64, the first ``T_v <= T_q`` of those rows: the pages some query reads.
         c_q: ``[H_kv, D, D]`` fp64 held-out query second moment (all g query heads).
-        m: ``[N, H_kv, T_v, T_v]`` fp32 ``Σ_i p_i p_i^T`` over queries and query heads, divided by their count
-            (:func:`value_weights`).
+        p: per sequence, the value queries' attention probabilities over those rows (:func:`value_queries`): blocks
+            ``[H_kv, rows, c]`` fp32 over the first ``c`` rows (the rows the block's queries read), all blocks'
+            rows together ``count`` (query positions x query heads).
         scaling: softmax scale.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     c_q: torch.Tensor
-    m: torch.Tensor
+    p: list[list[torch.Tensor]]
+    count: int
     scaling: float
     page_size: int
 
     @classmethod
-    def build(cls, held: HeldOut, skip: int, page_size: int, window: int = 0) -> "LayerObjective":
+    def build(cls, held: HeldOut, skip: int, page_size: int, window: int = 0,
+              query_stride: int = 1) -> "LayerObjective":
         """``window``: query ``i`` reads token ``t`` quantized only when ``i - t > window`` (the BF16 recent
-        window of serving); 0 treats every earlier token as quantized."""
+        window of serving); 0 treats every earlier token as quantized. ``query_stride``: the value error averages
+        over every ``query_stride``-th query position (the last one included; 1: all of them)."""
         n, h, t, d = held.q.shape
         hkv = held.k.shape[1]
         pages = (t - skip) // page_size
@@ -71,8 +78,8 @@ class LayerObjective:
         c_q = torch.einsum("nhid,nhie->hde", qs, qs) / (n * qs.shape[2])
         # Values: only the pages some query reads outside its window matter (M is zero elsewhere).
         vpages = pages if window <= 0 else min(pages, -(-(t - 1 - window - lo) // page_size))
-        m = value_weights(held.q, held.k, held.scaling, lo, vpages * page_size, window)
-        return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo : lo + vpages * page_size].double(), c_q, m,
+        p, count = value_queries(held.q, held.k, held.scaling, lo, vpages * page_size, window, query_stride)
+        return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo : lo + vpages * page_size].double(), c_q, p, count,
                    held.scaling, page_size)
 
     @property
@@ -125,11 +132,8 @@ class LayerObjective:
     ) -> torch.Tensor:
         """``[len(clips), H_kv]`` mean squared attention-output error of values stored as ``v R d - mu``."""
         vs = torch.matmul(self.v, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
-        out = []
-        for delta in self._quant_errors(vs, fmt, clips, levels):  # one product a clip: an error never depends
-            delta = delta / d.float()[None, :, None]  # on which other clips are evaluated beside it
-            out.append((torch.matmul(self.m, delta) * delta).sum(dim=(-1, -2), dtype=torch.float64).mean(0))
-        return torch.stack(out)  # [R, H_kv]
+        return torch.stack([self._output_energy(delta / d.float()[None, :, None])
+                            for delta in self._quant_errors(vs, fmt, clips, levels)])  # [R, H_kv]
 
     def key_error(self, r, d, mu, clip, levels, fmt) -> torch.Tensor:
         """``[H_kv]``: :meth:`key_errors` for one clip vector."""
@@ -146,58 +150,62 @@ class LayerObjective:
 
     def value_scale(self) -> torch.Tensor:
         """``[H_kv]`` mean squared output norm carried by the quantized tokens, ``E||Σ_t p_t v_t||^2``."""
-        v = self.v.float()
-        return (torch.matmul(self.m, v) * v).sum(dim=(-1, -2), dtype=torch.float64).mean(0)
+        return self._output_energy(self.v.float())
+
+    def _output_energy(self, x: torch.Tensor) -> torch.Tensor:
+        """``[H_kv]`` ``E_i ||Σ_t p_{i,t} x_t||^2`` of rows ``x [N, H_kv, T_v, D]`` fp32, over the value queries
+        (each sequence's mean, then the mean over sequences)."""
+        out = torch.zeros(x.shape[1], dtype=torch.float64)
+        for xs, blocks in zip(x, self.p):
+            for pb in blocks:  # [H_kv, rows, c]: the block's queries read only the first c rows
+                y = torch.matmul(pb, xs[:, : pb.shape[-1]])  # [H_kv, rows, D]
+                out += (y * y).sum(dim=(-1, -2), dtype=torch.float64)
+        return out / (self.count * x.shape[0])
 
 
-#: query positions per block and key columns per tile of :func:`value_weights`.
+#: query positions per block of :func:`value_queries`.
 VALUE_BLOCK = 256
 
 
 @torch.no_grad()
-def value_weights(q: torch.Tensor, k: torch.Tensor, scaling: float, lo: int, tv: int, window: int = 0,
-                  block: int = VALUE_BLOCK) -> torch.Tensor:
-    """``M = Σ_i p_i p_i^T / count`` ``[N, H_kv, T_v, T_v]`` fp32 over the rows ``[lo, lo + T_v)``.
+def value_queries(q: torch.Tensor, k: torch.Tensor, scaling: float, lo: int, tv: int, window: int = 0,
+                  stride: int = 1, block: int = VALUE_BLOCK) -> tuple[list[list[torch.Tensor]], int]:
+    """The attention probabilities ``p_i`` of the value queries over the rows ``[lo, lo + T_v)``, in blocks.
 
-    ``p_i`` is the causal softmax attention of query ``i`` (every position ``>= lo``, every query head of the
-    KV head: ``count = g * (T - lo)``) restricted to those rows, zero where ``i - t <= window`` (with
-    ``window > 0``: the BF16 recent window). Computed a sequence and a block of query positions at a time
-    (never the ``[T, T]`` probabilities of every head at once), and tile by tile of ``M`` over only the queries
-    that read the later tile (a query reads no row within ``window`` of it), each tile pair once (``M`` is
-    symmetric): about a sixth of the products of ``P^T P``.
+    Value queries: every ``stride``-th position in ``[lo, T)`` ending at ``T - 1``, each with every query head
+    of the KV head. ``p_i`` is the query's causal softmax attention (over all earlier positions, sink and window
+    included) restricted to those rows, zero where ``i - t <= window`` (with ``window > 0``: the BF16 recent
+    window). Computed a sequence and a block of positions at a time (never the ``[T, T]`` probabilities of every
+    head at once); a block keeps only the first ``c`` rows, the ones its queries read (the staircase of the
+    causal window), so ``||P x||^2`` costs about half of the full product.
 
     Args:
         q: ``[N, H, T, D]``; k: ``[N, H_kv, T, D]`` (model basis, post-RoPE).
+    Returns:
+        per sequence a list of blocks ``[H_kv, g * positions, c]`` fp32 (rows ordered position, head), and the
+        number of query rows of a sequence.
     """
     n, h, t, _ = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    m = torch.zeros(n, hkv, tv, tv)
     shift = window if window > 0 else -1  # query i reads row r when i - r > shift
-    tiles = [(c, min(c + block, tv)) for c in range(0, tv, block)]
+    pos = torch.arange(t - 1, lo - 1, -stride).flip(0)
+    out = []
     for b in range(n):
-        p = torch.zeros(hkv, t - lo, g, tv)  # [H_kv, query position, head, row]
-        for a in range(lo, t, block):
-            e = min(a + block, t)
-            cols = max(0, min(e - 1 - shift - lo, tv))  # rows any query of [a, e) reads
+        blocks = []
+        for part in pos.split(block):
+            e = int(part[-1]) + 1
+            cols = max(0, min(e - 1 - shift - lo, tv))  # rows the block's last (latest) query reads
             if cols == 0:
                 continue
-            s = torch.matmul(group_queries(q[b : b + 1, :, a:e].float(), hkv)[0], k[b, :, :e].float().transpose(-1, -2))
-            s = (s * scaling).view(hkv, g, e - a, e)
-            qpos = torch.arange(a, e)[:, None]
-            s.masked_fill_(qpos < torch.arange(e)[None, :], float("-inf"))
+            qb = group_queries(q[b : b + 1, :, part].float(), hkv)[0]  # [H_kv, g*B, D]
+            s = torch.matmul(qb, k[b, :, :e].float().transpose(-1, -2)).view(hkv, g, len(part), e) * scaling
+            s.masked_fill_(part[:, None] < torch.arange(e)[None, :], float("-inf"))
             pr = torch.softmax(s, dim=-1)[..., lo : lo + cols]  # [H_kv, g, B, cols]
-            pr = pr * (qpos - torch.arange(lo, lo + cols)[None, :] > shift)
-            p[:, a - lo : e - lo, :, :cols] = pr.transpose(1, 2)
-        p = p.view(hkv, -1, tv)  # rows ordered (position, head)
-        for j, (c0, c1) in enumerate(tiles):
-            first = max(0, c0 + shift + 1) * g  # earlier queries read nothing of tile j
-            pj = p[:, first:, c0:c1]
-            for c2, c3 in tiles[: j + 1]:
-                blk = torch.matmul(p[:, first:, c2:c3].transpose(-1, -2), pj)  # [H_kv, rows c2:c3, rows c0:c1]
-                m[b, :, c2:c3, c0:c1] = blk
-                m[b, :, c0:c1, c2:c3] = blk.transpose(-1, -2)
-    return m / (g * (t - lo))
+            pr = pr * (part[:, None] - torch.arange(lo, lo + cols)[None, :] > shift)
+            blocks.append(pr.transpose(1, 2).reshape(hkv, -1, cols).contiguous())
+        out.append(blocks)
+    return out, g * len(pos)
 
 
 def roundtrip(
@@ -219,11 +227,12 @@ def roundtrip(
         lv = levels.float().view(1, h, 1, 4)
         view, size = (1, h, 1, 1), p
     out = []
+    srt = x.abs().sort(dim=-1).values  # the groups' sorted |x|: once for every clip
     for clip in clips:
-        codes, scale, lo = quantize_groups(x, clip_rank(clip.to(x.device), size).view(view), lv)
+        codes, scale, lo = quantize_groups(x, clip_rank(clip.to(x.device), size).view(view), lv, sorted_abs=srt)
         xh = dequantize_groups(codes, scale, lo, lv)
         out.append(xh.reshape(n, h, p, d) if fmt.granularity == "token" else xh.transpose(-1, -2))
     return out
 
 
-__all__ = ["VALUE_BLOCK", "LayerObjective", "roundtrip", "value_weights"]
+__all__ = ["VALUE_BLOCK", "LayerObjective", "roundtrip", "value_queries"]

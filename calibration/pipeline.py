@@ -35,10 +35,16 @@ from .codebook import lloyd_levels, normalized_positions, uniform_levels
 from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
 from .families import family_for
+from .key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN
 from .key_bits import METRICS as KEY_BITS_METRICS
 from .key_bits import check_budget, choose_key_bits, widen_keys
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
+
+#: the value error averages over every 8th held-out query position (``objective.value_queries``; the statistics'
+#: "prob" weighting samples queries the same way): on SmolLM2 it chose the same value rotation and clip in every
+#: head as all positions, in half the fit's time (benchmarks/RESULTS-calibrate.md).
+VALUE_QUERY_STRIDE = 8
 
 #: rotation candidates tried by ``rotation="auto"``: (kind, whitening scale), per side and key granularity.
 #: Per-channel keys are scale-invariant per channel (no whitening); on SmolLM2 values never kept identity.
@@ -150,6 +156,12 @@ class CalibrationConfig:
             packing=self.packing
         )
         return replace(base, key=replace(base.key, codebook=codebook_k), value=replace(base.value, codebook=codebook_v))
+
+    @classmethod
+    def recipe(cls, **kw) -> "CalibrationConfig":
+        """The default of ``oscar-export calibrate``: 4-bit keys within ``key_bits.DEFAULT_BUDGET`` page bits, chosen
+        on held-out sequences of ``key_bits.MIN_SEQ_LEN`` tokens (EVALUATION.md); ``kw`` overrides."""
+        return cls(**{"seq_len": MIN_SEQ_LEN, "key_bits_budget": DEFAULT_BUDGET, **kw})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -346,7 +358,8 @@ def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_
         st = col.stats[i]
         if st is None:
             raise ValueError(f"capture: layer {i} was never called through the attention interface")
-        obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window)
+        obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window,
+                                   query_stride=VALUE_QUERY_STRIDE)
         k_fit, v_fit = fit_layer(i, st.to("cpu"), obj, layout, cfg)  # fitting runs on the CPU
         fits.append((k_fit, v_fit))
         per_layer.append(layer_summary(k_fit, v_fit, obj))
@@ -357,7 +370,7 @@ def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_
 
 def calibrate(
     model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None,
-    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = 1,
+    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = None,
     on_key_bits: Callable[[int], None] | None = None,
 ) -> OscarArtifact:
     """Calibrate ``model`` (any HF causal LM whose attention goes through ``AttentionInterface``).
@@ -365,8 +378,8 @@ def calibrate(
     ``progress(tokens)`` follows capture, ``on_layer(i, summary)`` the fit of each layer, ``on_key_bits(1)`` the
     key-width measurement of each layer (with ``key_bits_budget``).
 
-    ``fit_threads``: torch CPU threads while fitting (many small ops: one thread is fastest, and on a
-    shared machine several threads oversubscribe badly); restored afterwards. None leaves them alone.
+    ``fit_threads``: torch CPU threads while fitting, restored afterwards; None (default) leaves them alone: the
+    fit's time is now in products over the held-out queries, which use every core.
     """
     t0 = time.perf_counter()
     facts = family_for(model)  # refuses unsupported architectures and features before any capture

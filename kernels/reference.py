@@ -197,7 +197,7 @@ def unpack_page_codes(packed: torch.Tensor, fmt: RowFormat, operand: str = "key"
 
 
 def quantize_groups(
-    x: torch.Tensor, rank: torch.Tensor, levels: torch.Tensor
+    x: torch.Tensor, rank: torch.Tensor, levels: torch.Tensor, sorted_abs: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize groups along the last axis.
 
@@ -205,11 +205,13 @@ def quantize_groups(
         x: ``[..., n]`` float32 (the group is the last axis).
         rank: long, broadcastable to ``[..., 1]``: clip rank (see :func:`clip_rank`).
         levels: ``[..., n_levels]`` float32 broadcastable, ascending code levels (4 for the 2-bit format).
+        sorted_abs: ``|x|`` sorted along the last axis, where the caller has it (calibration quantizes the same
+            groups at every clip rank of its grid: one sort, not one a rank).
     Returns:
         codes ``[..., n]`` uint8, scale ``[...]`` fp16, lo ``[...]`` fp16.
     """
     x = x.float()
-    srt = x.abs().sort(dim=-1).values
+    srt = x.abs().sort(dim=-1).values if sorted_abs is None else sorted_abs
     thr = torch.gather(srt, -1, rank.expand(*x.shape[:-1], 1))
     xc = torch.minimum(torch.maximum(x, -thr), thr)
     lo = xc.amin(dim=-1, keepdim=True)

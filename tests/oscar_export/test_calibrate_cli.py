@@ -224,7 +224,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 SMALL = ["--tokens", "768", "--seq-len", "96", "--heldout", "2", "--batch-size", "3", "--sink", "16", "--window", "32",
-         "--page-size", "16", "--quiet"]
+         "--page-size", "16", "--quiet", "--key-bits-budget", "none"]  # head_dim 16, P 16: 2-bit pages are 4 bits
 
 
 def test_calibrate_with_a_device_map_equals_the_plain_run(tiny_model_dir, tmp_path, capsys):
@@ -346,7 +346,7 @@ def test_calibrate_packing_mma16_is_the_linear_run_in_another_code_order(tmp_pat
     arts = {}
     for packing in ("linear", "mma16"):
         rc = main(["calibrate", "--model", str(model_dir), "--out", str(tmp_path / packing), *small,
-                   "--packing", packing, "--key-bits-budget", "none"])
+                   "--packing", packing])
         assert rc == 0, capsys.readouterr().err
         arts[packing] = load_artifact(tmp_path / packing)
     lin, mma = arts["linear"], arts["mma16"]
@@ -383,8 +383,8 @@ def test_an_all_2_bit_artifact_of_the_old_default_still_loads_and_serves(tiny_mo
     from oscar_export.calibration.artifact import load_artifact
     from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
-    assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "a"), *SMALL,
-                 "--key-bits-budget", "none"]) == 0, capsys.readouterr().err
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "a"), *SMALL]) == 0, \
+        capsys.readouterr().err
     meta = json.loads((tmp_path / "a" / "oscar.json").read_text())
     assert "key_bits" not in meta and meta["config"]["key_bits_budget"] is None
     art = load_artifact(tmp_path / "a")
