@@ -312,6 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workloads", default="1x32768,1x131072,8x32768",
                     help="BxL list; a trailing '!' (e.g. 8x32768!) sets lengths instead of prefilling")
+    ap.add_argument("--caches", default="bf16,oscar", help="the caches of each workload (bf16, oscar)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--graph-rows", action="store_true", help="also an oscar-graph row per workload (no compiler)")
     ap.add_argument("--equal-kv-gib", type=float, default=0.0, help="also the equal-KV-budget rows (0: skip)")
@@ -340,7 +341,7 @@ def main(argv=None) -> int:
     for w in args.workloads.split(","):
         direct = w.endswith("!")
         b, ctx = (int(x) for x in w.rstrip("!").split("x"))
-        kinds = ["bf16", "oscar"] + (["oscar-graph"] if args.graph_rows else [])
+        kinds = args.caches.split(",") + (["oscar-graph"] if args.graph_rows else [])
         plan += [(k, b, ctx, not direct, False) for k in kinds]
     if args.equal_kv_gib:
         budget = int(args.equal_kv_gib * 2**30)

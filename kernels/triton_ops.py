@@ -95,6 +95,8 @@ def plan_decode(
     if layout.packing == "mma16":
         rot, dsc, pps = hopper.check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation,
                                                    out_dtype, pages_per_split)
+        if q.device.type == "cuda":  # allocated now, outside any CUDA-graph pool (a compiled step's warm-up runs
+            hopper.merge_counters(q.device, min(q.shape[0] * layout.num_kv_heads, hopper.MERGE_COUNTERS))
     else:
         rot, dsc, pps = portable.check_decode_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation,
                                                      out_dtype, pages_per_split)

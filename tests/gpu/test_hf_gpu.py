@@ -292,10 +292,12 @@ def test_readme_loop_with_a_calibrated_shape_artifact():
     layers: ``bench_e2e.random_artifact``) on the backends ``select_backend`` picks, against the eager forward over
     steps that cross a demotion."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).parents[2] / "benchmarks/bench_e2e.py")
     bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_e2e"] = bench  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     model = model_of(kv_heads=8, head_dim=128, heads=32)
     art = bench.random_artifact(model)
