@@ -12,8 +12,8 @@
    windows and needles, each against its own model with a plain cache.
 3. ``results.json``, ``results.md`` and the PNG plots in ``--out``; progress and phase times on stdout.
 
-Without ``--artifact`` it calibrates on the GPU first (``CalibrationConfig(tokens=...)``) and saves the
-artifact to ``--out/artifact``. ``--quick`` is the same protocol small (a first run that also times it).
+Without ``--artifact`` it calibrates on the GPU first (``CalibrationConfig.recipe``, the CLI's default, on at
+least 20,000 tokens) and saves the artifact to ``--out/artifact``. ``--quick`` is the same protocol small (a first run that also times it).
 ``--device cpu --tiny`` runs every code path at toy sizes on the CPU (the BF16 run then uses the reference
 backend: Triton needs CUDA) so that nothing crashes on the GPU for want of a test.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, run_deployed, run_eval
+from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, environment, run_deployed, run_eval
 from oscar_export.eval.report import markdown, merge, write_all
 
 QUICK = Preset((2048, 8192), 1, (1024, 8192), 4, 4096, 1024, hf=PRESETS["full"].hf)
@@ -109,8 +109,10 @@ def main(argv=None) -> int:
     else:
         from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
 
-        log(f"calibrating on {preset.calib_tokens} tokens ...")
-        artifact = calibrate(model, tok, CalibrationConfig(tokens=preset.calib_tokens))
+        log(f"calibrating on {preset.calib_tokens} tokens ...")  # the CLI's default recipe (toy sizes: 2-bit keys)
+        cfg = CalibrationConfig(tokens=preset.calib_tokens) if args.tiny else \
+            CalibrationConfig.recipe(tokens=max(preset.calib_tokens, 20_000))
+        artifact = calibrate(model, tok, cfg)
         artifact.save(out / "artifact")
         log(f"calibrated; artifact saved to {out / 'artifact'}")
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
@@ -145,10 +147,8 @@ def main(argv=None) -> int:
             part["command"] = command
             result = save(part if result is None else merge(result, part))
             log(f"{phase} phase ({', '.join(group) if group else 'all'}) done: {part['timings']}; written to {out}")
-    if result is None:
-        if earlier is None:
-            raise SystemExit("--phases deployed needs the text/niah results of an earlier call in --out")
-        result = earlier
+    if result is None:  # --phases deployed alone: on top of an earlier call's results, or on its own
+        result = earlier if earlier is not None else {"environment": environment(model)}
     if "deployed" in phases:
         bf16_backend = "triton" if device.type == "cuda" else "torch"
         try:

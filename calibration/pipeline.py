@@ -415,6 +415,7 @@ def calibrate(
     ]
     key_bits: tuple[int, ...] = ()
     extra = {}
+    t_bits = time.perf_counter()
     if cfg.key_bits_budget is not None:
         key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
                                                       cfg.key_bits_metric, skip=col.sliding_layers,
@@ -426,6 +427,7 @@ def calibrate(
         "objective_window": cfg.objective_window,
         "seconds_capture": round(t_capture, 2),
         "seconds_fit": round(t_fit, 2),
+        "seconds_key_bits": round(time.perf_counter() - t_bits, 2),
         "seconds_total": round(time.perf_counter() - t0, 2),
         "layers": per_layer,
         **extra,
