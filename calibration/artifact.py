@@ -45,6 +45,7 @@ import torch
 from oscar_export.kernels.layout import CODE_BITS, UNIFORM_LEVELS, KVCacheLayout, check_packing
 from oscar_export.kernels.transform import LayerTransform
 
+from .codebook import MIN_GAP as MIN_LEVEL_GAP
 from .families import family_for, rope_parameters
 
 FORMAT_NAME = "oscar-kv-artifact"
@@ -247,12 +248,23 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all distinct (a repeated key is refused: which value counts is ambiguous)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {printable(dup, 80)!r} in one object")
+    return out
+
+
 def parse_json(text: str | bytes, where: str) -> Any:
     """Strict JSON: finite numbers only, nesting at most ``LIMITS.max_json_depth``; raises :class:`ArtifactError`."""
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
-        value = json.loads(text, parse_float=_finite_float, parse_constant=_reject_constant)
+        value = json.loads(text, parse_float=_finite_float, parse_constant=_reject_constant,
+                           object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ArtifactError(f"{where}: not valid JSON (nested deeper than {LIMITS.max_json_depth} levels)") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -535,6 +547,10 @@ def _check_transform(i: int, t: LayerTransform, layout: KVCacheLayout) -> None:
         lv = getattr(t, name).double()
         if bool((lv < 0).any() or (lv > 3).any()) or bool((lv[:, 1:] <= lv[:, :-1]).any()):
             raise ArtifactError(f"{where}.{name}: levels must be strictly ascending in [0, 3], got {lv.tolist()}")
+        gap = float((lv[:, 1:] - lv[:, :-1]).min())
+        if gap < MIN_LEVEL_GAP * (1 - 1e-4):  # fp32 storage of the fitter's gaps
+            raise ArtifactError(f"{where}.{name}: levels {lv.tolist()} are {gap:.3g} apart; expected at least "
+                                f"{MIN_LEVEL_GAP} (calibration.codebook.MIN_GAP: levels closer than that waste a code)")
         uniform = bool(torch.equal(getattr(t, name), torch.tensor(UNIFORM_LEVELS).expand_as(lv)))
         if not fmt.codebook and not uniform:
             raise ArtifactError(
@@ -643,32 +659,44 @@ def parse_fingerprint(x: Any, where: str = "fingerprint") -> dict[str, Any]:
     return fp
 
 
-def _artifact_file(d: Path, name: str) -> tuple[Path, os.stat_result]:
-    """``d / name`` if it is a regular file inside ``d`` (a symlink may point within ``d`` only)."""
+def _artifact_file(d: Path, name: str) -> tuple[Path, os.stat_result, Any]:
+    """``(path, stat, open file)`` of ``d / name``: a regular file inside ``d`` (a symlink may point within ``d``
+    only). Opened once; what is checked is the opened file (``fstat``, and where it lies by its descriptor), so a
+    link flipped between a check and the read cannot smuggle in another file. The caller closes the file."""
     p = d / name
-    if not os.path.lexists(p):
-        raise ArtifactMissing(f"not an OSCAR artifact: {printable(p)} is missing")
-    if p.is_symlink():
-        real, base = p.resolve(), d.resolve()
-        if not real.is_relative_to(base):
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # NONBLOCK: a FIFO cannot hang
+    except FileNotFoundError:
+        dangling = os.path.islink(p)
+        raise ArtifactMissing(f"not an OSCAR artifact: {printable(p)} is missing"
+                              f"{' (dangling link)' if dangling else ''}") from None
+    except OSError as e:  # unreadable directory, a path too long, a link loop...: not "missing"
+        raise ArtifactError(f"{printable(p)}: cannot be opened: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
+            raise ArtifactError(f"{printable(p)}: expected a regular file, got a {kind}")
+        opened = Path(os.readlink(f"/proc/self/fd/{fd}")) if os.path.isdir("/proc/self/fd") else None
+        base = d.resolve()
+        if (opened is not None and not opened.is_relative_to(base)) or (opened is None and p.is_symlink()
+                                                                        and not p.resolve().is_relative_to(base)):
+            real = opened if opened is not None else p.resolve()
             raise ArtifactError(f"{printable(p)}: a symbolic link leaving the artifact directory (to "
                                 f"{printable(real)}); copy the file into the artifact instead")
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise ArtifactMissing(f"not an OSCAR artifact: {printable(p)} is missing (dangling link)") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "directory" if stat.S_ISDIR(st.st_mode) else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file"
-        raise ArtifactError(f"{printable(p)}: expected a regular file, got a {kind}")
-    return p, st
+        os.set_blocking(fd, True)
+        return p, st, os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _read_meta(d: Path) -> dict[str, Any]:
-    path, st = _artifact_file(d, META_FILE)
+    path, st, f = _artifact_file(d, META_FILE)
     where = printable(path)
-    if st.st_size > LIMITS.max_meta_bytes:
-        raise ArtifactError(f"{where}: expected at most {LIMITS.max_meta_bytes:,} bytes, got {st.st_size:,}")
-    with open(path, "rb") as f:
+    with f:
+        if st.st_size > LIMITS.max_meta_bytes:
+            raise ArtifactError(f"{where}: expected at most {LIMITS.max_meta_bytes:,} bytes, got {st.st_size:,}")
         raw = f.read(st.st_size + 1)  # read(n) allocates n bytes up front: n is the checked size
     if len(raw) > st.st_size:
         raise ArtifactError(f"{where}: expected at most {LIMITS.max_meta_bytes:,} bytes, got more")
@@ -708,7 +736,14 @@ def _read_tensor_file(d: Path, meta: dict[str, Any], layout: KVCacheLayout) -> d
     streams) into one buffer of that size, the checksum compared, and only then is the header parsed (its
     length bounded; names, dtypes, shapes and offsets checked) and the tensors made from the buffer.
     """
-    tpath, st = _artifact_file(d, TENSOR_FILE)
+    tpath, st, f = _artifact_file(d, TENSOR_FILE)
+    with f:
+        return _read_tensor_stream(f, st, tpath, meta, layout)
+
+
+def _read_tensor_stream(f, st: os.stat_result, tpath: Path, meta: dict[str, Any],
+                        layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+    """:func:`_read_tensor_file` on the opened file ``f`` (``st``: its ``fstat``)."""
     where = printable(tpath)
     n, h, dd = meta["num_layers"], layout.num_kv_heads, layout.head_dim
     shapes = _layer_shapes(h, dd)
@@ -724,16 +759,15 @@ def _read_tensor_file(d: Path, meta: dict[str, Any], layout: KVCacheLayout) -> d
     buf = bytearray(st.st_size)
     view = memoryview(buf)
     sha = hashlib.sha256()
-    with open(tpath, "rb") as f:
-        pos = 0
-        while pos < len(buf):
-            got = f.readinto(view[pos: pos + LIMITS.chunk_bytes])
-            if not got:
-                raise ArtifactError(f"{where}: file shrank while being read ({pos:,} of {len(buf):,} bytes)")
-            sha.update(view[pos: pos + got])
-            pos += got
-        if f.read(1):
-            raise ArtifactError(f"{where}: file grew while being read (more than {len(buf):,} bytes)")
+    pos = 0
+    while pos < len(buf):
+        got = f.readinto(view[pos: pos + LIMITS.chunk_bytes])
+        if not got:
+            raise ArtifactError(f"{where}: file shrank while being read ({pos:,} of {len(buf):,} bytes)")
+        sha.update(view[pos: pos + got])
+        pos += got
+    if f.read(1):
+        raise ArtifactError(f"{where}: file grew while being read (more than {len(buf):,} bytes)")
     if sha.hexdigest() != meta["tensor_sha256"]:
         raise ArtifactError(f"{where}: checksum mismatch (file truncated or modified): expected sha256 "
                             f"{meta['tensor_sha256']}, got {sha.hexdigest()} ({len(buf):,} bytes)")

@@ -112,7 +112,7 @@ class PageBook:
         self.block_table[slot, : page_ids.numel()] = page_ids.to(self.block_table)
 
     def check_slot(self, slot: int) -> None:
-        if not isinstance(slot, int) or not 0 <= slot < self.batch:
+        if type(slot) is bool or not isinstance(slot, int) or not 0 <= slot < self.batch:  # True is no slot
             raise IndexError(f"sequence slot: expected an int in 0..{self.batch - 1}, got {slot!r}")
 
     # ---- views --------------------------------------------------------------------------------------------

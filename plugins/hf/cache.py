@@ -25,6 +25,17 @@ raises one clear error before anything is committed.
 
 ``get_seq_length`` is transformers' view: input columns seen so far (padding included), a device scalar.
 Each slot's real length is :meth:`OscarCache.sequence_lengths`.
+
+**A full slot stops the run** (issue 31): outside ``torch.compile`` the cache keeps, on the host, an upper bound
+of each slot's length (exact after a prompt, +1 a decode step; no device read), and a decode step that would
+store a token past ``max_length`` raises one ``ValueError`` before anything is written (``model.generate`` with
+too small a cache stops there instead of decoding from tokens it never stored). Inside a compiled step there
+is no host code: read :meth:`OscarCache.step_status` (``STATUS_FULL``) as the serving loop does.
+
+**Contract.** A cache belongs to the model setup that made it (``enable_oscar``): after ``setup.restore()`` the
+model's attention is no longer OSCAR's, and a forward with the cache fails with one clear error. One cache is
+driven by one thread at a time (its step plan and active slots live on the cache object); serve concurrent
+requests from one thread through its slots, or give each thread its own cache.
 """
 
 from __future__ import annotations
@@ -57,6 +68,15 @@ class LayerStep:
     layer: "OscarLayer"
     key: torch.Tensor
     value: torch.Tensor
+
+    def __getattr__(self, name: str):
+        """Only attention that is not OSCAR's reads a key tensor's attributes from a step: say so."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"an OscarCache reached attention that is not OSCAR's (it read .{name} of a key): the model was switched "
+            f"back (setup.restore(), or the end of `with enable_oscar(...)`) or was never switched; use the cache "
+            f"only while its setup is enabled")
 
 
 @dataclass(frozen=True)
@@ -213,6 +233,7 @@ class OscarCache(Cache):
         if len(key_bits) != len(transforms):
             raise ValueError(f"key_bits: expected one per layer ({len(transforms)}), got {len(key_bits)}")
         ops = get_ops(backend)
+        check_cache_size(layout, len(transforms), batch_size, max_length, device)
         self.book = PageBook(layout, batch_size, max_length, device)
         self.key_bits = key_bits
         if decode_backends is not None and len(decode_backends) != len(transforms):
@@ -226,6 +247,8 @@ class OscarCache(Cache):
         self.layout = layout
         self.max_length = max_length
         self.active_slots: list[int] = list(range(batch_size))
+        #: per slot, an upper bound of its length known on the host without a device read (module doc)
+        self.host_lengths: list[int] = [0] * batch_size
         self.plan: PromptPlan | None = None
         self.seen = torch.zeros((), dtype=torch.int64, device=self.book.device)
         sliding = set(sliding_layers)
@@ -290,10 +313,12 @@ class OscarCache(Cache):
     def reset_sequence(self, b: int) -> None:
         """Forget slot ``b`` (its reserved pages are reused by the next sequence put there)."""
         self.book.reset(b)
+        self.host_lengths[b] = 0
 
     def reset(self) -> None:
         self.book.reset_all()
         self.seen.zero_()
+        self.host_lengths = [0] * self.book.batch
 
     # ---- the step (called by attention.py) ---------------------------------------------------------------------
     def begin_prompt(self, t: int, padding: torch.Tensor | None) -> PromptPlan:
@@ -309,6 +334,7 @@ class OscarCache(Cache):
                 real = [row.nonzero().squeeze(1) for row in valid]
                 counts = [int(r.numel()) for r in real]
         lengths = self.book.seq_len.tolist()
+        self.host_lengths = list(lengths)  # read anyway: exact again
         starts = [lengths[s] for s in self.active_slots]
         for s, start, n in zip(self.active_slots, starts, counts):
             if start + n > self.max_length:
@@ -323,8 +349,9 @@ class OscarCache(Cache):
         """Last layer of a ``T > 1`` forward: the planned slots now hold their new tokens."""
         plan, self.plan = self.plan, None
         grow = torch.zeros(self.book.batch, dtype=torch.int32)
-        for s, n in zip(plan.slots, plan.counts):
+        for s, n, start in zip(plan.slots, plan.counts, plan.starts):
             grow[s] = n
+            self.host_lengths[s] = start + n
         self.book.commit(grow.to(self.book.device))
         self.seen.add_(t)
 
@@ -334,11 +361,28 @@ class OscarCache(Cache):
                 f"a decode step writes every slot: expected a batch of {self.book.batch}, the cache's, "
                 f"got {len(self.active_slots)} selected slots"
             )
+        if not torch.compiler.is_compiling():
+            self.check_room()
         self.book.begin(1)
+
+    def check_room(self) -> None:
+        """Raise before a decode step when a slot may hold ``max_length`` tokens already (the host bound; read
+        from the device only then, to be exact)."""
+        if max(self.host_lengths) < self.max_length:
+            return
+        self.host_lengths = self.book.seq_len.tolist()
+        full = [s for s, n in enumerate(self.host_lengths) if n >= self.max_length]
+        if full:
+            raise ValueError(
+                f"sequence slot {full[0]}: the cache is full (max_length={self.max_length} tokens stored); this decode "
+                f"step would drop its token and later steps would read a cache that never held it. Make the cache "
+                f"with max_length >= prompt + new tokens (or reset_sequence the slot)")
 
     def commit_decode(self) -> None:
         self.book.commit(1)
         self.seen.add_(1)
+        if not torch.compiler.is_compiling():
+            self.host_lengths = [n + 1 for n in self.host_lengths]
 
     # ---- reads ------------------------------------------------------------------------------------------------
     def step_status(self) -> torch.Tensor:
@@ -379,6 +423,41 @@ class OscarCache(Cache):
             "oscar_kv": sum(layer.layout.sequence_bytes(n) for layer in oscar for n in lengths),
             "sliding_kv": sum(layer.token_bytes() * min(n, layer.window) for layer in sliding for n in lengths),
         }
+
+
+#: the most slots and tokens a slot a cache may be made with (int32 lengths and page ids on the device).
+MAX_BATCH, MAX_LENGTH = 1 << 20, 1 << 28
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Bytes free for new tensors on ``device``: the CUDA free memory, or the host's MemAvailable."""
+    import os
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_cache_size(layout: KVCacheLayout, num_layers: int, batch_size: int, max_length: int,
+                     device: torch.device | str) -> None:
+    """Refuse, before anything is allocated, a cache beyond the int32 bounds or larger than the free memory
+    (estimate: every layer's windows and pages of ``batch_size`` slots of ``max_length`` tokens)."""
+    if batch_size > MAX_BATCH or max_length > MAX_LENGTH:
+        raise ValueError(f"batch_size and max_length: expected at most {MAX_BATCH:,} slots of {MAX_LENGTH:,} tokens, "
+                         f"got {batch_size:,} x {max_length:,}")
+    need = num_layers * batch_size * layout.sequence_bytes(max_length)
+    free = available_bytes(device)
+    if need > free:
+        raise MemoryError(f"an OscarCache of {batch_size:,} slots x {max_length:,} tokens needs about {need:,} bytes "
+                          f"({num_layers} layers); {free:,} bytes are free on {device}")
 
 
 def _layer_tensors(layer) -> list[torch.Tensor]:
