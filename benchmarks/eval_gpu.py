@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, environment, run_deployed, run_eval
+from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, run_deployed, run_eval
 from oscar_export.eval.report import markdown, merge, write_all
 
 QUICK = Preset((2048, 8192), 1, (1024, 8192), 4, 4096, 1024, hf=PRESETS["full"].hf)
@@ -147,8 +147,11 @@ def main(argv=None) -> int:
             part["command"] = command
             result = save(part if result is None else merge(result, part))
             log(f"{phase} phase ({', '.join(group) if group else 'all'}) done: {part['timings']}; written to {out}")
-    if result is None:  # --phases deployed alone: on top of an earlier call's results, or on its own
-        result = earlier if earlier is not None else {"environment": environment(model)}
+    if result is None:
+        if earlier is None:
+            raise SystemExit("--phases deployed needs the text/niah results of an earlier call in --out (or "
+                             "--phases text,deployed --methods bf16 in one call)")
+        result = earlier
     if "deployed" in phases:
         bf16_backend = "triton" if device.type == "cuda" else "torch"
         try:

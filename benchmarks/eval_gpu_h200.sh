@@ -52,7 +52,7 @@ elif [ "${1:-}" = g ]; then
     ( OMP_NUM_THREADS=${CAL_THREADS:-12} timeout "${CAL_S:-400}" python3 benchmarks/calibrate_time.py --shape llama3-8b \
         --device cuda --json "$OUT/calibrate_8b.json" > "$OUT/calibrate_8b.log" 2>&1 ) &
     A=(); [ -d .art27 ] && A=(--artifact .art27)
-    timeout "${DEP_S:-330}" python3 benchmarks/eval_gpu.py "$G" "${A[@]}" --out "$RES" --phases deployed \
+    timeout "${DEP_S:-330}" python3 benchmarks/eval_gpu.py "$G" "${A[@]}" --out "$RES" --phases text,deployed --methods bf16 \
         ${DEP_ARGS:---text-windows 1 --deployed-runs triton} > "$OUT/eval.log" 2>&1
     cp "$RES"/results.json "$RES"/results.md "$OUT"/ 2>/dev/null; [ -d "$RES/artifact" ] && cp -r "$RES/artifact" "$OUT/"
     tail -n 45 "$OUT/eval.log"; wait; tail -n 30 "$OUT/calibrate_8b.log"
