@@ -31,12 +31,21 @@ through shared memory (a few chunks per sequence, not the hot loop).
 the same path with four nibble fields a word (:func:`_a_operand4`: ``c·16^hr·2^-24``, the ``hc`` field by the ``shr``,
 so the query rows carry no power of two), twice the code bytes a page in the cp.async stages.
 
+head_dim 256 with two token groups of 128 a row (the default layout there, Gemma 3; ``NG`` 2): each 128-column key
+chunk's scores are scaled by its own group's ``(scale, lo)`` (two MMAs, two accumulators) and the value MMA is split
+into the two halves of the dims, each with its group's ``p·s_v`` in its own shared-memory B operand. Compiled for
+sm_90 without spills and its arithmetic checked on the CPU (:func:`emulate`); **not yet run on a GPU**
+(``tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256``), so
+``kernels/decode/hopper.py`` still refuses two groups a row.
+
 Limits: uniform codes (``K_CODEBOOK``/``V_CODEBOOK`` False; 2-bit values, 2- or 4-bit keys), token or channel keys,
 ``P`` 64 or 128, ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; :func:`check_gluon_layout` refuses the
 rest.
 ``FAST_UNPACK`` is accepted for v2's signature and ignored (the field masks are always PTX: CUDA only).
 
-Status: compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the H200's JIT) on the CPU, with every A-operand
+Status (4-bit key pages and queries rotated once a step: run on the H200 on 2026-12-02,
+``benchmarks/results/hopper-rotation-k4-h200-2026-12-02.md``): compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the
+H200's JIT) on the CPU, with every A-operand
 conversion proven trivial by the compiler (``tests/kernels/test_decode_attention_gl.py``). Hopper only
 (:func:`check_gluon_device`). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
 launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
@@ -90,6 +99,13 @@ def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) ->
     gq = num_heads // layout.num_kv_heads
     if _plan.gq_pad_v2(gq) not in GQ_PADS:
         raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
+    for name, fmt in (("key", layout.key), ("value", layout.value)):
+        if fmt.granularity == "token" and fmt.group_size != layout.head_dim and (layout.head_dim, fmt.group_size) != (
+                256, 128):
+            raise NotImplementedError(f"decode_attention_gl: {name} token groups of head_dim or, at head_dim 256, of "
+                                      f"128, got {fmt.group_size} at {layout.head_dim}")
+    if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
+        raise NotImplementedError("decode_attention_gl: key and value token groups must match")
     if layout.key.bits not in KEY_BITS or layout.value.bits != 2:
         raise NotImplementedError(f"decode_attention_gl: {list(KEY_BITS)}-bit key and 2-bit value pages, got "
                                   f"{layout.key.bits}-bit keys and {layout.value.bits}-bit values")
@@ -285,10 +301,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg, end, it,
                     max_pages, h, koffs, voffs, K_CHANNEL: gl.constexpr, H_KV: gl.constexpr, P: gl.constexpr,
-                    D: gl.constexpr, KC: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr):
+                    D: gl.constexpr, KC: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr,
+                    NG: gl.constexpr):
         """cp.async the K and V codes of page ``pg`` of sequence ``b`` (zeros if ``pg >= end``) into stage
-        ``it % STAGES`` with its params: the V per-token words and the K ones (token keys) into ``tbuf``, or the
-        K channel ``[2, D]`` scales and lows into ``cbuf`` (channel keys); committed as one group."""
+        ``it % STAGES`` with its params: the V per-token words and the K ones (token keys) into ``tbuf`` (row
+        ``(2 st + kv) NG + g`` for group ``g`` of ``NG`` a row), or the K channel ``[2, D]`` scales and lows into
+        ``cbuf`` (channel keys); committed as one group."""
         ok = pg < end
         page = gl.load(block_table_ptr + b.to(gl.int64) * max_pages + pg, mask=ok, other=0).to(gl.int64)
         half_off = gl.multiple_of((page * H_KV + h) * (P * D // 8), 8)  # uint16 units; pages are 16-byte aligned
@@ -301,7 +319,7 @@ if HAVE_GLUON:
         _cp_async(vbuf.index(st), v16 + half_off + voffs, mask=ok)
         LP: gl.constexpr = gl.BlockedLayout([P // 128 if P >= 128 else 1], [32], [4], [0])
         t = gl.arange(0, P, layout=LP)
-        word_off = (page * H_KV + h) * P
+        word_off = (page * H_KV + h) * (P * NG)
         if K_CHANNEL:  # rows 2 st (scales) and 2 st + 1 (lows) of cbuf
             LC: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])  # 16 bytes a thread (replicated past D)
             dc = gl.arange(0, D, layout=LC)
@@ -309,8 +327,11 @@ if HAVE_GLUON:
             _cp_async(cbuf.index(2 * st), pw, mask=ok)
             _cp_async(cbuf.index(2 * st + 1), pw + D, mask=ok)
         else:
-            _cp_async(tbuf.index(2 * st), k_params_ptr.to(gl.pointer_type(gl.int32)) + word_off + t, mask=ok)
-        _cp_async(tbuf.index(2 * st + 1), vp32 + word_off + t, mask=ok)
+            for g in gl.static_range(NG):
+                _cp_async(tbuf.index(2 * st * NG + g), k_params_ptr.to(gl.pointer_type(gl.int32)) + word_off + t * NG + g,
+                          mask=ok)
+        for g in gl.static_range(NG):
+            _cp_async(tbuf.index((2 * st + 1) * NG + g), vp32 + word_off + t * NG + g, mask=ok)
         async_copy.commit_group()
 
     @gluon.jit
@@ -321,10 +342,13 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        STAGES: gl.constexpr, KEY_BITS: gl.constexpr,
+        STAGES: gl.constexpr, KEY_BITS: gl.constexpr, NG: gl.constexpr,
     ):
         """The body of both split kernels: this program's partial (out / l and log2-sum-exp) into ``part_o`` /
-        ``part_lse``."""
+        ``part_lse``. ``NG``: token groups a row (keys at token granularity, values), 1, or 2 at ``D = 256``
+        (``G = 128``, one key chunk a group: each chunk's scores scaled by its own group, the value MMA split
+        into the two halves of the dims, each with its group's ``p·s_v``)."""
+        gl.static_assert(NG == 1 or (NG == 2 and D == 256), "decode_attention_gl: 1 token group a row, or 2 at D 256")
         gl.static_assert(KEY_BITS == 2 or KEY_BITS == 4, "decode_attention_gl: 2- or 4-bit key pages")
         gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
         gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
@@ -361,7 +385,7 @@ if HAVE_GLUON:
             CS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # lane-contiguous rows: conflict-free
             kbuf = gl.allocate_shared_memory(gl.uint16, [STAGES * NCH, P // 16 * 32, KH], CS)
             vbuf = gl.allocate_shared_memory(gl.uint16, [STAGES, D // 16 * 32, P // 16], CS)
-            tbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 2, P], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            tbuf = gl.allocate_shared_memory(gl.int32, [STAGES * 2 * NG, P], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             if K_CHANNEL:  # the page's channel scales and lows, fp16 rows
                 cbuf = gl.allocate_shared_memory(gl.float16, [STAGES * 2, D], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             else:
@@ -371,7 +395,7 @@ if HAVE_GLUON:
             end = gl.minimum(start + pages_per_split, gl.load(num_pages_ptr + b))
             for i in gl.static_range(STAGES - 1):
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, start + i, end,
-                            i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES, KEY_BITS)
+                            i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES, KEY_BITS, NG)
             # the first pages are in flight while the query is loaded (and rotated)
             q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)  # [GQ_PAD, D]
             # 4^-2hc of the 2-bit key fields (K dim = dims); 4-bit fields have none (hc is shifted down)
@@ -379,20 +403,29 @@ if HAVE_GLUON:
             qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
             qk_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, (q32 * hc_q[None, :]).to(gl.float16))
             p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, P], PS)
+            DG: gl.constexpr = D // NG  # the output dims of one value group
+            if NG == 2:  # each group's query sum (its keys' lows) and p·s_v (its values)
+                first = (gl.arange(0, D, layout=gl.SliceLayout(0, QL)) < DG)[None, :]
+                qsum = gl.convert_layout(gl.sum(gl.where(first, q32, 0.0), axis=1), COL)
+                qsum1 = gl.convert_layout(gl.sum(gl.where(first, 0.0, q32), axis=1), COL)
+                p_s1 = gl.allocate_shared_memory(gl.float16, [GQ_PAD, P], PS)
             fence_async_shared()
             hr_k = _bit3_scale(P, 0.25 if KEY_BITS == 2 else 0.0625, ROW) * 16777216.0  # 2^24·4^-hr (16^-hr) per token
             hc_v = _bit3_scale(P, 0.0625, ROW)  # 4^-2hc of the value fields (K dim = tokens)
             m = gl.full([GQ_PAD], float("-inf"), gl.float32, COL)
             l_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
             lo_acc = gl.zeros([P, GQ_PAD], gl.float32, MMA)
-            acc = gl.zeros([D, GQ_PAD], gl.float32, MMA)  # O^T
+            acc = gl.zeros([DG, GQ_PAD], gl.float32, MMA)  # O^T (of the first value group's dims)
+            if NG == 2:
+                lo_acc1 = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+                acc1 = gl.zeros([DG, GQ_PAD], gl.float32, MMA)
             for pg in range(start, end):
                 it = pg - start
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of page pg have landed
                 _cta_barrier()  # ... everyone's; and stage (it - 1) % STAGES is free again
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg + STAGES - 1,
                             end, it + STAGES - 1, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES,
-                            KEY_BITS)
+                            KEY_BITS, NG)
                 stage = it % STAGES
                 if K_CHANNEL:
                     ksc = cbuf.index(2 * stage).load(gl.SliceLayout(0, QL)).to(gl.float32)
@@ -401,19 +434,39 @@ if HAVE_GLUON:
                     fence_async_shared()
                     const = gl.convert_layout(gl.sum(q32 * klo[None, :], axis=1), COL)
                 else:
-                    ks, klo_t = _token_pair(tbuf.index(2 * stage).load(ROW))
-                vs, vlo = _token_pair(tbuf.index(2 * stage + 1).load(ROW))
-                st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
-                for ch in gl.static_range(NCH):
-                    if KEY_BITS == 4:
-                        a = _a_operand4(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                    ks, klo_t = _token_pair(tbuf.index(2 * stage * NG).load(ROW))
+                    if NG == 2:
+                        ks1, klo1 = _token_pair(tbuf.index(2 * stage * NG + 1).load(ROW))
+                vs, vlo = _token_pair(tbuf.index((2 * stage + 1) * NG).load(ROW))
+                if NG == 2:
+                    vs1, vlo1 = _token_pair(tbuf.index((2 * stage + 1) * NG + 1).load(ROW))
+                if K_CHANNEL or NG == 1:
+                    st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
+                    for ch in gl.static_range(NCH):
+                        if KEY_BITS == 4:
+                            a = _a_operand4(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                        else:
+                            a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                        st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=1).permute((1, 0)), st)
+                    if K_CHANNEL:
+                        st = st * hr_k[:, None] + const[None, :]
                     else:
-                        a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
-                    st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=1).permute((1, 0)), st)
-                if K_CHANNEL:
-                    st = st * hr_k[:, None] + const[None, :]
-                else:
+                        st = st * (ks * hr_k)[:, None] + klo_t[:, None] * qsum[None, :]
+                else:  # two token key groups, one 128-column chunk each: each chunk's scores by its own scale
+                    if KEY_BITS == 4:
+                        a = _a_operand4(kbuf.index(stage * NCH).load(LWK), P, KC, A_L)
+                    else:
+                        a = _a_operand(kbuf.index(stage * NCH).load(LWK), P, KC, A_L)
+                    st = warpgroup_mma(a, qk_s.slice(0, KC, dim=1).permute((1, 0)),
+                                       gl.zeros([P, GQ_PAD], gl.float32, MMA))
                     st = st * (ks * hr_k)[:, None] + klo_t[:, None] * qsum[None, :]
+                    if KEY_BITS == 4:
+                        a = _a_operand4(kbuf.index(stage * NCH + 1).load(LWK), P, KC, A_L)
+                    else:
+                        a = _a_operand(kbuf.index(stage * NCH + 1).load(LWK), P, KC, A_L)
+                    st1 = warpgroup_mma(a, qk_s.slice(KC, KC, dim=1).permute((1, 0)),
+                                        gl.zeros([P, GQ_PAD], gl.float32, MMA))
+                    st = st + st1 * (ks1 * hr_k)[:, None] + klo1[:, None] * qsum1[None, :]
                 m_new = gl.maximum(m, gl.max(st, axis=0))
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m - m_use)
@@ -422,13 +475,26 @@ if HAVE_GLUON:
                 l_acc = l_acc * alpha[None, :] + pt
                 lo_acc = lo_acc * alpha[None, :] + pt * vlo[:, None]
                 p_s.store(gl.permute((pt * (vs * hc_v)[:, None]).to(gl.float16), [1, 0]))
+                if NG == 2:
+                    lo_acc1 = lo_acc1 * alpha[None, :] + pt * vlo1[:, None]
+                    p_s1.store(gl.permute((pt * (vs1 * hc_v)[:, None]).to(gl.float16), [1, 0]))
                 fence_async_shared()
-                a_v = _a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
-                acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
+                if NG == 2:  # the value rows (dims) of each group: its half of the page's row blocks
+                    HR: gl.constexpr = DG // 16 * 32
+                    a_v = _a_operand(vbuf.index(stage).slice(0, HR, dim=0).load(LWV), DG, P, A_L)
+                    acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
+                    a_v1 = _a_operand(vbuf.index(stage).slice(HR, HR, dim=0).load(LWV), DG, P, A_L)
+                    acc1 = warpgroup_mma(a_v1, p_s1.permute((1, 0)), acc1 * alpha[None, :])
+                else:
+                    a_v = _a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
+                    acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
             async_copy.wait_group(0)  # no copy outlives the program
             l = gl.sum(l_acc, axis=0)
             lo = gl.sum(lo_acc, axis=0)
-            out_t = acc * (_bit3_scale(D, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
+            out_t = acc * (_bit3_scale(DG, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
+            if NG == 2:  # [DG, GQ_PAD] x 2 -> [2, DG, GQ_PAD] -> [D, GQ_PAD], in the windows' layout
+                out1 = acc1 * (_bit3_scale(DG, 0.25, ROW) * 16777216.0)[:, None] + gl.sum(lo_acc1, axis=0)[None, :]
+                out_t = gl.convert_layout(gl.reshape(gl.permute(gl.join(out_t, out1), [2, 0, 1]), [D, GQ_PAD]), MMA)
         else:
             q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)
             qw_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, q32.to(gl.float16))
@@ -509,7 +575,7 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2, NG: gl.constexpr = 1,
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
         those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes
@@ -518,7 +584,7 @@ if HAVE_GLUON:
                        k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
                        recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
                        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
-                       STAGES, KEY_BITS)
+                       STAGES, KEY_BITS, NG)
 
     @gluon.jit
     def _decode_split_merge_gl_kernel(
@@ -531,7 +597,7 @@ if HAVE_GLUON:
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
-        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2,
+        FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2, NG: gl.constexpr = 1,
     ):
         """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`_merge_if_last`): one launch
         for the whole decode attention. ``out_ptr [B, H, D]`` (fp32 / bf16 / fp16), ``counters_ptr`` int32 ``[>=
@@ -540,7 +606,7 @@ if HAVE_GLUON:
                        k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
                        recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
                        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
-                       STAGES, KEY_BITS)
+                       STAGES, KEY_BITS, NG)
         _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV, GQ, D)
 
     KERNEL = _decode_split_gl_kernel
@@ -603,10 +669,13 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
     probabilities' token rows (values), ``2^24·4^-hr`` into the per-token key scales and the per-dim outputs,
     the queries rounded to fp16 after ``sm_scale·log2(e)``, ``p·s_v`` rounded to fp16. One softmax over the
     sequence (the split + merge are v1's, tested there). Token or channel keys, uniform 2-bit codes (4-bit key
-    pages: ``16^-hr`` per token, nothing on the dims), queries in the stored basis. Returns ``[B, H, D]`` float32 in
-    the stored value basis."""
+    pages: ``16^-hr`` per token, nothing on the dims), one token group a row or two (``NG``: each key chunk scaled by
+    its group, each half of the value dims by its group's ``p·s_v``), queries in the stored basis. Returns ``[B, H,
+    D]`` float32 in the stored value basis."""
     bsz, hq, d = q.shape
     hkv, p, kbits = layout.num_kv_heads, layout.page_size, layout.key.bits
+    ng = d // layout.value.group_size
+    dg = d // ng
     gq = hq // hkv
     qs = (q.double() * (scale * 1.4426950408889634)).half().double()
     hc_d, hc_t = _bit3(d, 0.0625 if kbits == 2 else 1.0), _bit3(p, 0.0625)
@@ -625,11 +694,12 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
                     qk = (qh * (kp[0] * hc_d)[None, :]).half().double()
                     st = (a_k @ qk.T) * hr_t[:, None] + (qh * kp[1][None, :]).sum(1)[None, :]
                 else:
-                    kp = kp.reshape(p, 2)
+                    kp = kp.reshape(p, ng, 2)
                     qk = (qh * hc_d[None, :]).half().double()
-                    st = (a_k @ qk.T) * (kp[:, 0] * hr_t)[:, None] + kp[:, 1][:, None] * qh.sum(1)[None, :]
-                vp = vp.reshape(p, 2)
-                parts.append((st, a_v * hr_d[:, None], vp[:, 0] * hc_t, vp[:, 1]))
+                    st = sum((a_k[:, g * dg:(g + 1) * dg] @ qk[:, g * dg:(g + 1) * dg].T) * (kp[:, g, 0] * hr_t)[:, None]
+                             + kp[:, g, 1][:, None] * qh[:, g * dg:(g + 1) * dg].sum(1)[None, :] for g in range(ng))
+                vp = vp.reshape(p, ng, 2)
+                parts.append((st, a_v * hr_d[:, None], vp[:, :, 0] * hc_t[:, None], vp[:, :, 1]))
             for w_k, w_v in _windows(state, layout, bi, hi):
                 st = w_k.half().double() @ qh.half().double().T
                 parts.append((st, w_v.half().double().T, None, None))
@@ -643,8 +713,10 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
                 den += pt.sum(0)
                 if vs is None:  # BF16 window
                     num += a_v @ pt.half().double()
-                else:
-                    num += a_v @ (pt * vs[:, None]).half().double() + (pt * vlo[:, None]).sum(0)[None, :]
+                else:  # each group's dims: its rows of the operand times its p·s_v, plus its Σ p·lo
+                    for g in range(ng):
+                        num[g * dg:(g + 1) * dg] += (a_v[g * dg:(g + 1) * dg] @ (pt * vs[:, g, None]).half().double()
+                                                     + (pt * vlo[:, g, None]).sum(0)[None, :])
             out[bi, hi * gq:(hi + 1) * gq] = (num / den[None, :]).T.float()
     return out
 

@@ -172,7 +172,7 @@ GL_PROGRAM_PAGES = 2
 GL_FUSED_MERGE = True
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
-    params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES", "KEY_BITS"),
+    params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES", "KEY_BITS", "NG"),
     num_warps=4, num_stages=2, grid=DECODE_SPLIT_V2.grid, sizes=DECODE_SPLIT_V2.sizes, derived=_SPLIT_DERIVED,
     doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
         "cp.async page stages); uniform codes, 2- or 4-bit key pages, sm_90 only; merged by decode_merge (bundles: "
@@ -326,11 +326,13 @@ def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: i
 def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float,
                                stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
     """Constexprs of the Gluon split kernel (``decode_attention_gl``; uniform codes only): v2's plus ``STAGES``,
-    its cp.async page stages, and ``KEY_BITS``, the key pages' code width (2 or 4)."""
+    its cp.async page stages, ``KEY_BITS``, the key pages' code width (2 or 4), and ``NG``, the token groups a row
+    (``head_dim // value.group_size``: 1, or 2 at head_dim 256)."""
     cx = decode_split_v2_constexprs(layout, num_heads, sm_scale)
     if cx["K_CODEBOOK"]:
         raise NotImplementedError("decode_split_gl: uniform codes only (fitted levels: decode_split_v2)")
-    return {**cx, "STAGES": int(stages), "KEY_BITS": layout.key.bits}
+    return {**cx, "STAGES": int(stages), "KEY_BITS": layout.key.bits,
+            "NG": layout.head_dim // layout.value.group_size}
 
 
 def decode_merge_constexprs(layout) -> dict[str, Any]:

@@ -593,6 +593,37 @@ def test_decode_attention_gluon_fused_merge_refuses_first_use_in_a_capture(monke
             hopper.merge_counters(torch.device(DEV), 8)
 
 
+@pytest.mark.parametrize("key_bits", [2, 4])
+@pytest.mark.parametrize("gran", ["token", "channel"])
+def test_decode_attention_gluon_two_groups_head_dim_256(gran, key_bits):
+    """Gemma-3-12B's heads (16 / 8, head_dim 256) on the default layout, two token groups of 128 a row (the
+    kernel's ``NG = 2``: each key chunk scaled by its group, each half of the value dims by its group's ``p·s_v``):
+    within budget and close to the portable kernel on the same pages in linear order. Launched through
+    ``hopper.launch`` (``check_hopper_layout`` refuses two groups a row until this test has passed on a GPU)."""
+    from oscar_export.kernels import decode_attention_gl as gla
+
+    hopper = _hopper()
+    lay = KVCacheLayout.default(8, 256, gran, page_size=128, packing="mma16").with_key_bits(key_bits)
+    gla.check_gluon_layout(lay, 16, codebook=False)
+    tr = _fitted_rotated_transform_gpu(8, 256)
+    lengths = [16500, 449, 17]
+    torch.manual_seed(8)
+    st = _random_cache(lay, lengths, tr)
+    st_lin, lin = _linear_copy(st, lay)
+    q = torch.randn(len(lengths), 16, 256, device=DEV)
+    pps = hopper.pages_per_split(len(lengths), 8, st.block_table.shape[1], q.device, 256)
+    got = hopper.launch(q, q, q, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
+                        st.v_params, tr.k_levels, tr.v_levels, st.block_table, st.sink_len, st.num_pages,
+                        st.recent_len, 8, lay.page_size, lay.sink, lay.recent_slots, 256**-0.5,
+                        gran == "channel", False, pps, torch.float32)
+    e_g, _ = _budget(got, q, st, lay, tr, 256**-0.5)
+    want = decode_attention(q, st_lin, lin, tr.k_levels, tr.v_levels, 256**-0.5)
+    e_p, _ = _budget(want, q, st_lin, lin, tr, 256**-0.5)
+    diff = (got - want).abs().max().item()
+    print(f"  two groups {gran} k{key_bits}: err {e_g:.3e}, portable err {e_p:.3e}, |diff| {diff:.3e}")
+    assert diff <= e_g + e_p + 1e-6, (diff, e_g, e_p)
+
+
 def test_decode_append_4bit_mma16_keys_on_gpu_equals_reference():
     """The decode-step demotion writes 4-bit mma16 key pages equal to the reference's on the GPU (real shape),
     both key granularities, and the prefill quantizer too."""

@@ -85,6 +85,31 @@ def test_emulated_kernel_within_budget(gran, hq, hkv, d, p, key_bits):
     _check_budget(got, q, st, lay, tr, d**-0.5, f"gluon emulation {gran} {hq}/{hkv} d={d} p={p} k{key_bits}")
 
 
+@pytest.mark.parametrize("gran", ["token", "channel"])
+@pytest.mark.parametrize("key_bits", [2, 4])
+def test_emulated_kernel_two_groups_a_row_within_budget(gran, key_bits):
+    """head_dim 256 with the default two token groups of 128 a row (Gemma 3): each key chunk scaled by its group,
+    each half of the value dims by its group's ``p·s_v``, within budget; a wrong group (both halves with the first
+    group's value params) is out of it."""
+    from dataclasses import replace
+
+    lay = KVCacheLayout.default(2, 256, gran, sink=16, window=32, page_size=64, packing="mma16")
+    lay = lay.with_key_bits(key_bits)
+    assert lay.value.group_size == 128 and (gran == "channel" or lay.key.group_size == 128)
+    gl_attn.check_gluon_layout(lay, 6, codebook=False)
+    tr = LayerTransform.identity(2, 256, k_clip=0.95, v_clip=0.9)
+    lengths = [16 + 32 + 64 + 5, 16 + 32 + 3 * 64 + 17]
+    torch.manual_seed(key_bits)
+    st = _cache(lay, lengths, tr)
+    q = torch.randn(len(lengths), 6, 256) * 2
+    got = gl_attn.emulate(q, st, lay, 256**-0.5)
+    _check_budget(got, q, st, lay, tr, 256**-0.5, f"gluon emulation two groups {gran} k{key_bits}")
+    vp = st.v_params.clone()
+    vp[..., 1, :] = vp[..., 0, :]
+    wrong = gl_attn.emulate(q, replace(st, v_params=vp), lay, 256**-0.5)
+    assert (wrong - got).abs().max() > 1e-2, "the check must see a group mix-up"
+
+
 def test_check_gluon_layout_refusals():
     with pytest.raises(NotImplementedError, match="codebook"):
         gl_attn.check_gluon_layout(_mma(2, 128, "token"), 8, codebook=True)
@@ -96,38 +121,44 @@ def test_check_gluon_layout_refusals():
         gl_attn.check_gluon_layout(_mma(1, 128, "token"), 32, codebook=False)
     gl_attn.check_gluon_layout(_mma(8, 128, "token"), 32, codebook=False)
     gl_attn.check_gluon_layout(_mma(8, 128, "channel").with_key_bits(4), 32, codebook=False)
+    with pytest.raises(NotImplementedError, match="token groups of head_dim or, at head_dim 256, of 128, got 64"):
+        gl_attn.check_gluon_layout(KVCacheLayout(2, 128, RowFormat(128, 64, packing="mma16"),
+                                                 RowFormat(128, 64, packing="mma16")), 8, codebook=False)
 
 
-def _gluon_wrapper_case(pages: int):
-    """v2's wrapper (skipped without Gluon), a 2-KV-head mma16 layout, identity transform and an empty state."""
-    from oscar_export.kernels import decode_attention_v2 as v2
-
-    if "gluon" not in v2.KERNELS:
+def _hopper():
+    """The kernel's wrapper (``kernels/decode/hopper.py``), skipped without Gluon."""
+    hopper = pytest.importorskip("oscar_export.kernels.decode.hopper")
+    if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    lay = _mma(2, 128, "token")
-    return v2, lay, LayerTransform.identity(2, 128, 0.96, 0.92), PagedKV.allocate(lay, 1, pages, pages)
+    return hopper
 
 
-def test_wrapper_refuses_the_cpu_and_other_warps():
-    v2, lay, tr, st = _gluon_wrapper_case(1)
-    with pytest.raises(NotImplementedError, match="CUDA only"):
-        v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, variant="gluon")
+def test_wrapper_layout_refusals():
+    """What the kernel does not read is refused when the cache is made, 4-bit keys are read."""
+    from dataclasses import replace
+
+    hopper = _hopper()
+    hopper.check_hopper_layout(_mma(2, 128, "token").with_key_bits(4), 8)
+    hopper.check_hopper_layout(_mma(2, 128, "channel").with_key_bits(4), 8)
     with pytest.raises(NotImplementedError, match="codebook"):
-        v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, variant="gluon",
-                            codebook=True)
+        hopper.check_hopper_layout(_mma(2, 128, "token", codebook=True), 8)
+    lay = _mma(2, 128, "token")
+    with pytest.raises(NotImplementedError, match="2-bit value"):
+        hopper.check_hopper_layout(replace(lay, value=replace(lay.value, bits=4)), 8)
 
 
 def test_wrapper_refuses_misaligned_page_buffers():
     """A contiguous but sliced pool (base address off a 16-byte boundary) is refused before any launch."""
     from dataclasses import replace
 
-    v2, lay, tr, st = _gluon_wrapper_case(2)
+    hopper = _hopper()
+    st = PagedKV.allocate(_mma(2, 128, "token"), 1, 2, 2)
     shape = st.k_codes.shape
     sliced = torch.zeros(st.k_codes.numel() + 16, dtype=torch.uint8)[4:4 + st.k_codes.numel()].view(shape)
     assert sliced.is_contiguous() and sliced.data_ptr() % 16 == 4
     with pytest.raises(ValueError, match="state.k_codes: .* starts 4 bytes past a boundary"):
-        v2.decode_attention(torch.randn(1, 8, 128), replace(st, k_codes=sliced), lay, tr.k_levels, tr.v_levels, 0.1,
-                            variant="gluon")
+        hopper.check_hopper_state(replace(st, k_codes=sliced))
 
 
 def test_gluon_device_check(monkeypatch):
@@ -151,6 +182,8 @@ SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate
     ("channel", 64, 128, 1, False, 2), ("token", 128, 128, 4, False, 4), ("channel", 128, 128, 4, False, 4),
     ("channel", 64, 64, 3, False, 4), ("token", 256, 128, 8, False, 4),
 ]
+#: head_dim 256 with the default two token groups of 128 a row (``NG`` 2): (granularity, page size, GQ, key bits)
+TWO_GROUP_SHAPES = [("token", 128, 2, 2), ("token", 64, 8, 4), ("channel", 128, 2, 2)]
 
 
 def _spec(gran, d, p, gq, rotate, stages=gl_attn.STAGES, key_bits=2):
@@ -184,6 +217,27 @@ def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate, 
             assert usage["REG"] <= spec.maxnreg, usage
         else:
             assert usage["STACK"] == 0, f"the kernel spills ({usage['STACK']} B of stack)"
+
+
+@pytest.mark.parametrize("gran,p,gq,key_bits", TWO_GROUP_SHAPES)
+def test_two_groups_a_row_compile_for_sm90_without_spills(gran, p, gq, key_bits):
+    pytest.importorskip("triton")
+    if not gl_attn.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    from oscar_export.kernels.aot.compile import compile_kernel
+    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs, gl_occupancy
+    from oscar_export.kernels.aot.spec import KernelSpec
+
+    lay = KVCacheLayout.default(8, 256, gran, packing="mma16", page_size=p).with_key_bits(key_bits)
+    cx = decode_split_gl_constexprs(lay, 8 * gq, 256**-0.5)
+    assert cx["NG"] == 2
+    spec = KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_ng2_{gran}_p{p}_g{gq}_k{key_bits}", cx,
+                                maxnreg=gl_occupancy(256)[0])
+    ck = compile_kernel(spec, "sm_90")
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ck.ptx.decode())
+    usage = _res_usage(ck.cubin)
+    if usage is not None:
+        assert usage["STACK"] == 0, f"the kernel spills ({usage['STACK']} B of stack)"
 
 
 def test_the_register_cap_is_the_plans_and_travels_in_the_manifest():
@@ -281,45 +335,40 @@ def test_fused_merge_compiles_with_the_grid_barrier_ordering(gran, d, p, gq):
     assert "atom." not in compile_kernel(plain, "sm_90").ptx.decode()
 
 
-def test_fused_merge_options_are_refused_where_they_do_not_apply():
-    from oscar_export.kernels import decode_attention_v2 as v2
-
+def test_fused_merge_counters_are_allocated_once_and_bounded():
+    hopper = _hopper()
     with pytest.raises(ValueError, match="at most 65536"):
-        v2.merge_counters(torch.device("cpu"), v2.MERGE_COUNTERS + 1)
-    lay = _mma(2, 128, "token")
-    tr = LayerTransform.identity(2, 128, 0.96, 0.92)
-    st = PagedKV.allocate(lay, 1, 1, 1)
-    with pytest.raises(ValueError, match="fused_merge is an option of the 'gluon' kernel, not of 'fields'"):
-        v2.decode_attention(torch.randn(1, 8, 128), st, lay, tr.k_levels, tr.v_levels, 0.1, fused_merge=True)
-    buf = v2.merge_counters(torch.device("cpu"), 4)
-    assert buf.dtype == torch.int32 and buf.numel() == v2.MERGE_COUNTERS and not buf.any()
-    assert v2.merge_counters(torch.device("cpu"), 8) is buf, "allocated once: captured graphs keep its address"
+        hopper.merge_counters(torch.device("cpu"), hopper.MERGE_COUNTERS + 1)
+    buf = hopper.merge_counters(torch.device("cpu"), 4)
+    assert buf.dtype == torch.int32 and buf.numel() == hopper.MERGE_COUNTERS and not buf.any()
+    assert hopper.merge_counters(torch.device("cpu"), 8) is buf, "allocated once: captured graphs keep its address"
 
 
-def test_fused_merge_is_the_plans_default_up_to_the_counters(monkeypatch):
+@pytest.mark.parametrize("key_bits", [2, 4])
+def test_fused_merge_is_the_plans_default_up_to_the_counters(monkeypatch, key_bits):
     """The launch takes the fused kernel with the shared counters by default, and the launched merge beyond
-    MERGE_COUNTERS (sequence, KV head) pairs (no error at a large batch); the device check and the launch are
-    stubbed (CPU), the decision is the wrapper's."""
-    from oscar_export.kernels import decode_attention_v2 as v2
-
-    if "gluon" not in v2.KERNELS:
-        pytest.skip("this Triton has no Gluon")
+    MERGE_COUNTERS (sequence, KV head) pairs (no error at a large batch); ``KEY_BITS`` follows the key pool's row
+    bytes. The launch is stubbed (CPU), the decisions are the wrapper's."""
+    hopper = _hopper()
     seen = []
-    monkeypatch.setattr(v2._gl, "check_gluon_device", lambda device: None)
-    monkeypatch.setattr(v2, "launch_split_merge", lambda kernel, *a: seen.append((kernel, a[-1])))
+    monkeypatch.setattr(hopper, "launch_split_merge",
+                        lambda kernel, *a, counters=None: seen.append((kernel, counters, a[-3]["KEY_BITS"])))
     t = torch.zeros(1)
+    k_codes = torch.zeros(1, 8, 64, 64 * key_bits // 8, dtype=torch.uint8)
 
     def launch(batch, **kw):
         q = torch.zeros(batch, 8, 64)
-        v2.launch_decode_v2(q, *[t] * 16, num_kv_heads=8, page_size=64, sink=64, recent_slots=384, scale=0.125,
-                            k_channel=False, codebook=False, rotate_q=False, pages_per_split=4,
-                            out_dtype=torch.float32, num_warps=4, num_stages=3, variant="gluon", **kw)
-        return seen.pop()
+        hopper.launch(q, t, t, t, t, t, t, k_codes, *[t] * 9, num_kv_heads=8, page_size=64, sink=64,
+                      recent_slots=384, scale=0.125, k_channel=False, rotate_q=False, pages_per_split_=4,
+                      out_dtype=torch.float32, **kw)
+        kernel, counters, bits = seen.pop()
+        assert bits == key_bits
+        return kernel, counters
 
     kernel, counters = launch(2)
-    assert kernel is gl_attn.FUSED_KERNEL and counters is v2.merge_counters(torch.device("cpu"), 16)
-    kernel, counters = launch(v2.MERGE_COUNTERS // 8 + 1)
+    assert kernel is gl_attn.FUSED_KERNEL and counters is hopper.merge_counters(torch.device("cpu"), 16)
+    kernel, counters = launch(hopper.MERGE_COUNTERS // 8 + 1)
     assert kernel is gl_attn.KERNEL and counters is None
     assert launch(2, fused_merge=False) == (gl_attn.KERNEL, None)
     with pytest.raises(ValueError, match="at most 65536"):
-        launch(v2.MERGE_COUNTERS // 8 + 1, fused_merge=True)
+        launch(hopper.MERGE_COUNTERS // 8 + 1, fused_merge=True)
