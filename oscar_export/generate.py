@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--backend", default="torch", help="cache ops backend: torch | torch.compile | triton")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--skip-bf16", action="store_true", help="only run the OSCAR cache")
+    p.add_argument("--skip-bf16", action="store_true",
+                   help="only run the OSCAR cache (skip the full-precision DynamicCache run: BF16 on CUDA, fp32 on the CPU)")
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -163,16 +164,20 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--prompt: {text!r:.80} is no tokens at all; give some text")
     check_fits(model.config, n_prompt, args.max_new_tokens, dtype, device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dtype}")
+    dname = DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+    print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dname}")
 
     ref = None
     if not args.skip_bf16:
         t0 = time.perf_counter()
         with torch.no_grad():
-            ref = model.generate(ids, streamer=_Progress(args.max_new_tokens, "bf16 "), **gen)[0, n_prompt:]
-        print(f"bf16 cache: {len(ref)} tokens in {time.perf_counter() - t0:.1f} s")
+            ref = model.generate(ids, streamer=_Progress(args.max_new_tokens, f"{dname:5s}"), **gen)[0, n_prompt:]
+        print(f"{dname} cache: {len(ref)} tokens in {time.perf_counter() - t0:.1f} s")
 
     with enable_oscar(model, artifact=artifact, backend=args.backend) as oscar:
+        short = too_short(oscar.layout, n_prompt, args.max_new_tokens)
+        if short:
+            print(f"note: {short}")
         cache = oscar.make_cache(1, n_prompt + args.max_new_tokens)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -183,9 +188,10 @@ def run(args: argparse.Namespace) -> int:
     layout, n_layers = oscar.layout, oscar.shape.num_layers
 
     if ref is not None:
-        print("\n=== BF16 cache (DynamicCache) ===")
+        print(f"\n=== {dname.upper()} cache (DynamicCache) ===")
         print(tok.decode(ref, skip_special_tokens=True))
-    print("\n=== OSCAR INT2 cache ===")
+    wide = artifact is not None and any(b != layout.key.bits for b in getattr(artifact, "key_bits", ()))
+    print(f"\n=== OSCAR cache ({'INT2 / 4-bit-key' if wide else 'INT2'} pages, {dname} windows) ===")
     print(tok.decode(out, skip_special_tokens=True))
     if ref is not None:
         n = min(len(ref), len(out))
@@ -195,13 +201,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ntoken agreement: {same}/{n}, identical for the first {first} tokens")
 
     length = n_prompt + len(out)
+    short = too_short(layout, n_prompt, len(out))
+    if short:
+        print(f"\n{short}")
+        return 0
     oscar_bytes = n_layers * layout.sequence_bytes(length)
     bf16_bytes = n_layers * length * layout.bf16_token_bytes()
     sink, pages, recent = layout.split(length)
     print(
-        f"KV cache at {length} tokens, {n_layers} layers: BF16 {bf16_bytes:,} bytes, OSCAR {oscar_bytes:,} bytes "
-        f"({oscar_bytes / bf16_bytes:.1%}; saved {bf16_bytes - oscar_bytes:,} bytes; sink {sink} + INT2 "
-        f"{pages} pages x {layout.page_size} + recent {recent} tokens; "
+        f"KV cache at {length} tokens, {n_layers} layers, as deployed (BF16 windows): BF16 {bf16_bytes:,} bytes, "
+        f"OSCAR {oscar_bytes:,} bytes ({oscar_bytes / bf16_bytes:.1%}; saved {bf16_bytes - oscar_bytes:,} bytes; sink "
+        f"{sink} + INT2 {pages} pages x {layout.page_size} + recent {recent} tokens; "
         f"{layout.effective_bits_per_element(length):.2f} bits/element)"
     )
     return 0
+
+
+#: short names of the dtypes a run may use, for its labels
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def too_short(layout, n_prompt: int, n_new: int) -> str | None:
+    """None when ``n_prompt + n_new`` tokens reach the INT2 pages of ``layout``; else the sentence that says they
+    never do (every token stays in the full-precision windows, so both caches hold the same values)."""
+    length = n_prompt + n_new
+    if layout.split(length)[1] > 0:
+        return None
+    need = layout.sink + layout.recent_capacity + 1  # the first length with a page
+    return (f"{length} tokens ({n_prompt} prompt + {n_new} new) never reach the INT2 pages: the first "
+            f"{need - 1} stay in the full-precision windows (sink {layout.sink} + recent window {layout.window} + one "
+            f"page of {layout.page_size}), so OSCAR holds the same values as a plain cache and saves nothing here; "
+            f"give at least {need} tokens (e.g. --prompt-topic {DEFAULT_TOPIC}, 703 tokens with SmolLM2)")

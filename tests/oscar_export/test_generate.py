@@ -31,11 +31,25 @@ def test_generate_prints_both_outputs_and_bytes(tiny_dir, capsys):
     prompt = " ".join(f"w{i % 90}" for i in range(400))  # 400 tokens: INT2 pages with the default layout
     assert main(["generate", "--model", tiny_dir, "--prompt", prompt, "--max-new-tokens", "6", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "=== BF16 cache (DynamicCache) ===" in out and "=== OSCAR INT2 cache ===" in out
+    # the labels say the dtype this run used (fp32 on the CPU), not BF16
+    assert "=== FP32 cache (DynamicCache) ===" in out and "=== OSCAR cache (INT2 pages, fp32 windows) ===" in out
+    assert "fp32 cache: 6 tokens in" in out and "BF16 cache" not in out
     assert "token agreement: " in out
     # 406 tokens in 2 layers, every number from the layout
-    assert "KV cache at 406 tokens, 2 layers: BF16 103,936 bytes, OSCAR" in out
+    assert "KV cache at 406 tokens, 2 layers, as deployed (BF16 windows): BF16 103,936 bytes, OSCAR" in out
     assert "sink 64 + INT2 5 pages x 16 + recent 262 tokens" in out  # D = 16: pages of G = 16 tokens
+
+
+def test_generate_says_when_the_prompt_never_reaches_the_int2_pages(tiny_dir, capsys):
+    """Issue 27: a short prompt keeps every token in the full-precision windows: say so (before generating and
+    in the summary) instead of reporting "saved 0 bytes"."""
+    assert main(["generate", "--model", tiny_dir, "--prompt", "w1 w2 w3", "--max-new-tokens", "4", "--device", "cpu",
+                 "--skip-bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "saved 0 bytes" not in out
+    notes = [x for x in out.splitlines() if "never reach the INT2 pages" in x]
+    assert len(notes) == 2, out  # the warning before generating, the summary after
+    assert "7 tokens (3 prompt + 4 new)" in notes[0] and "at least 337 tokens" in notes[0]  # S0 64 + W 256 + P 16 + 1
 
 
 @pytest.mark.parametrize(
