@@ -79,7 +79,7 @@ def test_page_codes_round_trip_and_refusals():
 
 @pytest.mark.parametrize("d,g,p,gran", [(64, 64, 64, "token"), (128, 128, 32, "token"), (256, 128, 64, "token"),
                                         (128, 64, 32, "token"), (64, 64, 64, "channel"), (128, 128, 32, "channel"),
-                                        (256, 128, 32, "channel")])
+                                        pytest.param(256, 128, 32, "channel", marks=pytest.mark.slow)])  # ~25 s
 def test_quantize_4bit_mma16_key_pages_bit_exact(qp, device, d, g, p, gran):
     """Prefill pages (the plain quantizer): codes and params equal to the reference's."""
     lay = _k4_mma16(d, gran, g, p)
@@ -114,5 +114,6 @@ def test_decode_append_4bit_mma16_keys_matches_reference(ds, device, gran):
     lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran, bits=4, packing="mma16"), RowFormat(64, 64, packing="mma16"),
                         sink=16, window=32, page_size=32)
     tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 150, 200, 8, f"4-bit mma16 keys {gran}")
-    assert int(book_r.committed.num_pages.min()) >= 2, "the test must demote"
+    # 90 steps > S0 + W + P: a demotion of each slot
+    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 90, 200, 8, f"4-bit mma16 keys {gran}")
+    assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
