@@ -1,6 +1,6 @@
 """Per-layer decode attention on the GPU: the INT2 mixed-precision kernel vs PyTorch SDPA BF16 vs the copy roofline.
 
-    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json] [--kernels v1,v2]
+    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json]
     python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
     python benchmarks/bench_decode.py --key-bits 2,4 --shapes 1x8192,1x131072,8x32768
 
@@ -14,14 +14,7 @@ double its pages per split.
 
 ``--key-bits 2,4`` times v1 on layouts with 2-bit and with 4-bit key pages (``layout.with_key_bits``; values
 stay 2-bit) in the same run; each row's bytes are that layout's (4-bit keys read ``D / 2`` code bytes a row), so
-TB/s compare honestly. v2 reads 2-bit pages only: with ``--kernels v1,v2`` it runs for ``key_bits`` 2 alone.
-
-``--kernels v1,v2`` runs both decode kernels in the same process: v1 (``decode_attention.py``) on linear pages,
-v2 (``decode_attention_v2.py``) on ``mma16`` pages of the same bytes per page (the layout says so), each row
-with its copy-roofline time (``bytes / copy bandwidth``) and its fraction of it. Before timing, every v2 variant
-is checked against v1 on the same tokens (the v1 state's codes repacked to mma16 by the reference): ``v2_vs_v1``
-is the max abs difference of the two outputs (both BF16). The v2 variants include v3, the Gluon kernel
-(``--v2-variants gluon,gluon-s2,gluon-s4``: kernels/decode_attention_gl.py, by its cp.async stages).
+TB/s compare honestly. The Hopper (Gluon) kernel over mma16 pages has its own script: ``bench_hopper.py``.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ import torch.nn.functional as F
 
 from dataclasses import replace
 
-from oscar_export.kernels import decode_attention_v2 as v2
 from oscar_export.kernels import reference as ref
-from oscar_export.kernels.decode_attention import PAGE_SLOTS, decode_attention, default_pages_per_split
+from oscar_export.kernels.decode.portable import PAGE_SLOTS, decode_attention, default_pages_per_split
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 
 #: (query heads, KV heads, head_dim) of the benchmarked attention layer (``--heads``).
@@ -55,29 +47,6 @@ VARIANTS = {
     "slots1": dict(page_slots=1, num_warps=1),
     "stages3": dict(num_stages=3),
 }
-#: v2 kernel variants (``--v2-variants``): "default" = the launch plan's DECODE_SPLIT_V2 (the "fields" kernel, 2 warps,
-#: 2 stages, inline-PTX field masks); "plain" = the same without the PTX; "tile" = the other v2 kernel (codes
-#: unpacked into one [P, D] tile).
-V2_VARIANTS = {
-    "default": dict(),
-    "w4": dict(num_warps=4),
-    "w8": dict(num_warps=8),
-    "stages3": dict(num_stages=3),
-    "plain": dict(fast_unpack=False),
-    "tile": dict(variant="tile", num_warps=4),
-    # v3: the Gluon kernel (kernels/decode_attention_gl.py), cp.async stages 3 (the plan's), 2 and 4
-    "gluon": dict(variant="gluon"),
-    "gluon-s2": dict(variant="gluon", num_stages=2),
-    "gluon-s4": dict(variant="gluon", num_stages=4),
-    # v3's register cap: 128 per thread (4 CTAs an SM; the launch plan's at head_dim <= 128) or none (0: 3 CTAs)
-    "gluon-r128": dict(variant="gluon", maxnreg=128),
-    "gluon-r0": dict(variant="gluon", maxnreg=0),
-    # v3 with the merge in each (sequence, KV head)'s last program (one launch) or as its own launch
-    "gluon-fm": dict(variant="gluon", fused_merge=True),
-    "gluon-sm": dict(variant="gluon", fused_merge=False),
-}
-
-
 def env_line(commit: str | None = None) -> str:
     """GPU, versions and the code's commit (``commit`` when given: a copied tree's ``.git`` can be stale)."""
     import triton
@@ -168,61 +137,6 @@ def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]
     return replace(st, k_codes=kc.contiguous(), v_codes=vc.contiguous()), mlay
 
 
-def bench_v2(batch: int, seq: int, gran: str, names: list[str], copy_tbps: float,
-             heads: str = "llama3-8b", pps_list: tuple = ("plan",), q_rotation: bool = False) -> list[dict]:
-    """The v2 kernel on mma16 pages; checked against v1 on the same tokens first. ``pps_list``: the pages per
-    split each variant is timed at ("bench": ``default_pages_per_split``, "plan": the kernel's own default, or an
-    int). ``q_rotation``: queries in the model basis, the key rotation fused into the kernels' prologue (as the
-    serving path launches them when the keys are rotated)."""
-    HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
-    lay = KVCacheLayout.default(HKV, D, gran)
-    scale = D**-0.5
-    kl = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
-    rot = None
-    if q_rotation:
-        rot = (torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0].contiguous(),
-               torch.rand(HKV, D, device="cuda") + 0.5)
-    st0 = random_state(lay, batch, seq)
-    q0 = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-    want = decode_attention(q0, st0, lay, kl, kl, scale, out_dtype=torch.bfloat16, q_rotation=rot)
-    st0m, mlay = mma16_copy(st0, lay)
-    diffs = {}  # every variant against v1 on the same tokens, before any timing; a failing one is left out alone
-    for name in names:
-        try:
-            got = v2.decode_attention(q0, st0m, mlay, kl, kl, scale, out_dtype=torch.bfloat16, q_rotation=rot,
-                                      **V2_VARIANTS[name])
-            torch.cuda.synchronize()
-            diffs[name] = (got.float() - want.float()).abs().max().item()
-        except Exception as e:  # noqa: BLE001 - reported, and the other variants' rows kept
-            print(f"v2 variant {name} {batch}x{seq} {gran}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-    del st0, st0m
-    nbytes = batch * mlay.sequence_bytes(seq) + 2 * batch * HQ * D * 2  # cache + q in + out (bf16)
-    sets = copies_for(nbytes)
-    states = [random_state(mlay, batch, seq) for _ in range(sets)]
-    qs = [torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-    max_pages = states[0].block_table.shape[1]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    for name, pps in ((n, p) for n in names if n in diffs for p in pps_list):
-        kw = dict(V2_VARIANTS[name])
-        if pps == "bench":
-            kw["pages_per_split"] = default_pages_per_split(batch, HKV, max_pages, sms, 1)
-        elif pps != "plan":
-            kw["pages_per_split"] = int(pps)
-        call = lambda i, kw=kw: v2.decode_attention(qs[i % sets], states[i % sets], mlay, kl, kl, scale,  # noqa: E731
-                                                     out_dtype=torch.bfloat16, q_rotation=rot, **kw)
-        eager = median_ms(call, sets, 30)
-        graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
-        floor = nbytes / (copy_tbps * 1e12) * 1e6
-        rows.append(dict(kernel="oscar-int2-v2", heads=heads, hq=HQ, hkv=HKV, d=D, gran=gran, batch=batch, seq=seq,
-                         bytes=nbytes, eager_us=eager * 1e3, graph_us=graph * 1e3,
-                         tbps=nbytes / (graph * 1e-3) / 1e12, roofline_us=floor, pct_copy=100 * floor / (graph * 1e3),
-                         v2_vs_v1=diffs[name], pps_rule=pps, q_rotation=q_rotation,
-                         **{**kw, "variant": name}))
-    del states
-    return rows
-
-
 def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("default",),
                 copy_tbps: float | None = None, heads: str = "llama3-8b", key_bits: int = 2) -> list[dict]:
     HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
@@ -284,13 +198,7 @@ def main(argv=None) -> int:
     ap.add_argument("--channel-variants", default=None, help="variants for channel keys (default: --variants)")
     ap.add_argument("--commit", default=None, help="commit to report (default: git rev-parse in this tree)")
     ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
-    ap.add_argument("--kernels", default="v1", help="comma list of v1 (linear pages), v2 (mma16 pages)")
-    ap.add_argument("--v2-variants", default="default", help=f"comma list of {sorted(V2_VARIANTS)}")
-    ap.add_argument("--v2-pps", default="plan", help="comma list of pages per split for the v2 rows: 'plan' (the "
-                    "kernel's own default, what serving launches), 'bench' (v1's rule, as v1's rows) or integers")
     ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4): v1 on each")
-    ap.add_argument("--q-rotation", action="store_true", help="v2 rows: queries in the model basis, the key "
-                    "rotation fused into the kernel (what serving launches for rotated keys)")
     args = ap.parse_args(argv)
     try:
         key_bits = [int(x) for x in args.key_bits.split(",")]
@@ -303,7 +211,6 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
-    kernels = args.kernels.split(",")
     for heads in args.heads.split(","):
         for shape in args.shapes.split(","):
             b, s = (int(x) for x in shape.split("x"))
@@ -315,16 +222,8 @@ def main(argv=None) -> int:
                 except Exception as e:  # keep the other shapes' rows
                     print(f"FAILED {heads} {shape} {gran} key_bits={kb}: {type(e).__name__}: {e}", flush=True)
                     continue
-                if "v1" not in kernels:
-                    got = [r for r in got if r["kernel"] == "sdpa-bf16"]
                 if gran != grans[0] or kb != key_bits[0]:
                     got = [r for r in got if r["kernel"] != "sdpa-bf16"]
-                if "v2" in kernels and kb == 2:
-                    try:
-                        got += bench_v2(b, s, gran, args.v2_variants.split(","), bw, heads, args.v2_pps.split(","),
-                                        args.q_rotation)
-                    except Exception as e:  # a v2 failure must not lose the v1/SDPA rows of the run
-                        print(f"v2 {heads} {b}x{s} {gran}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
                 rows += got
                 for r in got:
                     print(json.dumps(r), flush=True)

@@ -288,7 +288,8 @@ def add_roofline(row, cfg, weight_bytes, bw, art) -> None:
 def add_ratios(rows) -> None:
     """OSCAR rows: ``speedup`` (BF16 step / OSCAR step at the same workload; at equal KV budget, the throughput
     ratio), ``compile_ratio``, ``prefill_ratio``, ``peak_ratio`` (OSCAR / BF16)."""
-    bf16 = {(r["B"], r["context"], r.get("equal_kv", False)): r for r in rows if r["cache"] == "bf16" and "step_ms" in r}
+    bf16 = {(r["B"], r["context"], r.get("equal_kv", False)): r
+            for r in rows if r["cache"] == "bf16" and "step_ms" in r}
     for r in rows:
         if not r["cache"].startswith("oscar") or "step_ms" not in r:
             continue

@@ -4,8 +4,8 @@
 
 The whole decode step (bench_e2e.py) replays one graph per token; its ``host_ms`` says how long that replay keeps the
 host busy. This script captures ``--calls`` attention calls (one per layer of a Llama-3-8B-shaped step) into one graph
-per entry point — v1 through its custom op (``oscar::decode_attention``), the mma16 kernels (v2 "fields", v3
-"gluon") through theirs (``oscar::decode_attention_v2``) and through their plain wrappers — and prints, per graph,
+per entry point — the portable kernel (linear pages) and the hopper kernel (mma16 pages), each through the custom
+op (``oscar::decode_attention``) and through its plain wrapper — and prints, per graph,
 the median host time of ``graph.replay()`` and the GPU time per call, so a slow launch is pinned on the op, the
 wrapper or the kernel.
 """
@@ -20,8 +20,7 @@ import time
 import torch
 
 from bench_decode import HKV, HQ, D, env_line, mma16_copy, random_state  # noqa: E402  (same folder)
-from oscar_export.kernels import decode_attention as v1
-from oscar_export.kernels import decode_attention_v2 as v2
+from oscar_export.kernels.decode import hopper, portable
 from oscar_export.kernels import triton_ops
 from oscar_export.kernels.layout import KVCacheLayout
 
@@ -64,16 +63,12 @@ def main() -> int:
     lev = torch.tensor([0.0, 1.0, 2.0, 3.0], device="cuda").repeat(HKV, 1)
     kw = dict(out_dtype=torch.bfloat16)
     entries = {
-        "v1 op": lambda: triton_ops.decode_attention(q, st, lay, lev, lev, D**-0.5, **kw),
-        "v1 wrapper": lambda: v1.decode_attention(q, st, lay, lev, lev, D**-0.5, **kw),
-        "v2 fields op": lambda: triton_ops.decode_attention(q, mst, mlay, lev, lev, D**-0.5, variant="fields", **kw),
-        "v2 fields wrapper": lambda: v2.decode_attention(q, mst, mlay, lev, lev, D**-0.5, variant="fields", **kw),
+        "portable op": lambda: triton_ops.decode_attention(q, st, lay, lev, lev, D**-0.5, **kw),
+        "portable wrapper": lambda: portable.decode_attention(q, st, lay, lev, lev, D**-0.5, **kw),
     }
-    if "gluon" in v2.KERNELS:
-        entries["v3 gluon op"] = lambda: triton_ops.decode_attention(q, mst, mlay, lev, lev, D**-0.5,
-                                                                     variant="gluon", **kw)
-        entries["v3 gluon wrapper"] = lambda: v2.decode_attention(q, mst, mlay, lev, lev, D**-0.5, variant="gluon",
-                                                                  **kw)
+    if hopper.HAVE_GLUON:
+        entries["hopper op"] = lambda: triton_ops.decode_attention(q, mst, mlay, lev, lev, D**-0.5, **kw)
+        entries["hopper wrapper"] = lambda: hopper.decode_attention(q, mst, mlay, lev, lev, D**-0.5, **kw)
     print(env_line(args.commit))
     rows = []
     for name, fn in entries.items():

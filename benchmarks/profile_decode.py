@@ -4,8 +4,8 @@
         --section SourceCounters -o rep python3 benchmarks/profile_decode.py --shape 1x131072 --variant default
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
 
-Same random cache as bench_decode.py (32 query / 8 KV heads, head_dim 128, token keys). ``--v2-variant NAME``
-profiles a v2 / v3 kernel instead (``bench_decode.V2_VARIANTS``, e.g. ``gluon``) on the same tokens in mma16 pages.
+Same random cache as bench_decode.py (32 query / 8 KV heads, head_dim 128, token keys). ``--hopper`` profiles the
+hopper (Gluon) kernel instead (``kernels/decode/hopper.py``) on the same tokens in mma16 pages.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from bench_decode import HKV, HQ, D, V2_VARIANTS, VARIANTS, mma16_copy, random_state  # noqa: E402  (same folder)
-from oscar_export.kernels.decode_attention import decode_attention
+from bench_decode import HKV, HQ, D, VARIANTS, mma16_copy, random_state  # noqa: E402  (same folder)
+from oscar_export.kernels.decode.portable import decode_attention
 from oscar_export.kernels.layout import KVCacheLayout
 
 
@@ -23,7 +23,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="1x131072")
     ap.add_argument("--variant", default="default", help=f"one of {sorted(VARIANTS)}")
-    ap.add_argument("--v2-variant", default=None, help=f"one of {sorted(V2_VARIANTS)}: mma16 pages, v2 / v3 kernels")
+    ap.add_argument("--hopper", action="store_true", help="the hopper (Gluon) kernel on mma16 pages")
     ap.add_argument("--gran", default="token")
     ap.add_argument("--q-rotation", action="store_true", help="queries in the model basis, the key rotation fused "
                     "into the kernel (as serving launches it for rotated keys)")
@@ -37,12 +37,12 @@ def main() -> int:
     if args.q_rotation:
         rot = (torch.linalg.qr(torch.randn(HKV, D, D, device="cuda"))[0].contiguous(),
                torch.rand(HKV, D, device="cuda") + 0.5)
-    if args.v2_variant is not None:
-        from oscar_export.kernels import decode_attention_v2 as v2
+    if args.hopper:
+        from oscar_export.kernels.decode import hopper
 
         st, lay = mma16_copy(st, lay)
-        call = lambda: v2.decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
-                                           q_rotation=rot, **V2_VARIANTS[args.v2_variant])
+        call = lambda: hopper.decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
+                                               q_rotation=rot)
     else:
         call = lambda: decode_attention(q, st, lay, lev, lev, D**-0.5, out_dtype=torch.bfloat16,  # noqa: E731
                                         q_rotation=rot, **VARIANTS[args.variant])

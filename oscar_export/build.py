@@ -287,7 +287,7 @@ def build_deployment(
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.export import read_export
     from oscar_export.outputs import checkpoint_files, copy_checkpoint
-    from oscar_export.kernels.aot.bundle import serving_specs
+    from oscar_export.kernels.aot.bundle import serving_layout, serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
 
@@ -309,20 +309,23 @@ def build_deployment(
         source_root()  # the TensorRT-LLM module's wheel is built from it: refused before anything compiles
     layout = art.layout
     key_bits = sorted(set(art.key_bits or (layout.key.bits,)))  # one kernel set per key width the layers use
+    # the pages the serving GPU writes and its decode kernel (kernels.decode.select_backend): the hopper kernel on
+    # mma16 pages for a bundle of sm_90 alone; else, and where the ONNX form or the TensorRT-LLM module (whose
+    # readers take linear pages) ship, the portable kernel on linear pages
+    layout = serving_layout(layout, archs, shape["num_heads"], key_bits,
+                            linear=onnx or shape["model_type"] in SUPPORTED_FAMILIES)
     if decode_kernel not in (None, "gluon"):
         raise ValueError(f"--decode-kernel: expected 'gluon' (or nothing), got {decode_kernel!r}")
-    if decode_kernel == "gluon" and (layout.packing != "mma16" or sorted({parse_arch(a) for a in archs}) != [90]):
-        raise ValueError(f"--decode-kernel gluon: for mma16 artifacts (this one has {layout.packing!r} pages) and "
-                         f"--arch sm_90 alone (got {sorted(archs)}): its warpgroup MMAs are Hopper-only")
-    if onnx and layout.packing != "linear":  # refused before anything compiles
-        raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read linear pages; this artifact has "
-                         f"{layout.packing!r} pages (calibrate --packing linear)")
+    if decode_kernel == "gluon" and layout.packing != "mma16":
+        raise ValueError(f"--decode-kernel gluon: the Hopper kernel serves a bundle of --arch sm_90 alone (got "
+                         f"{sorted(archs)}) without --onnx or the TensorRT-LLM module (they read linear pages); "
+                         f"such a bundle carries it anyway")
     if onnx and key_bits != [layout.key.bits]:  # refused too: the ONNX form unpacks 2-bit codes (onnx_export)
         wide = [i for i, b in enumerate(art.key_bits) if b != layout.key.bits]
         raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read 2-bit key pages; this artifact has "
                          f"4-bit keys in {len(wide)} of {art.num_layers} layers {wide} (calibrate --key-bits-budget "
                          f"none gives 2-bit keys everywhere)")
-    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits, decode_variant=decode_kernel)
+    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         copy_checkpoint(export_dir, files, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
@@ -342,7 +345,7 @@ def build_deployment(
             "triton_version": manifest["triton_version"],
             "ptx_version": DEFAULT_PTX_VERSION,
             "onnx": onnx,
-            "decode_kernel": decode_kernel or ("v1" if layout.packing == "linear" else "v2"),
+            "decode_kernel": "portable" if layout.packing == "linear" else "hopper",
             "trtllm_module": trtllm,
             "left_out_of_checkpoint": left_out,
             "wheel": sorted(p.name for p in (tmp / "wheels").glob("*.whl")) if trtllm else [],

@@ -6,7 +6,7 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * ``quant_pack_{k,v}[_rot]`` — ``kernels/quant_pack.py:_quant_pack_kernel``: demotion (rows already in the
   stored basis) and, with ``_rot``, prefill pages straight from model-basis rows (``(x R) d - mu`` rounded
   through BF16, as the wrapper does). Grid ``(N pages, H_kv)``.
-* ``decode_split`` — ``kernels/decode_attention.py:_decode_split_kernel`` with the query rotation fused
+* ``decode_split`` — ``kernels/decode/portable.py:_decode_split_kernel`` with the query rotation fused
   (``ROTATE_Q``), BF16 queries. Grid ``(B * H_kv, n_splits)``.
 * ``decode_merge`` — ``_merge_kernel``, BF16 output. Grid ``(B * H,)``.
 * ``decode_append`` — ``kernels/decode_step.py:_decode_append_kernel``: the decode step's cache write on the
@@ -60,33 +60,38 @@ def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: b
     return spec
 
 
-def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str,
-                      decode_variant: str | None = None) -> KernelSpec:
-    """The split kernel for the layout's packing: v1 (``decode_attention.py``) for linear pages, v2
-    (``decode_attention_v2.py``: same parameters, grid and merge) for mma16 pages, or with ``decode_variant
-    ="gluon"`` v3 (``decode_attention_gl.py``: the same parameters plus its stages; Hopper only, uniform codes;
-    its driver-API launch run on the H200: tests/gpu/test_aot_gpu.py::test_gluon_decode_bundle_equals_jit)."""
-    if decode_variant not in (None, "fields", "gluon"):
-        raise ValueError(f"decode_variant: expected None, 'fields' or 'gluon', got {decode_variant!r}")
-    if decode_variant is not None and layout.packing != "mma16":
-        raise ValueError(f"decode_variant {decode_variant!r}: for mma16 pages; the layout has {layout.packing!r} pages")
-    if decode_variant == "gluon":
+def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> KernelSpec:
+    """The split kernel of the layout's page packing (what ``decode.select_backend`` chose for the target): the
+    hopper (Gluon) kernel for mma16 pages (``decode_attention_gl.py``; sm_90 only, uniform codes; its driver-API
+    launch run on the H200: tests/gpu/test_aot_gpu.py::test_gluon_decode_bundle_equals_jit), the portable kernel
+    (``decode/portable.py``) for linear pages."""
+    if layout.packing == "mma16":
         return KernelSpec.from_plan(lp.DECODE_SPLIT_GL, f"decode_split_{tag}",
                                     lp.decode_split_gl_constexprs(layout, num_heads, sm_scale),
                                     maxnreg=lp.gl_occupancy(layout.head_dim)[0])
     if layout.packing == "linear":
         return KernelSpec.from_plan(lp.DECODE_SPLIT, f"decode_split_{tag}",
                                     lp.decode_split_constexprs(layout, num_heads, sm_scale))
-    if layout.packing == "mma16":
-        if layout.page_size < 64:
-            raise NotImplementedError(f"decode_split v2: page_size 64 or 128, got {layout.page_size}")
-        if layout.key.bits != 2:
-            raise NotImplementedError(f"decode_split v2: 2-bit key pages, got {layout.key.bits}-bit (mma16 pages with "
-                                      f"4-bit keys: decode_variant='gluon')")
-        return KernelSpec.from_plan(lp.DECODE_SPLIT_V2, f"decode_split_{tag}",
-                                    lp.decode_split_v2_constexprs(layout, num_heads, sm_scale))
     raise NotImplementedError(f"decode_split: keys packed {layout.key.packing!r}, values {layout.value.packing!r}; "
-                              "both linear (v1) or both mma16 (v2) are supported")
+                              "both linear or both mma16 are supported")
+
+
+def serving_layout(layout: KVCacheLayout, archs: Sequence[str | int], num_heads: int,
+                   key_bits: Sequence[int] | None = None, linear: bool = False) -> KVCacheLayout:
+    """``layout`` with the page packing a bundle for ``archs`` serves: what ``decode.select_backend`` picks for a
+    single target arch, for every key width the layers use (mma16 on sm_90 where the hopper kernel reads them all);
+    linear pages (the portable kernel, every arch) for several archs, ``linear=True`` (the TensorRT plugins) or
+    widths the targets' backends disagree on."""
+    from ..decode import select_backend
+    from .manifest import parse_arch
+
+    lin = layout.with_packing("linear")
+    caps = sorted({parse_arch(a) for a in archs})
+    if linear or len(caps) != 1:
+        return lin
+    widths = sorted(set(key_bits or (layout.key.bits,)))
+    packings = {select_backend(lin.with_key_bits(b), caps[0], num_heads).packing for b in widths}
+    return lin.with_packing(packings.pop()) if len(packings) == 1 else lin
 
 
 def decode_merge_spec(layout: KVCacheLayout, tag: str) -> KernelSpec:
@@ -100,7 +105,7 @@ def decode_step_specs(layout: KVCacheLayout, tag: str) -> list[KernelSpec]:
 
 def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> list[KernelSpec]:
     """The decode kernels in TensorRT's plugin order (same constexprs, warps and stages as the originals).
-    Linear pages only: there is no TensorRT-order v2 (mma16) kernel yet."""
+    Linear pages only: there is no TensorRT-order mma16 kernel yet."""
     if layout.packing != "linear":
         raise NotImplementedError(f"trt_specs: TensorRT-order kernels exist for linear pages only, got {layout.packing!r}")
     return [
@@ -111,13 +116,12 @@ def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) 
 
 
 def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes: bool = True,
-                  trt: bool = True, key_bits: Sequence[int] | None = None,
-                  decode_variant: str | None = None) -> list[KernelSpec]:
+                  trt: bool = True, key_bits: Sequence[int] | None = None) -> list[KernelSpec]:
     """Every kernel variant serving ``layout`` needs (see the module doc). ``trt``: the TensorRT-order decode
     kernels, built for linear pages only (an mma16 bundle has none: the TensorRT plugin refuses it on load).
     ``key_bits``: the key code widths of the model's layers (``(2, 4)`` when some layers have 4-bit keys): one
-    set of variants per width, for ``layout.with_key_bits(b)``; default ``layout.key.bits`` alone.
-    ``decode_variant``: mma16 pages' split kernel (:func:`decode_split_spec`; ``"gluon"`` builds for sm_90 only)."""
+    set of variants per width, for ``layout.with_key_bits(b)``; default ``layout.key.bits`` alone. The layout's
+    packing picks the split kernel (:func:`serving_layout` gives the one a target serves)."""
     widths = (layout.key.bits,) if key_bits is None else tuple(sorted(set(key_bits)))
     if not widths:
         raise ValueError("serving_specs: key_bits must name at least one code width")
@@ -130,7 +134,7 @@ def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes
             quant_pack_spec(lay, lay.key, "k", True, tag),
             quant_pack_spec(lay, lay.value, "v", False, tag),
             quant_pack_spec(lay, lay.value, "v", True, tag),
-            decode_split_spec(lay, num_heads, sm_scale, tag, decode_variant),
+            decode_split_spec(lay, num_heads, sm_scale, tag),
             decode_merge_spec(lay, tag),
             *decode_step_specs(lay, tag),
         ]
@@ -174,5 +178,5 @@ def decode_plan(layout: KVCacheLayout, batch: int, num_heads: int, max_pages: in
 __all__ = [
     "BF16_CHUNK", "MERGE_CHUNK", "DecodePlan", "decode_merge_spec", "decode_plan", "decode_split_spec",
     "decode_step_specs", "layout_tag",
-    "quant_pack_spec", "serving_specs", "trt_specs",
+    "quant_pack_spec", "serving_layout", "serving_specs", "trt_specs",
 ]

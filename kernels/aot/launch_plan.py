@@ -47,7 +47,6 @@ TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
 
 _DA = "oscar_export.kernels.decode.portable"
 _DS = "oscar_export.kernels.decode_step"
-_DA2 = "oscar_export.kernels.decode_attention_v2"
 _DAG = "oscar_export.kernels.decode_attention_gl"
 _QP = "oscar_export.kernels.quant_pack"
 _TRT = "oscar_export.kernels.aot.trt_order"
@@ -142,17 +141,10 @@ DECODE_SPLIT = KernelPlan(
     num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention, one split of sink/INT2 pages/recent per program (query rotation fused)",
 )
-#: v2 split kernel (mma16 pages): v1's parameters in v1's order, v1's constexprs without NB.
+#: constexprs of the split kernel over mma16 pages (the Gluon one's, before its own): the portable kernel's without
+#: NB, G and KEY_BITS; its parameters are the portable kernel's, in the same order.
 _SPLIT_V2_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
                         "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK")
-DECODE_SPLIT_V2 = KernelPlan(
-    name="decode_split_v2", kernel=f"{_DA2}:_decode_split_v2f_kernel",
-    params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_V2_CONSTEXPRS,
-    num_warps=2, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
-    doc="decode attention v2 over mma16 pages (keys on the MMA's M, GQ heads on N, dots split by mma16 field; "
-        "page_size 64 or 128); merged by decode_merge. 2 warps: fewest instructions per page-head in the sm_90 SASS "
-        "(benchmarks/NOTES-kernels.md); not yet tuned on a GPU",
-)
 #: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
 GL_PAGE_STAGES = 3
 #: the Gluon split kernel's register cap per thread at head_dim <= 128: 4 CTAs (16 warps) share an SM's 64K
@@ -172,11 +164,12 @@ GL_PROGRAM_PAGES = 2
 GL_FUSED_MERGE = True
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
-    params=DECODE_SPLIT_V2.params, constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES", "KEY_BITS", "NG"),
-    num_warps=4, num_stages=2, grid=DECODE_SPLIT_V2.grid, sizes=DECODE_SPLIT_V2.sizes, derived=_SPLIT_DERIVED,
+    params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS,
+    constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES", "KEY_BITS", "NG"),
+    num_warps=4, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
-        "cp.async page stages); uniform codes, 2- or 4-bit key pages, sm_90 only; merged by decode_merge (bundles: "
-        "decode_variant=gluon)",
+        "cp.async page stages); uniform codes, 2- or 4-bit key pages, sm_90 only; merged by decode_merge (bundles "
+        "for sm_90: decode.select_backend)",
 )
 #: the Gluon split kernel with the merge in each (sequence, KV head)'s last program: one launch, no decode_merge.
 DECODE_SPLIT_MERGE_GL = KernelPlan(
@@ -239,7 +232,7 @@ TRT_DECODE_MERGE = KernelPlan(
     constexprs=DECODE_MERGE.constexprs, num_warps=DECODE_MERGE.num_warps, num_stages=DECODE_MERGE.num_stages,
     grid=DECODE_MERGE.grid, sizes=DECODE_MERGE.sizes, doc=DECODE_MERGE.doc + " [TensorRT order]",
 )
-PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_V2, DECODE_SPLIT_GL, DECODE_SPLIT_MERGE_GL, DECODE_MERGE,
+PLANS = {p.name: p for p in (DECODE_SPLIT, DECODE_SPLIT_GL, DECODE_SPLIT_MERGE_GL, DECODE_MERGE,
                              QUANT_PACK, QUANT_PACK_ROT, DECODE_APPEND, TRT_DECODE_SPLIT, TRT_DECODE_MERGE)}
 
 
@@ -428,7 +421,7 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 __all__ = [
     "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_MERGE_GL",
-    "DECODE_SPLIT_V2", "GL_FUSED_MERGE", "GL_MAXNREG", "GL_MIN_PAGES_PER_SPLIT", "GL_PAGE_STAGES", "GL_PROGRAM_PAGES",
+    "GL_FUSED_MERGE", "GL_MAXNREG", "GL_MIN_PAGES_PER_SPLIT", "GL_PAGE_STAGES", "GL_PROGRAM_PAGES",
     "KernelPlan", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS", "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES",
     "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT", "decode_append_constexprs",
     "decode_merge_constexprs", "decode_split_constexprs", "decode_split_gl_constexprs", "decode_split_v2_constexprs",

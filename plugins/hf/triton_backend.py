@@ -43,40 +43,49 @@ def write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch
 
 def prepare(layer) -> None:
     """Check and plan the layer's two decode-step launches (``kernels.triton_ops.plan_append`` / ``plan_decode``)
-    on tensors of the step's shapes; the plans are kept on the layer. Needs the model's query heads
-    (``cache.num_heads``); without them the plans are made by the first decode step (eager only)."""
-    if layer.cache.num_heads is not None:
-        _plan(layer, layer.batch_size, layer.cache.num_heads)
+    on tensors of the step's shapes, kept on the layer (``append_plan``, ``decode_plan``). Needs the model's query
+    heads (``cache.num_heads``); without them the first decode step plans (eager only)."""
+    if layer.cache.num_heads is None:
+        return
+    lay = layer.layout
+    kv = torch.empty(layer.batch_size, lay.num_kv_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
+    q = torch.empty(layer.batch_size, layer.cache.num_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
+    layer.append_plan = _plan_append(layer, layer.state, kv, kv, layer.cache.book.status)
+    layer.decode_plan = _plan_decode(layer, q, layer.step_state)
 
 
-def _plan(layer, batch: int, num_heads: int) -> None:
+def _plan_append(layer, state, k, v, status):
     from oscar_export.kernels import triton_ops
 
-    lay, tr = layer.layout, layer.transform
-    kv = torch.empty(batch, lay.num_kv_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
-    q = torch.empty(batch, num_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
     fused = not layer.flags.keys_identity or not layer.flags.values_centered
-    layer.append_plan = triton_ops.plan_append(layer.state, kv, kv, layer.cache.book.status, lay, tr,
-                                               fused_transform=fused)
+    return triton_ops.plan_append(state, k, v, status, layer.layout, layer.transform, fused_transform=fused)
+
+
+def _plan_decode(layer, q, state):
+    from oscar_export.kernels import triton_ops
+
+    tr = layer.transform
     rot = None if layer.flags.keys_identity else (tr.k_rotation, tr.k_scale)
-    layer.decode_plan = triton_ops.plan_decode(q, layer.step_state, lay, tr.k_levels, tr.v_levels, 1.0,
-                                               q_rotation=rot, out_dtype=layer.dtype)
+    return triton_ops.plan_decode(q, state, layer.layout, tr.k_levels, tr.v_levels, 1.0, q_rotation=rot,
+                                  out_dtype=q.dtype)
 
 
 def decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor) -> None:
     from oscar_export.kernels import triton_ops
 
-    if layer.append_plan is None:
-        _plan(layer, k.shape[0], layer.cache.num_heads or k.shape[1])
-    triton_ops.run_append(layer.append_plan, state, k, v, status, layer.transform)
+    plan = getattr(layer, "append_plan", None)
+    if plan is None:  # a layer made without the model's heads (or a stand-in): plan now, eagerly
+        plan = _plan_append(layer, state, k, v, status)
+    triton_ops.run_append(plan, state, k, v, status, layer.transform)
 
 
 def decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
     from oscar_export.kernels import triton_ops
 
-    if layer.decode_plan is None or layer.decode_plan[0].out_dtype != q.dtype:
-        _plan(layer, q.shape[0], q.shape[1])
-    plan, rot, dsc = layer.decode_plan
+    planned = getattr(layer, "decode_plan", None)
+    if planned is None or planned[0].out_dtype != q.dtype:
+        planned = _plan_decode(layer, q, state)
+    plan, rot, dsc = planned
     tr = layer.transform
     return triton_ops.run_decode(plan, q, state, tr.k_levels, tr.v_levels, rot, dsc, scale)
 

@@ -468,12 +468,12 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("source", ["cubin", "ptx"])
 def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
-    """An sm_90 bundle of the Gluon split kernel (``serving_specs(..., decode_variant="gluon")``), compiled here by
+    """An sm_90 bundle of the Gluon split kernel (``serving_specs`` of mma16 pages), compiled here by
     this machine's Triton, launched through the driver API: bitwise equal to the JIT launch of the same kernel,
     within budget of the reference, and a CUDA-graph replay equal to an eager launch. (A bundle built on the CPU
     machine by another Triton is not tested here: the harness's CPU bundle is built for sm_80/89 too, which a
     Gluon kernel of warpgroup MMAs refuses.)"""
-    from oscar_export.kernels import decode_attention_v2 as v2
+    from oscar_export.kernels.decode import hopper
     from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_plan, decode_split_spec, layout_tag
     from oscar_export.kernels.aot.compile import build_bundle
     from oscar_export.kernels.aot.launcher import AotKernel
@@ -482,7 +482,7 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
 
     layout = KVCacheLayout.default(3, 64, packing="mma16")
     tag = layout_tag(layout, HEADS)
-    specs = [decode_split_spec(layout, HEADS, SCALE, tag, "gluon"), decode_merge_spec(layout, tag)]
+    specs = [decode_split_spec(layout, HEADS, SCALE, tag), decode_merge_spec(layout, tag)]
     m = read_manifest(build_bundle(specs, tmp_path / "gl", archs=["sm_90"], ptx_version=None))
     split, merge = (AotKernel(m, s.name, source=source) for s in specs)
     lengths = [1, 321, 777, 1500]
@@ -492,8 +492,8 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     pps = 2
     plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
     out = _aot_decode(split, merge, q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    jit = v2.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE, q_rotation=(tc.k_rotation, tc.k_scale),
-                              out_dtype=torch.bfloat16, pages_per_split=pps, variant="gluon")
+    jit = hopper.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
+                                  q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16, pages_per_split=pps)
     torch.cuda.synchronize()
     assert _report("gluon bundle vs JIT", out, jit)
     _check_reference_budget(out, q, t, st, layout, f"gluon decode [{source}]")

@@ -286,7 +286,7 @@ def test_hf_triton_backend_matches_reference_ops():
     _budget(ops.decode_attention(layer, q, g, 128**-0.5), q, a, lay, tr, 128**-0.5)
 
 
-# ---- v2: mma16 pages (kernels/decode_attention_v2.py) -----------------------------------------------------------
+# ---- mma16 pages (the hopper backend: kernels/decode/hopper.py) ------------------------------------------------
 # Written on a CPU machine; the fragment test needs CuPy (NVRTC) on the GPU machine. Untested until run there.
 
 _FRAG_SRC = r"""
@@ -368,35 +368,6 @@ def test_quantize_mma16_real_shape_bit_exact(gran):
         for name, g, w in zip(("codes", "params"), got, want):
             mism = (g != w).sum().item()
             assert mism == 0, f"{gran} {operand} {name}: {mism} mismatches, first at {(g != w).nonzero()[:3].tolist()}"
-
-
-@pytest.mark.parametrize("variant", ["fields", "plain", "tile"])
-@pytest.mark.parametrize("gran", ["token", "channel"])
-def test_decode_attention_v2_real_shape_and_vs_v1(gran, variant):
-    """v2 over mma16 pages within budget at the Llama-3-8B shape (32 / 8 heads, D 128, P 64), and close to v1
-    reading the same tokens from linear pages. ``fields``: the default kernel with its inline-PTX field masks
-    (only the GPU runs them), ``plain``: the same kernel's Triton-ops path (what the CPU tests run), ``tile``."""
-    from dataclasses import replace
-
-    from oscar_export.kernels import decode_attention_v2 as v2
-
-    lay = _mma16_layout(gran)
-    lin = KVCacheLayout.default(8, 128, gran, page_size=64)
-    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
-    lengths = [33000, 8192, 385, 17]
-    torch.manual_seed(0)
-    st = _random_cache(lay, lengths, tr)
-    q = torch.randn(len(lengths), 32, 128, device=DEV)
-    kw = dict(variant="fields", fast_unpack=False) if variant == "plain" else dict(variant=variant)
-    got = v2.decode_attention(q, st, lay, tr.k_levels, tr.v_levels, 128**-0.5, **kw)
-    e2, _ = _budget(got, q, st, lay, tr, 128**-0.5)
-    st_lin = replace(st, k_codes=ref.pack_page_codes(ref.unpack_page_codes(st.k_codes, lay.key, "key"), lin.key),
-                     v_codes=ref.pack_page_codes(ref.unpack_page_codes(st.v_codes, lay.value, "value"), lin.value))
-    want = decode_attention(q, st_lin, lin, tr.k_levels, tr.v_levels, 128**-0.5)
-    diff = (got - want).abs().max().item()
-    print(f"\n  v2 vs v1 (same tokens): max abs diff {diff:.3e}")
-    e1, _ = _budget(want, q, st_lin, lin, tr, 128**-0.5)
-    assert diff <= e1 + e2 + 1e-6, (diff, e1, e2)  # both against the same fp64 output of the same tokens
 
 
 def _hopper():

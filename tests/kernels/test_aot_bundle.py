@@ -116,10 +116,8 @@ def test_4bit_key_variants_are_named_and_set():
     assert cx("decode_split")["KEY_BITS"] == cx("trt_decode_split")["KEY_BITS"] == cx("decode_append")["K_BITS"] == 4
     assert cx("quant_pack_k")["BITS"] == cx("quant_pack_k_rot")["BITS"] == 4 and cx("quant_pack_v")["BITS"] == 2
     assert names[f"decode_split_{bundle.layout_tag(layout, heads)}"].constexpr_dict["KEY_BITS"] == 2
-    with pytest.raises(NotImplementedError, match="decode_split v2: 2-bit key pages, got 4-bit"):
-        bundle.serving_specs(LAYOUTS["mma16_llama"][0], 32, 0.125, key_bits=(2, 4))
-    gl = bundle.serving_specs(LAYOUTS["mma16_llama"][0], 32, 0.125, probes=False, key_bits=(2, 4),
-                              decode_variant="gluon")  # the Hopper kernel reads 4-bit mma16 key pages
+    gl = bundle.serving_specs(LAYOUTS["mma16_llama"][0], 32, 0.125, probes=False, key_bits=(2, 4))
+    # mma16 pages: the Hopper kernel, which reads 4-bit mma16 key pages
     assert sorted(s.constexpr_dict["KEY_BITS"] for s in gl if s.name.startswith("decode_split_")) == [2, 4]
 
 
@@ -152,16 +150,17 @@ def test_4bit_key_decode_append_compiles_for_sm90():
 
 
 @pytest.mark.parametrize("name", ["mma16_llama", "mma16_channel"])
-def test_mma16_bundle_carries_v2_and_records_the_packing(name, tmp_path):
-    """An mma16 layout's bundle: the split kernel is v2, the writers have PACKING set, no TensorRT-order
-    kernels (linear only), the manifest records the packing; every serving kernel compiles for sm_90."""
+def test_mma16_bundle_carries_the_hopper_kernel_and_records_the_packing(name, tmp_path):
+    """An mma16 layout's bundle: the split kernel is the hopper (Gluon) one, the writers have PACKING set, no
+    TensorRT-order kernels (linear only), the manifest records the packing; every serving kernel compiles for
+    sm_90."""
     from oscar_export.kernels.aot.compile import build_bundle
     from oscar_export.kernels.aot.manifest import read_manifest
 
     layout, heads = LAYOUTS[name]
     specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5, probes=False)
     by = {s.name.split("_h")[0]: s for s in specs}
-    assert by["decode_split"].kernel.endswith(":_decode_split_v2f_kernel")
+    assert by["decode_split"].kernel.endswith(":_decode_split_gl_kernel")
     assert by["quant_pack_k"].constexpr_dict["PACKING"] == 1 and by["quant_pack_v"].constexpr_dict["PACKING"] == 2
     assert not any(s.name.startswith("trt_") for s in specs) and all(s.name.endswith("_mma16") for s in specs)
     with pytest.raises(NotImplementedError, match="linear pages only"):
@@ -170,17 +169,17 @@ def test_mma16_bundle_carries_v2_and_records_the_packing(name, tmp_path):
                        archs=["sm_90"], packing={"key": "mma16", "value": "mma16"})
     m = read_manifest(out)
     assert m.packing == {"key": "mma16", "value": "mma16"}
-    assert m.entry(by["decode_split"].name, "sm_90").symbol == "_decode_split_v2f_kernel"
+    assert m.entry(by["decode_split"].name, "sm_90").symbol == "_decode_split_gl_kernel"
 
 
-def test_mma16_bundle_can_carry_the_gluon_kernel_for_sm90_only(tmp_path):
-    """``serving_specs(..., decode_variant="gluon")``: the split kernel is v3 (its plan, 4 warps), compiled into an
-    sm_90 bundle; any other arch is refused with one clear error, as is the variant for linear pages."""
+def test_mma16_bundle_carries_the_gluon_kernel_for_sm90_only(tmp_path):
+    """mma16 pages: the split kernel is the Gluon one (its plan, 4 warps), compiled into an sm_90 bundle; any other
+    arch is refused with one clear error. ``serving_layout`` gives mma16 pages for sm_90 alone, linear otherwise."""
     from oscar_export.kernels.aot.compile import build_bundle, compile_kernel
     from oscar_export.kernels.aot.manifest import BundleError, read_manifest
 
     layout, heads = LAYOUTS["mma16_llama"]
-    specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5, probes=False, decode_variant="gluon")
+    specs = bundle.serving_specs(layout, heads, layout.head_dim ** -0.5, probes=False)
     split = next(s for s in specs if s.name.startswith("decode_split"))
     assert split.kernel.endswith(":_decode_split_gl_kernel") and split.num_warps == 4
     assert split.constexpr_dict["STAGES"] == 3
@@ -189,5 +188,7 @@ def test_mma16_bundle_can_carry_the_gluon_kernel_for_sm90_only(tmp_path):
     assert m.entry(split.name, "sm_90").symbol == "_decode_split_gl_kernel"
     with pytest.raises(BundleError, match="runs on sm_90 \\(Hopper\\) only"):
         compile_kernel(split, "sm_80")
-    with pytest.raises(ValueError, match="for mma16 pages; the layout has 'linear' pages"):
-        bundle.serving_specs(*LAYOUTS["d128_gqa4"], 0.1, decode_variant="gluon")
+    lin, _ = LAYOUTS["d128_gqa4"]
+    assert bundle.serving_layout(lin, ["sm_90"], heads, (2, 4)).packing == "mma16"
+    assert bundle.serving_layout(layout, ["sm_80", "sm_90"], heads).packing == "linear"
+    assert bundle.serving_layout(layout, ["sm_90"], heads, linear=True).packing == "linear"

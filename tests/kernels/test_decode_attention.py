@@ -291,7 +291,7 @@ def test_bad_inputs_raise(da, device):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_custom_op_matches_wrapper(da, device, bits):
-    """``oscar::decode_attention`` (torch.library.triton_op) launches the same kernels: bitwise equal."""
+    """``oscar::decode_attention`` (a torch.library custom op) launches the same kernels: bitwise equal."""
     from oscar_export.kernels import triton_ops
     from oscar_export.plugins.hf.triton_backend import triton_ops as backend
 
@@ -309,6 +309,5 @@ def test_custom_op_matches_wrapper(da, device, bits):
     from oscar_export.plugins.hf.cache import TransformFlags
 
     trd = tr.to(device)
-    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd), pages_per_split=None,
-                            decode_variant=None)
+    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd))
     assert torch.equal(backend().decode_attention(layer, q, dev_st, 0.125), want)

@@ -284,36 +284,39 @@ def test_onnx_of_4bit_key_layers_refused_before_compiling(tmp_path, no_compile):
     assert not (tmp_path / "deploy").exists()
 
 
-def test_onnx_of_mma16_pages_refused_before_compiling(tmp_path, no_compile):
-    """The ONNX form and the TensorRT plugins read linear pages: ``--onnx`` with an mma16 artifact (``calibrate
-    --packing mma16``) is refused before the bundle compiles, and nothing is written."""
-    ck = _export(tmp_path / "ck", packing="mma16")
-    with pytest.raises(ValueError, match="--onnx: the ONNX form and the TensorRT plugins read linear pages; this "
-                                         "artifact has 'mma16' pages"):
-        build_deployment(ck, tmp_path / "deploy", ["sm_90"], onnx=True)
-    assert not (tmp_path / "deploy").exists()
-
-
-def test_decode_kernel_gluon_builds_v3_for_sm90_mma16_only(tmp_path, monkeypatch):
-    """``build --decode-kernel gluon``: the bundle's split kernel is v3 (recorded, not compiled here: the gluon bundle
-    compiles in tests/kernels/test_aot_bundle.py); a linear artifact or another arch is refused before compiling."""
+def _recording_bundle(monkeypatch):
     import oscar_export.kernels.aot.compile as aot_compile
 
     seen = {}
 
     def record_bundle(specs, out, archs, progress=None, packing=None, key_bits=None):
-        seen["specs"], seen["archs"] = specs, archs
+        seen.update(specs=specs, archs=archs, packing=packing)
         out.mkdir()
         (out / "manifest.json").write_text(json.dumps({"kernels": [], "triton_version": "recorded"}))
 
     monkeypatch.setattr(aot_compile, "build_bundle", record_bundle)
+    return seen
+
+
+def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monkeypatch):
+    """Issue 26: the pages' packing is chosen by the GPU that serves them (``kernels.decode.select_backend``), an
+    artifact's packing (``calibrate --packing``, gone) is only read: a model family without the TensorRT-LLM module
+    gets the Hopper kernel on mma16 pages in an sm_90-only bundle and the portable kernel on linear pages for several
+    archs; the ONNX form and the TensorRT-LLM module (which read linear pages) get linear pages. (Recorded, not
+    compiled here: tests/kernels/test_aot_bundle.py compiles both.)"""
+    import oscar_export.build as build_mod
+
+    seen = _recording_bundle(monkeypatch)
     ck = _export(tmp_path / "ck", packing="mma16")
-    out = build_deployment(ck, tmp_path / "deploy", ["sm_90"], decode_kernel="gluon")
-    split = [s for s in seen["specs"] if s.name.startswith("decode_split")]
-    assert [s.kernel.rsplit(":", 1)[1] for s in split] == ["_decode_split_gl_kernel"] and seen["archs"] == ["sm_90"]
-    assert json.loads((out / "deploy.json").read_text())["decode_kernel"] == "gluon"
-    for bad, archs, match in ((ck, ["sm_80", "sm_90"], "--arch sm_90 alone"),
-                              (_export(tmp_path / "lin"), ["sm_90"], "for mma16 artifacts \\(this one has 'linear'")):
-        with pytest.raises(ValueError, match=match):
-            build_deployment(bad, tmp_path / "d2", archs, decode_kernel="gluon")
-        assert not (tmp_path / "d2").exists()
+    split = lambda: [s.kernel.rsplit(":", 1)[1] for s in seen["specs"] if s.name.startswith("decode_split")]  # noqa
+    monkeypatch.setattr(build_mod, "write_trtllm_files", lambda tmp, layout: False)
+    monkeypatch.setattr("oscar_export.plugins.trtllm.deployment.SUPPORTED_FAMILIES", ())
+    for archs, packing, kernel, name in ((["sm_90"], "mma16", "_decode_split_gl_kernel", "hopper"),
+                                         (["sm_80", "sm_90"], "linear", "_decode_split_kernel", "portable")):
+        out = build_deployment(ck, tmp_path / f"d{len(archs)}", archs)
+        assert seen["packing"] == {"key": packing, "value": packing} and split() == [kernel]
+        assert json.loads((out / "deploy.json").read_text())["decode_kernel"] == name
+    with pytest.raises(ValueError, match="--decode-kernel gluon: the Hopper kernel serves a bundle of --arch sm_90"):
+        build_deployment(ck, tmp_path / "d3", ["sm_80", "sm_90"], decode_kernel="gluon")
+    assert not (tmp_path / "d3").exists()
+
