@@ -179,8 +179,8 @@ def _probe_writable(out: Path, option: str) -> None:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
         os.unlink(probe)
     except OSError as e:
-        raise PermissionError(e.errno, f"{option} {out}: cannot create it: {parent} is not writable "
-                                       f"({os.strerror(e.errno or 0)})") from None
+        raise PermissionError(f"{option} {out}: cannot create it: {parent} is not writable "
+                              f"({os.strerror(e.errno or 0)})") from None
 
 
 def check_writable(out: str | Path, option: str = "--out", inputs: Iterable[tuple[str, str | Path | None]] = ()) -> Path:

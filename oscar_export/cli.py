@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
 }
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A mistake in the command line or its inputs: printed as one line, exit code 2."""
 
 

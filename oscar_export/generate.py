@@ -123,31 +123,31 @@ def check_options(args: argparse.Namespace) -> str:
     exists, the backend is known and runs there, the prompt is not empty."""
     import torch
 
-    from oscar_export.plugins.hf.ops import BACKENDS
-
     from .cli import UserError, check_device
 
     device = check_device(args.device, "--device") if args.device else ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.backend not in BACKENDS:
-        raise UserError(f"--backend: expected one of {sorted(BACKENDS)}, got {args.backend!r}")
     if args.backend == "triton" and not device.startswith("cuda"):
         raise UserError(f"--backend triton: the Triton kernels run on a CUDA GPU (BF16 windows), not on {device}; "
                         f"use --backend torch here")
     if args.prompt == "" and not args.chat:
         raise UserError("--prompt: empty; give some text (or --prompt-topic)")
+    from oscar_export.plugins.hf.ops import BACKENDS  # (imports transformers: after the checks that need nothing)
+
+    if args.backend not in BACKENDS:
+        raise UserError(f"--backend: expected one of {sorted(BACKENDS)}, got {args.backend!r}")
     return device
 
 
 def run(args: argparse.Namespace) -> int:
+    from .cli import UserError, check_int
+
+    check_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
+    device = check_options(args)  # before the imports of transformers (seconds) and the model load (minutes)
+
     import torch
 
     from oscar_export.models import load_model
     from oscar_export.plugins.hf import cache_kwargs, enable_oscar
-
-    from .cli import UserError, check_int
-
-    check_int(args.max_new_tokens, "--max-new-tokens", 1, MAX_NEW_TOKENS)
-    device = check_options(args)
     artifact = None
     if args.artifact is not None:  # verified in full before the model loads
         from oscar_export.calibration.artifact import load_artifact

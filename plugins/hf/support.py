@@ -85,6 +85,8 @@ class OscarSetup:
     key_bits: tuple[int, ...] | None = None
     #: each layer's decode backend (``kernels.decode.select_backend``), which fixes its page packing
     decode_backends: tuple[DecodeBackend, ...] | None = None
+    #: the hook that gives a forward without ``position_ids`` its positions from the cache (:func:`cache_positions`)
+    positions_hook: Any = None
 
     def make_cache(self, batch_size: int, max_length: int) -> OscarCache:
         """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
@@ -98,6 +100,8 @@ class OscarSetup:
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
         self.model.set_attn_implementation(self.previous_attn_implementation)
+        if self.positions_hook is not None:
+            self.positions_hook.remove()
 
     def __enter__(self) -> "OscarSetup":
         return self
@@ -170,7 +174,8 @@ def enable_oscar(
     register_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits, backends)
+    hook = model.base_model.register_forward_pre_hook(cache_positions, with_kwargs=True)
+    return OscarSetup(model, shape, layout, tuple(transforms), ops, previous, key_bits, backends, hook)
 
 
 def _decode_backends(model: Any, ops: CacheOps, layout: KVCacheLayout, key_bits: tuple[int, ...] | None,
@@ -203,6 +208,35 @@ def _decode_backends(model: Any, ops: CacheOps, layout: KVCacheLayout, key_bits:
                 log.info("enable_oscar: %d-bit key layers decode with the portable kernel: %s", b, backend.why)
         chosen[b] = backend
     return tuple(chosen[b] for b in bits)
+
+
+def cache_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook of the decoder (``enable_oscar`` registers it): a forward with an :class:`OscarCache`
+    and no ``position_ids`` gets each row's positions from its slot's length, not from the columns the cache
+    has seen (transformers' default), so a slot refilled with ``reset_sequence`` + ``select`` and the slots
+    beside it keep their own positions (issue 31). A decode step reads the lengths on the device (no sync);
+    a prompt reads them on the host (as it does anyway), padding columns taking no position."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, OscarCache) or kwargs.get("position_ids") is not None:
+        return None
+    x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if x is None and args:
+        x = args[0]
+    if not isinstance(x, torch.Tensor) or x.ndim < 2:
+        return None
+    t, device = x.shape[1], cache.book.device
+    if t == 1 and len(cache.active_slots) == cache.book.batch:
+        positions = cache.book.seq_len[:, None].to(torch.long)
+    else:
+        lengths = cache.book.seq_len.tolist()
+        starts = torch.tensor([lengths[s] for s in cache.active_slots], dtype=torch.long, device=device)[:, None]
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == starts.shape[0]:
+            real = mask[:, -t:].to(device=device, dtype=torch.long)
+            positions = starts + (real.cumsum(-1) - 1).clamp_min(0)
+        else:
+            positions = starts + torch.arange(t, device=device)
+    return args, {**kwargs, "position_ids": positions.to(x.device)}
 
 
 def cache_kwargs(model: Any, cache: OscarCache) -> dict[str, OscarCache]:
