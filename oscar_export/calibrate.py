@@ -67,11 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink", type=int, default=d.sink)
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--page-size", type=int, default=d.page_size)
-    from oscar_export.kernels.layout import PACKINGS
-
-    p.add_argument("--packing", choices=PACKINGS, default=d.packing,
-                   help="page code order: 'linear' (the v1 decode kernel; every export path) or 'mma16' (the "
-                        "fragment order of the v2 / v3 kernels: HF Triton backend, 2-bit keys only)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--key-bits-budget", type=parse_budget, default=DEFAULT_BUDGET, metavar="BITS",
                    help=f"give 4-bit keys to the layers whose held-out key attention error they reduce most, while the "
@@ -191,7 +186,7 @@ def config_from_args(args: argparse.Namespace):
         key_granularity=args.key_granularity, value_weighting=args.value_weighting, key_mean=args.key_mean,
         value_mean=args.value_mean, codebook=args.codebook, sink=args.sink, window=args.window,
         page_size=args.page_size, data=tuple(args.data), seed=args.seed, key_bits_budget=args.key_bits_budget,
-        key_bits_metric=args.key_bits_metric, packing=args.packing,
+        key_bits_metric=args.key_bits_metric,
     )
 
 

@@ -927,8 +927,7 @@ def launch_split_merge(
     wrap=lambda k: k, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Allocate the partials, launch ``split_kernel`` (this module's or the Gluon one: the same parameters in the same
-    order,
-    then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
+    order, then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
 
     Grids: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages, pages_per_split)``,
     ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``. ``wrap`` wraps each

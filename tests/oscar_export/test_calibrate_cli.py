@@ -328,50 +328,48 @@ def test_key_bits_line_names_the_layers():
     assert key_bits_line(art).startswith("key bits: 4-bit keys in 2 of 3 layers [0, 2] (budget 3.0 page bits, metric kl")
 
 
-# ---- issue 11: --packing mma16 (the v2 / v3 decode kernels' page order) ---------------------------------------------
+# ---- issue 26: the page packing is the serving GPU's (kernels.decode.select_backend), not calibrate's -------------
 
 
-def test_calibrate_packing_mma16_is_the_linear_run_in_another_code_order(tmp_path_factory, tmp_path, capsys):
-    """``--packing mma16`` changes only the layout's packing: every artifact tensor equals the linear run's, and the
-    reference decode of the two artifacts gives the same logits (same codes, other byte order)."""
+def test_an_artifact_that_carries_a_packing_still_loads_and_serves_as_linear(tmp_path_factory, tmp_path, capsys):
+    """``calibrate --packing`` is gone (the server picks the pages' order); an artifact written with
+    ``"packing": "mma16"`` (issue 11's option) still loads, and serves exactly as the linear artifact does."""
+    import json
+
     import torch
 
     from oscar_export.calibration.artifact import load_artifact
     from oscar_export.plugins.hf import cache_kwargs, enable_oscar
     from transformers import AutoModelForCausalLM
 
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--out", str(tmp_path / "x"), "--packing", "mma16"])
     model_dir = _save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_d64"), head_dim=64, heads=2)
     small = list(SMALL)
     small[small.index("--page-size") + 1] = "32"  # mma16 value pages need P % 32 == 0
-    arts = {}
-    for packing in ("linear", "mma16"):
-        rc = main(["calibrate", "--model", str(model_dir), "--out", str(tmp_path / packing), *small,
-                   "--packing", packing])
-        assert rc == 0, capsys.readouterr().err
-        arts[packing] = load_artifact(tmp_path / packing)
-    lin, mma = arts["linear"], arts["mma16"]
-    assert (lin.layout.packing, mma.layout.packing) == ("linear", "mma16")
-    assert lin.layout.page_size == mma.layout.page_size == 32
-    tl, tm = lin.tensors(), mma.tensors()
-    assert tl.keys() == tm.keys() and all(torch.equal(tl[k], tm[k]) for k in tl)
+    rc = main(["calibrate", "--model", str(model_dir), "--out", str(tmp_path / "linear"), *small,
+               "--key-bits-budget", "none"])
+    assert rc == 0, capsys.readouterr().err
+    import shutil
+
+    shutil.copytree(tmp_path / "linear", tmp_path / "mma16")
+    meta = json.loads((tmp_path / "mma16" / "oscar.json").read_text())
+    for part in ("key", "value"):
+        meta["layout"][part]["packing"] = "mma16"
+    (tmp_path / "mma16" / "oscar.json").write_text(json.dumps(meta))
+    arts = {p: load_artifact(tmp_path / p) for p in ("linear", "mma16")}
+    assert (arts["linear"].layout.packing, arts["mma16"].layout.packing) == ("linear", "mma16")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ids = torch.randint(1, 200, (1, 150))
     logits = {}
     for packing, art in arts.items():
         with enable_oscar(model, art, backend="torch") as oscar, torch.no_grad():
             cache = oscar.make_cache(1, 200)
+            assert {layer.layout.packing for layer in cache.layers} == {"linear"}
             out = model(ids, use_cache=True, **cache_kwargs(model, cache))
             nxt = model(ids[:, -1:], use_cache=True, **cache_kwargs(model, cache))
             logits[packing] = torch.cat([out.logits[0, -1:], nxt.logits[0, -1:]])
     assert torch.equal(logits["linear"], logits["mma16"])
-
-
-def test_calibrate_packing_options_checked_before_the_model_loads(tmp_path, capsys):
-    rc = main(["calibrate", "--out", str(tmp_path / "a"), "--packing", "mma16", "--key-bits-budget", "3.0"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "'mma16' pages hold 2-bit keys only" in err, err
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--out", str(tmp_path / "b"), "--packing", "tiled"])
 
 
 def test_an_all_2_bit_artifact_of_the_old_default_still_loads_and_serves(tiny_model_dir, tmp_path, capsys):
