@@ -184,7 +184,8 @@ def _manager(ops, dep, lengths, cuda):
 
     lay = dep.layout
     cls = make_cache_manager_class(SimpleNamespace(KVCacheManager=Base), dep, lambda layout: ops)
-    mgr = cls(SimpleNamespace(), "SELF", num_layers=1, num_kv_heads=2, head_dim=64, tokens_per_block=lay.page_size,
+    # upstream's KvCacheConfig always has max_tokens (None: no token budget given)
+    mgr = cls(SimpleNamespace(max_tokens=None), "SELF", num_layers=1, num_kv_heads=2, head_dim=64, tokens_per_block=lay.page_size,
               max_seq_len=256, max_batch_size=len(lengths), mapping=SimpleNamespace(world_size=1))
     torch.manual_seed(0)
     st = mgr.layers[0]
