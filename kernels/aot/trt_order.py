@@ -1,7 +1,7 @@
 """The decode kernels with TensorRT's AOT-plugin calling convention: tensor inputs, int32 extras, outputs.
 
 TensorRT's ``@trtp.aot_impl`` launches one kernel whose parameters are the plugin's input tensors, then the
-int32 "extra args", then its output tensors. The decode kernels (``kernels/decode_attention.py``) put their
+int32 "extra args", then its output tensors. The decode kernels (``kernels/decode/portable.py``) put their
 outputs before their integer arguments, so these two thin kernels take the TensorRT order and call the
 originals (Triton inlines them): no math of their own, same binary arithmetic. Their parameter lists are
 ``launch_plan.TRT_DECODE_SPLIT`` / ``TRT_DECODE_MERGE`` (checked against ``arg_names`` in
