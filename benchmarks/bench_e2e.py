@@ -50,7 +50,7 @@ MODELS = {
 PREFILL_CHUNK = 8192
 
 
-def env_line(device: torch.device) -> dict:
+def env_line(device: torch.device, commit: str | None = None) -> dict:
     import transformers
 
     try:
@@ -59,7 +59,8 @@ def env_line(device: torch.device) -> dict:
         tv = triton.__version__
     except ImportError:
         tv = None
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                            text=True).stdout.strip()
     return {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -322,13 +323,15 @@ def main(argv=None) -> int:
                     "mode='reduce-overhead': the README's; 'eager' for a quick CPU smoke test of this script)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no row after this many seconds (0: none)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here; a copy of the "
+                    "working tree on another machine may carry stale git metadata)")
     args = ap.parse_args(argv)
     from oscar_export.plugins.hf import enable_oscar
 
     t_start = time.perf_counter()
     device = torch.device(args.device)
     torch._dynamo.config.cache_size_limit = 64
-    env = env_line(device)
+    env = env_line(device, args.commit)
     print(json.dumps(env), flush=True)
     bw = copy_bandwidth(device)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

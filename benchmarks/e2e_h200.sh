@@ -5,7 +5,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1
 export TORCHINDUCTOR_FX_GRAPH_CACHE=1
-timeout 280 python3 benchmarks/bench_e2e.py --workloads 1x32768,8x32768,1x131072 --equal-kv-gib 64 \
+timeout 280 python3 benchmarks/bench_e2e.py --workloads 1x32768,8x32768,1x131072 --equal-kv-gib 64 ${COMMIT:+--commit $COMMIT} \
     --deadline-s 230 --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
 echo "bench rc $?"
 grep -A20 "^| cache" "$OUT/e2e.log"
