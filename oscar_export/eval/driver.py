@@ -18,8 +18,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 EPILOG = """examples:
-  oscar-export eval --model default                  # the main job: calibrate, evaluate, print the tables
-  oscar-export eval --model default --quick          # CI preset
+  oscar-export eval --model default                  # the main job: calibrate into art/, evaluate at 2,048 tokens
+  oscar-export eval --model default --preset quick   # CI preset (was --quick, still accepted)
+  oscar-export eval --model default --artifact art/ --preset long  # 2K/4K/8K text, NIAH 1K-8K x 20 (hours on a CPU)
   oscar-export eval --model default --artifact art/ --methods bf16,oscar,kivi2 --no-niah
   oscar-export eval --model default --artifact art/ --preset full --device cuda    # the GPU protocol
 """
@@ -29,7 +30,10 @@ EPILOG = """examples:
 class Preset:
     """Args: text_lengths (scored as prefixes of windows of the longest), text_windows, niah_lengths, needles
     (per task and length), calib_tokens, research_tokens (research-recipe capture), hf (run the HF
-    QuantizedCache methods unless named in --methods), text_chunk (deployed runs: tokens per chunk)."""
+    QuantizedCache methods unless named in --methods), text_chunk (deployed runs: tokens per chunk), tasks (NIAH
+    tasks), methods (the methods run unless --methods names others; None: every one), recipe (calibration when
+    eval calibrates: ``"default"`` = ``oscar-export calibrate``'s defaults, the accurate recipe; ``"2bit"`` = 2-bit
+    keys everywhere on 512-token sequences, for presets too small for the default's 2,048-token sequences)."""
 
     text_lengths: tuple[int, ...]
     text_windows: int
@@ -39,23 +43,46 @@ class Preset:
     research_tokens: int
     hf: tuple[str, ...] = ()
     text_chunk: int = 16
+    tasks: tuple[str, ...] = ("single", "multikey", "multivalue")
+    methods: tuple[str, ...] | None = None
+    recipe: str = "default"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text_lengths", tuple(sorted(int(x) for x in self.text_lengths)))
         object.__setattr__(self, "niah_lengths", tuple(int(x) for x in self.niah_lengths))
+        object.__setattr__(self, "tasks", tuple(self.tasks))
         if (not self.text_lengths or self.text_lengths[0] < 2 or self.text_windows < 1 or self.needles < 1
-                or self.calib_tokens < 1 or self.research_tokens < 1 or self.text_chunk < 1):
+                or self.calib_tokens < 1 or self.research_tokens < 1 or self.text_chunk < 1 or not self.tasks
+                or self.recipe not in ("default", "2bit")):
             raise ValueError(f"Preset: invalid sizes {self}")
+
+    def calibration_config(self):
+        """The ``CalibrationConfig`` eval calibrates ours with (``recipe``)."""
+        from oscar_export.calibration.key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN
+        from oscar_export.calibration.pipeline import CalibrationConfig
+
+        if self.recipe == "2bit":
+            return CalibrationConfig(tokens=self.calib_tokens)
+        return CalibrationConfig(tokens=self.calib_tokens, seq_len=MIN_SEQ_LEN, key_bits_budget=DEFAULT_BUDGET)
 
 
 HF_ALL = ("hf-hqq-int2", "hf-quanto-int2", "hf-hqq-int4", "hf-quanto-int4")
+#: the main job's methods: BF16, ours and the peers a user compares against
+MAIN_METHODS = ("bf16", "oscar", "kivi2", "oscar-research", "hf-quanto-int2")
+_FULL = Preset((2048, 4096, 8192), 2, (1024, 2048, 4096, 8192), 20, 20_000, 4096, hf=HF_ALL)
 PRESETS = {
-    "quick": Preset((1024,), 1, (1024,), 2, 4096, 1024),
-    # The README's main job (a few minutes on a 2-core CPU); HQQ re-optimises the whole history at every
-    # flush (minutes here): it runs in "full" or when named in --methods.
-    "default": Preset((1024,), 1, (1024,), 2, 8192, 2048, hf=("hf-quanto-int2", "hf-quanto-int4")),
-    # The GPU protocol (DESIGN §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length.
-    "full": Preset((2048, 4096, 8192), 2, (1024, 2048, 4096, 8192), 20, 20_000, 4096, hf=HF_ALL),
+    # CI: small and fast, a 2-bit calibration on 4,096 tokens
+    "quick": Preset((1024,), 1, (1024,), 2, 4096, 1024, recipe="2bit"),
+    # The README's main job: where the method matters, 2,048 tokens (the INT2 pages hold 1,664-1,728 of them)
+    # for text and needles, 10 needles per task (single, multi-key; multi-value is answered by no method on
+    # this 135M model, BF16 included), ours calibrated as `oscar-export calibrate` does, against BF16 and the
+    # peers; HQQ re-optimises the whole history at every flush (minutes here): "long"/"full" or --methods.
+    "default": Preset((2048,), 1, (2048,), 10, 20_000, 2048, hf=("hf-quanto-int2",), tasks=("single", "multikey"),
+                      methods=MAIN_METHODS),
+    # The GPU protocol (DESIGN §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length, every method.
+    "full": _FULL,
+    # The same lengths and needles for the main job's methods only.
+    "long": replace(_FULL, hf=("hf-quanto-int2",), methods=MAIN_METHODS),
 }
 
 
@@ -63,7 +90,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M) or a local HF model dir")
     p.add_argument("--artifact", default=None, help="calibrated artifact directory (default: calibrate now)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    p.add_argument("--quick", action="store_true", help="same as --preset quick (CI)")
+    p.add_argument("--quick", action="store_true", help="same as --preset quick (kept for old scripts)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model runs; cuda also runs ours through the real cache as deployed")
     p.add_argument("--methods", default=None, help="comma-separated subset of method names (default: the preset's)")
@@ -77,6 +104,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-text", action="store_true", help="skip PPL/KL/top-1")
     p.add_argument("--no-deployed", action="store_true", help="with --device cuda: skip the real-cache runs")
     p.add_argument("--out", default="eval_out", help="output directory (default: eval_out/)")
+    p.add_argument("--save-artifact", default="art", metavar="DIR",
+                   help="where the artifact eval calibrates is saved, for the next commands (default: art/; an "
+                        "earlier artifact there is replaced; not used with --artifact)")
     p.add_argument("--merge", default=None, metavar="RESULTS_JSON",
                    help="add the methods of an earlier results.json (same text and NIAH settings) to this run's")
 
@@ -108,7 +138,8 @@ def build_methods(model, tok, preset: Preset, artifact, names: list[str] | None,
 
     methods = baseline_methods(model, artifact.layout if artifact is not None else None)
     want = set(names) if names else None
-    if want is None or "oscar-research" in want:
+    chosen = want if want is not None else set(preset.methods) if preset.methods is not None else None
+    if chosen is None or "oscar-research" in chosen:
         ids = tok(calibration_text(), return_tensors="pt", add_special_tokens=False).input_ids[0]
         seq = 512
         n = max(1, preset.research_tokens // seq)
@@ -126,6 +157,8 @@ def build_methods(model, tok, preset: Preset, artifact, names: list[str] | None,
             if m.kind == "hf" and m.name not in preset.hf:
                 skipped[m.name] = ("not in this preset (the QuantizedCache replay is slow on a CPU); "
                                    "--preset full or --methods runs it")
+            elif preset.methods is not None and m.name not in preset.methods:
+                skipped[m.name] = "not in this preset; --preset full or --methods runs it"
         methods = [m for m in methods if m.name not in skipped]
     dev = next(model.parameters()).device
     for m in [m for m in methods if m.kind == "hf"]:
@@ -149,7 +182,7 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
     if text:  # fails early if the text is too short
         windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
     if niah:
-        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split)
+        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split, tasks=preset.tasks)
         prompts = build_prompts(tok, cfg)
     t0 = time.perf_counter()
     methods, skipped = build_methods(model, tok, preset, artifact, names, log)
@@ -240,7 +273,7 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
         dep.update(text=part["text"], cross=part["cross"], chunk=part["chunk"])
         dep["timings"].update(part["timings"])
     if niah:
-        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split)
+        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split, tasks=preset.tasks)
         part = deployed_niah(models, artifact, tok, build_prompts(tok, cfg), cfg, log=log)
         dep["niah"] = part
         dep["timings"].update(part["timings"])
@@ -269,6 +302,8 @@ def environment(model) -> dict:
 
 
 def preset_from_args(args) -> Preset:
+    if args.quick and args.preset not in ("default", "quick"):
+        raise ValueError(f"--quick is --preset quick; it cannot go with --preset {args.preset}: give one of them")
     preset = PRESETS["quick" if args.quick else args.preset]
     over = {}
     if args.text_lengths:
@@ -307,13 +342,20 @@ def check_outputs(args) -> dict | None:
 
 
 def run(args) -> int:
-    from .report import markdown, write_all
+    from .report import headline, markdown, write_all
     from .recipes import attention_shape
     from oscar_export.models import load_model
 
     preset = preset_from_args(args)
     device = check_device(args.device)
     merged = check_outputs(args)  # before the model loads: minutes before the results are written
+    names = [s.strip() for s in args.methods.split(",")] if args.methods else None
+    calibrating = not args.artifact and (names is None or "oscar" in names)
+    if calibrating:  # --save-artifact: absent, empty or an earlier artifact (replaced), checked before the work
+        from oscar_export.atomic_dir import check_out_dir
+        from oscar_export.calibration.artifact import META_FILE
+
+        check_out_dir(args.save_artifact, True, META_FILE, "--save-artifact", save_inputs(args), claim=True)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device=str(device))
     attention_shape(model)
@@ -322,20 +364,12 @@ def run(args) -> int:
         from .text import max_positions, text_windows
 
         text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
-    names = [s.strip() for s in args.methods.split(",")] if args.methods else None
     if args.artifact:
         from oscar_export.calibration.artifact import load_artifact
 
         artifact = load_artifact(args.artifact, model.config)
-    elif names is None or "oscar" in names:
-        try:
-            from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
-        except ImportError as e:
-            raise ImportError(f"eval needs oscar_export.calibration to calibrate (or pass --artifact): {e}") from e
-        t1 = time.perf_counter()
-        print(f"calibrating OSCAR on {preset.calib_tokens} tokens of calibration text ...")
-        artifact = calibrate(model, tok, CalibrationConfig(tokens=preset.calib_tokens))
-        print(f"calibrated in {time.perf_counter() - t1:.0f} s")
+    elif calibrating:
+        artifact = calibrate_and_save(model, tok, preset, args.save_artifact, save_inputs(args))
     else:
         artifact = None
     result = run_eval(model, tok, preset, artifact, names, niah=not args.no_niah, text=not args.no_text,
@@ -351,11 +385,63 @@ def run(args) -> int:
 
         result = merge(merged, result)
     paths = write_all(result, args.out)
+    print(headline(result, paths))
     print(markdown(result))
     for k, p in paths.items():
         print(f"{k}: {p}")
     return 0
 
 
-__all__ = ["EPILOG", "PRESETS", "Preset", "add_arguments", "build_methods", "check_device", "check_lengths",
+def save_inputs(args) -> list[tuple[str, str | None]]:
+    """What ``--save-artifact`` must stay apart from."""
+    return [("--model", None if args.model == "default" else args.model), ("--out", args.out),
+            ("--merge", args.merge)]
+
+
+def calibrate_and_save(model, tok, preset: Preset, out: str, inputs) -> object:
+    """Calibrate ours as ``preset.calibration_config()`` says (progress bars on stderr) and save the artifact to
+    ``out`` (an earlier artifact there is replaced in one step), where the next commands read it."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from oscar_export.atomic_dir import atomic_dir
+    from oscar_export.calibration.artifact import META_FILE
+
+    from .recipes import attention_shape
+
+    try:
+        from oscar_export.calibration.pipeline import calibrate
+    except ImportError as e:
+        raise ImportError(f"eval needs oscar_export.calibration to calibrate (or pass --artifact): {e}") from e
+    cfg = preset.calibration_config()
+    t1 = time.perf_counter()
+    budget = f"4-bit keys where they matter within {cfg.key_bits_budget} page bits" if cfg.key_bits_budget else \
+        "2-bit keys everywhere"
+    print(f"calibrating ours on {cfg.tokens} tokens of calibration text ({cfg.seq_len}-token sequences, {budget}) ...")
+    n_layers = attention_shape(model)[0]
+    bars = [tqdm(total=cfg.num_sequences * cfg.seq_len, unit="tok", desc="calibrate: capture", file=sys.stderr)]
+
+    def phase(desc: str):
+        if bars[-1].desc != desc:
+            bars[-1].close()
+            bars.append(tqdm(total=n_layers, unit="layer", desc=desc, file=sys.stderr))
+        return bars[-1]
+
+    try:
+        art = calibrate(model, tok, cfg, progress=bars[0].update, on_layer=lambda i, s: phase("calibrate: fit").update(1),
+                        on_key_bits=lambda n: phase("calibrate: key bits").update(n))
+    finally:
+        for b in bars:
+            b.close()
+    with atomic_dir(out, force=True, looks_like=META_FILE, inputs=inputs, option="--save-artifact") as tmp:
+        art.save(tmp)
+    wide = [i for i, b in enumerate(art.key_bits) if b != art.layout.key.bits] if art.key_bits else []
+    print(f"calibrated in {time.perf_counter() - t1:.0f} s; artifact saved to {out}/ ({len(wide)} of {art.num_layers} "
+          f"layers with 4-bit keys, pages {art.bits_per_element():.2f} bits/element) — the next commands read it: "
+          f"oscar-export inspect {out}/, oscar-export generate --artifact {out}/")
+    return art
+
+
+__all__ = ["EPILOG", "MAIN_METHODS", "PRESETS", "Preset", "calibrate_and_save", "add_arguments", "build_methods", "check_device", "check_lengths",
            "run", "run_deployed", "run_eval"]

@@ -65,6 +65,70 @@ def niah_table(niah: dict, names: list[str]) -> list[str]:
     return lines
 
 
+TASK_NAMES = {"single": "single needle", "multikey": "multi-key", "multivalue": "multi-value"}
+
+
+def _order(names: list[str]) -> list[str]:
+    """BF16 first, then ours, then the rest as given."""
+    first = [n for n in ("bf16", "oscar") if n in names]
+    return first + [n for n in names if n not in first]
+
+
+def headline(result: dict, paths: dict | None = None) -> str:
+    """The first screen: what was measured, and one row per method at the longest text length (bits, KL, ΔPPL,
+    top-1) with its needles per task summed over the NIAH lengths; then where the plots are."""
+    names = _order([m["name"] for m in result["methods"]])
+    bits = {m["name"]: m["bits"] for m in result["methods"]}
+    env = result.get("environment", {})
+    text = (result.get("text") or {}).get("lengths") or {}
+    niah = result.get("niah")
+    lines = [f"What was measured (decode-as-deployed: every position reads what its cache holds — BF16 sink and "
+             f"recent window, INT2 pages between; model on {env.get('device', '?')} in {env.get('dtype', '?')}, "
+             f"cache rows rounded to bfloat16):"]
+    L = max(text, key=int) if text else None
+    if L is not None:
+        part = text[L]
+        s0 = next(iter(part["scores"].values()))
+        q = max((s.get("positions_q", 0) for s in part["scores"].values()), default=0)
+        lines.append(f"- text: {part['windows']} window(s) of {int(L):,} tokens of held-out text; for ours "
+                     f"{part['scores'].get('oscar', s0).get('positions_q', q):,} of {s0.get('positions', 0):,} "
+                     "positions read INT2 history")
+    if niah:
+        cfg = niah["config"]
+        lens = ", ".join(f"{x:,}" for x in cfg["lengths"])
+        lines.append(f"- needles: {cfg['needles']} per task and length ({', '.join(TASK_NAMES[t] for t in cfg['tasks'])}"
+                     f") at {lens} tokens, split {cfg['split']!r}; exact answers")
+    head = ["method", f"bits/element @{int(L):,}" if L else "bits/element"]
+    if L is not None:
+        head += ["KL to BF16", "ΔPPL %", "top-1"]
+    tasks = niah["config"]["tasks"] if niah else []
+    head += [f"{TASK_NAMES[t]} (correct/asked)" for t in tasks]
+    where = ""
+    if L is not None:
+        sc = text[L]["scores"].get("oscar") or max(text[L]["scores"].values(), key=lambda x: x.get("positions_q", 0))
+        share = sc.get("positions_q", 0) / max(1, sc.get("positions", 0))
+        where = f" ({int(L):,} tokens: {share:.0%} of the positions read INT2 history)"
+    lines += ["", f"Where it matters{where}:", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ref_len = L or (str(niah["config"]["lengths"][-1]) if niah else None)
+    for name in names:
+        row = [("**ours (oscar)**" if name == "oscar" else name), _f(bits.get(name, {}).get(str(ref_len)), 2)]
+        if L is not None:
+            sc = text[L]["scores"].get(name, {})
+            row += [_f(sc.get("kl"), 4), _f(sc.get("dppl_pct"), 2), _f(sc.get("top1"), 3)]
+        for t in tasks:
+            cells = (niah["summary"].get(name) or {}).get(t, {}).values()
+            ok, n = sum(c["ok"] for c in cells), sum(c["n"] for c in cells)
+            row.append(f"{ok}/{n}" if n else "–")
+        if len(row) > 2 and any(c != "–" for c in row[2:]):
+            lines.append("| " + " | ".join(row) + " |")
+    if result.get("skipped"):
+        lines.append(f"\nNot run here: {', '.join(result['skipped'])} (see below).")
+    if paths and "summary" in paths:
+        lines.append(f"\nAt a glance: {paths['summary']}; every table below and in {paths.get('markdown')}.")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict) -> str:
     """Every table of the result (text per length, NIAH, the deployed GPU runs) and the method list."""
     methods = result["methods"]
@@ -117,6 +181,9 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     paths = []
     bits = {m["name"]: m["bits"] for m in result["methods"]}
     text = (result.get("text") or {}).get("lengths") or {}
+    p = summary_plot(result, out_dir, plt)
+    if p is not None:
+        paths.append(p)
     if text:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for L, part in text.items():
@@ -166,6 +233,71 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
+
+
+def summary_plot(result: dict, out_dir: Path, plt) -> Path | None:
+    """``summary.png``: per method, KL to BF16 at the longest text length (log scale, bits per element in the
+    label) and the share of needles answered (every task and length together, 95 % Wilson interval), ours
+    highlighted, BF16's needle share as a dashed line."""
+    from .niah import wilson
+
+    names = _order([m["name"] for m in result["methods"]])
+    bits = {m["name"]: m["bits"] for m in result["methods"]}
+    text = (result.get("text") or {}).get("lengths") or {}
+    niah = result.get("niah")
+    panels = (["text"] if text else []) + (["niah"] if niah else [])
+    if not panels:
+        return None
+    L = max(text, key=int) if text else str(niah["config"]["lengths"][-1])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.45 * len(names) + 1.6), squeeze=False)
+    labels = [f"{'ours (oscar)' if n == 'oscar' else n}  {bits.get(n, {}).get(str(L), float('nan')):.2f} b/elt"
+              for n in names]
+    color = ["tab:red" if n == "oscar" else "tab:gray" if n == "bf16" else "tab:blue" for n in names]
+    y = list(range(len(names)))[::-1]
+    for ax, kind in zip(axes[0], panels):
+        if kind == "text":
+            kl = [text[L]["scores"].get(n, {}).get("kl") for n in names]
+            pts = [(yy, k, c) for yy, k, c in zip(y, kl, color) if k]  # BF16's 0 has no place on a log axis
+            lo = min(p[1] for p in pts) / 4 if pts else 1e-3
+            ax.barh([p[0] for p in pts], [p[1] - lo for p in pts], left=lo, color=[p[2] for p in pts])
+            ax.set_xscale("log")
+            ax.set_xlim(lo, max(p[1] for p in pts) * 4 if pts else 1)
+            for yy, k, _ in pts:
+                ax.annotate(f"{k:.3g}", (k, yy), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+            if "bf16" in names:
+                ax.annotate("0 (the reference)", (lo, y[names.index("bf16")]), xytext=(3, 0), textcoords="offset points",
+                            va="center", fontsize=8)
+            ax.set_xlabel(f"KL(p_bf16 || p_method) at {int(L):,} tokens, nats")
+            ax.set_title("Text: distance to BF16\nlower is better", fontsize=10)
+        else:
+            acc, err, counts = [], [[], []], []
+            for n in names:
+                cells = [c for t in (niah["summary"].get(n) or {}).values() for c in t.values()]
+                ok, cnt = sum(c["ok"] for c in cells), sum(c["n"] for c in cells)
+                lo, hi = wilson(ok, cnt)
+                a = 100 * ok / cnt if cnt else float("nan")
+                acc.append(a)
+                counts.append(f"{ok}/{cnt}")
+                err[0].append(100 * (a / 100 - lo) if cnt else 0)
+                err[1].append(100 * (hi - a / 100) if cnt else 0)
+            ax.barh(y, acc, xerr=err, color=color, capsize=3)
+            for yy, a, c in zip(y, acc, counts):
+                ax.annotate(c, (0, yy), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8,
+                            color="white" if a > 15 else "black")
+            if "bf16" in names and acc[names.index("bf16")] == acc[names.index("bf16")]:
+                ax.axvline(acc[names.index("bf16")], color="tab:gray", ls="--", lw=1)
+            ax.set_xlim(0, 100)
+            tasks = ", ".join(TASK_NAMES[t] for t in niah["config"]["tasks"])
+            ax.set_xlabel("needles answered, % (bars: 95 % Wilson interval)")
+            ax.set_title(f"Needles at {', '.join(str(x) for x in niah['config']['lengths'])} tokens, higher is "
+                         f"better\n{tasks}", fontsize=10)
+        ax.set_yticks(y, labels, fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path = out_dir / "summary.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def merge(old: dict, new: dict) -> dict:
@@ -220,4 +352,5 @@ def write_all(result: dict, out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
-__all__ = ["deployed_markdown", "markdown", "merge", "niah_table", "plots", "text_table", "write_all"]
+__all__ = ["deployed_markdown", "headline", "markdown", "merge", "niah_table", "plots", "summary_plot", "text_table",
+           "write_all"]

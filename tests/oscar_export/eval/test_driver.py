@@ -139,10 +139,11 @@ def test_cli_bad_lengths_fail_before_calibrating(capsys, tmp_path):
     def error_lines():
         return [x for x in capsys.readouterr().err.splitlines() if x.startswith("oscar-export eval: error:")]
 
-    assert main(["eval", "--text-lengths", "16384", "--out", str(tmp_path)]) == 2
+    art = ["--save-artifact", str(tmp_path / "art")]
+    assert main(["eval", "--text-lengths", "16384", "--out", str(tmp_path / "o"), *art]) == 2
     (line,) = error_lines()
     assert "text length 16384 exceeds the model's limit of 8192 positions" in line
-    assert main(["eval", "--text-lengths", "8192", "--text-windows", "5", "--out", str(tmp_path)]) == 2
+    assert main(["eval", "--text-lengths", "8192", "--text-windows", "5", "--out", str(tmp_path / "o"), *art]) == 2
     (line,) = error_lines()
     assert "5 windows of 8192 tokens need 40960 tokens, the text has" in line
 
@@ -169,6 +170,46 @@ def test_presets_meet_the_protocol():
     full = PRESETS["full"]
     assert full.text_lengths == (2048, 4096, 8192) and full.niah_lengths == (1024, 2048, 4096, 8192)
     assert full.needles >= 20 and len(full.hf) == 4
+
+
+def test_main_job_measures_where_the_method_matters():
+    """Issue 27: the README's main job scores 2,048 tokens (most of the cache INT2), >= 10 needles per task and
+    length, BF16 and ours (calibrated as `oscar-export calibrate` does) against KIVI-2, the research recipe and
+    HF QuantizedCache 2-bit."""
+    from oscar_export.calibration.key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN
+    from oscar_export.kernels.layout import KVCacheLayout
+
+    main = PRESETS["default"]
+    assert min(main.text_lengths) >= 2048 and min(main.niah_lengths) >= 2048 and main.needles >= 10
+    lay = KVCacheLayout.default(3, 64)
+    _, pages, _ = lay.split(min(main.text_lengths))
+    assert pages * lay.page_size > 0.8 * min(main.text_lengths)  # most of the cache INT2
+    assert {"bf16", "oscar", "kivi2", "oscar-research", "hf-quanto-int2"} <= set(main.methods)
+    assert {"single", "multikey"} <= set(main.tasks)
+    cfg = main.calibration_config()
+    assert (cfg.key_bits_budget, cfg.seq_len) == (DEFAULT_BUDGET, MIN_SEQ_LEN)
+    assert PRESETS["quick"].calibration_config().key_bits_budget is None
+
+
+def test_quick_with_another_preset_is_refused(capsys):
+    from oscar_export.cli import main
+
+    assert main(["eval", "--quick", "--preset", "full"]) == 2
+    assert "--quick is --preset quick; it cannot go with --preset full" in capsys.readouterr().err
+
+
+def test_save_artifact_that_is_not_an_artifact_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """The main job saves what it calibrates for the next commands; a folder of something else is not replaced."""
+    import oscar_export.models as models
+    from oscar_export.cli import main
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "notes.txt").write_text("mine")
+    assert main(["eval", "--out", str(tmp_path / "o"), "--save-artifact", str(tmp_path / "art")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oscar-export eval: error: --save-artifact") and err.count("\n") == 1, err
+    assert (tmp_path / "art" / "notes.txt").read_text() == "mine"
 
 
 def test_calibration_and_evaluation_text_are_disjoint():

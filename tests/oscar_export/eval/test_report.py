@@ -7,7 +7,7 @@ import json
 import pytest
 
 from oscar_export.eval.niah import summarize
-from oscar_export.eval.report import markdown, merge, write_all
+from oscar_export.eval.report import headline, markdown, merge, write_all
 
 
 def result():
@@ -41,6 +41,22 @@ def test_write_all_writes_markdown_json_and_plots(tmp_path):
     paths = write_all(result(), tmp_path)
     assert json.loads(paths["json"].read_text())["methods"][1]["name"] == "a"
     assert paths["kl_vs_bits"].stat().st_size > 1000 and paths["niah_vs_length"].stat().st_size > 1000
+
+
+def test_headline_says_what_was_measured_and_puts_bf16_and_ours_first(tmp_path):
+    """Issue 27: the first screen names the length, the INT2 share and the needles, one row per method."""
+    res = result()
+    res["methods"].insert(1, {"name": "oscar", "kind": "x", "description": "ours", "bits": {"1024": 3.6}})
+    res["text"]["lengths"]["1024"]["scores"]["oscar"] = {**res["text"]["lengths"]["1024"]["scores"]["a"], "kl": 0.01}
+    res["environment"] = {"device": "cpu", "dtype": "torch.float32"}
+    paths = write_all(res, tmp_path)
+    text = headline(res, paths).splitlines()
+    assert "1 window(s) of 1,024 tokens" in text[1] and "639 of 1,023 positions read INT2 history" in text[1]
+    assert "4 per task and length (single needle, multi-key, multi-value) at 1,024 tokens" in text[2]
+    rows = [x for x in text if x.startswith("| ") and not x.startswith("| method")]
+    assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| **ours (oscar)**", "| a"]
+    assert rows[0].endswith("| 4/4 | 4/4 | 4/4 |") and "| 3.10 | 0.1000 | 10.00 | 0.900 | 1/4 |" in rows[2]
+    assert paths["summary"].stat().st_size > 1000 and str(paths["summary"]) in text[-1]
 
 
 def test_merge_adds_methods_and_refuses_incomparable_runs():
