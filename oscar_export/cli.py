@@ -93,10 +93,10 @@ def _os_error_text(text: str) -> str:
     import os
     import re
 
-    m = re.search(r"Os \{ code: (\d+)", text)
+    m = re.search(r"Os \{ code: (\d+)|\(os error (\d+)\)", text)
     if m is None:
         return text
-    code = int(m[1])
+    code = int(m[1] or m[2])
     return f"{os.strerror(code)} [Errno {code} {errno.errorcode.get(code, '?')}] ({text.split(':')[0].strip()})"
 
 

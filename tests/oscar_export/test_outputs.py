@@ -368,14 +368,15 @@ def test_a_safetensors_error_is_one_line(monkeypatch, capsys):
 
     import oscar_export.inspect_artifact as mod
 
-    def run(args):
-        raise SafetensorError('Error while serializing: I/O error: Os { code: 28, kind: StorageFull, message: '
-                              '"No space left on device" }')
+    for text in ("Error while serializing: I/O error: No space left on device (os error 28)",  # safetensors 0.7
+                 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left" })'):
+        def run(args, text=text):
+            raise SafetensorError(text)
 
-    monkeypatch.setattr(mod, "run", run)
-    assert main(["inspect", "x"]) == 2
-    err = one_line(capsys.readouterr().err, "inspect")
-    assert "No space left on device [Errno 28 ENOSPC]" in err, err
+        monkeypatch.setattr(mod, "run", run)
+        assert main(["inspect", "x"]) == 2
+        err = one_line(capsys.readouterr().err, "inspect")
+        assert "No space left on device [Errno 28 ENOSPC] (Error while serializing)" in err, err
 
 
 # ---- what build serves: the checkpoint's own files, regular ones, no remote code ---------------------------------
