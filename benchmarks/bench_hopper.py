@@ -98,8 +98,9 @@ def copy_tbps() -> float:
     return 2 * n / statistics.median(times) / 1e9
 
 
-def layout_for(hkv: int, d: int, gran: str, bits: int, packing: str = "mma16") -> KVCacheLayout:
-    g = d if packing == "mma16" else min(d, 128)
+def layout_for(hkv: int, d: int, gran: str, bits: int, packing: str = "mma16", groups: str = "row") -> KVCacheLayout:
+    """``groups``: ``"row"`` one token group a row (G = D) on mma16 pages, ``"default"`` the calibration's G."""
+    g = d if packing == "mma16" and groups == "row" else min(d, 128)
     return KVCacheLayout(hkv, d, RowFormat(d, g, gran, packing=packing), RowFormat(d, g, packing=packing),
                          page_size=128).with_key_bits(bits)
 
@@ -147,8 +148,18 @@ def sdpa_us(hq: int, hkv: int, d: int, batch: int, seq: int) -> float:
     return _SDPA[key]
 
 
-def bench_kernel(hq, hkv, d, batch, seq, gran, bits, copy, warm_only: bool) -> dict:
-    lay = layout_for(hkv, d, gran, bits)
+def _launch(q, st, lay, tr, scale, pps, rotation):
+    """The Hopper kernel through ``hopper.launch`` (what ``hopper.decode_attention`` runs after its checks), for the
+    layouts its wrapper does not take yet (two token groups a row: ``--groups default``, not yet run on a GPU)."""
+    rot, dsc = rotation if rotation is not None else (q, q)
+    return hopper.launch(q, rot, dsc, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params,
+                         st.v_codes, st.v_params, tr.k_levels, tr.v_levels, st.block_table, st.sink_len, st.num_pages,
+                         st.recent_len, lay.num_kv_heads, lay.page_size, lay.sink, lay.recent_slots, scale,
+                         lay.key.granularity == "channel", rotation is not None, pps, torch.bfloat16)
+
+
+def bench_kernel(hq, hkv, d, batch, seq, gran, bits, copy, warm_only: bool, groups: str = "row") -> dict:
+    lay = layout_for(hkv, d, gran, bits, groups=groups)
     tr = transform(hkv, d)
     scale = d**-0.5
     nbytes = batch * lay.sequence_bytes(seq) + 2 * batch * hq * d * 2
@@ -158,13 +169,17 @@ def bench_kernel(hq, hkv, d, batch, seq, gran, bits, copy, warm_only: bool) -> d
     q_once = [rotate_queries(q, tr).contiguous() for q in q_model]
     pps = hopper.pages_per_split(batch, hkv, states[0].block_table.shape[1], torch.device("cuda"), d)
     row = dict(heads=f"{hq}/{hkv}x{d}", batch=batch, seq=seq, gran=gran, key_bits=bits, pages_per_split=pps,
-               bytes=nbytes)
+               bytes=nbytes, groups=lay.value.group_size)
 
     def once(i):
+        if lay.value.group_size != d:
+            return lambda: _launch(q_once[i], states[i], lay, tr, scale, pps, None)
         return lambda: hopper.decode_attention(q_once[i], states[i], lay, tr.k_levels, tr.v_levels, scale,
                                                out_dtype=torch.bfloat16, pages_per_split=pps)
 
     def per_program(i):
+        if lay.value.group_size != d:
+            return lambda: _launch(q_model[i], states[i], lay, tr, scale, pps, (tr.k_rotation, tr.k_scale))
         return lambda: hopper.decode_attention(q_model[i], states[i], lay, tr.k_levels, tr.v_levels, scale,
                                                q_rotation=(tr.k_rotation, tr.k_scale), out_dtype=torch.bfloat16,
                                                pages_per_split=pps)
@@ -235,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gran", default="token,channel")
     ap.add_argument("--key-bits", default="2,4")
     ap.add_argument("--portable", action="store_true", help="also the portable kernel on the default layout")
+    ap.add_argument("--groups", default="row", choices=("row", "default"),
+                    help="mma16 token groups: one a row (G = D) or the calibration's default (G = 128 at D = 256)")
     ap.add_argument("--warm", action="store_true", help="compile every variant once and exit")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None)
@@ -257,7 +274,7 @@ def main(argv=None) -> int:
         for batch, seq in shapes:
             for gran in grans:
                 for kb in bits:
-                    r = bench_kernel(hq, hkv, d, batch, seq, gran, kb, copy, args.warm)
+                    r = bench_kernel(hq, hkv, d, batch, seq, gran, kb, copy, args.warm, args.groups)
                     rows.append(r)
                     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
                           flush=True)
