@@ -16,9 +16,10 @@ error serving makes. Per KV head:
 
 The key error is an exact quadratic form of the pooled data (``C_Q`` ``[H_kv, D, D]`` is built once: one
 quantization and one small matmul per evaluation). The value error is ``||P Δv||^2`` with the value queries'
-probabilities ``P`` built once, in blocks that keep only the rows their queries read (:func:`value_queries`);
-its queries can be every ``query_stride``-th position (the calibration's choice: ``pipeline``), which divides its
-cost by the stride. The groups' sorted ``|x|`` is computed once for all the clips of a grid (:func:`roundtrip`).
+probabilities ``P`` built once, in blocks that keep only the rows their queries read (:func:`value_queries`).
+(Every 8th query position would halve the fit's time, but chose other value fits in 2 of 6 SmolLM2 layers checked,
+held-out value error +0.9 % / +1.6 % there: benchmarks/RESULTS-calibrate.md.) The groups' sorted ``|x|`` is
+computed once for all the clips of a grid (:func:`roundtrip`).
 """
 
 from __future__ import annotations
@@ -58,11 +59,9 @@ class LayerObjective:
     page_size: int
 
     @classmethod
-    def build(cls, held: HeldOut, skip: int, page_size: int, window: int = 0,
-              query_stride: int = 1) -> "LayerObjective":
+    def build(cls, held: HeldOut, skip: int, page_size: int, window: int = 0) -> "LayerObjective":
         """``window``: query ``i`` reads token ``t`` quantized only when ``i - t > window`` (the BF16 recent
-        window of serving); 0 treats every earlier token as quantized. ``query_stride``: the value error averages
-        over every ``query_stride``-th query position (the last one included; 1: all of them)."""
+        window of serving); 0 treats every earlier token as quantized."""
         n, h, t, d = held.q.shape
         hkv = held.k.shape[1]
         pages = (t - skip) // page_size
@@ -78,7 +77,7 @@ class LayerObjective:
         c_q = torch.einsum("nhid,nhie->hde", qs, qs) / (n * qs.shape[2])
         # Values: only the pages some query reads outside its window matter (M is zero elsewhere).
         vpages = pages if window <= 0 else min(pages, -(-(t - 1 - window - lo) // page_size))
-        p, count = value_queries(held.q, held.k, held.scaling, lo, vpages * page_size, window, query_stride)
+        p, count = value_queries(held.q, held.k, held.scaling, lo, vpages * page_size, window)
         return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo : lo + vpages * page_size].double(), c_q, p, count,
                    held.scaling, page_size)
 
@@ -169,11 +168,10 @@ VALUE_BLOCK = 256
 
 @torch.no_grad()
 def value_queries(q: torch.Tensor, k: torch.Tensor, scaling: float, lo: int, tv: int, window: int = 0,
-                  stride: int = 1, block: int = VALUE_BLOCK) -> tuple[list[list[torch.Tensor]], int]:
+                  block: int = VALUE_BLOCK) -> tuple[list[list[torch.Tensor]], int]:
     """The attention probabilities ``p_i`` of the value queries over the rows ``[lo, lo + T_v)``, in blocks.
 
-    Value queries: every ``stride``-th position in ``[lo, T)`` ending at ``T - 1``, each with every query head
-    of the KV head. ``p_i`` is the query's causal softmax attention (over all earlier positions, sink and window
+    Value queries: every position in ``[lo, T)``, each with every query head of the KV head. ``p_i`` is the query's causal softmax attention (over all earlier positions, sink and window
     included) restricted to those rows, zero where ``i - t <= window`` (with ``window > 0``: the BF16 recent
     window). Computed a sequence and a block of positions at a time (never the ``[T, T]`` probabilities of every
     head at once); a block keeps only the first ``c`` rows, the ones its queries read (the staircase of the
@@ -189,7 +187,7 @@ def value_queries(q: torch.Tensor, k: torch.Tensor, scaling: float, lo: int, tv:
     hkv = k.shape[1]
     g = h // hkv
     shift = window if window > 0 else -1  # query i reads row r when i - r > shift
-    pos = torch.arange(t - 1, lo - 1, -stride).flip(0)
+    pos = torch.arange(lo, t)
     out = []
     for b in range(n):
         blocks = []

@@ -41,12 +41,6 @@ from .key_bits import check_budget, choose_key_bits, widen_keys
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
-#: the value error averages over every 8th held-out query position (``objective.value_queries``; the statistics'
-#: "prob" weighting samples queries the same way), in half the fit's time. On SmolLM2 (benchmarks/RESULTS-calibrate.md)
-#: it chose the value rotation and clip that all positions choose in every head of layers 0, 1, 7 and 15; in layer
-#: 2 one head took another, 0.9 % above that layer's best held-out value error. Keys do not use it.
-VALUE_QUERY_STRIDE = 8
-
 #: rotation candidates tried by ``rotation="auto"``: (kind, whitening scale), per side and key granularity.
 #: Per-channel keys are scale-invariant per channel (no whitening); on SmolLM2 values never kept identity.
 AUTO_CANDIDATES = {
@@ -359,8 +353,7 @@ def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_
         st = col.stats[i]
         if st is None:
             raise ValueError(f"capture: layer {i} was never called through the attention interface")
-        obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window,
-                                   query_stride=VALUE_QUERY_STRIDE)
+        obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window)
         k_fit, v_fit = fit_layer(i, st.to("cpu"), obj, layout, cfg)  # fitting runs on the CPU
         fits.append((k_fit, v_fit))
         per_layer.append(layer_summary(k_fit, v_fit, obj))
