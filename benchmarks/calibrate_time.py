@@ -115,7 +115,7 @@ def random_shape(a) -> int:
     recipe = CalibrationConfig.recipe() if a.shape != "tiny" else CalibrationConfig.recipe(
         tokens=6 * 512, seq_len=512, sink=16, window=32, page_size=32, heldout=2)
     c0 = time.process_time()
-    art = calibrate(model, ByteTokenizer(vocab), recipe)
+    art = calibrate(model, ByteTokenizer(vocab), recipe, fit_threads=None)  # every core of the GPU host
     res = {
         "shape": dict(zip(("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"),
                           SHAPES[a.shape])),

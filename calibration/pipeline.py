@@ -364,7 +364,7 @@ def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_
 
 def calibrate(
     model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None,
-    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = None,
+    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = 1,
     on_key_bits: Callable[[int], None] | None = None,
 ) -> OscarArtifact:
     """Calibrate ``model`` (any HF causal LM whose attention goes through ``AttentionInterface``).
@@ -372,8 +372,9 @@ def calibrate(
     ``progress(tokens)`` follows capture, ``on_layer(i, summary)`` the fit of each layer, ``on_key_bits(1)`` the
     key-width measurement of each layer (with ``key_bits_budget``).
 
-    ``fit_threads``: torch CPU threads while fitting, restored afterwards; None (default) leaves them alone: the
-    fit's time is now in products over the held-out queries, which use every core.
+    ``fit_threads``: torch CPU threads while fitting, restored afterwards (None leaves them alone). One by default:
+    on the shared 2-core machine (load 10) two threads cost 454 CPU s for SmolLM2's fit where one thread costs
+    about 30 x 6 (benchmarks/RESULTS-calibrate.md); a large model on a machine of its own wants them all.
     """
     t0 = time.perf_counter()
     facts = family_for(model)  # refuses unsupported architectures and features before any capture
