@@ -118,6 +118,35 @@ class _Progress:
         self._bar.close()
 
 
+#: the longest a model's chat template may take to render the prompt (a hostile one looped for minutes).
+CHAT_TEMPLATE_SECONDS = 10
+
+
+def render_chat(tok, text: str) -> str:
+    """``text`` as the user turn of the tokenizer's chat template (jinja2's sandbox, as transformers renders it),
+    stopped with one ``TimeoutError`` if the template runs past :data:`CHAT_TEMPLATE_SECONDS` (main thread)."""
+    import signal
+    import threading
+
+    def render() -> str:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+    if threading.current_thread() is not threading.main_thread():
+        return render()
+
+    def expired(signum, frame):
+        raise TimeoutError(f"--chat: the model's chat template ran past {CHAT_TEMPLATE_SECONDS} s; refusing it "
+                           f"(run without --chat, or fix the template)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(CHAT_TEMPLATE_SECONDS)
+    try:
+        return render()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def check_options(args: argparse.Namespace) -> str:
     """The device to run on, once the options that need no model are checked (before it loads): the device
     exists, the backend is known and runs there, the prompt is not empty."""
@@ -157,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     text = _prompt_text(args)
     model, tok = load_model(args.model, dtype=dtype, device=device)
     if args.chat and getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        text = render_chat(tok, text)
     ids = tok(text, return_tensors="pt").input_ids.to(device)
     n_prompt = ids.shape[1]
     if n_prompt == 0:

@@ -481,3 +481,24 @@ def test_a_file_swapped_while_build_reads_it_is_refused(tmp_path):
     (src / "model.safetensors").write_bytes(b"x" * 200)
     with pytest.raises(ValueError, match="changed while build read the checkpoint"):
         copy_checkpoint(src, files, tmp_path / "b")
+
+
+def test_a_chat_template_that_runs_for_minutes_is_stopped(monkeypatch):
+    """Issue: a chat template with nested 1e5 x 1e5 loops ran 80 s and took 7.1 GB."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    import oscar_export.generate as gen
+
+    class Tokenizer:  # renders its template as transformers does: jinja2's immutable sandbox
+        chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+
+        def apply_chat_template(self, messages, **kw):
+            return ImmutableSandboxedEnvironment().from_string(self.chat_template).render(messages=messages)
+
+    monkeypatch.setattr(gen, "CHAT_TEMPLATE_SECONDS", 1)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="--chat: the model's chat template ran past 1 s"):
+        gen.render_chat(Tokenizer(), "hello")
+    assert time.perf_counter() - t0 < 5
+    Tokenizer.chat_template = "<user>{{ messages[0]['content'] }}</user>"
+    assert gen.render_chat(Tokenizer(), "hello") == "<user>hello</user>"
