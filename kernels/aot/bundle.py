@@ -62,7 +62,7 @@ def quant_pack_spec(layout: KVCacheLayout, fmt: RowFormat, which: str, rotate: b
 
 def decode_split_spec(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> KernelSpec:
     """The split kernel of the layout's page packing (what ``decode.select_backend`` chose for the target): the
-    hopper (Gluon) kernel for mma16 pages (``decode_attention_gl.py``; sm_90 only, uniform codes; its driver-API
+    hopper (Gluon) kernel for mma16 pages (``decode/hopper_kernel.py``; sm_90 only, uniform codes; its driver-API
     launch run on the H200: tests/gpu/test_aot_gpu.py::test_gluon_decode_bundle_equals_jit), the portable kernel
     (``decode/portable.py``) for linear pages."""
     if layout.packing == "mma16":

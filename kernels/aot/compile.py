@@ -96,7 +96,7 @@ def compile_kernel(spec: KernelSpec, arch: str | int, ptx_version: int | None = 
     triton, ASTSource, GPUTarget = _require_triton()
     cap = parse_arch(arch)
     fn = spec.jit_function()
-    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (decode_attention_gl): its own frontend
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (decode/hopper_kernel): its own frontend
         if cap != 90:
             raise BundleError(f"{spec.name} ({arch_name(cap)}): a Gluon kernel of warpgroup MMAs runs on sm_90 "
                               f"(Hopper) only; build this bundle for sm_90")

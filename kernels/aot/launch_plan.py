@@ -47,7 +47,7 @@ TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
 
 _DA = "oscar_export.kernels.decode.portable"
 _DS = "oscar_export.kernels.decode_step"
-_DAG = "oscar_export.kernels.decode_attention_gl"
+_DAG = "oscar_export.kernels.decode.hopper_kernel"
 _QP = "oscar_export.kernels.quant_pack"
 _TRT = "oscar_export.kernels.aot.trt_order"
 
@@ -318,7 +318,7 @@ def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: i
 
 def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float,
                                stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
-    """Constexprs of the Gluon split kernel (``decode_attention_gl``; uniform codes only): v2's plus ``STAGES``,
+    """Constexprs of the Gluon split kernel (``decode/hopper_kernel``; uniform codes only): v2's plus ``STAGES``,
     its cp.async page stages, ``KEY_BITS``, the key pages' code width (2 or 4), and ``NG``, the token groups a row
     (``head_dim // value.group_size``: 1, or 2 at head_dim 256)."""
     cx = decode_split_v2_constexprs(layout, num_heads, sm_scale)

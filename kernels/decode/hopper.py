@@ -1,4 +1,4 @@
-"""The ``"hopper"`` decode backend: the Gluon kernel (``kernels/decode_attention_gl.py``) over mma16 pages.
+"""The ``"hopper"`` decode backend: the Gluon kernel (``kernels/decode/hopper_kernel.py``) over mma16 pages.
 
 The wrapper around the kernel: what it reads (:func:`check_hopper_layout`, :func:`check_hopper_state`, checked
 when a cache or a setup is made, never inside a traced step), how it is launched (the launch plan's wave rule
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import decode_attention_gl as _gl
+from . import hopper_kernel as _gl
 from ..aot import launch_plan as _plan
 from ..layout import KVCacheLayout, PagedKV
 from .portable import check_decode_inputs, launch_split_merge

@@ -444,7 +444,7 @@ def window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_pt
     the recent ring's. Returns the K and V base pointers of the chunk's ``BN`` rows (bf16, row ``t`` at
     ``base + t * D``) and the mask ``[BN]`` of its tokens (``tb = tl.arange(0, BN)``) that hold a cached token.
 
-    The split kernels of this backend and of the hopper one (``kernels/decode_attention_gl.py``, a Gluon kernel
+    The split kernels of this backend and of the hopper one (``kernels/decode/hopper_kernel.py``, a Gluon kernel
     calling it on its own layouts) read their BF16 windows through this one helper.
     """
     NSINK: tl.constexpr = (S0 + BN - 1) // BN

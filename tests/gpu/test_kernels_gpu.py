@@ -479,10 +479,10 @@ def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p, key_bits):
 
 @pytest.mark.parametrize("key_bits", [2, 4])
 def test_decode_attention_gluon_matches_its_emulation(key_bits):
-    """The kernel against decode_attention_gl.emulate (its own arithmetic in float64 on the CPU, one softmax
+    """The kernel against hopper_kernel.emulate (its own arithmetic in float64 on the CPU, one softmax
     instead of split + merge): a wrong operand bit or scale folding moves outputs of magnitude ~1 by O(0.1);
     the different fp16 roundings of ``p·s_v`` (running vs global max) by ~1e-3."""
-    from oscar_export.kernels import decode_attention_gl as gla
+    from oscar_export.kernels.decode import hopper_kernel as gla
 
     lay = _mma16_layout("token", 128).with_key_bits(key_bits)
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
@@ -571,7 +571,7 @@ def test_decode_attention_gluon_two_groups_head_dim_256(gran, key_bits):
     kernel's ``NG = 2``: each key chunk scaled by its group, each half of the value dims by its group's ``p·s_v``):
     within budget and close to the portable kernel on the same pages in linear order. Launched through
     ``hopper.launch`` (``check_hopper_layout`` refuses two groups a row until this test has passed on a GPU)."""
-    from oscar_export.kernels import decode_attention_gl as gla
+    from oscar_export.kernels.decode import hopper_kernel as gla
 
     hopper = _hopper()
     lay = KVCacheLayout.default(8, 256, gran, page_size=128, packing="mma16").with_key_bits(key_bits)

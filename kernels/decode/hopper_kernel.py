@@ -46,7 +46,7 @@ rest.
 Status (4-bit key pages and queries rotated once a step: run on the H200 on 2026-12-02,
 ``benchmarks/results/hopper-rotation-k4-h200-2026-12-02.md``): compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the
 H200's JIT) on the CPU, with every A-operand
-conversion proven trivial by the compiler (``tests/kernels/test_decode_attention_gl.py``). Hopper only
+conversion proven trivial by the compiler (``tests/kernels/test_hopper_kernel.py``). Hopper only
 (:func:`check_gluon_device`). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
 launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
 ``gl_pages_per_split``: whole waves; the merge fused), it is the fastest decode kernel at every measured shape
@@ -74,9 +74,9 @@ try:  # Gluon (Triton 3.6 and 3.9 checked); without it, or with another spelling
 except (ImportError, AttributeError):  # pragma: no cover - exercised only on other Triton versions
     HAVE_GLUON = False
 
-from .aot import launch_plan as _plan
-from .decode.portable import window_block
-from .layout import KVCacheLayout
+from ..aot import launch_plan as _plan
+from .portable import window_block
+from ..layout import KVCacheLayout
 
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
 NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps
@@ -90,24 +90,25 @@ KEY_BITS = (2, 4)
 def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) -> None:
     """Raise ``NotImplementedError`` (with the reason) for what the Gluon kernel does not handle."""
     if codebook:
-        raise NotImplementedError("decode_attention_gl: fitted (codebook) levels are not supported; use v2 'fields'")
+        raise NotImplementedError("hopper kernel: fitted (codebook) levels are not supported; the portable "
+                                  "backend reads them")
     if layout.head_dim not in HEAD_DIMS:
-        raise NotImplementedError(f"decode_attention_gl: head_dim {list(HEAD_DIMS)} supported, got {layout.head_dim}")
+        raise NotImplementedError(f"hopper kernel: head_dim {list(HEAD_DIMS)} supported, got {layout.head_dim}")
     if layout.page_size not in PAGE_SIZES:
-        raise NotImplementedError(f"decode_attention_gl: page_size {list(PAGE_SIZES)} supported, "
+        raise NotImplementedError(f"hopper kernel: page_size {list(PAGE_SIZES)} supported, "
                                   f"got {layout.page_size}")
     gq = num_heads // layout.num_kv_heads
     if _plan.gq_pad_v2(gq) not in GQ_PADS:
-        raise NotImplementedError(f"decode_attention_gl: at most 16 query heads per KV head, got {gq}")
+        raise NotImplementedError(f"hopper kernel: at most 16 query heads per KV head, got {gq}")
     for name, fmt in (("key", layout.key), ("value", layout.value)):
         if fmt.granularity == "token" and fmt.group_size != layout.head_dim and (layout.head_dim, fmt.group_size) != (
                 256, 128):
-            raise NotImplementedError(f"decode_attention_gl: {name} token groups of head_dim or, at head_dim 256, of "
+            raise NotImplementedError(f"hopper kernel: {name} token groups of head_dim or, at head_dim 256, of "
                                       f"128, got {fmt.group_size} at {layout.head_dim}")
     if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
-        raise NotImplementedError("decode_attention_gl: key and value token groups must match")
+        raise NotImplementedError("hopper kernel: key and value token groups must match")
     if layout.key.bits not in KEY_BITS or layout.value.bits != 2:
-        raise NotImplementedError(f"decode_attention_gl: {list(KEY_BITS)}-bit key and 2-bit value pages, got "
+        raise NotImplementedError(f"hopper kernel: {list(KEY_BITS)}-bit key and 2-bit value pages, got "
                                   f"{layout.key.bits}-bit keys and {layout.value.bits}-bit values")
 
 
@@ -115,11 +116,11 @@ def check_gluon_device(device: torch.device) -> None:
     """Raise ``NotImplementedError`` unless ``device`` is a Hopper GPU (sm_90: the warpgroup MMAs; neither Ampere /
     Ada nor Blackwell have them)."""
     if device.type != "cuda":
-        raise NotImplementedError("decode_attention_gl: CUDA only (Gluon has no CPU interpreter); use v2 'fields'")
+        raise NotImplementedError("hopper kernel: CUDA only (Gluon has no CPU interpreter); the portable backend reads them")
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) != (9, 0):
-        raise NotImplementedError(f"decode_attention_gl: warpgroup MMAs need a Hopper GPU (sm_90), this one is "
-                                  f"sm_{cap[0]}{cap[1]}; use v2 'fields'")
+        raise NotImplementedError(f"hopper kernel: warpgroup MMAs need a Hopper GPU (sm_90), this one is "
+                                  f"sm_{cap[0]}{cap[1]}; the portable backend reads them")
 
 
 if HAVE_GLUON:
@@ -348,10 +349,10 @@ if HAVE_GLUON:
         ``part_lse``. ``NG``: token groups a row (keys at token granularity, values), 1, or 2 at ``D = 256``
         (``G = 128``, one key chunk a group: each chunk's scores scaled by its own group, the value MMA split
         into the two halves of the dims, each with its group's ``p·s_v``)."""
-        gl.static_assert(NG == 1 or (NG == 2 and D == 256), "decode_attention_gl: 1 token group a row, or 2 at D 256")
-        gl.static_assert(KEY_BITS == 2 or KEY_BITS == 4, "decode_attention_gl: 2- or 4-bit key pages")
-        gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "decode_attention_gl: uniform codes only")
-        gl.static_assert(gl.num_warps() == 4, "decode_attention_gl: one warpgroup (num_warps=4)")
+        gl.static_assert(NG == 1 or (NG == 2 and D == 256), "hopper kernel: 1 token group a row, or 2 at D 256")
+        gl.static_assert(KEY_BITS == 2 or KEY_BITS == 4, "hopper kernel: 2- or 4-bit key pages")
+        gl.static_assert(not K_CODEBOOK and not V_CODEBOOK, "hopper kernel: uniform codes only")
+        gl.static_assert(gl.num_warps() == 4, "hopper kernel: one warpgroup (num_warps=4)")
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, GQ_PAD, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -724,7 +725,7 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
 def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
     """The cached BF16 sink and recent tokens of sequence ``bi``, KV head ``hi``: ``[(K, V), (K, V)]`` (the ring's
     slots by ``reference.recent_valid``, in slot order: attention does not care)."""
-    from . import reference
+    from .. import reference
 
     s_len = min(int(state.sink_len[bi]), layout.sink)
     ring = reference.recent_valid(layout, state.num_pages, state.recent_len)[bi]

@@ -1,4 +1,4 @@
-"""Decode attention v3 (the Gluon kernel, ``kernels/decode_attention_gl.py``) on the CPU: what can be checked here.
+"""The hopper decode kernel (Gluon, ``kernels/decode/hopper_kernel.py``) on the CPU: what can be checked here.
 
 Gluon has no interpreter, so the kernel itself runs only on a GPU (tests/gpu/test_kernels_gpu.py -k gluon). Here:
 
@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 
-from oscar_export.kernels import decode_attention_gl as gl_attn
+from oscar_export.kernels.decode import hopper_kernel as gl_attn
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
