@@ -311,12 +311,14 @@ def test_hostile_key_bits_refused(tmp_path, value, match):
         random_artifact().with_key_bits(value)  # the constructor runs the same check
 
 
-def test_four_bit_keys_refused_where_the_key_format_cannot_take_them(tmp_path):
+def test_four_bit_keys_fit_fragment_ordered_pages_too(tmp_path):
+    """mma16 (fragment-order) pages hold 4-bit keys since the hopper kernel reads them (they were refused before)."""
     cfg = tiny_config(head_dim=32, hidden_size=128)
     art = random_artifact(cfg)
     mma = replace(art.layout, key=replace(art.layout.key, packing="mma16"))
-    with pytest.raises(ArtifactError, match="key_bits: 4-bit keys do not fit the layout's key format"):
-        OscarArtifact(mma, art.transforms, art.fingerprint, key_bits=(4, 2, 2))
+    wide = OscarArtifact(mma, art.transforms, art.fingerprint, key_bits=(4, 2, 2))
+    assert wide.key_bits == (4, 2, 2)
+    assert mma.with_key_bits(4).key.bits == 4 and mma.with_key_bits(4).key.packing == "mma16"
 
 
 def test_four_bit_keys_on_a_sliding_layer_refused():
