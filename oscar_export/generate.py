@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             )[0, n_prompt:]
         print(f"oscar cache: {len(out)} tokens in {time.perf_counter() - t0:.1f} s")
     layout, n_layers = oscar.layout, oscar.shape.num_layers
+    layouts = [cache.layer_layout(i) for i in range(n_layers)]  # each layer's key width (an artifact's key_bits)
 
     if ref is not None:
         print(f"\n=== {dname.upper()} cache (DynamicCache) ===")
@@ -234,14 +235,14 @@ def run(args: argparse.Namespace) -> int:
     if short:
         print(f"\n{short}")
         return 0
-    oscar_bytes = n_layers * layout.sequence_bytes(length)
+    oscar_bytes = sum(lay.sequence_bytes(length) for lay in layouts)
     bf16_bytes = n_layers * length * layout.bf16_token_bytes()
     sink, pages, recent = layout.split(length)
     print(
         f"KV cache at {length} tokens, {n_layers} layers, as deployed (BF16 windows): BF16 {bf16_bytes:,} bytes, "
         f"OSCAR {oscar_bytes:,} bytes ({oscar_bytes / bf16_bytes:.1%}; saved {bf16_bytes - oscar_bytes:,} bytes; sink "
         f"{sink} + INT2 {pages} pages x {layout.page_size} + recent {recent} tokens; "
-        f"{layout.effective_bits_per_element(length):.2f} bits/element)"
+        f"{16 * oscar_bytes / bf16_bytes:.2f} bits/element)"
     )
     return 0
 

@@ -40,6 +40,26 @@ def test_generate_prints_both_outputs_and_bytes(tiny_dir, capsys):
     assert "sink 64 + INT2 5 pages x 16 + recent 262 tokens" in out  # D = 16: pages of G = 16 tokens
 
 
+def test_generate_counts_each_layers_key_width(tiny_dir, capsys, tmp_path):
+    """An artifact with 4-bit keys in one layer: the KV bytes count that layer's wider key pages."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from oscar_export.calibration.artifact import OscarArtifact
+
+    art = OscarArtifact.identity(AutoConfig.from_pretrained(tiny_dir))
+    replace(art, key_bits=(4, 2)).save(tmp_path / "art")
+    prompt = " ".join(f"w{i % 90}" for i in range(400))
+    assert main(["generate", "--model", tiny_dir, "--prompt", prompt, "--max-new-tokens", "6", "--device", "cpu",
+                 "--skip-bf16", "--artifact", str(tmp_path / "art")]) == 0
+    out = capsys.readouterr().out
+    lay = art.layout
+    want = lay.sequence_bytes(406) + lay.with_key_bits(4).sequence_bytes(406)
+    assert f"OSCAR {want:,} bytes" in out and want > 2 * lay.sequence_bytes(406), out
+    assert "=== OSCAR cache (INT2 / 4-bit-key pages, fp32 windows) ===" in out
+
+
 def test_generate_says_when_the_prompt_never_reaches_the_int2_pages(tiny_dir, capsys):
     """Issue 27: a short prompt keeps every token in the full-precision windows: say so (before generating and
     in the summary) instead of reporting "saved 0 bytes"."""
