@@ -290,6 +290,20 @@ def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_
         pipeline.calibrate(_load(tiny_model_dir), None, pipeline.CalibrationConfig(key_bits_budget=2.4, seq_len=2048))
 
 
+def test_budget_below_every_models_pages_refused_before_the_embedded_model_loads(tmp_path, capsys, monkeypatch):
+    """``--model default`` (a GGUF whose shape takes seconds to read): a budget below what 2-bit pages take at any
+    head_dim is one line before the model loads (issue 31: ``--key-bits-budget 1.0`` was refused after 86 s)."""
+    import oscar_export.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the budget check"))
+    rc = main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", "1.0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    # head_dim 128 (groups of 128), page 64: keys 2 + 32/64, values 2 + 32/128 -> 2.375 bits per element
+    assert "key_bits_budget: 1 bits per element is below the 2.375 that 2-bit pages take at least (any head_dim, " \
+           "page 64); 2.375 or more, or none" in err, err
+
+
 def _load(path):
     from transformers import AutoModelForCausalLM
 
