@@ -4,7 +4,7 @@
     python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
     python benchmarks/bench_decode.py --key-bits 2,4 --shapes 1x8192,1x131072,8x32768
 
-Heads (``--heads``): 32 query / 8 KV heads, head_dim 128 by default (DESIGN §6); Gemma-3-12B (16 / 8) and
+Heads (``--heads``): 32 query / 8 KV heads, head_dim 128 by default (docs/design.md §6); Gemma-3-12B (16 / 8) and
 Gemma-3-27B (32 / 16) at head_dim 256, two groups of 128 per row.
 Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
 queries and outputs); times are medians of CUDA-event timings over input sets rotated to defeat the L2

@@ -1,4 +1,4 @@
-"""The full evaluation protocol (DESIGN §5) on the H200, one command:
+"""The full evaluation protocol (docs/design.md §5) on the H200, one command:
 
     python benchmarks/eval_gpu.py /tmp/smol.gguf --out /tmp/eval_gpu [--artifact art/] [--quick]
 

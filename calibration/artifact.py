@@ -1,4 +1,4 @@
-"""The OSCAR artifact: what calibration produces and everything downstream reads (DESIGN §3.3).
+"""The OSCAR artifact: what calibration produces and everything downstream reads (docs/design.md §3.3).
 
 On disk, a directory::
 
@@ -88,7 +88,7 @@ class ArtifactLimits:
       produces depth <= 5.
     * ``max_layers``, ``max_kv_heads``, ``max_heads``, ``min/max_head_dim``, ``max_hidden_size``,
       ``max_vocab_size``: the fingerprint and layout.
-    * ``max_sink``, ``max_window``, ``min/max_page_size``: the cache windows (DESIGN §3.2 defaults 64, 256, 64).
+    * ``max_sink``, ``max_window``, ``min/max_page_size``: the cache windows (docs/design.md §3.2 defaults 64, 256, 64).
     * ``max_tensor_bytes``: tensor data the layout implies (``L * H_kv * (2 D^2 + 4 D + 10) * 4`` bytes).
     * the safetensors header may use at most ``header_bytes_base + header_bytes_per_tensor * tensors`` bytes
       (the writer uses ~100 per tensor), so the whole file may be at most ``8 + header + data`` bytes, checked

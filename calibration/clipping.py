@@ -1,4 +1,4 @@
-"""Clip ratios fitted on held-out rows over a grid (DESIGN §4 "Clipping").
+"""Clip ratios fitted on held-out rows over a grid (docs/design.md §4 "Clipping").
 
 A clip ratio keeps the ``ceil(ratio * n) - 1``-th smallest ``|x|`` of each quantization group of ``n``
 elements as the clamp threshold (``kernels.transform.clip_rank``: the research code's per-row quantile).

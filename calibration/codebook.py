@@ -1,4 +1,4 @@
-"""A fitted non-uniform 4-level codebook at the same bits (DESIGN §4 "Free improvements").
+"""A fitted non-uniform 4-level codebook at the same bits (docs/design.md §4 "Free improvements").
 
 The reference quantizer reads a group back as ``lo + scale * levels[code]`` with ``scale = (hi - lo) / 3``
 and picks codes by the midpoints between levels, so a codebook is four numbers in ``[0, 3]`` per KV head.

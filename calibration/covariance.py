@@ -1,4 +1,4 @@
-"""Streaming float64 statistics of one attention layer, per KV head (DESIGN §4 "Key/Value target").
+"""Streaming float64 statistics of one attention layer, per KV head (docs/design.md §4 "Key/Value target").
 
 For KV head ``h`` with query group ``g = H / H_kv`` (query heads ``h*g .. h*g+g-1`` read it, as in HF's
 ``repeat_kv``), over token positions ``t >= skip`` (the BF16 sink is never quantized, and the first

@@ -1,4 +1,4 @@
-"""The model families the OSCAR cache serves, decided in one place (DESIGN §2 "model-family table").
+"""The model families the OSCAR cache serves, decided in one place (docs/design.md §2 "model-family table").
 
 Every consumer — ``enable_oscar``, calibration capture, export's weight folding, ``build``, the TensorRT-LLM
 adapter and evaluation — asks :func:`family_for` and reads the returned :class:`ModelAttention`; nothing else
@@ -13,7 +13,7 @@ windows. Two fact sets, one dataclass each:
   dimension, norms, biases, sliding-window layers.
 
 Every family listed applies its q/k norms and RoPE *before* ``cache.update`` (checked in transformers
-5.17 and 5.24), so the cache and the attention function receive post-RoPE keys (DESIGN §4). The attention
+5.17 and 5.24), so the cache and the attention function receive post-RoPE keys (docs/design.md §4). The attention
 scale at run time is the ``scaling`` transformers passes to the attention function; the family's rule
 (:attr:`ModelAttention.scaling`) is what offline consumers (``build``'s kernel bundle, calibration when no
 scale is passed) use, and calibration checks the two agree.

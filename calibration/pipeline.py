@@ -67,7 +67,7 @@ class CalibrationConfig:
         value_weighting: value target, one of ``covariance.VALUE_WEIGHTINGS``.
         key_mean, value_mean: remove the mean in the stored basis (exact).
         codebook: ``"auto"`` (kept where it lowers the error), ``"off"`` or ``"on"``.
-        sink, window, page_size: cache layout (DESIGN §3.2).
+        sink, window, page_size: cache layout (docs/design.md §3.2).
         data: sources (``"pydoc"``, ``"generate"``, file paths).
         seed: data sampling and random rotations.
         key_bits_budget: None (every layer 2-bit keys) or the average page bits per element (K and V, over the

@@ -1,4 +1,4 @@
-"""Orthogonal rotations and per-coordinate scalings from calibration targets (DESIGN §4 "Rotation").
+"""Orthogonal rotations and per-coordinate scalings from calibration targets (docs/design.md §4 "Rotation").
 
 Everything here is fp64 and per KV head: a target is ``[H_kv, D, D]`` (symmetric PSD), a rotation
 ``[H_kv, D, D]`` applied as ``x_rot = x @ R``. Kinds:

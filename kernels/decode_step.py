@@ -6,7 +6,7 @@
    FMAs, then rounded to BF16 as the window stores it) and the value into ``v_s = v - mu_V[h]`` (the value
    rotation is folded into the exported ``v_proj``, or applied by the caller); with ``ROTATE_Q`` it also writes
    the step's queries of KV head ``h`` in the stored key basis, ``q_s = (q @ R_K[h]) / d_K[h]`` (fp32): the query
-   rotation once a step (DESIGN §3.6), where ``R_K[h]`` is read anyway, so the decode attention kernels read
+   rotation once a step (docs/design.md §3.6), where ``R_K[h]`` is read anyway, so the decode attention kernels read
    ``q_s`` and none of their split programs rotates;
 2. skips everything if the slot's step status is set or the token is not finite in any KV head (then it
    sets ``STATUS_NONFINITE`` in ``status[b]``; every program checks every head's input rows, so no head of

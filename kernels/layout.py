@@ -3,7 +3,7 @@
 This file is the one definition every consumer reads (reference ops, Triton kernels, the Hugging Face
 cache, the TensorRT-LLM adapters, export metadata, benchmark byte counts).
 
-Row format (DESIGN §3.1)
+Row format (docs/design.md §3.1)
 ------------------------
 A *row* is one token of one KV head: ``D`` values in the rotated basis. Values are quantized in groups
 of ``G`` consecutive elements along ``D`` ("token" granularity). Keys may instead be quantized per
@@ -31,7 +31,7 @@ the ``P * D / 4`` code bytes of one page of one KV head:
 
 Both packings take the same bytes and the same tensor shapes; only the order differs.
 
-Cache layout (DESIGN §3.2)
+Cache layout (docs/design.md §3.2)
 --------------------------
 Per sequence, logically ``[sink: first S0 tokens, BF16][history: INT2 pages of P tokens][recent, BF16]``.
 New tokens land in *recent*; once *recent* would exceed ``W + P`` tokens, its oldest ``P`` tokens are
@@ -107,7 +107,7 @@ def packing_code(fmt: "RowFormat", operand: str) -> int:
 
 
 def default_group_size(head_dim: int) -> int:
-    """DESIGN §3.1: ``G = head_dim`` when ``head_dim <= 128``, else 128."""
+    """docs/design.md §3.1: ``G = head_dim`` when ``head_dim <= 128``, else 128."""
     return head_dim if head_dim <= 128 else 128
 
 

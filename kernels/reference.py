@@ -6,7 +6,7 @@ integration. The pure functions (pack, quantize, dequantize, attention) are stat
 decode step's writer (``decode_append``) is device-only too; ``write_tokens`` (prompts, chunks) reads
 host ints.
 
-Quantization of one group ``x`` (DESIGN §3.1), bit-exact in every implementation:
+Quantization of one group ``x`` (docs/design.md §3.1), bit-exact in every implementation:
 
     thr   = sorted(|x|)[rank]                      rank = clip_rank(ratio, len(x)); ratio 1 -> max
     xc    = clamp(x, -thr, thr)

@@ -1,6 +1,6 @@
 """What calibration gives one attention layer, as the tensors the cache ops read.
 
-Stored keys and values live in a transformed basis (DESIGN §4), per KV head ``h``::
+Stored keys and values live in a transformed basis (docs/design.md §4), per KV head ``h``::
 
     k_s = (k @ R_K[h]) * d_K[h] - mu_K[h]          q_s = (q @ R_K[h]) / d_K[h]      (q_s . k_s = q . k - const)
     v_s = (v @ R_V[h]) * d_V[h] - mu_V[h]          out = ((o_s + mu_V[h]) / d_V[h]) @ R_V[h]^T

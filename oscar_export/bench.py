@@ -10,7 +10,7 @@ import importlib.util
 from pathlib import Path
 
 EPILOG = """example:
-  oscar-export bench                               # the six DESIGN §6 shapes, token and channel keys
+  oscar-export bench                               # the six docs/design.md §6 shapes, token and channel keys
   oscar-export bench -- --shapes 1x8192,8x32768 --variants v3,v4
 """
 

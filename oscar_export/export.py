@@ -1,6 +1,6 @@
 """Fold the OSCAR value transform into v_proj/o_proj and write a Hugging Face checkpoint with the artifact.
 
-Per KV head ``h`` with ``M_h = R_V[h] @ diag(d_V[h])`` (``LayerTransform``; DESIGN §3.4, §4):
+Per KV head ``h`` with ``M_h = R_V[h] @ diag(d_V[h])`` (``LayerTransform``; docs/design.md §3.4, §4):
 
     v_proj rows of head h:      W_h <- M_h^T W_h          b_h <- b_h M_h            (model emits v @ M_h)
     o_proj columns of query j:  Wo_j <- Wo_j R_V[h] diag(1 / d_V[h])  for every query head j reading h

@@ -1,4 +1,4 @@
-"""Shared fixtures and the boundary-heavy shape grid (DESIGN §8, STYLE "tests that can fail")."""
+"""Shared fixtures and the boundary-heavy shape grid (docs/design.md §8, STYLE "tests that can fail")."""
 
 from __future__ import annotations
 

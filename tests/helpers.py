@@ -1,4 +1,4 @@
-"""Test helpers shared by several test files (DESIGN §2: one home)."""
+"""Test helpers shared by several test files (docs/design.md §2: one home)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile ``KernelSpec``s to cubin + PTX per target, on a machine with no GPU (DESIGN §3.5).
+"""Ahead-of-time compile ``KernelSpec``s to cubin + PTX per target, on a machine with no GPU (docs/design.md §3.5).
 
 ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cap, 32))`` runs the
 whole Triton pipeline and ``ptxas`` without a driver. We do not use ``triton/tools/compile.py`` (its CLI

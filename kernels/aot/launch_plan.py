@@ -1,4 +1,4 @@
-"""The launch plan of every serving kernel, stated once (DESIGN §3.5). No Triton, no torch.
+"""The launch plan of every serving kernel, stated once (docs/design.md §3.5). No Triton, no torch.
 
 For each kernel this module says: which ``@triton.jit`` function it is, its runtime parameters in launch
 order with the pointer/scalar type the AOT bundle compiles, the names of its constexprs and how their values

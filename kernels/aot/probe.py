@@ -17,7 +17,7 @@ from .spec import KernelSpec, Param
 
 @triton.jit
 def _pack_codes_kernel(codes_ptr, out_ptr, rows, D: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr):
-    """codes ``[rows, D]`` uint8 in 0..3 -> ``[rows, D // 4]`` uint8 (DESIGN §3.1 bit order)."""
+    """codes ``[rows, D]`` uint8 in 0..3 -> ``[rows, D // 4]`` uint8 (docs/design.md §3.1 bit order)."""
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # [BR, 1]
     j = tl.arange(0, D // 4)[None, :]  # [1, D/4] byte index in the row

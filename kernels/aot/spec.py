@@ -5,7 +5,7 @@ its runtime parameters in kernel order with their Triton types, the constexpr va
 variant, ``num_warps``/``num_stages`` and the grid rule. Everything is plain data so the manifest can
 record it and a launcher on another machine (or a TensorRT plugin) can rebuild the argument list.
 
-Rules checked here (DESIGN §3.5):
+Rules checked here (docs/design.md §3.5):
 
 * runtime scalars are ``i32`` only: Triton's C launcher declares fp32 scalars ``double`` and TensorRT's
   AOT plugins pass int32 extras only, so floats must be constexpr or live in memory;

@@ -11,7 +11,7 @@ One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent w
    normalised partial output and its log2-sum-exp.
 2. ``_merge_kernel``, grid ``(B * H,)``: combines the splits by their log-sum-exp.
 
-The affine dequantization never touches the inner loop (DESIGN §3.1): with ``k̂ = lo + s·lev[c]``,
+The affine dequantization never touches the inner loop (docs/design.md §3.1): with ``k̂ = lo + s·lev[c]``,
 ``q·k̂ = s·(q·lev[c]) + lo·Σq`` per row (token keys) or ``Σ_i (q_i s_i)·lev[c_i] + Σ_i q_i lo_i`` (keys per
 channel within a page: the query is scaled once per page), and ``Σ_t p_t v̂_t = Σ_t (p_t s_t)·lev[c_t] + Σ_t
 p_t lo_t``. The four 2-bit fields of a code byte belong to the four quarters of the row (``layout.py``
@@ -32,7 +32,7 @@ within its range, |x| < 65504) and ``q·sm_scale·log2(e)``, ``p`` and ``p·s`` 
 than BF16). fp16 rather than BF16 also because Triton's CPU interpreter (3.9) computes BF16 dots wrongly,
 and the CPU tests must run the same arithmetic as the GPU. The error budget in the tests is stated against
 a BF16 PyTorch computation of the same attention. ``sm_scale`` is a compile-time constant (no fp32
-runtime scalars: DESIGN §3.5), the page table is int32, the wrapper never reads device values (no host
+runtime scalars: docs/design.md §3.5), the page table is int32, the wrapper never reads device values (no host
 synchronisation), so a decode step is capturable in a CUDA graph.
 """
 

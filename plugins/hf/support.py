@@ -4,7 +4,7 @@ Supported: the families of the model-family table (``calibration/families.py``: 
 Qwen2, Qwen3, Qwen3-MoE, GLM-4, GLM-4-MoE, Gemma 3 text) with full attention in every layer, except Gemma 3,
 whose interleaved sliding-window layers keep their window in a plain model-dtype cache (``sliding.py``). Their attention
 modules apply RoPE (and q/k norms) before ``cache.update``, so the cache and the attention function see exactly
-the post-RoPE keys and queries DESIGN §4 asks for. Anything else raises the table's ``NotImplementedError``
+the post-RoPE keys and queries docs/design.md §4 asks for. Anything else raises the table's ``NotImplementedError``
 naming the architecture or the feature.
 """
 

@@ -1,4 +1,4 @@
-"""The row format and cache layout: validation of the page packing field (DESIGN §3.1, §3.2)."""
+"""The row format and cache layout: validation of the page packing field (docs/design.md §3.1, §3.2)."""
 
 from __future__ import annotations
 
