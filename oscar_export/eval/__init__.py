@@ -1,4 +1,4 @@
-"""The evaluation (DESIGN §5): KV-cache methods scored decode-as-deployed against BF16.
+"""The evaluation (docs/design.md §5): KV-cache methods scored decode-as-deployed against BF16.
 
 One module per concern: ``cache_models`` (one class per cache method, one protocol), ``quantizers`` (their
 INT2 rules, through ``kernels.reference``), ``attention`` (the fake-quantized attention), ``recipes`` (the

@@ -1,6 +1,6 @@
 """The KV caches the evaluation compares, one small class each behind one protocol (:class:`CacheModel`).
 
-Decode-as-deployed (DESIGN §5): the query at absolute position ``a`` reads the cache as it stands after token
+Decode-as-deployed (docs/design.md §5): the query at absolute position ``a`` reads the cache as it stands after token
 ``a`` was appended. A cache model says, for a range of query positions over the stored rows of one layer,
 which rows those queries read quantized (dequantized values) and which at full precision, as
 :class:`Segment` s. Every stored row is first rounded to the store dtype (a BF16 cache).

@@ -79,7 +79,7 @@ PRESETS = {
     # peers; HQQ re-optimises the whole history at every flush (minutes here): "long"/"full" or --methods.
     "default": Preset((2048,), 1, (2048,), 10, 20_000, 2048, hf=("hf-quanto-int2",), tasks=("single", "multikey"),
                       methods=MAIN_METHODS),
-    # The GPU protocol (DESIGN §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length, every method.
+    # The GPU protocol (docs/design.md §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length, every method.
     "full": _FULL,
     # The same lengths and needles for the main job's methods only.
     "long": replace(_FULL, hf=("hf-quanto-int2",), methods=MAIN_METHODS),
