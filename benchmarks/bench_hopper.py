@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
-import subprocess
 
 import torch
 import torch.nn.functional as F
+from bench_decode import copies_for, env_line, graph_ms
+from bench_decode import copy_bandwidth as copy_tbps
 
 from oscar_export.kernels.decode import hopper
 from oscar_export.kernels.decode.portable import decode_attention as portable_decode
@@ -42,60 +41,9 @@ HEADS = {"llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256)}
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768)]
 
 
-def env_line(commit: str | None) -> str:
-    import triton
-
-    sha = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"git {sha or '?'}")
-
-
 def graph_us(fns, reps: int = 20) -> float:
-    """Per-call time (µs) of a CUDA graph that calls every ``fns[i]`` once (one per rotated input set)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(fns))
-    return statistics.median(times)
-
-
-def copies_for(nbytes: int) -> int:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return max(2, min(32, math.ceil(4 * l2 / max(1, nbytes))))
-
-
-def copy_tbps() -> float:
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return 2 * n / statistics.median(times) / 1e9
+    """Per-call µs of a CUDA graph that calls every ``fns[i]`` once (``bench_decode.graph_ms``)."""
+    return graph_ms(fns, reps) * 1e3
 
 
 def layout_for(hkv: int, d: int, gran: str, bits: int, packing: str = "mma16", groups: str = "row") -> KVCacheLayout:
