@@ -65,8 +65,9 @@ def model_shape(ckpt: Path) -> dict[str, Any]:
     Raises:
         NotImplementedError: the table's error (the one ``enable_oscar`` gives) for what serving cannot run.
     """
-    from oscar_export.calibration.artifact import LIMITS, json_int, printable
+    from oscar_export.calibration.artifact_format import LIMITS
     from oscar_export.calibration.families import family_for_pretrained
+    from oscar_export.calibration.safe_json import json_int, printable
     from oscar_export.export import read_config_json
 
     cfg = read_config_json(ckpt)  # bounded, and the fields typed: a hostile config.json fails with one clear line
@@ -90,7 +91,7 @@ def model_shape(ckpt: Path) -> dict[str, Any]:
 
 def max_positions(cfg: dict[str, Any], where: str) -> int | None:
     """The model's ``max_position_embeddings`` (of its text config for a multimodal one), or None."""
-    from oscar_export.calibration.artifact import json_int
+    from oscar_export.calibration.safe_json import json_int
 
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     value = text.get("max_position_embeddings", cfg.get("max_position_embeddings"))
@@ -145,7 +146,8 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "",
         "**Untested here:** TensorRT-LLM and TensorRT could not be installed on the machines this was built on;",
         "`trtllm_module/`, `extra_llm_api_options.yaml` and the Dockerfile were never run. What was run: the kernel",
-        "bundle in `kernels/` (compiled on a CPU machine; the same build path loaded and checked on an H200 through the",
+        "bundle in `kernels/` (compiled on a CPU machine; the same build path loaded and checked on an H200 through "
+        "the",
         "CUDA driver API), the module's contract against stand-ins of TensorRT-LLM's classes written from its",
         "source (1.2 and main layouts; the frozen model config, the attention wiring, the KV-cache estimation, a",
         "worker in its own process), and a deployment's `wheels/` installed into a fresh virtualenv. The module's",
@@ -164,7 +166,8 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "",
         "How it plugs in: `checkpoint/config.json` names the architecture `OscarLlamaForCausalLM`, which",
         "`trtllm_module` registers with `register_auto_model`; its attention layers run the OSCAR backend and the KV",
-        "cache manager is the OSCAR subclass of `KVCacheManager` (C++ block ids = INT2 page ids, tokens_per_block = page",
+        "cache manager is the OSCAR subclass of `KVCacheManager` (C++ block ids = INT2 page ids, tokens_per_block = "
+        "page",
         "size). Startup checks refuse to serve if an attention layer is not on the OSCAR backend or is wired for a",
         "fused backend, or if the cache-manager substitution did not take in the process building the model; a",
         "bundle that does",
@@ -177,9 +180,11 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "docs/deploy.md of the oscar-export repository.",
         "",
         "`extra_llm_api_options.yaml` turns off what was not run inside TensorRT-LLM: the overlap scheduler and CUDA",
-        "graphs (the adapter is designed for both -- demotion happens on the device inside the forward, batch slots come",
+        "graphs (the adapter is designed for both -- demotion happens on the device inside the forward, batch slots "
+        "come",
         "from a device buffer -- and both are replayed in its contract tests; remove those lines to try them), chunked",
-        "prefill (no AOT chunk kernel yet: refused with an error) and block reuse (reused blocks would hold BF16 data).",
+        "prefill (no AOT chunk kernel yet: refused with an error) and block reuse (reused blocks would hold BF16 "
+        "data).",
         "",
         f"Model: {shape['model_type']}, {shape['num_layers']} layers, {shape['num_heads']} query / "
         f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']}.",
@@ -195,10 +200,14 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
             "bundle and the checkpoint are written for the other hosts.",
         ]
     if onnx:
-        lines += ["", "`onnx/oscar_decode_attention.onnx`: one decode-attention layer as one `oscar.OscarDecodeAttention`",
-                  "node with its reference definition embedded (onnxruntime runs it). `onnx/oscar_decode_attention_trt.onnx`:",
-                  "the same layer as the two TensorRT AOT plugin nodes `oscar::OscarDecodeSplit` -> `oscar::OscarDecodeMerge`",
-                  "for a TensorRT (>= 10.9) engine built from ONNX (`oscar_export.plugins.trt.register_plugins` with the same",
+        lines += ["", "`onnx/oscar_decode_attention.onnx`: one decode-attention layer as one "
+                      "`oscar.OscarDecodeAttention`",
+                  "node with its reference definition embedded (onnxruntime runs it). "
+                  "`onnx/oscar_decode_attention_trt.onnx`:",
+                  "the same layer as the two TensorRT AOT plugin nodes `oscar::OscarDecodeSplit` -> "
+                  "`oscar::OscarDecodeMerge`",
+                  "for a TensorRT (>= 10.9) engine built from ONNX (`oscar_export.plugins.trt.register_plugins` with "
+                  "the same",
                   "pages_per_split; registration checked by TensorRT's own Python plugin code, no engine was built)."]
     return "\n".join(lines) + "\n"
 
@@ -286,10 +295,10 @@ def build_deployment(
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.export import read_export
-    from oscar_export.outputs import checkpoint_files, copy_checkpoint
     from oscar_export.kernels.aot.bundle import serving_layout, serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
+    from oscar_export.outputs import checkpoint_files, copy_checkpoint
 
     export_dir = Path(export_dir)
     section = read_export(export_dir)
@@ -349,7 +358,8 @@ def build_deployment(
             "trtllm_module": trtllm,
             "left_out_of_checkpoint": left_out,
             "wheel": sorted(p.name for p in (tmp / "wheels").glob("*.whl")) if trtllm else [],
-            "executed_here": {"kernel_bundle": "compiled (GPU-checked build path)", "tensorrt_llm": False, "tensorrt": False},
+            "executed_here": {"kernel_bundle": "compiled (GPU-checked build path)", "tensorrt_llm": False,
+                              "tensorrt": False},
         }
         (tmp / "deploy.json").write_text(json.dumps(deploy, indent=1, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(readme(shape, sorted(archs), onnx, trtllm))

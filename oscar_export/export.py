@@ -245,7 +245,7 @@ def check_tp_export(ckpt: str | Path, tp: int) -> int:
 
 def read_config_json(ckpt: str | Path) -> dict[str, Any]:
     """``ckpt/config.json`` as a dict, read with the artifact loader's bounds (size, strict JSON, nesting)."""
-    from oscar_export.calibration.artifact import printable
+    from oscar_export.calibration.safe_json import printable
 
     cfg = Path(ckpt) / "config.json"
     if not cfg.is_file():
@@ -255,7 +255,8 @@ def read_config_json(ckpt: str | Path) -> dict[str, Any]:
 
 def read_json_object(cfg: Path) -> dict[str, Any]:
     """A JSON object file of a checkpoint, read with the artifact loader's bounds (size, strict JSON, nesting)."""
-    from oscar_export.calibration.artifact import LIMITS, parse_json, printable
+    from oscar_export.calibration.artifact_format import LIMITS
+    from oscar_export.calibration.safe_json import parse_json, printable
 
     size = cfg.stat().st_size
     if size > LIMITS.max_meta_bytes:
@@ -268,7 +269,7 @@ def read_json_object(cfg: Path) -> dict[str, Any]:
 
 def artifact_path(ckpt: str | Path, section: dict[str, Any]) -> Path:
     """The bundled artifact's directory, refused unless it lies inside ``ckpt`` (after resolving links)."""
-    from oscar_export.calibration.artifact import printable
+    from oscar_export.calibration.safe_json import printable
 
     ckpt = Path(ckpt)
     rel = section.get("artifact")
@@ -289,7 +290,8 @@ def read_export(ckpt: str | Path) -> dict[str, Any]:
     section = read_config_json(ckpt).get("oscar")
     cfg = ckpt / "config.json"
     if not isinstance(section, dict) or section.get("format_version") != OSCAR_SECTION_VERSION:
-        raise ValueError(f"{cfg}: no 'oscar' section of format {OSCAR_SECTION_VERSION}; run `oscar-export export` first")
+        raise ValueError(f"{cfg}: no 'oscar' section of format {OSCAR_SECTION_VERSION}; run `oscar-export export` "
+                         "first")
     if not (artifact_path(ckpt, section) / "oscar.json").is_file():
         raise FileNotFoundError(f"{ckpt}: the OSCAR artifact {section['artifact']}/ is missing")
     return section

@@ -32,7 +32,7 @@ def _number(x):
 
 def _side_stats(layer_stats, side: str) -> dict:
     """The typed parts of one side's calibration stats (rotation names, held-out ratios); None where absent."""
-    from oscar_export.calibration.artifact import printable
+    from oscar_export.calibration.safe_json import printable
 
     s = layer_stats.get(side) if isinstance(layer_stats, dict) else None
     s = s if isinstance(s, dict) else {}
@@ -79,7 +79,7 @@ def summarize(art) -> dict:
 
 def _text(x, limit: int = 120) -> str:
     """A JSON value from the artifact as one terminal-safe string (strings as they are, the rest as JSON)."""
-    from oscar_export.calibration.artifact import printable
+    from oscar_export.calibration.safe_json import printable
 
     return printable(x if isinstance(x, str) else json.dumps(x, sort_keys=True), limit)
 

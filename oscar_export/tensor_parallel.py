@@ -41,10 +41,10 @@ from typing import Any, Mapping
 
 import torch
 
-from oscar_export.calibration.artifact import (
-    LIMITS, TENSOR_FIELDS, ArtifactError, OscarArtifact, load_artifact, printable,
-)
+from oscar_export.calibration.artifact import OscarArtifact, load_artifact
+from oscar_export.calibration.artifact_format import LIMITS, TENSOR_FIELDS, ArtifactError
 from oscar_export.calibration.families import FoldSpec
+from oscar_export.calibration.safe_json import printable
 
 #: the projections of one rank, beside its artifact in ``tp{N}/rank{r}/``.
 RANK_TENSORS = "attention.safetensors"

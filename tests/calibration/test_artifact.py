@@ -9,16 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from oscar_export.calibration.artifact import (
-    META_FILE,
-    ORTHO_TOL,
-    TENSOR_FILE,
-    ArtifactError,
-    OscarArtifact,
-    load_artifact,
-    model_fingerprint,
-    write_files,
-)
+from oscar_export.calibration.artifact import OscarArtifact, load_artifact, write_files
+from oscar_export.calibration.artifact_format import META_FILE, ORTHO_TOL, TENSOR_FILE, ArtifactError
+from oscar_export.calibration.fingerprint import model_fingerprint
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform, hadamard
 
@@ -70,6 +63,26 @@ def test_round_trip_exact(tmp_path, gran, codebook):
     assert meta["format_version"] == 1 and meta["num_layers"] == 3
     blob = (tmp_path / TENSOR_FILE).read_bytes()
     assert b"pickle" not in blob and blob[:8] != b"\x80\x04\x95"  # safetensors header, not a pickle
+
+
+def test_a_save_that_fails_leaves_the_previous_artifact(tmp_path, monkeypatch):
+    """Each file is written to a temporary sibling and renamed: a failure before the rename (here the disk refusing
+    the fsync of the new tensor file) leaves the old artifact loading as before and no temporary behind."""
+    import os
+
+    old = random_artifact()
+    old.save(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        random_artifact().save(tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert torch.equal(load_artifact(tmp_path).transforms[0].k_rotation, old.transforms[0].k_rotation)
 
 
 def test_identity_and_prerotated(tmp_path):
@@ -201,7 +214,8 @@ def test_bad_tensors_refused(tmp_path, edit, match):
     [
         (lambda m: m.__setitem__("format_version", 99), "unsupported format_version 99"),
         (lambda m: m.__setitem__("format", "something-else"), "expected format 'oscar-kv-artifact'"),
-        (lambda m: m["layout"].__setitem__("num_kv_heads", 4), "layout has 4 KV heads x head_dim 16, the fingerprint \\(2, 16\\)"),
+        (lambda m: m["layout"].__setitem__("num_kv_heads", 4),
+         "layout has 4 KV heads x head_dim 16, the fingerprint \\(2, 16\\)"),
         (lambda m: m["layout"]["key"].__setitem__("granularity", "row"), "invalid layout"),
         (lambda m: m.pop("fingerprint"), "missing key 'fingerprint'"),
     ],
@@ -256,12 +270,14 @@ def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
     assert back.layout.key.packing == back.layout.value.packing == "mma16"
     assert json.loads((tmp_path / "a" / META_FILE).read_text())["layout"]["key"]["packing"] == "mma16"
     # an artifact written before the field existed: no "packing" key -> linear
-    old = tamper(tmp_path / "b", edit_meta=lambda m: (m["layout"]["key"].pop("packing"), m["layout"]["value"].pop("packing")))
+    old = tamper(tmp_path / "b",
+                 edit_meta=lambda m: (m["layout"]["key"].pop("packing"), m["layout"]["value"].pop("packing")))
     assert load_artifact(old).layout.packing == "linear"
 
 
 def test_unknown_packing_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"layout.value.packing: unknown packing 'zigzag'; this version knows \['linear', 'mma16'\]"):
+    with pytest.raises(ValueError, match=r"layout.value.packing: unknown packing 'zigzag'; "
+                                         r"this version knows \['linear', 'mma16'\]"):
         load_artifact(tamper(tmp_path, edit_meta=lambda m: m["layout"]["value"].__setitem__("packing", "zigzag")))
     with pytest.raises(ValueError, match="unknown packing 3"):
         load_artifact(tamper(tmp_path / "x", edit_meta=lambda m: m["layout"]["key"].__setitem__("packing", 3)))
@@ -327,5 +343,6 @@ def test_four_bit_keys_on_a_sliding_layer_refused():
     cfg = family_config("gemma3_sliding")  # layers 0 and 2 slide
     art = OscarArtifact.identity(cfg)
     art.with_key_bits([2, 4, 2]).check_model(cfg)  # the full-attention layer may be wider
-    with pytest.raises(ArtifactError, match=r"key_bits: layers \[2\] are sliding-window layers .* must be 2, got \[4\]"):
+    with pytest.raises(ArtifactError,
+                       match=r"key_bits: layers \[2\] are sliding-window layers .* must be 2, got \[4\]"):
         art.with_key_bits([2, 4, 4]).check_model(cfg)

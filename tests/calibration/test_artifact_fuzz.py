@@ -27,16 +27,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from oscar_export.calibration.artifact import (
-    META_FILE,
-    TENSOR_FILE,
-    ArtifactError,
-    OscarArtifact,
-    load_artifact,
-    model_fingerprint,
-    validate,
-    write_files,
-)
+from oscar_export.calibration.artifact import OscarArtifact, load_artifact, write_files
+from oscar_export.calibration.artifact_checks import validate
+from oscar_export.calibration.artifact_format import META_FILE, TENSOR_FILE, ArtifactError
+from oscar_export.calibration.fingerprint import model_fingerprint
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 

@@ -17,17 +17,10 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from oscar_export.calibration.artifact import (
-    LIMITS,
-    META_FILE,
-    TENSOR_FILE,
-    ArtifactError,
-    OscarArtifact,
-    load_artifact,
-    model_fingerprint,
-    printable,
-    write_files,
-)
+from oscar_export.calibration.artifact import OscarArtifact, load_artifact, write_files
+from oscar_export.calibration.artifact_format import LIMITS, META_FILE, TENSOR_FILE, ArtifactError
+from oscar_export.calibration.fingerprint import model_fingerprint
+from oscar_export.calibration.safe_json import printable
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
