@@ -183,7 +183,8 @@ def _probe_writable(out: Path, option: str) -> None:
                               f"({os.strerror(e.errno or 0)})") from None
 
 
-def check_writable(out: str | Path, option: str = "--out", inputs: Iterable[tuple[str, str | Path | None]] = ()) -> Path:
+def check_writable(out: str | Path, option: str = "--out",
+                   inputs: Iterable[tuple[str, str | Path | None]] = ()) -> Path:
     """For an output written in place (``eval --out``, re-run into the same directory): ``out`` apart from the
     ``inputs``, a directory or absent, and a file can be created in it (or where it will be created)."""
     out = Path(out)
@@ -485,6 +486,7 @@ def atomic_dir(
 
 
 __all__ = [
-    "MARKER", "Interrupted", "OutputBusy", "OutputChanged", "atomic_dir", "check_inputs", "check_out_dir", "check_writable",
+    "MARKER", "Interrupted", "OutputBusy", "OutputChanged", "atomic_dir", "check_inputs", "check_out_dir",
+    "check_writable",
     "fsync_tree", "is_temporary", "marker_kind", "release", "remove_stale",
 ]

@@ -131,7 +131,7 @@ def _levels(b: _Body, codes: str, levels: str) -> str:
 
 def _history(b: _Body, layout, fmt, codes_in: str, params_in: str, levels: str, table: str) -> str:
     """Dequantized pages of every sequence: ``[B, H_kv, M*P, D]`` float32."""
-    d, p = layout.head_dim, layout.page_size
+    d = layout.head_dim
     idx = b.op("Cast", table, to=b.T.INT64)
     codes = _unpack(b, b.op("Gather", codes_in, idx, axis=0), d, fmt.group_size)  # [B,M,Hkv,P,D] u8
     lev = _levels(b, codes, levels)  # [B,M,Hkv,P,D] f32
@@ -154,7 +154,8 @@ def _valid(b: _Body, n: int | str, length: str) -> str:
     """``[B, n]`` bool: slot index < length (``n`` a constant or a scalar tensor name)."""
     limit = b.c(n) if isinstance(n, int) else n
     ar = b.op("Range", b.c(0), limit, b.c(1))
-    return b.op("Less", b.op("Unsqueeze", ar, b.c([0])), b.op("Unsqueeze", b.op("Cast", length, to=b.T.INT64), b.c([1])))
+    lengths = b.op("Unsqueeze", b.op("Cast", length, to=b.T.INT64), b.c([1]))
+    return b.op("Less", b.op("Unsqueeze", ar, b.c([0])), lengths)
 
 
 def _ring_valid(b: _Body, layout) -> str:

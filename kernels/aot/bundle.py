@@ -107,7 +107,8 @@ def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) 
     """The decode kernels in TensorRT's plugin order (same constexprs, warps and stages as the originals).
     Linear pages only: there is no TensorRT-order mma16 kernel yet."""
     if layout.packing != "linear":
-        raise NotImplementedError(f"trt_specs: TensorRT-order kernels exist for linear pages only, got {layout.packing!r}")
+        raise NotImplementedError(f"trt_specs: TensorRT-order kernels exist for linear pages only, got "
+                                  f"{layout.packing!r}")
     return [
         KernelSpec.from_plan(lp.TRT_DECODE_SPLIT, f"trt_decode_split_{tag}",
                              lp.decode_split_constexprs(layout, num_heads, sm_scale)),

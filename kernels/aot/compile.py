@@ -24,9 +24,17 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .manifest import (
-    FORMAT_VERSION, HIDDEN_PARAMS, SHARED_LIMIT, BundleError, KernelEntry, arch_name, manifest_key_bits,
+    FORMAT_VERSION,
+    HIDDEN_PARAMS,
+    SHARED_LIMIT,
+    BundleError,
+    KernelEntry,
+    arch_name,
+    manifest_key_bits,
     manifest_packing,
-    parse_arch, ptx_entry_params, write_manifest,
+    parse_arch,
+    ptx_entry_params,
+    write_manifest,
 )
 from .spec import KernelSpec
 
@@ -120,11 +128,13 @@ def compile_kernel(spec: KernelSpec, arch: str | int, ptx_version: int | None = 
             raise BundleError(f"{where}: {scratch} = {size}; AOT launches pass NULL scratch, so it must be 0")
     shared = int(md.shared)
     if shared > SHARED_LIMIT[cap]:
-        raise BundleError(f"{where}: needs {shared} bytes of shared memory, {arch_name(cap)} allows {SHARED_LIMIT[cap]}")
+        raise BundleError(f"{where}: needs {shared} bytes of shared memory, {arch_name(cap)} allows "
+                          f"{SHARED_LIMIT[cap]}")
     ptx = k.asm["ptx"]
     n = ptx_entry_params(ptx, md.name)
     if n != len(spec.params) + HIDDEN_PARAMS:
-        raise BundleError(f"{where}: PTX entry has {n} parameters, expected {len(spec.params)} + {HIDDEN_PARAMS} hidden")
+        raise BundleError(f"{where}: PTX entry has {n} parameters, expected {len(spec.params)} + {HIDDEN_PARAMS} "
+                          "hidden")
     entry = KernelEntry(
         spec=spec, arch=cap, symbol=md.name, shared=shared,
         cubin_file=f"{spec.name}.{arch_name(cap)}.cubin", cubin_sha256="",

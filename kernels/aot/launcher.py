@@ -75,9 +75,11 @@ def _pointer_value(p: Param, value: Any, owner: str) -> int:
             raise ValueError(f"{owner}: {p.name} must be contiguous (strides {tuple(value.stride())})")
         addr = value.data_ptr()
     else:
-        raise TypeError(f"{owner}: {p.name} expected a CUDA tensor or device address ({p.type}), got {type(value).__name__}")
+        raise TypeError(f"{owner}: {p.name} expected a CUDA tensor or device address ({p.type}), got "
+                        f"{type(value).__name__}")
     if addr % POINTER_ALIGN:
-        raise ValueError(f"{owner}: {p.name} address {addr:#x} is not {POINTER_ALIGN}-byte aligned (compiled assumption)")
+        raise ValueError(f"{owner}: {p.name} address {addr:#x} is not {POINTER_ALIGN}-byte aligned (compiled "
+                         "assumption)")
     return addr
 
 
@@ -146,7 +148,8 @@ class AotKernel:
         self._image = image  # keep alive while the module is loaded
         self.module = _check(driver.cuModuleLoadData(image), f"cuModuleLoadData({self.entry.name}, {source})")
         self.function = _check(
-            driver.cuModuleGetFunction(self.module, self.entry.symbol.encode()), f"cuModuleGetFunction({self.entry.symbol})"
+            driver.cuModuleGetFunction(self.module, self.entry.symbol.encode()),
+            f"cuModuleGetFunction({self.entry.symbol})"
         )
         self.check_params()
         if self.entry.shared > _STATIC_SHARED_LIMIT:
@@ -179,7 +182,8 @@ class AotKernel:
                 f"({len(self.entry.spec.params)} params + {HIDDEN_PARAMS} hidden)"
             )
 
-    def grid(self, args: Sequence[Any] | Mapping[str, Any], grid_inputs: Mapping[str, int] | None = None) -> tuple[int, int, int]:
+    def grid(self, args: Sequence[Any] | Mapping[str, Any],
+             grid_inputs: Mapping[str, int] | None = None) -> tuple[int, int, int]:
         return self.entry.spec.grid_for({**scalar_values(self.entry, args), **(grid_inputs or {})})
 
     def launch(

@@ -174,7 +174,8 @@ class Manifest:
         file, digest = (entry.cubin_file, entry.cubin_sha256) if kind == "cubin" else (entry.ptx_file, entry.ptx_sha256)
         data = _read(self.root / file)
         if sha256(data) != digest:
-            raise BundleError(f"{self.root / file}: sha256 {sha256(data)[:16]}... does not match manifest {digest[:16]}...")
+            raise BundleError(f"{self.root / file}: sha256 {sha256(data)[:16]}... does not match manifest "
+                              f"{digest[:16]}...")
         return data
 
 

@@ -35,8 +35,15 @@ from typing import Tuple, Union
 from oscar_export.kernels.aot.launch_plan import TRT_DECODE_MERGE, TRT_DECODE_SPLIT
 
 from .shapes import (
-    MERGE_INPUTS, MERGE_OUTPUTS, MERGE_PLUGIN, PLUGIN_NAMESPACE, SPLIT_INPUTS, SPLIT_OUTPUTS, SPLIT_PLUGIN,
-    DecodeShapes, tensor_types,
+    MERGE_INPUTS,
+    MERGE_OUTPUTS,
+    MERGE_PLUGIN,
+    PLUGIN_NAMESPACE,
+    SPLIT_INPUTS,
+    SPLIT_OUTPUTS,
+    SPLIT_PLUGIN,
+    DecodeShapes,
+    tensor_types,
 )
 
 INSTALL_HINT = "the OSCAR TensorRT plugins need TensorRT >= 10.9 with its Python plugin API: pip install tensorrt"

@@ -20,7 +20,12 @@ pytest.importorskip("triton")
 from oscar_export.kernels.aot.compile import DEFAULT_ARCHS, build_bundle, compile_kernel  # noqa: E402
 from oscar_export.kernels.aot.launcher import pack_arguments, scalar_values  # noqa: E402
 from oscar_export.kernels.aot.manifest import (  # noqa: E402
-    MANIFEST, SHARED_LIMIT, BundleError, parse_arch, ptx_entry_params, read_manifest,
+    MANIFEST,
+    SHARED_LIMIT,
+    BundleError,
+    parse_arch,
+    ptx_entry_params,
+    read_manifest,
 )
 from oscar_export.kernels.aot.probe import probe_specs  # noqa: E402
 from oscar_export.kernels.aot.spec import KernelSpec, Param  # noqa: E402

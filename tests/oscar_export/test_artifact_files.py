@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 

@@ -17,7 +17,10 @@ transformers = pytest.importorskip("transformers")
 from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export import (  # noqa: E402
-    ARTIFACT_DIR, export_checkpoint, fold_value_transforms, read_export,
+    ARTIFACT_DIR,
+    export_checkpoint,
+    fold_value_transforms,
+    read_export,
 )
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402

@@ -16,7 +16,12 @@ from oscar_export.kernels import reference  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 from oscar_export.onnx_export import (  # noqa: E402
-    DOMAIN, INPUTS, OP, decode_attention_model, decode_attention_trt_model, export_decode_attention_onnx,
+    DOMAIN,
+    INPUTS,
+    OP,
+    decode_attention_model,
+    decode_attention_trt_model,
+    export_decode_attention_onnx,
     node_attributes,
 )
 
@@ -31,7 +36,8 @@ def _case(layout, lengths, heads, seed=0, codebook=False):
                 k_scale=torch.rand(h, d, generator=g) + 0.5)
     if codebook:
         lv = torch.tensor([0.0, 0.8, 2.1, 3.0])
-        t = replace(t, k_levels=lv.expand(h, 4).contiguous(), v_levels=lv.flip(0).neg().add(3).expand(h, 4).contiguous())
+        t = replace(t, k_levels=lv.expand(h, 4).contiguous(),
+                    v_levels=lv.flip(0).neg().add(3).expand(h, 4).contiguous())
     max_pages = max(1, max(layout.pages_for(n) for n in lengths))
     st = PagedKV.allocate(layout, len(lengths), pool_pages=len(lengths) * max_pages + 2, max_pages=max_pages)
     free = list(range(st.k_codes.shape[0]))[::-1]
@@ -150,5 +156,6 @@ def test_mma16_pages_refused():
     layout exported an ONNX graph that computed attention over scrambled codes, without an error."""
     lay = KVCacheLayout.default(2, 64, packing="mma16")
     for build in (decode_attention_model, decode_attention_trt_model):
-        with pytest.raises(NotImplementedError, match="linear pages only, the layout has 'mma16' key and 'mma16' value pages"):
+        with pytest.raises(NotImplementedError, match="linear pages only, the layout has 'mma16' key and 'mma16' "
+                                                      "value pages"):
             build(lay, 8, SCALE)

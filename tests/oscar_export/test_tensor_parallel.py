@@ -8,7 +8,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_export import logits, random_artifact, tiny_model  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from oscar_export.calibration.artifact import ArtifactError, load_artifact  # noqa: E402
@@ -16,8 +15,14 @@ from oscar_export.cli import main  # noqa: E402
 from oscar_export.export import ARTIFACT_DIR, check_tp_export, export_checkpoint  # noqa: E402
 from oscar_export.kernels import reference  # noqa: E402
 from oscar_export.tensor_parallel import (  # noqa: E402
-    RANK_TENSORS, load_rank, projection_names, rank_dir, rank_heads,
+    RANK_TENSORS,
+    load_rank,
+    projection_names,
+    rank_dir,
+    rank_heads,
 )
+
+from test_export import logits, random_artifact, tiny_model  # noqa: E402
 
 HEADS, KV_HEADS, D, LAYERS = 12, 6, 16, 2
 #: tp sizes that fit 12 query / 6 KV heads: split (1, 2, 3) and replicated (12: each KV head on 2 ranks)

@@ -23,12 +23,23 @@ from oscar_export.kernels.aot import launch_plan as lp
 from oscar_export.kernels.aot.bundle import layout_tag, trt_specs
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.plugins.trt.shapes import (
-    MERGE_PLUGIN, PLUGIN_NAMESPACE, SPLIT_EXTRAS, SPLIT_INPUTS, SPLIT_PLUGIN, DecodeShapes, tensor_types,
+    MERGE_PLUGIN,
+    PLUGIN_NAMESPACE,
+    SPLIT_EXTRAS,
+    SPLIT_INPUTS,
+    SPLIT_PLUGIN,
+    DecodeShapes,
+    tensor_types,
 )
 
 from fake_bundle import fake_bundle
 from tensorrt_stub import (
-    FakeExpr, FakeExprBuilder, LaunchParamsOut, SymExprSetter, load_tensorrt_plugin, plugin_sources,
+    FakeExpr,
+    FakeExprBuilder,
+    LaunchParamsOut,
+    SymExprSetter,
+    load_tensorrt_plugin,
+    plugin_sources,
 )
 
 SOURCES = plugin_sources()

@@ -26,12 +26,13 @@ def deployment(tmp_path_factory):
     """``oscar-export build`` of a tiny exported Llama, its kernel bundle written by ``fake_bundle`` (compiling
     it is tests/oscar_export/test_export_build.py's; nothing here launches a kernel)."""
     import oscar_export.kernels.aot.compile as compile_mod
-    from fake_bundle import fake_bundle
     from oscar_export.build import build_deployment
     from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
     from oscar_export.export import export_checkpoint
     from oscar_export.kernels.layout import KVCacheLayout
     from oscar_export.kernels.transform import LayerTransform
+
+    from fake_bundle import fake_bundle
 
     root = tmp_path_factory.mktemp("deploy")
     torch.manual_seed(0)

@@ -33,8 +33,15 @@ import torch
 from oscar_export.kernels import reference
 from oscar_export.kernels.layout import PagedKV
 
-from trtllm_standins import (CUDA_GRAPH_DUMMY_REQUEST_ID, KVCacheParams, KvCacheConfig, Mapping, ModelConfig,
-                             ScheduledRequests, rope)
+from trtllm_standins import (
+    CUDA_GRAPH_DUMMY_REQUEST_ID,
+    KvCacheConfig,
+    KVCacheParams,
+    Mapping,
+    ModelConfig,
+    ScheduledRequests,
+    rope,
+)
 
 #: request ids of the estimation's dummy context requests (the executor numbers them like any request)
 ESTIMATION_IDS = 10**7
