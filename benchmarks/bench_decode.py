@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 
@@ -30,6 +29,8 @@ import torch.nn.functional as F
 
 from dataclasses import replace
 
+from oscar_export.bench import graph_us, random_state
+from oscar_export.bench import input_sets as copies_for
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.decode.portable import PAGE_SLOTS, decode_attention, default_pages_per_split
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
@@ -73,51 +74,8 @@ def median_ms(fn, sets: int, iters: int) -> float:
 
 
 def graph_ms(fns, reps: int = 20) -> float:
-    """Per-call time of a CUDA graph that calls every ``fns[i]`` once (one per rotated input set)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / len(fns))
-    return statistics.median(times)
-
-
-def random_state(lay: KVCacheLayout, batch: int, seq: int) -> PagedKV:
-    """Random (not zero) codes, params and windows for ``batch`` sequences of ``seq`` tokens; shuffled pages."""
-    sink, pages, recent = lay.split(seq)
-    st = PagedKV.allocate(lay, batch, max(1, batch * pages), max(1, pages), device="cuda")
-    st.k_codes.random_(0, 256)
-    st.v_codes.random_(0, 256)
-    st.k_params.copy_(torch.rand_like(st.k_params, dtype=torch.float32) * 0.1 - 0.05)
-    st.v_params.copy_(torch.rand_like(st.v_params, dtype=torch.float32) * 0.1 - 0.05)
-    for t in (st.sink_k, st.sink_v, st.recent_k, st.recent_v):
-        t.normal_()
-    if pages:
-        st.block_table.copy_(torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages))
-    st.sink_len.fill_(sink)
-    st.num_pages.fill_(pages)
-    st.recent_len.fill_(recent)
-    return st
-
-
-def copies_for(nbytes: int) -> int:
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    return max(2, min(32, math.ceil(4 * l2 / max(1, nbytes))))
+    """Per-call ms of a CUDA graph that calls every ``fns[i]`` once (``oscar_export.bench.graph_us``)."""
+    return graph_us(fns, reps) / 1e3
 
 
 def copy_bandwidth() -> float:

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from bench_decode import copies_for, env_line, graph_ms
 from bench_decode import copy_bandwidth as copy_tbps
 
+from oscar_export.bench import random_state
 from oscar_export.kernels.decode import hopper
 from oscar_export.kernels.decode.portable import decode_attention as portable_decode
 from oscar_export.kernels.decode_step import decode_append, rotate_queries
-from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
 HEADS = {"llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256)}
@@ -51,24 +52,6 @@ def layout_for(hkv: int, d: int, gran: str, bits: int, packing: str = "mma16", g
     g = d if packing == "mma16" and groups == "row" else min(d, 128)
     return KVCacheLayout(hkv, d, RowFormat(d, g, gran, packing=packing), RowFormat(d, g, packing=packing),
                          page_size=128).with_key_bits(bits)
-
-
-def random_state(lay: KVCacheLayout, batch: int, seq: int) -> PagedKV:
-    """Random codes (valid in any packing), params and windows; shuffled pages."""
-    sink, pages, recent = lay.split(seq)
-    st = PagedKV.allocate(lay, batch, max(1, batch * pages), max(1, pages), device="cuda")
-    st.k_codes.random_(0, 256)
-    st.v_codes.random_(0, 256)
-    st.k_params.copy_(torch.rand_like(st.k_params, dtype=torch.float32) * 0.1 - 0.05)
-    st.v_params.copy_(torch.rand_like(st.v_params, dtype=torch.float32) * 0.1 - 0.05)
-    for t in (st.sink_k, st.sink_v, st.recent_k, st.recent_v):
-        t.normal_()
-    if pages:
-        st.block_table.copy_(torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages))
-    st.sink_len.fill_(sink)
-    st.num_pages.fill_(pages)
-    st.recent_len.fill_(recent)
-    return st
 
 
 def transform(hkv: int, d: int) -> LayerTransform:

@@ -12,7 +12,7 @@ import sys
 
 from . import __version__
 
-#: subcommand -> module implementing it (imported lazily: `--help` stays fast).
+#: subcommand -> the module implementing it (a module that fails to import is an error, never a missing command).
 COMMANDS: dict[str, str] = {
     "generate": "oscar_export.generate",
     "calibrate": "oscar_export.calibrate",
@@ -103,7 +103,7 @@ def _os_error_text(text: str) -> str:
 def error_line(e: BaseException) -> str:
     """One terminal-safe line describing ``e`` (whitespace collapsed, control characters escaped)."""
     try:
-        from oscar_export.calibration.artifact import printable
+        from oscar_export.calibration.safe_json import printable
     except ImportError:  # the error may be that the project itself cannot import (torch missing)
         def printable(s: str, limit: int) -> str:
             return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
@@ -130,12 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # command not built yet
+        module = importlib.import_module(module_name)
         doc = (module.__doc__ or name).strip()
         p = sub.add_parser(
             name,

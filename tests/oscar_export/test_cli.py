@@ -22,18 +22,22 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"oscar-export {__version__}"
 
 
-def test_help_lists_every_built_command(capsys):
+def test_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    import importlib
-
-    for name, module in COMMANDS.items():
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
+    for name in COMMANDS:
         assert name in out, f"{name} missing from --help:\n{out}"
+
+
+def test_a_missing_command_module_is_an_error_not_a_missing_command(monkeypatch):
+    """Bug (issue 30): a command whose module could not be imported vanished from the CLI ("command not built
+    yet"), so a broken install looked like a smaller tool."""
+    import oscar_export.cli as cli
+
+    monkeypatch.setitem(cli.COMMANDS, "ghost", "oscar_export.no_such_command_module")
+    with pytest.raises(ModuleNotFoundError, match="no_such_command_module"):
+        cli.build_parser()
 
 
 def test_no_command_prints_help_and_fails(capsys):
@@ -49,9 +53,9 @@ def test_unknown_command_is_a_usage_error(capsys):
 
 def test_import_root_only():
     """The folders kernels/, calibration/, plugins/ are installed only under oscar_export."""
-    import oscar_export.calibration
-    import oscar_export.kernels
-    import oscar_export.plugins
+    import oscar_export.calibration  # noqa: F401  (imported for what importing does)
+    import oscar_export.kernels  # noqa: F401
+    import oscar_export.plugins  # noqa: F401
 
     for name in ("kernels", "calibration", "plugins"):
         mod = sys.modules.get(name)
@@ -61,13 +65,15 @@ def test_import_root_only():
 @pytest.mark.slow
 def test_wheel_contains_the_mapped_subpackages(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(tmp_path)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w",
+         str(tmp_path)],
         check=True,
     )
     (whl,) = tmp_path.glob("oscar_export-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
     # every module of every mapped folder (a subpackage missing from pyproject's list is silently left out)
-    mapped = {"oscar_export": "oscar_export", "kernels": "oscar_export/kernels", "calibration": "oscar_export/calibration",
+    mapped = {"oscar_export": "oscar_export", "kernels": "oscar_export/kernels",
+              "calibration": "oscar_export/calibration",
               "plugins": "oscar_export/plugins"}
     expected = {f"{prefix}/{path.relative_to(ROOT / folder).as_posix()}"
                 for folder, prefix in mapped.items() for path in (ROOT / folder).rglob("*.py")
@@ -75,6 +81,18 @@ def test_wheel_contains_the_mapped_subpackages(tmp_path):
     missing = sorted(expected - names)
     assert not missing, f"not in the wheel: {missing}"
     assert not any(n.startswith(("kernels/", "calibration/", "plugins/")) for n in names)
+    # `oscar-export bench` from the wheel alone (issue 30: it ran benchmarks/bench_decode.py of a source checkout,
+    # FileNotFoundError from a wheel): on a CPU it gets as far as the GPU check
+    site = tmp_path / "site"
+    zipfile.ZipFile(whl).extractall(site)
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import oscar_export.bench as b; "
+             "assert b.__file__.startswith(sys.argv[1]), b.__file__; from oscar_export.cli import main; "
+             "sys.exit(main(['bench', '--shapes', '1x256']))")
+    proc = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, cwd=tmp_path)
+    import torch
+
+    if not torch.cuda.is_available():
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_needs_a_gpu(capsys):
@@ -84,6 +102,21 @@ def test_bench_needs_a_gpu(capsys):
         pytest.skip("a GPU is present: the benchmark would run")
     assert main(["bench"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--shapes", "1x"], "--shapes: expected BATCHxLENGTH"),
+    (["--shapes", "0x8192"], "got '0x8192'"),
+    (["--shapes", "4096x1000000"], "batch x length in [1, 16777216]"),
+    (["--keys", "token,row"], "--keys: expected a comma list of ['token', 'channel'], got 'row'"),
+    (["--key-bits", "3"], "--key-bits: expected a comma list of [2, 4], got '3'"),
+])
+def test_bench_refuses_bad_arguments_before_anything_runs(capsys, argv, msg):
+    """Bug (issue 30): the help's example (``--variants v3,v4``) raised a KeyError traceback; now every argument
+    is checked first, one line, exit 2."""
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and len(err.strip().splitlines()) == 1, err
 
 
 # ---- every error a user can cause: one line, exit 2; --debug shows the traceback ---------------------------
