@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU evaluation protocol on the H200 in consecutive device calls (../shared/ENVIRONMENT.md: the 98 MB GGUF
+# The GPU evaluation protocol on the H200 in consecutive device calls (a call carries at most 64 MiB: the 98 MB GGUF
 # travels in two parts, .mA/part then .mB/part, and the machine must stay warm between the calls).
 #   call 1 (carry .mA):                 cp .mA/part /root/partA          (plus any other GPU work)
 #   call 2 (carry .mB .whl .hqq art):   bash benchmarks/eval_gpu_h200.sh a   # text + NIAH of the fake-quantized methods

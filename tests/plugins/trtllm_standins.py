@@ -1,6 +1,6 @@
 """Stand-ins for the TensorRT-LLM classes the OSCAR adapter touches, placed under their real dotted module names.
 
-TensorRT-LLM cannot be imported without its C++ parts (../shared/TRTLLM.md), so :func:`install` builds, in
+TensorRT-LLM cannot be imported without its C++ parts (docs/deploy.md), so :func:`install` builds, in
 ``sys.modules`` (restored by ``monkeypatch``; :func:`install_globally` for a fresh worker process), the modules
 of one source layout -- ``"1.2"`` (the 1.2.1 image: ``tensorrt_llm/_torch/attention_backend/interface.py``) or
 ``"main"`` (``tensorrt_llm/_torch/attention/backends/interface.py``). Signatures are the upstream ones recorded
