@@ -282,16 +282,14 @@ def write_trtllm_files(tmp: Path, layout) -> bool:
 
 def build_deployment(
     export_dir: str | Path, out: str | Path, archs: list[str], onnx: bool = False, progress=None, force: bool = False,
-    decode_kernel: str | None = None,
 ) -> Path:
     """Write the deployment directory ``out`` (module doc) from the exported checkpoint ``export_dir``.
 
     Everything is checked before the bundle compiles: the checkpoint's config and ``oscar`` section, the
     artifact (loaded and verified in full, inside the checkpoint, agreeing with ``config.json`` on layers,
     heads and head_dim and with the section's layout), no symbolic link out of the checkpoint, the archs and
-    ``out`` (absent, empty, or with ``force`` an earlier deployment). ``decode_kernel``: for an mma16 artifact,
-    ``"gluon"`` builds decode v3 (Hopper: ``archs`` must be ``["sm_90"]``; its AOT launch checked on the H200)
-    instead of v2.
+    ``out`` (absent, empty, or with ``force`` an earlier deployment). The decode kernel follows the targets
+    (``kernels.aot.bundle.serving_layout``): nothing to choose.
     """
     from oscar_export.atomic_dir import atomic_dir, check_out_dir
     from oscar_export.export import read_export
@@ -323,12 +321,6 @@ def build_deployment(
     # readers take linear pages) ship, the portable kernel on linear pages
     layout = serving_layout(layout, archs, shape["num_heads"], key_bits,
                             linear=onnx or shape["model_type"] in SUPPORTED_FAMILIES)
-    if decode_kernel not in (None, "gluon"):
-        raise ValueError(f"--decode-kernel: expected 'gluon' (or nothing), got {decode_kernel!r}")
-    if decode_kernel == "gluon" and layout.packing != "mma16":
-        raise ValueError(f"--decode-kernel gluon: the Hopper kernel serves a bundle of --arch sm_90 alone (got "
-                         f"{sorted(archs)}) without --onnx or the TensorRT-LLM module (they read linear pages); "
-                         f"such a bundle carries it anyway")
     if onnx and key_bits != [layout.key.bits]:  # refused too: the ONNX form unpacks 2-bit codes (onnx_export)
         wide = [i for i, b in enumerate(art.key_bits) if b != layout.key.bits]
         raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read 2-bit key pages; this artifact has "
@@ -373,8 +365,6 @@ def add_arguments(p) -> None:
     p.add_argument("--arch", action="append", default=None, metavar="SM",
                    help="GPU target, repeatable: sm_80, sm_86, sm_89, sm_90 (default: sm_80 sm_89 sm_90)")
     p.add_argument("--onnx", action="store_true", help="also write the ONNX form of one decode-attention layer")
-    p.add_argument("--decode-kernel", choices=("gluon",), default=None,
-                   help="mma16 artifacts: decode v3 (Gluon, sm_90 only) instead of v2")
 
 
 def run(args) -> int:
@@ -384,7 +374,6 @@ def run(args) -> int:
     check_out_dir(args.out, args.force, looks_like="deploy.json", inputs=[("--export", args.export)], claim=True)
     archs = args.arch or list(DEFAULT_ARCHS)
     out = build_deployment(args.export, args.out, archs, onnx=args.onnx, force=args.force,
-                           decode_kernel=args.decode_kernel,
                            progress=lambda i, n, name: print(f"[{i}/{n}] compiled {name}", flush=True))
     left_out = json.loads((out / "deploy.json").read_text())["left_out_of_checkpoint"]
     if left_out:

@@ -316,7 +316,12 @@ def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monk
         out = build_deployment(ck, tmp_path / f"d{len(archs)}", archs)
         assert seen["packing"] == {"key": packing, "value": packing} and split() == [kernel]
         assert json.loads((out / "deploy.json").read_text())["decode_kernel"] == name
-    with pytest.raises(ValueError, match="--decode-kernel gluon: the Hopper kernel serves a bundle of --arch sm_90"):
-        build_deployment(ck, tmp_path / "d3", ["sm_80", "sm_90"], decode_kernel="gluon")
-    assert not (tmp_path / "d3").exists()
+
+
+def test_build_has_no_decode_kernel_knob(capsys):
+    """Issue 30: ``--decode-kernel gluon`` changed nothing (the targets choose the kernel: the test above) and named
+    the deleted v2/v3; it is gone."""
+    with pytest.raises(SystemExit) as e:
+        main(["build", "--export", "ck", "--out", "d", "--decode-kernel", "gluon"])
+    assert e.value.code == 2 and "unrecognized arguments: --decode-kernel" in capsys.readouterr().err
 
