@@ -320,23 +320,29 @@ def gather_context(
 
     Order along T: sink slots, then the ``M = block_table.shape[1]`` page slots, then the recent ring's
     ``C`` slots (ring order, not token order: attention does not care); the mask marks the slots a
-    sequence actually holds. ``memo``: see :func:`dequantize_memo` (eager host code; None: none).
+    sequence actually holds. ``memo``: the eager host form, :func:`gather_context_memo` (the same tensors).
     """
+    if memo is not None:
+        return gather_context_memo(state, layout, k_levels, v_levels, memo)
     b, m = state.block_table.shape
     p = layout.page_size
     pool = state.k_codes.shape[0]
     ids = state.block_table.long().clamp(0, pool - 1)  # entries past num_pages are masked below
-    k_hist = dequantize_memo(memo, "k", state.k_codes[ids], state.k_params[ids],
-                             lambda c, s: dequantize_pages(c, s, layout.key, k_levels))  # [B, M, H, P, D]
-    v_hist = dequantize_memo(memo, "v", state.v_codes[ids], state.v_params[ids],
-                             lambda c, s: dequantize_pages(c, s, layout.value, v_levels, "value"))
+    k_hist = dequantize_pages(state.k_codes[ids], state.k_params[ids], layout.key, k_levels)  # [B, M, H, P, D]
+    v_hist = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels, "value")
     h, d = layout.num_kv_heads, layout.head_dim
     k_hist = k_hist.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
     v_hist = v_hist.permute(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
     k = torch.cat([state.sink_k.float(), k_hist, state.recent_k.float()], dim=2)
     v = torch.cat([state.sink_v.float(), v_hist, state.recent_v.float()], dim=2)
+    return k, v, context_mask(state, layout)
+
+
+def context_mask(state: PagedKV, layout: KVCacheLayout) -> torch.Tensor:
+    """``[B, S0 + M*P + C]`` bool: the slots of :func:`gather_context`'s order that each sequence holds."""
+    m, p = state.block_table.shape[1], layout.page_size
     dev = state.block_table.device
-    valid = torch.cat(
+    return torch.cat(
         [
             torch.arange(layout.sink, device=dev)[None, :] < state.sink_len[:, None],
             torch.arange(m * p, device=dev)[None, :] < (state.num_pages[:, None] * p),
@@ -344,27 +350,6 @@ def gather_context(
         ],
         dim=1,
     )
-    return k, v, valid
-
-
-def dequantize_memo(memo: dict | None, name: str, codes: torch.Tensor, params: torch.Tensor,
-                    dequantize: Callable) -> torch.Tensor:
-    """``dequantize(codes, params)`` of gathered pages ``[B, M, ...]``, computed again only for the pages whose codes
-    or params differ from the last call's under ``name`` in ``memo`` (which keeps them): a decode step then
-    dequantizes the pages demoted since the previous one, not the whole history. Reads a mask on the host (eager
-    host code such as the CPU path; pass ``memo=None`` under graph capture). ``memo=None``: no reuse."""
-    if memo is None:
-        return dequantize(codes, params)
-    old = memo.get(name)
-    if old is None or old[0].shape != codes.shape or old[1].shape != params.shape:
-        out = dequantize(codes, params)
-    else:
-        c0, p0, out = old
-        changed = (codes != c0).flatten(2).any(2) | (params != p0).flatten(2).any(2)  # [B, M]
-        if bool(changed.any()):
-            out[changed] = dequantize(codes[changed], params[changed])
-    memo[name] = (codes, params, out)
-    return out
 
 
 def read_sequence(
@@ -418,7 +403,7 @@ def decode_attention(
     Args:
         q: ``[B, H, D]`` queries already in the stored key basis (``LayerTransform.transform_queries``).
         state: the layer's cache, the new token already appended.
-        memo: the layer's dequantized pages kept between steps (:func:`dequantize_memo`), or None.
+        memo: one layer's dict kept between its steps in eager host code (:func:`gather_context_memo`), or None.
     Returns:
         ``[B, H, D]`` float32 in the stored value basis (``LayerTransform.restore_output`` undoes it).
     """
@@ -598,11 +583,13 @@ def decode_append(
     Every row writes its candidate page (unchanged where no demotion is due) in one indexed assignment, so the
     rows' ``block_table[b, num_pages[b]]`` must be distinct pages (a cache's reserved pages are; a host pool
     that leaves entries unassigned calls this one row at a time).
-    ``skip_idle``: read on the host whether any slot is due and skip the candidate pages' quantization when none
-    is (the same bytes; for eager host code such as the CPU path, not for graph capture or fullgraph compile).
+    ``skip_idle``: eager host code (the CPU path): :func:`decode_append_host`, which reads the lengths on the host
+    and quantizes only the pages that are due (the same bytes; not for graph capture or fullgraph compile).
     """
     from .pages import STATUS_NONFINITE
 
+    if skip_idle:
+        return decode_append_host(state, k, v, status, layout, transform)
     bsz = k.shape[0]
     p, c, s0 = layout.page_size, layout.recent_slots, layout.sink
     finite = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
@@ -615,11 +602,7 @@ def decode_append(
     due = ok & ~to_sink & (state.recent_len == layout.recent_capacity)
     rows = layout.recent_slot(n[:, None] * p + torch.arange(p, device=k.device))  # [B, P]
     page = state.block_table[bi, n.clamp(max=state.block_table.shape[1] - 1)].long()  # [B]
-    demotions = () if skip_idle and not bool(due.any()) else (
-        (state.recent_k, layout.key, transform.k_clip, transform.k_levels, state.k_codes, state.k_params, "key"),
-        (state.recent_v, layout.value, transform.v_clip, transform.v_levels, state.v_codes, state.v_params, "value"),
-    )
-    for x, fmt, clip, levels, codes, params, operand in demotions:
+    for x, fmt, clip, levels, codes, params, operand in _demotions(state, layout, transform):
         rows_x = x[bi[:, None], :, rows].permute(0, 2, 1, 3)  # [B, H_kv, P, D]
         qc, qp = quantize_pages(rows_x, fmt, clip, levels, operand)
         codes[page] = torch.where(due.view(-1, 1, 1, 1), qc, codes[page])
@@ -635,6 +618,86 @@ def decode_append(
         buf_r[bi, :, slot] = torch.where((ok & ~to_sink).view(-1, 1, 1), x.to(buf_r.dtype), old)
 
 
+def _demotions(state: PagedKV, layout: KVCacheLayout, transform: LayerTransform) -> tuple:
+    """``(recent ring, row format, clip, levels, codes pool, params pool, operand)`` of K, then of V."""
+    return (
+        (state.recent_k, layout.key, transform.k_clip, transform.k_levels, state.k_codes, state.k_params, "key"),
+        (state.recent_v, layout.value, transform.v_clip, transform.v_levels, state.v_codes, state.v_params, "value"),
+    )
+
+
+# ---- the decode step in eager host code (the CPU path): the same bytes and tensors, host reads allowed -----------
+
+
+def decode_append_host(
+    state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor, layout: KVCacheLayout,
+    transform: LayerTransform,
+) -> None:
+    """:func:`decode_append` with the lengths and the status read on the host: each slot that writes stores its
+    token and, only when one is due, its page (the branch-free form computes every slot's candidate page every
+    step). The same bytes as :func:`decode_append` (test); arguments as there."""
+    from .pages import STATUS_NONFINITE
+
+    finite = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
+    status.bitwise_or_((~finite).to(torch.int32) * STATUS_NONFINITE)
+    p, s0, m = layout.page_size, layout.sink, state.block_table.shape[1]
+    host = torch.stack([status, state.sink_len, state.num_pages, state.recent_len]).tolist()  # [4][B]
+    for b, (st, sink_len, n, recent_len) in enumerate(zip(*host)):
+        if st != 0:
+            continue
+        if sink_len < s0:
+            state.sink_k[b, :, sink_len] = k[b]
+            state.sink_v[b, :, sink_len] = v[b]
+            continue
+        if recent_len == layout.recent_capacity:  # the oldest P recent tokens become page n
+            page = int(state.block_table[b, min(n, m - 1)])
+            slots = layout.recent_slot(torch.arange(n * p, n * p + p, device=k.device))
+            for x, fmt, clip, levels, codes, params, operand in _demotions(state, layout, transform):
+                qc, qp = quantize_pages(x[b][:, slots][None], fmt, clip, levels, operand)  # of [1, H_kv, P, D]
+                codes[page], params[page] = qc[0], qp[0]
+        slot = layout.recent_slot(n * p + recent_len)
+        state.recent_k[b, :, slot] = k[b]
+        state.recent_v[b, :, slot] = v[b]
+
+
+def gather_context_memo(
+    state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor, memo: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gather_context` kept up to date in ``memo`` between calls (one layer's dict, empty at first).
+
+    The memo holds the last call's dense K and V and the codes and params they were dequantized from. A call
+    dequantizes again only the page slots whose codes or params changed (in a decode step: the page demoted
+    since the last one, or none) and copies the sink and the recent ring in, instead of building every tensor
+    anew. It returns the memo's own buffers, equal to :func:`gather_context`'s (each page is the same
+    elementwise dequantization: test) and valid until the next call. Reads on the host: not under graph capture.
+    """
+    b, m = state.block_table.shape
+    p, s0, c = layout.page_size, layout.sink, layout.recent_slots
+    ids = state.block_table.long().clamp(0, state.k_codes.shape[0] - 1)
+    pages = (state.k_codes[ids], state.k_params[ids], state.v_codes[ids], state.v_params[ids])  # [B, M, ...]
+    old = memo.get("pages")
+    shape = (b, layout.num_kv_heads, s0 + m * p + c, layout.head_dim)
+    if old is None or memo["k"].shape != shape or any(x.shape != y.shape for x, y in zip(pages, old)):
+        k, v, valid = gather_context(state, layout, k_levels, v_levels)
+        memo.update(pages=pages, k=k, v=v)
+        return k, v, valid
+    k, v = memo["k"], memo["v"]
+    if not all(torch.equal(x, y) for x, y in zip(pages, old)):
+        changed = torch.zeros(b, m, dtype=torch.bool, device=ids.device)
+        for x, y in zip(pages, old):
+            changed |= (x != y).flatten(2).any(2)
+        kc, kp, vc, vp = (x[changed] for x in pages)  # [n, H_kv, ...]
+        k[:, :, s0 : s0 + m * p].unflatten(2, (m, p)).transpose(1, 2)[changed] = dequantize_pages(
+            kc, kp, layout.key, k_levels)  # the page slots as [B, M, H_kv, P, D] (a view)
+        v[:, :, s0 : s0 + m * p].unflatten(2, (m, p)).transpose(1, 2)[changed] = dequantize_pages(
+            vc, vp, layout.value, v_levels, "value")
+        memo["pages"] = pages
+    for dense, sink, recent in ((k, state.sink_k, state.recent_k), (v, state.sink_v, state.recent_v)):
+        dense[:, :, :s0] = sink
+        dense[:, :, s0 + m * p :] = recent
+    return k, v, context_mask(state, layout)
+
+
 __all__ = [
     "append_tokens",
     "check_finite",
@@ -642,9 +705,11 @@ __all__ = [
     "decode_append",
     "decode_attention",
     "dequantize_groups",
-    "dequantize_memo",
+    "decode_append_host",
     "dequantize_pages",
+    "context_mask",
     "gather_context",
+    "gather_context_memo",
     "masked_attention",
     "mma16_group",
     "pack_codes",

@@ -416,3 +416,46 @@ def test_four_bit_pages_are_the_16_level_rule(gran):
     assert torch.equal(got, want)
     two = ref.dequantize_pages(*ref.quantize_pages(x, lay2.key, ones, lv2), lay2.key, lv2)
     assert (got - x).square().sum() < 0.2 * (two - x).square().sum()
+
+
+# ---- the decode step in eager host code (the CPU path, issue 27) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("gran, key_bits, dtype", [("token", 2, torch.float32), ("channel", 4, torch.bfloat16)])
+def test_host_decode_step_equals_the_branch_free_reference(gran, key_bits, dtype):
+    """``decode_append(skip_idle=True)`` (:func:`decode_append_host`) and ``decode_attention(memo=...)``
+    (:func:`gather_context_memo`), what the torch backend runs eagerly on the CPU, leave the same bytes, the same
+    dense context and the same attention outputs as the branch-free reference, step by step: ragged slots demoting
+    pages at different steps, one slot refused (NaN) for 7 steps, one slot reset and refilled over its old pages."""
+    from oscar_export.kernels.pages import PageBook
+
+    lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran, bits=key_bits), RowFormat(64, 64), sink=16, window=16,
+                        page_size=16)
+    tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
+    books = [PageBook(lay, 3, 200, "cpu") for _ in range(2)]
+    states = [PagedKV.allocate(lay, 3, b.num_pool_pages, b.max_pages, dtype=dtype) for b in books]
+    memo: dict = {}
+    g = torch.Generator().manual_seed(3)
+    for step in range(140):  # > S0 + W + 4P: several demotions per slot
+        k, v, q = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g), torch.randn(3, 4, 64, generator=g)
+        if 5 <= step < 12:
+            k[1, 0, 0] = float("nan")  # slot 1 commits nothing for 7 steps: the slots demote at different steps
+        if step == 80:
+            for book in books:
+                book.reset(2)  # slot 2 starts again: its next pages overwrite the ones it held
+        outs = []
+        for host, book, st in zip((False, True), books, states):
+            book.begin(1)
+            ref.decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr, skip_idle=host)
+            book.commit(1)
+            view = book.state_view(st, book.committed)
+            outs.append((ref.gather_context(view, lay, tr.k_levels, tr.v_levels, memo if host else None),
+                         ref.decode_attention(q, view, lay, tr.k_levels, tr.v_levels, 0.125, memo if host else None)))
+        for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
+            assert torch.equal(getattr(states[0], f), getattr(states[1], f)), f"step {step}: {f}"
+        (want, got) = outs[0][0], outs[1][0]
+        for name, a, b in zip(("K", "V", "mask"), want, got):
+            assert torch.equal(a, b), f"step {step}: the memo's dense {name} differs"
+        assert torch.equal(outs[0][1], outs[1][1]), f"step {step}: {worst(outs[0][1], outs[1][1])}"
+    assert books[1].seq_len.tolist() == [140, 133, 60]
+    assert books[1].committed.num_pages.tolist() == [6, 6, 1]  # slot 2 held 2 pages at the reset

@@ -134,39 +134,3 @@ def test_cache_larger_than_memory_refused(tiny_dir, capsys, monkeypatch, no_cach
     # 2 layers x 2002 tokens x (K, V) x 2 KV heads x 16 x 4 bytes (fp32 on the CPU) = 1,025,024
     assert ("a KV cache of 2002 tokens needs 1,025,024 bytes at torch.float32 (2 layers, 2 KV heads x head_dim 16, "
             "K and V); 524,288 bytes available on cpu") in last, last
-
-
-# ---- the CPU decode path's shortcuts (issue 27: generate on 2 cores) ------------------------------------------
-
-
-@pytest.mark.parametrize("gran", ["token", "channel"])
-def test_cpu_decode_shortcuts_equal_the_branch_free_reference(gran):
-    """``decode_append(skip_idle=True)`` and ``decode_attention(memo=...)`` (what the torch backend runs eagerly on
-    the CPU) leave the same bytes and attend to the same outputs as the branch-free reference, step by step,
-    with ragged slots demoting pages at different steps."""
-    from oscar_export.kernels import reference as ref
-    from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
-    from oscar_export.kernels.pages import PageBook
-    from oscar_export.kernels.transform import LayerTransform
-
-    lay = KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
-    tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-    books = [PageBook(lay, 3, 200, "cpu") for _ in range(2)]
-    states = [PagedKV.allocate(lay, 3, b.num_pool_pages, b.max_pages, dtype=torch.float32) for b in books]
-    memo: dict = {}
-    g = torch.Generator().manual_seed(3)
-    for step in range(100):  # > S0 + W + 4P: several demotions per slot
-        k, v, q = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g), torch.randn(3, 4, 64, generator=g)
-        if 5 <= step < 12:
-            k[1, 0, 0] = float("nan")  # slot 1 commits nothing for 7 steps: the slots demote at different steps
-        outs = []
-        for skip, book, st in zip((False, True), books, states):
-            book.begin(1)
-            ref.decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr, skip_idle=skip)
-            book.commit(1)
-            outs.append(ref.decode_attention(q, book.state_view(st, book.committed), lay, tr.k_levels, tr.v_levels,
-                                             0.125, memo if skip else None))
-        assert torch.equal(outs[0], outs[1]), step
-    assert books[1].committed.num_pages.tolist() == [4, 3, 4]
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        assert torch.equal(getattr(states[0], f), getattr(states[1], f)), f
