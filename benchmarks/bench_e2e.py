@@ -10,20 +10,28 @@ scalings, key and value means, channel keys, 4-bit keys in half the layers — a
 
 * ``oscar``: ``enable_oscar(model, artifact)`` (the decode backend and page packing ``select_backend`` picks for
   each layer on this GPU), ``make_cache(B, L + steps)``, the prompt prefilled in one forward, then the README loop:
-  ``step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, the queries rotated into the
-  stored key basis in every step.
+  ``step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``; each layer's append launch
+  rotates the step's queries into the stored key basis once, and the decode kernel reads them as they are.
 * ``bf16``: transformers' ``StaticCache``, prefilled in 8K chunks, the same compiled step.
 * with ``--graph-rows``, ``oscar-graph``: the same OSCAR cache with its eager forward captured by
   ``torch.cuda.graph`` (no compiler): an extra, labelled row.
 
 Per row: ``step_ms`` (median of CUDA-event timings of single steps), ``compile_s`` (the first compiled call: Dynamo
-+ Inductor + the first run), ``warmup_s`` (the first three calls, CUDA-graph recording included), ``prefill_s``,
++ Inductor + the first run) split into ``dynamo_s`` (tracing, guards), ``inductor_s`` (AOT autograd + Inductor,
+its Triton kernels included) and ``first_run_s`` (the rest of the first call: the graph's first run, which
+JIT-compiles the custom ops' Triton / Gluon kernels, OSCAR's decode kernels), ``cache_s`` (making the cache),
+``warmup_s`` (the first three calls, CUDA-graph recording included), ``prefill_s``,
 ``peak_gib`` (``max_memory_allocated`` over prefill and decode), ``roofline_frac`` (the step's bytes — weights +
 the cache bytes it must read, from the layout — at the copy bandwidth measured in the same run, over the step
 time) and, for OSCAR, the ratios to the BF16 row of the same workload. ``--equal-kv-gib`` adds one row per cache at
 its largest batch whose cache fits the budget at ``--equal-context`` tokens (lengths set directly, no prefill:
 decode speed does not depend on the values) and the throughput ratio. ``--deadline-s``: no row starts after that
 many seconds (the JSON is written after every row).
+
+Compile caches: the run starts with empty Triton and Inductor cache folders (fresh temporary ones, as on a new
+machine; ``--keep-caches`` uses the usual ones), so the first row compiles everything; later rows of the same run
+reuse the kernels an earlier row compiled (the dense layers' Inductor kernels are the same for both caches): the
+cache named first in ``--caches`` pays the cold compile.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -68,10 +78,10 @@ def env_line(device: torch.device, commit: str | None = None) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def build(name: str, device: torch.device):
+def build(name: str, device: torch.device, layers: int | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    spec = dict(MODELS[name])
+    spec = dict(MODELS[name], **({} if layers is None else {"num_hidden_layers": layers}))
     kind = spec.pop("kind")
     cfg = (LlamaConfig if kind == "llama" else Qwen3Config)(**spec)
     torch.manual_seed(0)
@@ -166,6 +176,29 @@ def time_steps(step, n: int, device) -> list[float]:
     return out
 
 
+def compile_split(compile_s: float) -> dict:
+    """``compile_s`` of a first compiled call split by Dynamo's own timers (``torch._dynamo.utils``, cleared before
+    the call): ``dynamo_s``, ``inductor_s`` (the backend compiler) and ``first_run_s`` (the rest); {} if this torch
+    has no such timers."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as timers
+    except ImportError:
+        return {}
+    whole = sum(timers.get("_compile.compile_inner", ()))
+    backend = sum(timers.get("OutputGraph.call_user_compiler", ()))
+    if not whole:
+        return {}
+    return {"dynamo_s": whole - backend, "inductor_s": backend, "first_run_s": compile_s - whole}
+
+
+def clear_compile_timers() -> None:
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return
+    compilation_time_metrics.clear()
+
+
 def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup, device, compiler: str) -> dict:
     """One (cache, workload) row: prefill (or set the lengths), compile the step, time it."""
     from transformers import StaticCache
@@ -189,7 +222,10 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
             _sync(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
         cache = new_cache(max_len)
+        _sync(device)
+        row["cache_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         if not prefill:
             _fill_without_prefill(model, oscar, cache, ids, ctx)
@@ -230,10 +266,13 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
                 pos = pos + 1
                 return out
 
+        clear_compile_timers()
         t0 = time.perf_counter()
         step()
         _sync(device)
         row["compile_s"] = time.perf_counter() - t0
+        if kind != "oscar-graph":
+            row.update(compile_split(row["compile_s"]))
         for _ in range(2):  # CUDA-graph recording
             step()
         _sync(device)
@@ -308,6 +347,30 @@ def add_ratios(rows) -> None:
                 r[name] = r[key] / ref[key]
 
 
+def kernel_jit(name: str, device: torch.device, ctx: int = 8192) -> dict:
+    """Seconds the README loop's decode step spends compiling its kernels (Triton / Gluon JIT, this process's cache
+    folders): ``name``'s attention shape with two layers (4-bit and 2-bit keys: every kernel variant the full model
+    launches, the layouts being per key width), a ``ctx``-token cache, 16 prompt tokens (their writers compiled
+    first); the first eager decode step (``jit_step_s``) minus the second (``step_s``) is ``jit_s``."""
+    from oscar_export.plugins.hf import enable_oscar
+
+    model = build(name, device, layers=2)
+    with torch.no_grad(), enable_oscar(model, random_artifact(model)) as setup:
+        cache = setup.make_cache(1, ctx)
+        ids = torch.randint(1, model.config.vocab_size, (1, 16), device=device)
+        model(ids, logits_to_keep=1, **kw(model, cache))
+        _sync(device)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            model(ids[:, :1], **kw(model, cache))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        backends = [b.name for b in setup.decode_backends]
+    return {"cache": "oscar-jit", "model": name, "layers": 2, "key_bits": list(random_artifact(model).key_bits),
+            "backends": backends, "jit_step_s": times[0], "step_s": times[1], "jit_s": times[0] - times[1]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
@@ -322,10 +385,17 @@ def main(argv=None) -> int:
     ap.add_argument("--compiler", default="inductor", help="torch.compile backend of the step (inductor, with "
                     "mode='reduce-overhead': the README's; 'eager' for a quick CPU smoke test of this script)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no row after this many seconds (0: none)")
+    ap.add_argument("--jit-only", action="store_true", help="only time the decode step's kernel JIT (kernel_jit)")
+    ap.add_argument("--keep-caches", action="store_true", help="use the usual Triton / Inductor cache folders "
+                    "(default: fresh empty ones, a new machine's compile)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here; a copy of the "
                     "working tree on another machine may carry stale git metadata)")
     args = ap.parse_args(argv)
+    if not args.keep_caches:  # before anything compiles (Inductor's compile workers inherit the environment)
+        fresh = tempfile.mkdtemp(prefix="bench_e2e_caches_")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
     from oscar_export.plugins.hf import enable_oscar
 
     t_start = time.perf_counter()
@@ -333,6 +403,13 @@ def main(argv=None) -> int:
     torch._dynamo.config.cache_size_limit = 64
     env = env_line(device, args.commit)
     print(json.dumps(env), flush=True)
+    if args.jit_only:
+        row = kernel_jit(args.model, device)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"env": env, "argv": argv, "rows": [row]}, f, indent=1)
+        return 0
     bw = copy_bandwidth(device)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     model = build(args.model, device)
@@ -383,7 +460,8 @@ def main(argv=None) -> int:
 
 
 def print_table(rows) -> None:
-    print("\n| cache | B x L | step ms | vs BF16 | roofline | compile s | prefill s | peak GiB | tokens/s |")
+    print("\n| cache | B x L | step ms | vs BF16 | roofline | compile s (Dynamo / Inductor / first run) | prefill s "
+          "| peak GiB | tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     f = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
     for r in rows:
@@ -392,8 +470,10 @@ def print_table(rows) -> None:
             print(f"| {r['cache']} | {lab} | {r['error']} |")
             continue
         ratio = f(r, "speedup", ".2f") if "speedup" in r else f(r, "throughput_ratio", ".1f")
+        split = (f" ({r['dynamo_s']:.1f} / {r['inductor_s']:.1f} / {r['first_run_s']:.1f})" if "dynamo_s" in r
+                 else "")
         print(f"| {r['cache']} | {lab} | {r['step_ms']:.2f} | {ratio} | {f(r, 'roofline_frac', '.0%')} | "
-              f"{r['compile_s']:.1f} | {f(r, 'prefill_s', '.2f')} | {f(r, 'peak_gib', '.1f')} | "
+              f"{r['compile_s']:.1f}{split} | {f(r, 'prefill_s', '.2f')} | {f(r, 'peak_gib', '.1f')} | "
               f"{r['tokens_per_s']:.0f} |")
 
 

@@ -152,7 +152,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages on a Hopper GPU (arguments as the portable
     ``decode_attention``; ``stages``, ``maxnreg``, ``fused_merge``: :func:`launch`). Returns ``[B, H, D]`` in
-    ``out_dtype``, stored value basis. Reads no device value on the host."""
+    ``out_dtype``, stored value basis. Reads no device value on the host. ``q_rotation`` (a rotation in every
+    split program) is for the tests and benchmarks that compare it with the rotation once a step; serving passes
+    queries already in the stored key basis (``oscar::decode_append`` rotates them)."""
     rot, dsc, pps = check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
                                         pages_per_split)
     return launch(

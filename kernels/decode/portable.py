@@ -820,7 +820,10 @@ def decode_attention(
         k_levels, v_levels: ``[H_kv, 4]`` fp32 code levels.
         scale: softmax scale (a compile-time constant of the kernel).
         codebook: treat levels as a fitted codebook (default: ``layout.key/value.codebook``).
-        q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue.
+        q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue (``ROTATE_Q``:
+            every split program rotates its queries). Serving never asks for it: the HF cache rotates the step's
+            queries once, in the append launch (``decode_step.decode_append(q=...)``); the AOT bundle's split
+            kernel (``kernels/aot/bundle.py``, the TensorRT plugins) and the benchmarks' per-program rows do.
         pages_per_split: INT2 pages per split program (default: fill the GPU, :func:`default_pages_per_split`).
         page_slots, num_warps, num_stages: tuning (pages per loop iteration, a power of two; Triton's
             options). The defaults are the fastest measured on the H200 and what the AOT bundle compiles.

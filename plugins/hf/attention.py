@@ -5,9 +5,9 @@ transformers calls, per layer: ``cache.update(k, v)`` (our :class:`~.cache.Oscar
 forward:
 
 * **decode** (``T == 1`` for every slot): device-only. The first layer begins the step on the page book;
-  each layer appends its token (``ops.decode_append``: key transform, NaN/Inf check, demotion when due)
-  and attends over sink + INT2 pages + recent (``ops.decode_attention``, query transform fused); the last
-  layer commits. No host read: the whole model step is capturable in one CUDA graph.
+  each layer appends its token (``ops.decode_append``: key transform, NaN/Inf check, demotion when due; the
+  same launch turns the step's queries into the stored key basis, once a step) and attends over sink + INT2
+  pages + recent (``ops.decode_attention`` on those queries); the last layer commits. No host read: the whole model step is capturable in one CUDA graph.
 * **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend causally at full precision
   through ``scaled_dot_product_attention`` in the model dtype (flash / memory-efficient: O(T) memory, no
   ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages, recent ring).
@@ -118,11 +118,11 @@ def _decode(layer: OscarLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     cache, ops = layer.cache, layer.ops
     if layer.index == 0:
         cache.begin_decode()
-    ops.decode_append(layer, layer.state, k[:, :, 0].contiguous(), rotate_values(layer, v[:, :, 0]),
-                      cache.book.status)
+    q_s = ops.decode_append(layer, layer.state, k[:, :, 0].contiguous(), rotate_values(layer, v[:, :, 0]),
+                            q[:, :, 0].contiguous(), cache.book.status)  # the queries in the stored key basis
     if layer.index == cache.num_layers - 1:
         cache.commit_decode()
-    o = ops.decode_attention(layer, q[:, :, 0].contiguous(), layer.step_state, scale)  # [B, H, D]
+    o = ops.decode_attention(layer, q_s, layer.step_state, scale)  # [B, H, D]
     return restore_output(layer, o.unsqueeze(2))
 
 

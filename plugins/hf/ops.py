@@ -6,10 +6,13 @@ precomputed kernel arguments:
 
 =====================  ==========================================================================================
 ``write_tokens``       ``(layer, state, b, start, k_s [H_kv, T, D], v_s)``: a prompt / chunk, stored basis (host)
-``decode_append``      ``(layer, state, k [B, H_kv, D], v, status)``: the decode step's write; keys post-RoPE in
-                       the model basis, values rotated (``attention.rotate_values``), device only
-``decode_attention``   ``(layer, q [B, H, D], state, scale) -> [B, H, D]`` stored value basis; q post-RoPE,
-                       model basis
+``decode_append``      ``(layer, state, k [B, H_kv, D], v, q [B, H, D], status) -> q_s [B, H, D]``: the decode
+                       step's write; keys and queries post-RoPE in the model basis, values rotated
+                       (``attention.rotate_values``), device only. Returns the step's queries in the stored key
+                       basis, ``transform_queries(q)`` (fp32; ``q`` itself where the keys are the identity): the
+                       query rotation once a step (docs/design.md §3.6)
+``decode_attention``   ``(layer, q_s [B, H, D], state, scale) -> [B, H, D]`` stored value basis; ``q_s`` what
+                       ``decode_append`` returned (no backend rotates queries here)
 ``chunk_attention``    ``(layer, q_s [1, H, T, D], k_s, v_s, state, scale) -> [1, H, T, D]`` stored basis
 =====================  ==========================================================================================
 
@@ -45,22 +48,23 @@ def ref_write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: t
     reference.write_tokens(state, b, start, k_s, v_s, layer.layout, layer.transform)
 
 
-def ref_decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor) -> None:
+def ref_decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                      status: torch.Tensor) -> torch.Tensor:
     tr = layer.transform
     k_s = tr.transform_keys(k.unsqueeze(2)).squeeze(2)  # [B, H_kv, D] fp32
     v_s = v.float() - tr.v_mean
     # eager on the CPU a host read is free: skip the candidate page's quantization in the steps that demote nothing
     idle = not k.is_cuda and not torch.compiler.is_compiling()
     reference.decode_append(state, k_s, v_s, status, layer.layout, tr, skip_idle=idle)
+    return q if layer.flags.keys_identity else tr.transform_queries(q.unsqueeze(2)).squeeze(2)
 
 
-def ref_decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
+def ref_decode_attention(layer, q_s: torch.Tensor, state, scale: float) -> torch.Tensor:
     tr = layer.transform
-    q_s = tr.transform_queries(q.unsqueeze(2)).squeeze(2)
     memo = None  # eager on the CPU: the layer keeps its dequantized pages between steps (host reads are free)
-    if not q.is_cuda and not torch.compiler.is_compiling():
+    if not q_s.is_cuda and not torch.compiler.is_compiling():
         memo = layer.__dict__.setdefault("dequantized_pages", {})
-    return reference.decode_attention(q_s, state, layer.layout, tr.k_levels, tr.v_levels, scale, memo)
+    return reference.decode_attention(q_s.float(), state, layer.layout, tr.k_levels, tr.v_levels, scale, memo)
 
 
 def ref_chunk_attention(layer, q_s, k_s, v_s, state, scale: float) -> torch.Tensor:

@@ -4,9 +4,11 @@
 ``write_tokens``       ``reference.write_tokens``' bookkeeping with whole pages quantized by
                        ``kernels.quant_pack.write_pages`` (bit-exact with the reference quantizer)
 ``decode_append``      ``oscar::decode_append``: one launch (key transform fused unless it is the identity,
-                       NaN/Inf check, demotion when due, the token)
+                       NaN/Inf check, demotion when due, the token) that also returns the step's queries in the
+                       stored key basis (fp32; the queries themselves where the keys are the identity)
 ``decode_attention``   ``oscar::decode_attention``: the layer's decode backend (``kernels.decode.select_backend``,
-                       by its page packing): split + merge, the query transform fused, output in the model dtype
+                       by its page packing): split + merge over stored-basis queries (no rotation in a split
+                       program), output in the model dtype
 ``chunk_attention``    the reference (no Triton chunked-prefill kernel yet)
 =====================  ====================================================================================
 
@@ -50,44 +52,49 @@ def prepare(layer) -> None:
     lay = layer.layout
     kv = torch.empty(layer.batch_size, lay.num_kv_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
     q = torch.empty(layer.batch_size, layer.cache.num_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
-    layer.append_plan = _plan_append(layer, layer.state, kv, kv, layer.cache.book.status)
-    layer.decode_plan = _plan_decode(layer, q, layer.step_state)
+    layer.append_plan = _plan_append(layer, layer.state, kv, kv, q, layer.cache.book.status)
+    layer.decode_plan = _plan_decode(layer, _stored_queries(layer, q), layer.step_state, q.dtype)
 
 
-def _plan_append(layer, state, k, v, status):
+def _plan_append(layer, state, k, v, q, status):
     from oscar_export.kernels import triton_ops
 
     fused = not layer.flags.keys_identity or not layer.flags.values_centered
-    return triton_ops.plan_append(state, k, v, status, layer.layout, layer.transform, fused_transform=fused)
+    return triton_ops.plan_append(state, k, v, status, layer.layout, layer.transform, fused_transform=fused,
+                                  q=None if layer.flags.keys_identity else q)
 
 
-def _plan_decode(layer, q, state):
+def _stored_queries(layer, q: torch.Tensor) -> torch.Tensor:
+    """A tensor like the stored-basis queries ``decode_append`` returns for queries like ``q``."""
+    return q if layer.flags.keys_identity else torch.empty(q.shape, dtype=torch.float32, device=q.device)
+
+
+def _plan_decode(layer, q_s, state, out_dtype):
     from oscar_export.kernels import triton_ops
 
     tr = layer.transform
-    rot = None if layer.flags.keys_identity else (tr.k_rotation, tr.k_scale)
-    return triton_ops.plan_decode(q, state, layer.layout, tr.k_levels, tr.v_levels, 1.0, q_rotation=rot,
-                                  out_dtype=q.dtype)
+    return triton_ops.plan_decode(q_s, state, layer.layout, tr.k_levels, tr.v_levels, 1.0, out_dtype=out_dtype)
 
 
-def decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor) -> None:
+def decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                  status: torch.Tensor) -> torch.Tensor:
     from oscar_export.kernels import triton_ops
 
     plan = getattr(layer, "append_plan", None)
     if plan is None:  # a layer made without the model's heads (or a stand-in): plan now, eagerly
-        plan = _plan_append(layer, state, k, v, status)
-    triton_ops.run_append(plan, state, k, v, status, layer.transform)
+        plan = _plan_append(layer, state, k, v, q, status)
+    q_s = triton_ops.run_append(plan, state, k, v, status, layer.transform, q)
+    return q if q_s is None else q_s
 
 
-def decode_attention(layer, q: torch.Tensor, state, scale: float) -> torch.Tensor:
+def decode_attention(layer, q_s: torch.Tensor, state, scale: float) -> torch.Tensor:
     from oscar_export.kernels import triton_ops
 
-    planned = getattr(layer, "decode_plan", None)
-    if planned is None or planned[0].out_dtype != q.dtype:
-        planned = _plan_decode(layer, q, state)
-    plan, rot, dsc = planned
+    plan = getattr(layer, "decode_plan", None)
+    if plan is None:  # a layer made without the model's heads (or a stand-in): plan now, output in its dtype
+        plan = _plan_decode(layer, q_s, state, getattr(layer, "dtype", q_s.dtype))
     tr = layer.transform
-    return triton_ops.run_decode(plan, q, state, tr.k_levels, tr.v_levels, rot, dsc, scale)
+    return triton_ops.run_decode(plan, q_s, state, tr.k_levels, tr.v_levels, scale)
 
 
 def triton_ops() -> CacheOps:

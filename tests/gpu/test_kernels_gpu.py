@@ -228,11 +228,13 @@ def test_decode_step_cuda_graph_equals_eager():
 
 
 def test_custom_ops_under_torch_compile():
-    """``oscar::decode_append`` + ``oscar::decode_attention`` in ``torch.compile(fullgraph=True)`` == eager."""
+    """``oscar::decode_append`` (rotating the step's queries, issue 26) + ``oscar::decode_attention`` on what it
+    returned, in ``torch.compile(fullgraph=True)`` == eager; the returned queries == the append wrapper's."""
     from oscar_export.kernels import triton_ops
+    from oscar_export.kernels.decode_step import rotate_queries
 
     lay = KVCacheLayout.default(8, 128, "token")
-    tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    tr = _rotated(8, 128)
     torch.manual_seed(1)
     lengths = [5000, lay.sink + lay.recent_capacity]  # slot 1 demotes at once
     eb, eager = _book_cache(lay, lengths, tr, 6000)
@@ -246,14 +248,17 @@ def test_custom_ops_under_torch_compile():
 
     def step(book, st, k, v, q):
         book.begin(1)
-        triton_ops.decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr)
+        q_s = triton_ops.decode_append(book.state_view(st, book.committed), k, v, book.status, lay, tr,
+                                       fused_transform=True, q=q)
         book.commit(1)
-        return triton_ops.decode_attention(q, book.state_view(st, book.in_step), lay, tr.k_levels, tr.v_levels,
-                                           128**-0.5, pages_per_split=4)
+        out = triton_ops.decode_attention(q_s, book.state_view(st, book.in_step), lay, tr.k_levels, tr.v_levels,
+                                          128**-0.5, pages_per_split=4)
+        return out, q_s
 
-    want = step(eb, eager, k, v, q)
-    got = torch.compile(step, fullgraph=True)(cb, comp, k, v, q)
-    assert torch.equal(got, want)
+    want, want_q = step(eb, eager, k, v, q)
+    got, got_q = torch.compile(step, fullgraph=True)(cb, comp, k, v, q)
+    assert torch.equal(got, want) and torch.equal(got_q, want_q)
+    torch.testing.assert_close(want_q, rotate_queries(q, tr), rtol=1e-5, atol=1e-4)  # fp32 FMA order
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         assert torch.equal(getattr(comp, f), getattr(eager, f)), f"state.{f} differs"
     assert int(eb.committed.num_pages[1]) == 1

@@ -223,8 +223,8 @@ def test_hopper_plan_defaults_the_split_to_the_plan_rule():
     lay = KVCacheLayout.default(2, 128, packing="mma16")
     tr = LayerTransform.identity(2, 128, 0.96, 0.92)
     q = torch.randn(1, 8, 128)
-    got = triton_ops.plan_decode(q, PagedKV.allocate(lay, 1, 64, 62), lay, tr.k_levels, tr.v_levels, 0.1)[0]
+    got = triton_ops.plan_decode(q, PagedKV.allocate(lay, 1, 64, 62), lay, tr.k_levels, tr.v_levels, 0.1)
     assert got.hopper_kernel and got.pages_per_split == lp.gl_pages_per_split(1, 2, 62, 132) == 4
     lin = lay.with_packing("linear")
-    got = triton_ops.plan_decode(q, PagedKV.allocate(lin, 1, 64, 62), lin, tr.k_levels, tr.v_levels, 0.1)[0]
+    got = triton_ops.plan_decode(q, PagedKV.allocate(lin, 1, 64, 62), lin, tr.k_levels, tr.v_levels, 0.1)
     assert not got.hopper_kernel and got.pages_per_split == da.default_pages_per_split(1, 2, 62, 132)

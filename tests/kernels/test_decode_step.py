@@ -236,6 +236,49 @@ def test_triton_query_rotation_once_a_step(ds, device, gq, d):
         _assert_equal(f"{f} with and without q", getattr(states[0], f).cpu(), getattr(states[1], f).cpu())
 
 
+@pytest.mark.parametrize("rotated", [False, True])
+def test_hf_triton_backend_rotates_the_queries_in_the_append_launch(ds, device, rotated):
+    """The HF ``"triton"`` ops (``oscar::decode_append`` / ``oscar::decode_attention``): ``decode_append`` returns
+    what the append wrapper's own rotation returns (bitwise: the same launch) and writes what it writes, or ``q``
+    itself where the keys are the identity; ``decode_attention`` reads those stored-basis queries as given, bitwise
+    the portable kernel without a query rotation (no split program rotates)."""
+    from types import SimpleNamespace
+
+    from oscar_export.kernels.decode import portable
+    from oscar_export.plugins.hf.cache import TransformFlags
+    from oscar_export.plugins.hf.triton_backend import triton_ops
+
+    ops = triton_ops()
+    lay = _layout("channel")
+    tr = (_random_transform(2, 64, seed=7) if rotated else LayerTransform.identity(2, 64, 0.9, 0.95)).to(device)
+    layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr))
+    assert layer.flags.keys_identity is not rotated
+    book_h, st_h = _book_state(lay, 2, 100, device)
+    book_w, st_w = _book_state(lay, 2, 100, device)
+    g = torch.Generator().manual_seed(8)
+    for t in range(52):  # past a demotion
+        q = torch.randn(2, 8, 64, generator=g).bfloat16().to(device)
+        k, v = (torch.randn(2, 2, 64, generator=g).to(device) for _ in range(2))
+        for book in (book_h, book_w):
+            book.begin(1)
+        q_s = ops.decode_append(layer, book_h.state_view(st_h, book_h.committed), k, v, q, book_h.status)
+        want = ds.decode_append(book_w.state_view(st_w, book_w.committed), k, v, book_w.status, lay, tr,
+                                fused_transform=True, q=q if rotated else None)
+        for book in (book_h, book_w):
+            book.commit(1)
+        if rotated:
+            assert q_s.dtype == torch.float32 and torch.equal(q_s, want)
+        else:
+            assert q_s is q
+    for f in BUFFERS:
+        _assert_equal(f"rotated={rotated} {f}", getattr(st_h, f).cpu(), getattr(st_w, f).cpu())
+    assert int(book_h.committed.num_pages.min()) >= 1, "the steps must demote"
+    step = book_h.state_view(st_h, book_h.committed)
+    got = ops.decode_attention(layer, q_s, step, 0.125)
+    assert torch.equal(got, portable.decode_attention(q_s, step, lay, tr.k_levels, tr.v_levels, 0.125,
+                                                      out_dtype=q_s.dtype))
+
+
 def test_decode_append_bad_inputs(ds, device):
     lay = _layout("token")
     book, st = _book_state(lay, 2, 64, device)

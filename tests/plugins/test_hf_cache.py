@@ -424,3 +424,42 @@ def test_key_bits_refused_when_they_do_not_fit_the_layers():
         OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(4, 2), sliding_layers=(0,), sliding_window=8)
     with pytest.raises(NotImplementedError, match="RowFormat.bits"):
         OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(3, 2))
+
+
+# ---- the query rotation once a step (issue 26) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_decode_append_returns_the_queries_in_the_stored_key_basis(rotated):
+    """The ops contract: ``decode_append(layer, state, k, v, q, status)`` writes what it wrote without ``q`` and
+    returns the step's queries in the stored key basis (``transform_queries(q)``; ``q`` itself where the keys are
+    the identity); ``decode_attention(layer, q_s, ...)`` attends with ``q_s`` as given (it rotates nothing)."""
+    from dataclasses import fields
+
+    from oscar_export.plugins.hf.ops import get_ops
+
+    ops = get_ops("torch")
+    h_kv, d = 2, 32
+    tr = rotated_transform(h_kv, d, seed=3) if rotated else LayerTransform.identity(h_kv, d, 0.95, 0.9)
+    caches = [one_layer(small_layout(h_kv, d), tr, 2, 100)[1] for _ in range(2)]
+    torch.manual_seed(4)
+    for t in range(40):  # past a demotion
+        q, k, v = torch.randn(2, 4, d), torch.randn(2, h_kv, d), torch.randn(2, h_kv, d)
+        for layer in caches:
+            layer.cache.book.begin(1)
+        q_s = ops.decode_append(caches[0], caches[0].state, k, v, q, caches[0].cache.book.status)
+        reference.decode_append(caches[1].state, tr.transform_keys(k.unsqueeze(2)).squeeze(2), v - tr.v_mean,
+                                caches[1].cache.book.status, caches[1].layout, tr)
+        for layer in caches:
+            layer.cache.book.commit(1)
+        if rotated:
+            assert torch.equal(q_s, tr.transform_queries(q.unsqueeze(2)).squeeze(2))
+        else:
+            assert q_s is q
+    for f in fields(caches[0].state):
+        assert torch.equal(getattr(caches[0].state, f.name), getattr(caches[1].state, f.name)), f.name
+    layer = caches[0]
+    assert int(layer.state.num_pages[0]) >= 1, "the steps must demote"
+    got = ops.decode_attention(layer, q_s, layer.state, d**-0.5)
+    want = reference.decode_attention(q_s.float(), layer.state, layer.layout, tr.k_levels, tr.v_levels, d**-0.5)
+    assert torch.equal(got, want)

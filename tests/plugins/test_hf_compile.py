@@ -29,11 +29,33 @@ def tiny(dtype=torch.float32):
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+def rotated_artifact(model, key_bits=(4, 2)):
+    """What ``enable_oscar`` reads of a calibrated artifact, with random numbers: per KV head a random orthogonal
+    key rotation, scalings and means (keys not the identity: the queries are rotated once a step)."""
+    from types import SimpleNamespace
+
+    from oscar_export.kernels.transform import LayerTransform
+
+    g = torch.Generator().manual_seed(1)
+    h, d = LAYOUT.num_kv_heads, LAYOUT.head_dim
+    ts = []
+    for _ in range(model.config.num_hidden_layers):
+        t = LayerTransform.identity(h, d, 0.96, 0.92)
+        ts.append(LayerTransform(
+            k_rotation=torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].contiguous(), v_rotation=t.v_rotation,
+            k_scale=2 ** (2 * torch.rand(h, d, generator=g) - 1), v_scale=t.v_scale,
+            k_mean=0.1 * torch.randn(h, d, generator=g), v_mean=0.01 * torch.randn(h, d, generator=g),
+            k_clip=t.k_clip, v_clip=t.v_clip, k_levels=t.k_levels, v_levels=t.v_levels))
+    return SimpleNamespace(layout=LAYOUT, transforms=tuple(ts), key_bits=key_bits, check_model=lambda config: None)
+
+
 def _readme_loop(compiler: str, mode: str | None, steps: int) -> None:
-    """Prefill two caches, then ``steps`` decode steps (crossing a demotion): compiled vs eager, same tokens."""
+    """Prefill two caches, then ``steps`` decode steps (crossing a demotion): compiled vs eager, same tokens. Keys
+    rotated (a calibrated artifact's shape): the queries go through ``decode_append``'s rotation once a step."""
     model = tiny()
-    with torch.no_grad(), enable_oscar(model, layout=LAYOUT, key_bits=(4, 2)) as oscar:
+    with torch.no_grad(), enable_oscar(model, rotated_artifact(model)) as oscar:
         assert oscar.ops.name == "torch"
+        assert not any(layer.flags.keys_identity for layer in oscar.make_cache(1, 8).layers)
         eager, comp = oscar.make_cache(2, 400), oscar.make_cache(2, 400)
         ids = torch.randint(1, 96, (2, 150))
         tok = model(ids, **cache_kwargs(model, eager)).logits[:, -1:].argmax(-1)
@@ -82,30 +104,33 @@ _trace_only.graphs = []
 def test_hopper_decode_step_traces_in_one_graph():
     """Bug (issue 26): with mma16 pages the README loop failed, Dynamo could not trace the Gluon wrapper's
     ``data_ptr() % 16`` check. Now the hopper backend's checks run when the cache is made and the step traced with
-    ``fullgraph=True`` holds the two custom ops per layer and nothing host-side. (Tracing only: the kernels need
-    an sm_90 GPU.)"""
+    ``fullgraph=True`` holds the two custom ops per layer and nothing host-side; with rotated keys each layer's
+    ``oscar.decode_attention`` reads the queries its ``oscar.decode_append`` returned (the rotation once a step).
+    (Tracing only: the kernels need an sm_90 GPU.)"""
     pytest.importorskip("triton")
     from oscar_export.kernels.decode import DecodeBackend, hopper
 
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     model = tiny(torch.bfloat16)
-    with enable_oscar(model, layout=LAYOUT, backend="triton") as oscar:
+    with enable_oscar(model, rotated_artifact(model, key_bits=(2, 2)), backend="triton") as oscar:
         from dataclasses import replace
 
         on_hopper = replace(oscar, decode_backends=(DecodeBackend("hopper"),) * 2)
         cache = on_hopper.make_cache(2, 400)
         assert [layer.layout.packing for layer in cache.layers] == ["mma16", "mma16"]
-        assert all(layer.decode_plan[0].hopper_kernel for layer in cache.layers)
+        assert all(layer.decode_plan.hopper_kernel for layer in cache.layers)
         _trace_only.graphs.clear()
         step = torch.compile(model.forward, fullgraph=True, backend=_trace_only)
         tok, pos = torch.ones(2, 1, dtype=torch.long), torch.full((2, 1), 150)
         with torch.no_grad(), pytest.raises(_Traced):
             step(tok, position_ids=pos, **cache_kwargs(model, cache))
     (gm,) = _trace_only.graphs
-    ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "oscar" in str(n.target)]
-    assert sorted(ops) == ["oscar.decode_append", "oscar.decode_append", "oscar.decode_attention",
-                           "oscar.decode_attention"], ops
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "oscar" in str(n.target)]
+    ops = [str(n.target) for n in nodes]
+    assert ops == ["oscar.decode_append", "oscar.decode_attention"] * 2, ops
+    for append, attention in zip(nodes[::2], nodes[1::2]):
+        assert attention.args[0] is append, f"{attention} reads {attention.args[0]}, not what {append} returned"
 
 
 _NO_TRITON = textwrap.dedent("""

@@ -59,13 +59,14 @@ def noise_ops() -> CacheOps:
         lay = layer.layout
         scramble(state, state.block_table[b, lay.pages_for(start) : lay.pages_for(start + k_s.shape[1])].tolist())
 
-    def decode_append(layer, state, k, v, status):
+    def decode_append(layer, state, k, v, q, status):
         lay = layer.layout
         due = [b for b in range(k.shape[0]) if int(state.sink_len[b]) >= lay.sink
                and int(state.recent_len[b]) == lay.recent_capacity]
         pages = [int(state.block_table[b, int(state.num_pages[b])]) for b in due]
-        base.decode_append(layer, state, k, v, status)
+        q_s = base.decode_append(layer, state, k, v, q, status)
         scramble(state, [p for b, p in zip(due, pages) if int(status[b]) == 0])
+        return q_s
 
     return CacheOps("noise", write_tokens, decode_append, base.decode_attention, base.chunk_attention)
 
