@@ -20,6 +20,9 @@ from oscar_export.kernels.transform import clip_rank
 #: research-code global clip ratios (keys, values): the baseline.
 GLOBAL_CLIP = {"k": 0.96, "v": 0.92}
 DEFAULT_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.87, 0.84, 0.8, 0.75)
+#: ratios a screened grid search measures exactly per head (:func:`fit_clip`): on SmolLM2 the exact best value clip
+#: ranked at most 3rd on the value screen (benchmarks/RESULTS-calibrate.md).
+SCREEN_KEEP = 3
 
 
 def clip_grid(group: int, ratios=DEFAULT_GRID, include=(0.96, 0.92)) -> list[float]:
@@ -50,16 +53,36 @@ class ClipFit:
 
 
 def fit_clip(
-    errors_fn: Callable[[list[torch.Tensor]], torch.Tensor], num_heads: int, grid: list[float], per_head: bool = True
+    errors_fn: Callable[[list[torch.Tensor]], torch.Tensor], num_heads: int, grid: list[float], per_head: bool = True,
+    screen_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None, keep: int = SCREEN_KEEP,
+    local: bool = False,
 ) -> ClipFit:
     """Evaluate ``errors_fn([clip [H], ...]) -> error [R, H]`` on the grid (all heads at once), pick the best.
 
     ``per_head``: each head its own ratio; otherwise one ratio per layer minimising the summed error.
+    Two ways to measure less than the whole grid (a head's ratios side by side in one clip vector; ``table`` then
+    holds ``inf`` where a ratio was not measured):
+
+    * ``screen_fn``: a cheaper estimate of the same error (same call) ranks the grid; only each head's ``keep`` best
+      ranked ratios are measured (``keep`` calls);
+    * ``local``: a descent from the middle of the grid: each head's best ratio so far until both its grid
+      neighbours are measured and worse (the grid's best where the error has one minimum along it).
     """
     if not grid:
         raise ValueError("fit_clip: empty grid")
-    table = errors_fn([torch.full((num_heads,), r, dtype=torch.float32) for r in grid]).double()  # [R, H]
     g = torch.tensor(grid, dtype=torch.float32)
+    n = len(grid)
+    if screen_fn is not None and keep < n:
+        est = screen_fn([torch.full((num_heads,), r, dtype=torch.float32) for r in grid]).double()  # [R, H]
+        if not per_head:
+            est = est.sum(1, keepdim=True).expand(-1, num_heads)
+        ranked = est.argsort(dim=0, stable=True)[:keep]  # [keep, H] grid indices, best first
+        table = torch.full((n, num_heads), float("inf"), dtype=torch.float64)
+        table.scatter_(0, ranked, errors_fn([g[idx] for idx in ranked]).double())
+    elif local and n > 3:
+        table = _descend(errors_fn, num_heads, g, per_head)
+    else:
+        table = errors_fn([torch.full((num_heads,), r, dtype=torch.float32) for r in grid]).double()  # [R, H]
     if per_head:
         best = table.argmin(0)  # [H]
         return ClipFit(g[best], table.gather(0, best[None])[0], tuple(grid), table)
@@ -67,4 +90,21 @@ def fit_clip(
     return ClipFit(g[i].expand(num_heads).clone(), table[i], tuple(grid), table)
 
 
-__all__ = ["DEFAULT_GRID", "GLOBAL_CLIP", "ClipFit", "clip_grid", "fit_clip"]
+def _descend(errors_fn, num_heads: int, g: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """``[R, H]`` errors of :func:`fit_clip`'s ``local`` search, ``inf`` where not measured."""
+    n, mid = len(g), len(g) // 2
+    table = torch.full((n, num_heads), float("inf"), dtype=torch.float64)
+    heads = torch.arange(num_heads)
+    todo = [torch.full((num_heads,), i) for i in (mid - 1, mid, mid + 1)]  # [H] grid indices per call
+    while todo:
+        table[torch.stack(todo), heads] = errors_fn([g[idx] for idx in todo]).double()
+        score = table if per_head else table.sum(1, keepdim=True).expand(-1, num_heads)
+        best = score.argmin(0)  # [H]
+        steps = [(best + s).clamp(0, n - 1) for s in (-1, 1)]
+        todo = [idx for idx in steps if bool(torch.isinf(table[idx, heads]).any())]
+        # a head already done (or at the grid's end) measures its best again: the call serves the others
+        todo = [torch.where(torch.isinf(table[idx, heads]), idx, best) for idx in todo]
+    return table
+
+
+__all__ = ["DEFAULT_GRID", "GLOBAL_CLIP", "SCREEN_KEEP", "ClipFit", "clip_grid", "fit_clip"]

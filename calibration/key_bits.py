@@ -22,6 +22,7 @@ paged layer's layout, averaged over those layers) stay within the budget.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -185,7 +186,8 @@ def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budg
 
 def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[LayerTransform], layout: KVCacheLayout,
                     budget: float, metric: str = "kl", skip: Sequence[int] = (), queries: int = QUERIES,
-                    wide: int = WIDE_BITS, progress: Callable[[int], None] | None = None) -> tuple[tuple[int, ...], dict]:
+                    wide: int = WIDE_BITS, progress: Callable[[int], None] | None = None,
+                    workers: int = 1) -> tuple[tuple[int, ...], dict]:
     """Per-layer key widths for an artifact: ``(key_bits, stats)``.
 
     Args:
@@ -193,7 +195,8 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
         transforms: the fitted transforms (one per layer); layout: the artifact's (2-bit) layout.
         budget: average page bits per element (module doc); metric: one of :data:`METRICS`.
         skip: layers without pages (the family table's sliding layers): 2 bits, not measured.
-        progress: called with 1 after each layer.
+        progress: called with 1 after each layer (in layer order).
+        workers: layers measured at once, each in its own thread (independent: the result does not depend on it).
     Returns:
         ``key_bits`` (one per layer) and JSON stats (budget, metric, chosen layers, per-layer errors; None for
         skipped layers).
@@ -201,11 +204,15 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
     if metric not in METRICS:
         raise ValueError(f"key_bits_metric: expected one of {METRICS}, got {metric!r}")
     check_budget(budget, layout)
+    def one(i: int) -> dict | None:
+        return None if i in skip else layer_key_errors(heldout(i), transforms[i], layout, queries, wide)
+
     errors: list[dict | None] = []
-    for i, t in enumerate(transforms):
-        errors.append(None if i in skip else layer_key_errors(heldout(i), t, layout, queries, wide))
-        if progress is not None:
-            progress(1)
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for e in pool.map(one, range(len(transforms))):
+            errors.append(e)
+            if progress is not None:
+                progress(1)
     gains = [None if e is None else e[layout.key.bits][metric] - e[wide][metric] for e in errors]
     chosen = allocate_key_bits(gains, layout, budget, wide)
     key_bits = tuple(wide if i in chosen else layout.key.bits for i in range(len(transforms)))

@@ -17,14 +17,16 @@ error serving makes. Per KV head:
 The key error is an exact quadratic form of the pooled data (``C_Q`` ``[H_kv, D, D]`` is built once: one
 quantization and one small matmul per evaluation). The value error is ``||P Δv||^2`` with the value queries'
 probabilities ``P`` built once, in blocks that keep only the rows their queries read (:func:`value_queries`).
-(Every 8th query position would halve the fit's time, but chose other value fits in 2 of 6 SmolLM2 layers checked,
-held-out value error +0.9 % / +1.6 % there: benchmarks/RESULTS-calibrate.md.) The groups' sorted ``|x|`` is
-computed once for all the clips of a grid (:func:`roundtrip`).
+The same error over every ``SCREEN_STRIDE``-th query position (``screen=True``, an eighth of the cost) ranks a clip
+grid for the fit (``clipping.fit_clip``), which then measures the best ranked clips with every query: alone it chose
+other value fits in 2 of 6 SmolLM2 layers (held-out value error +0.9 % / +1.6 % there), as a screen the exact best
+clip was among its best 3 in every layer (benchmarks/RESULTS-calibrate.md). The groups' sorted ``|x|`` is computed
+once for all the clips of a grid, down to the lowest rank they keep (:func:`roundtrip`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +50,7 @@ class LayerObjective:
             ``[H_kv, rows, c]`` fp32 over the first ``c`` rows (the rows the block's queries read), all blocks'
             rows together ``count`` (query positions x query heads).
         scaling: softmax scale.
+        p_screen, count_screen: ``p`` and ``count`` of every ``SCREEN_STRIDE``-th query position (rows of ``p``).
     """
 
     k: torch.Tensor
@@ -57,6 +60,8 @@ class LayerObjective:
     count: int
     scaling: float
     page_size: int
+    p_screen: list[list[torch.Tensor]] = field(default_factory=list)
+    count_screen: int = 0
 
     @classmethod
     def build(cls, held: HeldOut, skip: int, page_size: int, window: int = 0) -> "LayerObjective":
@@ -78,8 +83,11 @@ class LayerObjective:
         # Values: only the pages some query reads outside its window matter (M is zero elsewhere).
         vpages = pages if window <= 0 else min(pages, -(-(t - 1 - window - lo) // page_size))
         p, count = value_queries(held.q, held.k, held.scaling, lo, vpages * page_size, window)
+        g = count // (t - lo)
+        screen = [[pb.view(hkv, -1, g, pb.shape[-1])[:, ::SCREEN_STRIDE].reshape(hkv, -1, pb.shape[-1]).contiguous()
+                   for pb in blocks] for blocks in p]  # rows ordered (position, head); blocks start at multiples
         return cls(held.k[:, :, lo:hi].double(), held.v[:, :, lo : lo + vpages * page_size].double(), c_q, p, count,
-                   held.scaling, page_size)
+                   held.scaling, page_size, screen, g * len(range(lo, t, SCREEN_STRIDE)))
 
     @property
     def num_kv_heads(self) -> int:
@@ -127,11 +135,13 @@ class LayerObjective:
 
     def value_errors(
         self, r: torch.Tensor, d: torch.Tensor, mu: torch.Tensor, clips: list[torch.Tensor], levels: torch.Tensor,
-        fmt: RowFormat,
+        fmt: RowFormat, screen: bool = False,
     ) -> torch.Tensor:
-        """``[len(clips), H_kv]`` mean squared attention-output error of values stored as ``v R d - mu``."""
+        """``[len(clips), H_kv]`` mean squared attention-output error of values stored as ``v R d - mu``
+        (``screen``: over every ``SCREEN_STRIDE``-th query position only)."""
         vs = torch.matmul(self.v, r.double().unsqueeze(0)) * d.double()[None, :, None] - mu.double()[None, :, None]
-        return torch.stack([self._output_energy(delta / d.float()[None, :, None])
+        p, count = (self.p_screen, self.count_screen) if screen else (self.p, self.count)
+        return torch.stack([self._output_energy(delta / d.float()[None, :, None], p, count)
                             for delta in self._quant_errors(vs, fmt, clips, levels)])  # [R, H_kv]
 
     def key_error(self, r, d, mu, clip, levels, fmt) -> torch.Tensor:
@@ -149,21 +159,24 @@ class LayerObjective:
 
     def value_scale(self) -> torch.Tensor:
         """``[H_kv]`` mean squared output norm carried by the quantized tokens, ``E||Σ_t p_t v_t||^2``."""
-        return self._output_energy(self.v.float())
+        return self._output_energy(self.v.float(), self.p, self.count)
 
-    def _output_energy(self, x: torch.Tensor) -> torch.Tensor:
-        """``[H_kv]`` ``E_i ||Σ_t p_{i,t} x_t||^2`` of rows ``x [N, H_kv, T_v, D]`` fp32, over the value queries
-        (each sequence's mean, then the mean over sequences)."""
+    @staticmethod
+    def _output_energy(x: torch.Tensor, p: list[list[torch.Tensor]], count: int) -> torch.Tensor:
+        """``[H_kv]`` ``E_i ||Σ_t p_{i,t} x_t||^2`` of rows ``x [N, H_kv, T_v, D]`` fp32, over the value queries of
+        ``p`` (``count`` a sequence; each sequence's mean, then the mean over sequences)."""
         out = torch.zeros(x.shape[1], dtype=torch.float64)
-        for xs, blocks in zip(x, self.p):
+        for xs, blocks in zip(x, p):
             for pb in blocks:  # [H_kv, rows, c]: the block's queries read only the first c rows
                 y = torch.matmul(pb, xs[:, : pb.shape[-1]])  # [H_kv, rows, D]
                 out += (y * y).sum(dim=(-1, -2), dtype=torch.float64)
-        return out / (self.count * x.shape[0])
+        return out / (count * x.shape[0])
 
 
 #: query positions per block of :func:`value_queries`.
 VALUE_BLOCK = 256
+#: the value screen's query positions: every ``SCREEN_STRIDE``-th (a divisor of ``VALUE_BLOCK``).
+SCREEN_STRIDE = 8
 
 
 @torch.no_grad()
@@ -225,12 +238,15 @@ def roundtrip(
         lv = levels.float().view(1, h, 1, 4)
         view, size = (1, h, 1, 1), p
     out = []
-    srt = x.abs().sort(dim=-1).values  # the groups' sorted |x|: once for every clip
-    for clip in clips:
-        codes, scale, lo = quantize_groups(x, clip_rank(clip.to(x.device), size).view(view), lv, sorted_abs=srt)
+    ranks = [clip_rank(clip.to(x.device), size).view(view) for clip in clips]
+    # The groups' largest |x| down to the lowest rank a clip keeps, once for every clip, descending: quantize_groups
+    # reads sorted_abs[rank] (ascending), which is top[size - 1 - rank].
+    top = x.abs().topk(size - int(min(r.min() for r in ranks)), dim=-1).values
+    for rank in ranks:
+        codes, scale, lo = quantize_groups(x, size - 1 - rank, lv, sorted_abs=top)
         xh = dequantize_groups(codes, scale, lo, lv)
         out.append(xh.reshape(n, h, p, d) if fmt.granularity == "token" else xh.transpose(-1, -2))
     return out
 
 
-__all__ = ["VALUE_BLOCK", "LayerObjective", "roundtrip", "value_queries"]
+__all__ = ["SCREEN_STRIDE", "VALUE_BLOCK", "LayerObjective", "roundtrip", "value_queries"]

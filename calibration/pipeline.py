@@ -13,13 +13,14 @@ Per layer and (by default) per KV head, for keys and values separately:
    keys within that page-bit budget (``key_bits.py``); their key clip is 1 (min-max: what was measured).
 
 The statistics recorded in the artifact give, per layer, the error of the result next to identity
-(no clip / global clip), Hadamard + global clip and the research recipe (shared ``U·H``, global clips), all
-on the same held-out rows.
+(no clip), Hadamard + global clip and the research recipe (shared ``U·H``, global clips), all on the same held-out
+rows.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
@@ -200,7 +201,8 @@ def _candidates(cfg: CalibrationConfig, side: str, granularity: str, head_dim: i
 
 def fit_side(
     side: str, target: torch.Tensor, second: torch.Tensor, mean: torch.Tensor, error_fn: Callable, pages: Callable,
-    fmt: RowFormat, group: int, cfg: CalibrationConfig, seed: int,
+    fmt: RowFormat, group: int, cfg: CalibrationConfig, seed: int, screen_fn: Callable | None = None,
+    local: bool = False,
 ) -> SideFit:
     """Fit one side of one layer.
 
@@ -212,6 +214,9 @@ def fit_side(
         error_fn: ``(R, d, mu, [clip [H], ...], levels) -> error [len, H]`` on held-out rows.
         pages: ``(R, d, mu) -> [N, H, P, D]`` held-out pages in the stored basis (codebook fitting).
         fmt: the side's row format; group: its quantization group length (for the clip grid).
+        screen_fn: a cheaper estimate of ``error_fn`` (same call) that ranks each clip grid, whose best ratios
+            ``error_fn`` then measures (``clipping.fit_clip``); None measures the whole grid, or with ``local`` a
+            descent along it (``clipping.fit_clip``).
     """
     h, d = target.shape[0], target.shape[-1]
     uni = uniform_levels(h)
@@ -223,7 +228,8 @@ def fit_side(
     def evaluate(r, s, mu, name) -> SideFit:
         fn = lambda cs: error_fn(r, s, mu, cs, uni)  # noqa: E731
         if cfg.clip == "fitted":
-            fit = fit_clip(fn, h, grid, per_head=cfg.per_head)
+            est = None if screen_fn is None else lambda cs: screen_fn(r, s, mu, cs, uni)  # noqa: E731
+            fit = fit_clip(fn, h, grid, per_head=cfg.per_head, screen_fn=est, local=local)
             clip, err = fit.clip, fit.error
         else:
             clip = torch.full((h,), GLOBAL_CLIP[side] if cfg.clip == "global" else 1.0)
@@ -262,7 +268,8 @@ def fit_side(
 
 def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_fn: Callable, fmt: RowFormat,
               seed: int) -> dict[str, torch.Tensor]:
-    """Held-out errors ``[H]`` of identity (no clip / global clip), Hadamard, random and the research recipe.
+    """Held-out errors ``[H]`` of identity (no clip), Hadamard + global clip and the research recipe (identity and
+    random rotations with the global clip, measured in benchmarks/RESULTS-calibrate.md, are no longer repeated here).
 
     All with the layout being calibrated (so with channel keys "research" is the recipe's shared ``U·H`` and
     global clips applied to channel-granular keys, not the recipe's per-token keys).
@@ -271,8 +278,7 @@ def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_
     one, zero, uni = torch.ones(h, d, dtype=torch.float64), torch.zeros(h, d, dtype=torch.float64), uniform_levels(h)
     g = torch.full((h,), GLOBAL_CLIP[side])
     out = {}
-    for name, kind, clip in (("identity", "identity", torch.ones(h)), ("identity+clip", "identity", g),
-                             ("hadamard+clip", "hadamard", g), ("random+clip", "random", g),
+    for name, kind, clip in (("identity", "identity", torch.ones(h)), ("hadamard+clip", "hadamard", g),
                              ("research", "oscar", g)):
         if kind in ("hadamard", "oscar") and not _power_of_two(d):
             continue  # no Hadamard of this size: those baselines do not exist
@@ -312,13 +318,16 @@ def fit_layer(i: int, stats: LayerStats, obj: LayerObjective, layout: KVCacheLay
     kgroup = layout.page_size if kfmt.granularity == "channel" else kfmt.group_size
     kerr = lambda r, s, mu, cs, lv: obj.key_errors(r, s, mu, cs, lv, kfmt)  # noqa: E731
     verr = lambda r, s, mu, cs, lv: obj.value_errors(r, s, mu, cs, lv, vfmt)  # noqa: E731
+    vscreen = lambda r, s, mu, cs, lv: obj.value_errors(r, s, mu, cs, lv, vfmt, screen=True)  # noqa: E731
     c_q = stats.key_target()
+    # keys: a descent along each clip grid (on SmolLM2 the key error had one minimum along it in 359 of 360 heads x
+    # candidates, and the descent found the grid's best in all 360); values: a screen (objective.py)
     k_fit = fit_side("k", share(c_q), share(stats.key_second(cfg.key_mean)), stats.key_mean(), kerr, pages_fn(obj.k),
-                     kfmt, kgroup, cfg, cfg.seed + i)
+                     kfmt, kgroup, cfg, cfg.seed + i, local=True)
     k_fit.baselines = baselines("k", shared_target(c_q), stats.key_mean(), kerr, kfmt, cfg.seed + i)
     v_t = stats.value_target(cfg.value_weighting)
     v_fit = fit_side("v", share(v_t), share(stats.value_target("plain", cfg.value_mean)), stats.value_mean(), verr,
-                     pages_fn(obj.v), vfmt, vfmt.group_size, cfg, cfg.seed + i)
+                     pages_fn(obj.v), vfmt, vfmt.group_size, cfg, cfg.seed + i, vscreen if obj.count_screen else None)
     v_fit.baselines = baselines("v", shared_target(v_t), stats.value_mean(), verr, vfmt, cfg.seed + i)
     return k_fit, v_fit
 
@@ -342,29 +351,36 @@ def layer_summary(k: SideFit, v: SideFit, obj: LayerObjective) -> dict[str, Any]
     return {"k": side(k, obj.key_scale()), "v": side(v, obj.value_scale())}
 
 
-def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_layers: int, on_layer) -> tuple[list, list]:
-    """``(k_fit, v_fit)`` per layer, None for the sliding-window layers (identity transforms, see :func:`calibrate`)."""
-    fits, per_layer = [], []
-    for i in range(num_layers):
+def _fit_all(col: Collector, layout: KVCacheLayout, cfg: CalibrationConfig, num_layers: int, on_layer,
+             workers: int = 1) -> tuple[list, list]:
+    """``(k_fit, v_fit)`` per layer, None for the sliding-window layers (identity transforms, see :func:`calibrate`).
+
+    ``workers`` layers are fitted at once, each in its own thread (the caller sets torch's threads: one each);
+    ``on_layer`` is called in layer order. Each layer's fit is independent, so the result does not depend on
+    ``workers``."""
+    def one(i: int) -> tuple[tuple[SideFit, SideFit] | None, dict[str, Any]]:
         if i in col.sliding_layers:
-            fits.append(None)
-            per_layer.append({"sliding": True})
-            continue
+            return None, {"sliding": True}
         st = col.stats[i]
         if st is None:
             raise ValueError(f"capture: layer {i} was never called through the attention interface")
         obj = LayerObjective.build(col.heldout_layer(i), cfg.sink, cfg.page_size, cfg.objective_window)
         k_fit, v_fit = fit_layer(i, st.to("cpu"), obj, layout, cfg)  # fitting runs on the CPU
-        fits.append((k_fit, v_fit))
-        per_layer.append(layer_summary(k_fit, v_fit, obj))
-        if on_layer is not None:
-            on_layer(i, per_layer[-1])
+        return (k_fit, v_fit), layer_summary(k_fit, v_fit, obj)
+
+    fits, per_layer = [], []
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for i, (fit, summary) in enumerate(pool.map(one, range(num_layers))):
+            fits.append(fit)
+            per_layer.append(summary)
+            if on_layer is not None and fit is not None:
+                on_layer(i, summary)
     return fits, per_layer
 
 
 def calibrate(
     model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], None] | None = None,
-    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = 1,
+    on_layer: Callable[[int, dict], None] | None = None, fit_threads: int | None = None,
     on_key_bits: Callable[[int], None] | None = None,
 ) -> OscarArtifact:
     """Calibrate ``model`` (any HF causal LM whose attention goes through ``AttentionInterface``).
@@ -372,9 +388,10 @@ def calibrate(
     ``progress(tokens)`` follows capture, ``on_layer(i, summary)`` the fit of each layer, ``on_key_bits(1)`` the
     key-width measurement of each layer (with ``key_bits_budget``).
 
-    ``fit_threads``: torch CPU threads while fitting, restored afterwards (None leaves them alone). One by default:
-    on the shared 2-core machine (load 10) two threads cost 454 CPU s for SmolLM2's fit where one thread costs
-    about 30 x 6 (benchmarks/RESULTS-calibrate.md); a large model on a machine of its own wants them all.
+    ``fit_threads``: CPU threads of the fit and the key-width measurement (None: torch's thread count, every core
+    by default). Each thread fits whole layers on one torch thread (layers are independent), torch's own count
+    restored afterwards: no thread waits on another inside an op, so a busy machine costs no extra CPU (two torch
+    threads per op on the shared 2-core machine at load 10 cost 2.6x the CPU of one, benchmarks/RESULTS-calibrate.md).
     """
     t0 = time.perf_counter()
     facts = family_for(model)  # refuses unsupported architectures and features before any capture
@@ -386,10 +403,10 @@ def calibrate(
     t_capture = time.perf_counter() - t0
     layout = cfg.layout(h, d)
     threads = torch.get_num_threads()
-    if fit_threads is not None:
-        torch.set_num_threads(fit_threads)
+    workers = fit_threads or threads
+    torch.set_num_threads(1)
     try:
-        fits, per_layer = _fit_all(col, layout, cfg, facts.num_layers, on_layer)
+        fits, per_layer = _fit_all(col, layout, cfg, facts.num_layers, on_layer, workers)
     finally:
         torch.set_num_threads(threads)
     t_fit = time.perf_counter() - t0 - t_capture
@@ -412,9 +429,13 @@ def calibrate(
     extra = {}
     t_bits = time.perf_counter()
     if cfg.key_bits_budget is not None:
-        key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
-                                                      cfg.key_bits_metric, skip=col.sliding_layers,
-                                                      progress=on_key_bits)
+        torch.set_num_threads(1)
+        try:
+            key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
+                                                          cfg.key_bits_metric, skip=col.sliding_layers,
+                                                          progress=on_key_bits, workers=workers)
+        finally:
+            torch.set_num_threads(threads)
         transforms = widen_keys(transforms, key_bits, layout)
     stats = {
         "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(len(fitted), 1)),

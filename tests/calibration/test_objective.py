@@ -35,3 +35,36 @@ def test_value_queries_give_the_full_product(t, lo, tv, window, block):
     assert count == 3 * (t - lo)
     err = (got / count - want).abs().max()
     assert err <= 1e-6 * want.abs().max(), f"worst |M - M_ref| {err:.3g} of max {want.abs().max():.3g}"
+
+
+def test_the_value_screen_is_the_value_error_over_every_8th_query_position():
+    """``value_errors(screen=True)`` = the brute-force attention-output error over query positions ``lo, lo + 8, ...``
+    (sequences long enough for several ``VALUE_BLOCK`` blocks and the window)."""
+    from oscar_export.calibration.capture import HeldOut
+    from oscar_export.calibration.objective import SCREEN_STRIDE, VALUE_BLOCK, LayerObjective
+    from oscar_export.kernels.layout import RowFormat
+    from oscar_export.kernels.reference import dequantize_pages, quantize_pages
+
+    torch.manual_seed(5)
+    n, hkv, g, t, d, skip, page, window = 2, 2, 3, 2 * VALUE_BLOCK + 40, 16, 16, 16, 40
+    q, k, v = torch.randn(n, hkv * g, t, d) * 2, torch.randn(n, hkv, t, d) * 2, torch.randn(n, hkv, t, d)
+    obj = LayerObjective.build(HeldOut(q, k, v, d**-0.5), skip, page, window)
+    fmt, clip = RowFormat(d, d), torch.full((hkv,), 0.9)
+    lv = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(hkv, 4)
+    r, s, mu = torch.eye(d, dtype=torch.float64).expand(hkv, d, d), torch.ones(hkv, d, dtype=torch.float64), \
+        torch.zeros(hkv, d, dtype=torch.float64)
+    tv = obj.v.shape[2]
+    x = v[:, :, skip : skip + tv]
+    pg = x.reshape(n, hkv, tv // page, page, d).transpose(1, 2).reshape(-1, hkv, page, d)
+    back = dequantize_pages(*quantize_pages(pg, fmt, clip, lv), fmt, lv)
+    dv = back.reshape(n, tv // page, hkv, page, d).transpose(1, 2).reshape(n, hkv, tv, d).double() - x.double()
+    sc = torch.einsum("nhgid,nhtd->nhgit", q.double().reshape(n, hkv, g, t, d), k.double()) * d**-0.5
+    sc = sc.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    pos = torch.arange(skip, t, SCREEN_STRIDE)
+    p = torch.softmax(sc, -1)[:, :, :, pos, skip : skip + tv]
+    p = p * (pos[:, None] - torch.arange(skip, skip + tv)[None, :] > window)
+    want = (torch.einsum("nhgit,nhtd->nhgid", p, dv) ** 2).sum(-1).mean(dim=(2, 3)).mean(0)
+    got = obj.value_errors(r, s, mu, [clip], lv, fmt, screen=True)[0]
+    assert obj.count_screen == g * len(pos)
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    assert not torch.allclose(obj.value_errors(r, s, mu, [clip], lv, fmt)[0], want, rtol=1e-3)  # not the full error

@@ -147,6 +147,21 @@ def test_calibrate_gives_four_bit_keys_within_the_budget(tiny, tmp_path):
     assert calibrate(tiny, CharTokenizer(256), small_cfg()).key_bits == (2, 2)
 
 
+def test_layers_fitted_side_by_side_give_the_artifact_of_one_at_a_time(tiny):
+    """``fit_threads`` layers fitted (and their key widths measured) at once, each on one torch thread: the same
+    transforms, key widths and held-out statistics as one layer at a time; torch's thread count restored."""
+    base = small_cfg().layout(2, 16)
+    cfg = small_cfg(key_bits_budget=(base.int2_bits_per_element() + base.with_key_bits(4).int2_bits_per_element()) / 2)
+    threads = torch.get_num_threads()
+    one, two = (calibrate(tiny, CharTokenizer(256), cfg, fit_threads=n) for n in (1, 2))
+    assert torch.get_num_threads() == threads
+    assert one.key_bits == two.key_bits and len(one.key_bits) == 2
+    for a, b in zip(one.transforms, two.transforms):
+        for name in ("k_rotation", "v_rotation", "k_clip", "v_clip", "k_mean", "v_mean", "k_scale", "v_scale"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert one.stats["layers"] == two.stats["layers"] and one.stats["key_bits"] == two.stats["key_bits"]
+
+
 def test_key_bits_config_validation():
     with pytest.raises(ValueError, match="key_bits_metric: expected one of"):
         small_cfg(key_bits_metric="mse")

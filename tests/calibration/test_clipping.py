@@ -1,0 +1,78 @@
+"""The clip grid search (calibration/clipping.py): exhaustive, and screened (a cheap estimate ranks the grid, the
+exact error measures each head's best ranked ratios)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oscar_export.calibration.clipping import clip_grid, fit_clip
+
+GRID = clip_grid(64)
+
+
+def table_fn(table: torch.Tensor, calls: list):
+    """``errors_fn`` of a fixed ``[R, H]`` table: each head's entry of the grid ratio its clip names."""
+    grid = torch.tensor(GRID, dtype=torch.float32)
+
+    def fn(clips):
+        calls.append(torch.stack(clips))
+        idx = torch.stack([(c[:, None] - grid[None]).abs().argmin(1) for c in clips])  # [len, H]
+        return table.gather(0, idx)
+
+    return fn
+
+
+def test_a_screen_that_ranks_like_the_exact_error_gives_the_exhaustive_fit():
+    torch.manual_seed(0)
+    table = torch.rand(len(GRID), 3, dtype=torch.float64)
+    for per_head in (True, False):
+        full = fit_clip(table_fn(table, []), 3, GRID, per_head=per_head)
+        calls: list = []
+        screened = fit_clip(table_fn(table, calls), 3, GRID, per_head=per_head, screen_fn=table_fn(2 * table, []),
+                            keep=2)
+        assert torch.equal(screened.clip, full.clip) and torch.equal(screened.error, full.error), per_head
+        assert len(calls) == 1 and calls[0].shape == (2, 3)  # only the 2 best ranked ratios, each head its own
+
+
+def test_the_screen_decides_which_ratios_are_measured_and_the_exact_error_picks_among_them():
+    exact = torch.tensor([[5.0, 1.0], [4.0, 2.0], [3.0, 3.0], [2.0, 4.0], [1.0, 5.0]] + [[9.0, 9.0]] * (len(GRID) - 5),
+                         dtype=torch.float64)
+    screen = exact.clone()
+    screen[4, 0] = 8.5  # head 0's exact best ranked 4th of the screen: not measured with keep=3
+    screen[1, 1] = 0.5  # head 1's second best ranked first: measured, but the exact error prefers row 0
+    fit = fit_clip(table_fn(exact, []), 2, GRID, screen_fn=table_fn(screen, []), keep=3)
+    assert torch.equal(fit.clip, torch.tensor([GRID[3], GRID[0]])) and fit.error.tolist() == [2.0, 1.0]
+    assert fit.table[4, 0] == float("inf") and fit.table[2, 0] == 3.0  # unmeasured ratios are inf
+    assert torch.isfinite(fit.table).sum(0).tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("keep", [len(GRID), len(GRID) + 1])
+def test_keeping_the_whole_grid_is_the_exhaustive_search(keep):
+    torch.manual_seed(1)
+    table = torch.rand(len(GRID), 2, dtype=torch.float64)
+    calls: list = []
+    fit = fit_clip(table_fn(table, calls), 2, GRID, screen_fn=table_fn(-table, []), keep=keep)
+    assert torch.equal(fit.table, table) and len(calls) == 1
+
+
+def test_the_local_descent_finds_each_heads_minimum_of_a_one_minimum_error_and_measures_less():
+    n = len(GRID)
+    minima = [0, 4, 7, n - 1]  # at the grid's ends, at the middle, off it
+    table = torch.stack([(torch.arange(n) - m).abs().double() + 1 + h for h, m in enumerate(minima)], 1)  # [R, H]
+    calls: list = []
+    fit = fit_clip(table_fn(table, calls), len(minima), GRID, local=True)
+    assert torch.equal(fit.clip, torch.tensor([GRID[m] for m in minima]))
+    assert fit.error.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert 0 < int(torch.isfinite(fit.table).sum(0).min()) and int(torch.isfinite(fit.table).sum(0).max()) < n
+    shared = fit_clip(table_fn(table, []), len(minima), GRID, per_head=False, local=True)
+    assert torch.equal(shared.clip, torch.full((4,), GRID[int(table.sum(1).argmin())]))
+
+
+def test_the_local_descent_stops_in_the_minimum_it_reaches():
+    """Its limit, stated: with two minima along the grid it keeps the one its descent from the middle reaches."""
+    n = len(GRID)
+    table = torch.full((n, 1), 5.0, dtype=torch.float64)
+    table[n // 2 + 1, 0], table[0, 0] = 1.0, 0.5  # a minimum next to the middle, a lower one at the far end
+    fit = fit_clip(table_fn(table, []), 1, GRID, local=True)
+    assert fit.error.tolist() == [1.0] and fit_clip(table_fn(table, []), 1, GRID).error.tolist() == [0.5]
