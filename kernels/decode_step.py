@@ -96,10 +96,13 @@ def _decode_append_kernel(
     k16 = _round_bf16(k)
     v16 = _round_bf16(v)
     fin = _finite(k) & _finite(v) & _finite(k16) & _finite(v16)
-    for hh in tl.static_range(H_KV):
-        other = (b * H_KV + hh).to(tl.int64) * D + i
-        fin &= _finite(tl.load(k_ptr + other).to(tl.float32)) & _finite(tl.load(v_ptr + other).to(tl.float32))
-    finite = tl.sum(fin.to(tl.int32), axis=0) == D
+    HP: tl.constexpr = triton.next_power_of_2(H_KV)
+    hh = tl.arange(0, HP)
+    rows = (b * H_KV + hh).to(tl.int64)[:, None] * D + i[None, :]  # every KV head's row of this token
+    heads = (hh < H_KV)[:, None]
+    others = (_finite(tl.load(k_ptr + rows, mask=heads, other=0.0).to(tl.float32))
+              & _finite(tl.load(v_ptr + rows, mask=heads, other=0.0).to(tl.float32)))
+    finite = (tl.sum(fin.to(tl.int32), axis=0) == D) & (tl.sum(tl.sum(others.to(tl.int32), axis=1), axis=0) == HP * D)
     if not finite:
         tl.atomic_or(status_ptr + b, NONFINITE)
     ok = (tl.load(status_ptr + b) == 0) & finite

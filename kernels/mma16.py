@@ -149,7 +149,8 @@ def repack_linear_to_mma16(page_ptr, P: tl.constexpr, D: tl.constexpr, VALUES: t
     tq = _ax4(4, 2)
     w = _ax4(W, 3)
     word = tl.zeros((R // 16, 8, 4, W), tl.uint32)
-    for f in tl.static_range(NF):  # 2-bit: f = e * 8 + kb * 4 + hc * 2 + hr; 4-bit: f = e * 4 + hc * 2 + hr
+    for f in range(NF):  # 2-bit: f = e * 8 + kb * 4 + hc * 2 + hr; 4-bit: f = e * 4 + hc * 2 + hr (a loop, not
+        # unrolled: the unrolled reads made Triton's coalescing pass most of the append kernel's compile)
         hr = f % 2
         hc = (f // 2) % 2
         if BITS == 4:
@@ -168,7 +169,7 @@ def repack_linear_to_mma16(page_ptr, P: tl.constexpr, D: tl.constexpr, VALUES: t
             dim = col
         j = dim % GS
         byte = tl.load(page_ptr + tok * (D // CPB) + (dim // GS) * QG + j % QG).to(tl.uint32)
-        word |= ((byte >> (BITS * (j // QG)).to(tl.uint32)) & MASK) << (BITS * f)
+        word |= ((byte >> (BITS * (j // QG)).to(tl.uint32)) & MASK) << tl.cast(BITS * f, tl.uint32)
     tl.debug_barrier()  # every read of the linear page is done before it is overwritten
     idx = (((rb // MB) * 32 + 4 * g + tq) * MB + rb % MB) * W + w
     tl.store(page_ptr.to(tl.pointer_type(tl.uint32)) + idx, word)
