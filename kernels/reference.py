@@ -591,7 +591,7 @@ def decode_append(
     if skip_idle:
         return decode_append_host(state, k, v, status, layout, transform)
     bsz = k.shape[0]
-    p, c, s0 = layout.page_size, layout.recent_slots, layout.sink
+    p, s0 = layout.page_size, layout.sink
     finite = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
     status.bitwise_or_((~finite).to(torch.int32) * STATUS_NONFINITE)
     ok = status == 0

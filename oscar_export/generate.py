@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from oscar_export.models import load_model
-    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+    from oscar_export.threads import cpu_run_threads
+
     artifact = None
     if args.artifact is not None:  # verified in full before the model loads
         from oscar_export.calibration.artifact import load_artifact
@@ -194,7 +195,19 @@ def run(args: argparse.Namespace) -> int:
     check_fits(model.config, n_prompt, args.max_new_tokens, dtype, device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     dname = DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
-    print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dname}")
+    with cpu_run_threads(device) as threads:
+        print(f"model: {args.model}  prompt: {n_prompt} tokens  device: {device}  dtype: {dname}"
+              + (f"  threads: {threads}" if device == "cpu" else ""))
+        return _generate(args, model, tok, artifact, ids, gen, dname)
+
+
+def _generate(args: argparse.Namespace, model, tok, artifact, ids, gen: dict, dname: str) -> int:
+    """Both runs and the report, once the model is loaded and the prompt checked (see :func:`run`)."""
+    import torch
+
+    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+    n_prompt = ids.shape[1]
 
     ref = None
     if not args.skip_bf16:

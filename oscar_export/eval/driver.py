@@ -342,10 +342,6 @@ def check_outputs(args) -> dict | None:
 
 
 def run(args) -> int:
-    from .report import headline, markdown, write_all
-    from .recipes import attention_shape
-    from oscar_export.models import load_model
-
     preset = preset_from_args(args)
     device = check_device(args.device)
     merged = check_outputs(args)  # before the model loads: minutes before the results are written
@@ -356,8 +352,23 @@ def run(args) -> int:
         from oscar_export.calibration.artifact import META_FILE
 
         check_out_dir(args.save_artifact, True, META_FILE, "--save-artifact", save_inputs(args), claim=True)
-    t0 = time.perf_counter()
+    from oscar_export.threads import cpu_run_threads
+
+    with cpu_run_threads(device.type):  # one thread where other processes keep the cores busy
+        return _run(args, preset, device, merged, names, calibrating)
+
+
+def _run(args, preset: Preset, device: torch.device, merged: dict | None, names: list[str] | None,
+         calibrating: bool) -> int:
+    """:func:`run` once the options are checked: load, calibrate (or read the artifact), evaluate, write."""
+    from oscar_export.models import load_model
+
+    from .recipes import attention_shape
+    from .report import headline, markdown, write_all
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
     model, tok = load_model(args.model, device=str(device))
+    t_load = time.perf_counter() - t0
     attention_shape(model)
     check_lengths(model, preset, not args.no_text, not args.no_niah)
     if not args.no_text:  # before calibrating: a text too short for the windows fails at once
@@ -369,7 +380,9 @@ def run(args) -> int:
 
         artifact = load_artifact(args.artifact, model.config)
     elif calibrating:
+        t1 = time.perf_counter()
         artifact = calibrate_and_save(model, tok, preset, args.save_artifact, save_inputs(args))
+        t_cal = time.perf_counter() - t1
     else:
         artifact = None
     result = run_eval(model, tok, preset, artifact, names, niah=not args.no_niah, text=not args.no_text,
@@ -379,7 +392,10 @@ def run(args) -> int:
     result["command"] = "oscar-export eval " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in
                                                         sorted(vars(args).items()) if not k.startswith("_"))
     result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
-    result["timings"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["timings"].update(load_s=round(t_load, 1), wall_s=round(time.perf_counter() - t0, 1),
+                             cpu_s=round(time.process_time() - cpu0, 1))  # cpu_s: this process, every thread
+    if calibrating:
+        result["timings"]["calibrate_s"] = round(t_cal, 1)
     if merged is not None:
         from .report import merge
 

@@ -74,6 +74,11 @@ def _order(names: list[str]) -> list[str]:
     return first + [n for n in names if n not in first]
 
 
+#: the timed phases of a run (``result["timings"]`` keys) as the first screen names them
+PHASES = (("load_s", "model load"), ("calibrate_s", "calibration"), ("methods_s", "peers' setup"), ("text_s", "text"),
+          ("niah_s", "needles"))
+
+
 def headline(result: dict, paths: dict | None = None) -> str:
     """The first screen: what was measured, and one row per method at the longest text length (bits, KL, ΔPPL,
     top-1) with its needles per task summed over the NIAH lengths; then where the plots are."""
@@ -98,6 +103,11 @@ def headline(result: dict, paths: dict | None = None) -> str:
         lens = ", ".join(f"{x:,}" for x in cfg["lengths"])
         lines.append(f"- needles: {cfg['needles']} per task and length ({', '.join(TASK_NAMES[t] for t in cfg['tasks'])}"
                      f") at {lens} tokens, split {cfg['split']!r}; exact answers")
+    tm = result.get("timings") or {}
+    if "wall_s" in tm:
+        phases = [f"{what} {tm[k]:,.0f} s" for k, what in PHASES if k in tm]
+        lines.append(f"- time: {tm['wall_s']:,.0f} s in all ({', '.join(phases)}), {env.get('cpu_threads', '?')} torch "
+                     f"thread(s)")
     head = ["method", f"bits/element @{int(L):,}" if L else "bits/element"]
     if L is not None:
         head += ["KL to BF16", "ΔPPL %", "top-1"]

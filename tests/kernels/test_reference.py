@@ -437,7 +437,7 @@ def test_host_decode_step_equals_the_branch_free_reference(gran, key_bits, dtype
     memo: dict = {}
     g = torch.Generator().manual_seed(3)
     for step in range(140):  # > S0 + W + 4P: several demotions per slot
-        k, v, q = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g), torch.randn(3, 4, 64, generator=g)
+        k, v, q = (torch.randn(3, h, 64, generator=g) for h in (2, 2, 4))
         if 5 <= step < 12:
             k[1, 0, 0] = float("nan")  # slot 1 commits nothing for 7 steps: the slots demote at different steps
         if step == 80:

@@ -27,10 +27,16 @@ def tiny_dir(tmp_path_factory):
     return str(path)
 
 
-def test_generate_prints_both_outputs_and_bytes(tiny_dir, capsys):
+def test_generate_prints_both_outputs_and_bytes(tiny_dir, capsys, monkeypatch):
+    import oscar_export.threads as threads_module
+
+    monkeypatch.setattr(threads_module, "cpu_threads", lambda default: 1)  # as on a loaded machine
+    threads = torch.get_num_threads()
     prompt = " ".join(f"w{i % 90}" for i in range(400))  # 400 tokens: INT2 pages with the default layout
     assert main(["generate", "--model", tiny_dir, "--prompt", prompt, "--max-new-tokens", "6", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
+    assert "device: cpu  dtype: fp32  threads: 1" in out
+    assert torch.get_num_threads() == threads  # given back
     # the labels say the dtype this run used (fp32 on the CPU), not BF16
     assert "=== FP32 cache (DynamicCache) ===" in out and "=== OSCAR cache (INT2 pages, fp32 windows) ===" in out
     assert "fp32 cache: 6 tokens in" in out and "BF16 cache" not in out

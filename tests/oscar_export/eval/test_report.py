@@ -48,11 +48,16 @@ def test_headline_says_what_was_measured_and_puts_bf16_and_ours_first(tmp_path):
     res = result()
     res["methods"].insert(1, {"name": "oscar", "kind": "x", "description": "ours", "bits": {"1024": 3.6}})
     res["text"]["lengths"]["1024"]["scores"]["oscar"] = {**res["text"]["lengths"]["1024"]["scores"]["a"], "kl": 0.01}
-    res["environment"] = {"device": "cpu", "dtype": "torch.float32"}
+    res["environment"] = {"device": "cpu", "dtype": "torch.float32", "cpu_threads": 1}
+    res["timings"] = {"load_s": 12.3, "calibrate_s": 170.0, "methods_s": 20.4, "text_s": 61.0, "niah_s": 1234.5,
+                      "wall_s": 1498.6}
     paths = write_all(res, tmp_path)
     text = headline(res, paths).splitlines()
     assert "1 window(s) of 1,024 tokens" in text[1] and "639 of 1,023 positions read INT2 history" in text[1]
     assert "4 per task and length (single needle, multi-key, multi-value) at 1,024 tokens" in text[2]
+    # how long the run took, by phase (issue 27: the main job's 10 minutes)
+    assert text[3] == ("- time: 1,499 s in all (model load 12 s, calibration 170 s, peers' setup 20 s, text 61 s, "
+                       "needles 1,234 s), 1 torch thread(s)")
     rows = [x for x in text if x.startswith("| ") and not x.startswith("| method")]
     assert [r.split(" | ")[0] for r in rows] == ["| bf16", "| **ours (oscar)**", "| a"]
     assert rows[0].endswith("| 4/4 | 4/4 | 4/4 |") and "| 3.10 | 0.1000 | 10.00 | 0.900 | 1/4 |" in rows[2]
