@@ -33,7 +33,7 @@ import torch
 RESULTS = Path(__file__).with_name("RESULTS-calibrate.md")
 HEADER = (
     "| date (UTC) | git | tokens | seq_len | budget | 4-bit key layers | total s | load s | capture s | fit s | key bits s "
-    "| CPU s | K/id | V/id | CPUs | load avg before→after | torch |\n"
+    "| CPU s (capture / fit / key bits) | K/id | V/id | CPUs | load avg before→after | torch |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
 SHAPES = {  # layers, hidden, query heads, KV heads, head_dim, MLP, vocab
@@ -73,7 +73,8 @@ def smollm2(a) -> int:
     row = (
         f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | {git_sha()} | {cfg['tokens']} | {cfg['seq_len']} | "
         f"{cfg['key_bits_budget']} | {wide} | {total:.1f} | {st.get('seconds_load', 0):.1f} | "
-        f"{st['seconds_capture']:.1f} | {st['seconds_fit']:.1f} | {st.get('seconds_key_bits', 0):.1f} | {cpu:.1f} | "
+        f"{st['seconds_capture']:.1f} | {st['seconds_fit']:.1f} | {st.get('seconds_key_bits', 0):.1f} | {cpu:.1f} "
+        f"({' / '.join(str(st.get('cpu_seconds', {}).get(k, '?')) for k in ('capture', 'fit', 'key_bits'))}) | "
         f"{mean('k', 'vs_identity'):.3f} | {mean('v', 'vs_identity'):.3f} | {os.cpu_count()} | "
         f"{load_before:.1f}→{load_after:.1f} | {torch.__version__} |"
     )

@@ -393,14 +393,14 @@ def calibrate(
     restored afterwards: no thread waits on another inside an op, so a busy machine costs no extra CPU (two torch
     threads per op on the shared 2-core machine at load 10 cost 2.6x the CPU of one, benchmarks/RESULTS-calibrate.md).
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     facts = family_for(model)  # refuses unsupported architectures and features before any capture
     fp = model_fingerprint(model)
     h, d = facts.num_kv_heads, facts.head_dim
     if cfg.key_bits_budget is not None:
         check_budget(cfg.key_bits_budget, cfg.layout(h, d))  # before the capture's minutes
     col = capture(model, tokenizer, cfg, progress)
-    t_capture = time.perf_counter() - t0
+    t_capture, c_capture = time.perf_counter() - t0, time.process_time() - c0
     layout = cfg.layout(h, d)
     threads = torch.get_num_threads()
     workers = fit_threads or threads
@@ -409,7 +409,7 @@ def calibrate(
         fits, per_layer = _fit_all(col, layout, cfg, facts.num_layers, on_layer, workers)
     finally:
         torch.set_num_threads(threads)
-    t_fit = time.perf_counter() - t0 - t_capture
+    t_fit, c_fit = time.perf_counter() - t0 - t_capture, time.process_time() - c0 - c_capture
     uniform = uniform_levels(h)
     fitted = [f for f in fits if f is not None]
     layout = cfg.layout(h, d, codebook_k=any(not torch.equal(k.levels, uniform) for k, _ in fitted),
@@ -427,7 +427,7 @@ def calibrate(
     ]
     key_bits: tuple[int, ...] = ()
     extra = {}
-    t_bits = time.perf_counter()
+    t_bits, c_bits = time.perf_counter(), time.process_time()
     if cfg.key_bits_budget is not None:
         torch.set_num_threads(1)
         try:
@@ -445,6 +445,9 @@ def calibrate(
         "seconds_fit": round(t_fit, 2),
         "seconds_key_bits": round(time.perf_counter() - t_bits, 2),
         "seconds_total": round(time.perf_counter() - t0, 2),
+        # the process's CPU seconds (all threads) of the same phases: what they cost on a busy machine
+        "cpu_seconds": {"capture": round(c_capture, 1), "fit": round(c_fit, 1),
+                        "key_bits": round(time.process_time() - c_bits, 1)},
         "layers": per_layer,
         **extra,
     }
