@@ -211,8 +211,10 @@ def quantize_groups(
         codes ``[..., n]`` uint8, scale ``[...]`` fp16, lo ``[...]`` fp16.
     """
     x = x.float()
-    srt = x.abs().sort(dim=-1).values if sorted_abs is None else sorted_abs
-    thr = torch.gather(srt, -1, rank.expand(*x.shape[:-1], 1))
+    if sorted_abs is None:
+        thr = clip_threshold(x.abs(), rank)
+    else:
+        thr = torch.gather(sorted_abs, -1, rank.expand(*x.shape[:-1], 1))
     xc = torch.minimum(torch.maximum(x, -thr), thr)
     lo = xc.amin(dim=-1, keepdim=True)
     hi = xc.amax(dim=-1, keepdim=True)
@@ -227,6 +229,20 @@ def quantize_groups(
     for j in range(1, n_levels - 1):  # static: 3 comparisons for the 2-bit format
         codes = codes + (d >= t[..., j : j + 1] * s).to(torch.uint8)
     return codes, scale16.squeeze(-1), lo16.squeeze(-1)
+
+
+def clip_threshold(a: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    """``sorted(a)[rank]`` along the last axis, ``[..., 1]``: the clip threshold of :func:`quantize_groups`.
+
+    On the CPU outside compilation (a host read is free there) it is read from the ``n - min(rank)`` largest
+    values (``topk``, the same element: about 3x cheaper than the full sort for the usual clips 0.9-1); elsewhere
+    from the full sort (static shapes, no host read)."""
+    n = a.shape[-1]
+    idx = rank.expand(*a.shape[:-1], 1)
+    if a.is_cuda or torch.compiler.is_compiling():
+        return torch.gather(a.sort(dim=-1).values, -1, idx)
+    top = a.topk(n - int(rank.min()), dim=-1).values  # descending: sorted(a)[r] is top[n - 1 - r]
+    return torch.gather(top, -1, n - 1 - idx)
 
 
 def span_inverse(n_levels: int) -> float:
@@ -702,6 +718,7 @@ __all__ = [
     "append_tokens",
     "check_finite",
     "chunk_attention",
+    "clip_threshold",
     "decode_append",
     "decode_attention",
     "dequantize_groups",

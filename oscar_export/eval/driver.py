@@ -174,7 +174,7 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
     """Build every method, score them (fake-quantized caches), return the JSON-able result dict."""
     from .niah import NiahConfig, build_prompts, run_niah, summarize
     from .recipes import attention_shape
-    from .text import TextScore, final_hidden, max_positions, score_prefixes, text_windows
+    from .text import TextScore, final_hidden, max_positions, score_methods, text_windows
 
     t_start = time.perf_counter()
     attention_shape(model)
@@ -207,14 +207,17 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
         with _bar(len(methods) * windows.shape[0], "text (PPL/KL)") as b:
             for w in windows:
                 ref = final_hidden(model, w, methods[0])
+                hidden = {}  # [T, hidden] per method, scored together: the reference's logits once per chunk
                 for m in methods:
                     b.set_postfix_str(m.name)
-                    got = ref if m is methods[0] else final_hidden(model, w, m)
-                    part = score_prefixes(lambda c0, c1: head(ref[c0:c1]), lambda c0, c1, g=got: head(g[c0:c1]),
-                                          w, m.reads_quantized(pos), preset.text_lengths)
-                    for L in preset.text_lengths:
-                        scores[L][m.name].add(part[L])
+                    hidden[m.name] = ref if m is methods[0] else final_hidden(model, w, m)
                     b.update(1)
+                part = score_methods(lambda c0, c1: head(ref[c0:c1]),
+                                     {m.name: (lambda c0, c1, g=hidden[m.name]: head(g[c0:c1]), m.reads_quantized(pos))
+                                      for m in methods}, w, preset.text_lengths)
+                for m in methods:
+                    for L in preset.text_lengths:
+                        scores[L][m.name].add(part[m.name][L])
         result["text"] = {
             "source": "pydoc_data.topics, sorted topics joined by blank lines, last 30% of the characters; "
                       "length L = the first L tokens of each window",

@@ -150,23 +150,39 @@ def compare_logits(ref, got, ids: torch.Tensor, quantized: torch.Tensor) -> Text
 def score_prefixes(ref, got, ids: torch.Tensor, quantized: torch.Tensor, lengths) -> dict[int, TextScore]:
     """:func:`compare_logits` for the first ``L`` tokens of ``ids``, for every ``L`` of ``lengths`` (a causal
     model's first ``L`` positions are an ``L``-token text: one long pass scores every shorter length)."""
+    return score_methods(ref, {None: (got, quantized)}, ids, lengths)[None]
+
+
+@torch.no_grad()
+def score_methods(ref, methods: dict, ids: torch.Tensor, lengths) -> dict:
+    """:func:`score_prefixes` of several methods against one reference, whose log-probabilities are computed once
+    per chunk for all of them: ``methods {name: (got, quantized)}`` -> ``{name: {L: TextScore}}`` (each method's
+    numbers exactly those of its own :func:`score_prefixes` call)."""
     t = ids.numel() - 1
-    if quantized.shape != (t,):
-        raise ValueError(f"quantized: expected [{t}], got {list(quantized.shape)}")
+    for _, quantized in methods.values():
+        if quantized.shape != (t,):
+            raise ValueError(f"quantized: expected [{t}], got {list(quantized.shape)}")
     if any(not 2 <= L <= t + 1 for L in lengths):
         raise ValueError(f"lengths: expected 2..{t + 1}, got {list(lengths)}")
-    cols = {k: [] for k in ("nll", "nll_ref", "kl", "agree")}
+    cols = {name: {k: [] for k in ("nll", "nll_ref", "kl", "agree")} for name in methods}
     for c0 in range(0, t, LOGIT_CHUNK):
         c1 = min(c0 + LOGIT_CHUNK, t)
         lr = torch.log_softmax(ref(c0, c1).float(), -1)  # [n, V]
-        lm = torch.log_softmax(got(c0, c1).float(), -1)
         tgt = ids[c0 + 1 : c1 + 1].to(lr.device)
-        cols["nll"].append(-lm.gather(1, tgt[:, None])[:, 0])
-        cols["nll_ref"].append(-lr.gather(1, tgt[:, None])[:, 0])
-        cols["kl"].append((lr.exp() * (lr - lm)).sum(-1))
-        cols["agree"].append((lr.argmax(-1) == lm.argmax(-1)).double())
-    per = {k: torch.cat(v).double().cpu() for k, v in cols.items()}  # [T - 1] each
-    q = quantized.cpu()
+        nll_ref = -lr.gather(1, tgt[:, None])[:, 0]
+        for name, (got, _) in methods.items():
+            lm = torch.log_softmax(got(c0, c1).float(), -1)
+            c = cols[name]
+            c["nll"].append(-lm.gather(1, tgt[:, None])[:, 0])
+            c["nll_ref"].append(nll_ref)
+            c["kl"].append((lr.exp() * (lr - lm)).sum(-1))
+            c["agree"].append((lr.argmax(-1) == lm.argmax(-1)).double())
+    return {name: _prefix_scores({k: torch.cat(v).double().cpu() for k, v in cols[name].items()},
+                                 methods[name][1].cpu(), lengths) for name in methods}
+
+
+def _prefix_scores(per: dict, q: torch.Tensor, lengths) -> dict[int, TextScore]:
+    """``per {nll, nll_ref, kl, agree}`` ``[T - 1]`` each, ``q [T - 1]`` bool (reads INT2) -> ``{L: TextScore}``."""
     out = {}
     for L in lengths:
         n = L - 1
@@ -182,4 +198,4 @@ def score_prefixes(ref, got, ids: torch.Tensor, quantized: torch.Tensor, lengths
 
 
 __all__ = ["CALIBRATION_FRACTION", "TextScore", "calibration_text", "compare_hidden", "compare_logits",
-           "evaluation_text", "final_hidden", "max_positions", "score_prefixes", "text_windows"]
+           "evaluation_text", "final_hidden", "max_positions", "score_methods", "score_prefixes", "text_windows"]

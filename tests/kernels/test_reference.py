@@ -459,3 +459,16 @@ def test_host_decode_step_equals_the_branch_free_reference(gran, key_bits, dtype
         assert torch.equal(outs[0][1], outs[1][1]), f"step {step}: {worst(outs[0][1], outs[1][1])}"
     assert books[1].seq_len.tolist() == [140, 133, 60]
     assert books[1].committed.num_pages.tolist() == [6, 6, 1]  # slot 2 held 2 pages at the reset
+
+
+def test_clip_threshold_is_the_sorted_element_at_the_rank():
+    """The CPU's topk form of the clip threshold picks the same element as the sort (ties, per-head ranks, NaN)."""
+    g = torch.Generator().manual_seed(5)
+    for shape, ranks in (((7, 3, 64), (63, 61, 50)), ((2, 3, 16, 32), (31, 0, 29)), ((5, 4, 8), (7, 7, 7, 7))):
+        a = torch.randn(*shape, generator=g).abs()
+        a[..., ::3] = a[..., :1]  # ties
+        a.view(-1)[7] = float("nan")
+        rank = torch.tensor(ranks).view(1, len(ranks), *([1] * (len(shape) - 2)))  # one rank per head (axis 1)
+        want = torch.gather(a.sort(dim=-1).values, -1, rank.expand(*a.shape[:-1], 1))
+        got = ref.clip_threshold(a, rank)
+        assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), worst(got, want)
