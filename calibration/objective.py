@@ -20,8 +20,9 @@ probabilities ``P`` built once, in blocks that keep only the rows their queries 
 The same error over every ``SCREEN_STRIDE``-th query position (``screen=True``, an eighth of the cost) ranks a clip
 grid for the fit (``clipping.fit_clip``), which then measures the best ranked clips with every query: alone it chose
 other value fits in 2 of 6 SmolLM2 layers (held-out value error +0.9 % / +1.6 % there), as a screen the exact best
-clip was among its best 3 in every layer (benchmarks/RESULTS-calibrate.md). The groups' sorted ``|x|`` is computed
-once for all the clips of a grid, down to the lowest rank they keep (:func:`roundtrip`).
+clip was among its best 3 in 359 of 360 grids and the artifact the same to the bit (benchmarks/RESULTS-calibrate.md).
+The groups' sorted ``|x|`` is computed once for all the clips of a grid, down to the lowest rank they keep
+(:func:`roundtrip`).
 """
 
 from __future__ import annotations
