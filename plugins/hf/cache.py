@@ -271,8 +271,8 @@ class OscarCache(Cache):
                   else OscarLayer(self, i, self.layer_layout(i), t, dtype, ops) for i, t in enumerate(transforms)]
         super().__init__(layers=layers)
         self.num_layers = len(layers)
-        if not torch.compiler.is_compiling():
-            for t in self.static_tensors():
+        if not torch.compiler.is_compiling():  # CUDA-graph trees copy every other graph input at each replay
+            for t in self.static_tensors() + self.constant_tensors():
                 torch._dynamo.mark_static_address(t)
 
     def layer_layout(self, i: int) -> KVCacheLayout:
@@ -287,6 +287,16 @@ class OscarCache(Cache):
         out = self.book.tensors() + [self.seen]
         for layer in self.layers:
             out += _layer_tensors(layer)
+        return out
+
+    def constant_tensors(self) -> list[torch.Tensor]:
+        """The tensors a step reads that never change: each OSCAR layer's transform and its launch plans' tensors."""
+        from dataclasses import fields
+
+        out = []
+        for layer in self.oscar_layers:
+            holders = [layer.transform] + [p for p in (layer.append_plan, layer.decode_plan) if p is not None]
+            out += [t for h in holders for t in (getattr(h, f.name) for f in fields(h)) if isinstance(t, torch.Tensor)]
         return out
 
     @property

@@ -234,3 +234,37 @@ def test_kernels_compiled_ahead_are_the_launches_the_step_makes(monkeypatch):
     assert sorted(map(repr, Kernel.compiled)) == sorted(repr((k.real, g)) for k, g, _, kw in launches
                                                         if (k.real, kw.get("K_PACKING")) in variants)
     assert len(Kernel.compiled) == len(variants) == (5 if hopper.HAVE_GLUON else 3), Kernel.compiled
+
+
+def test_every_cache_tensor_the_step_reads_is_a_static_input():
+    """Bug (issue 26, the H200 profile of the README loop: ~260 device-to-device copies a step): CUDA-graph trees
+    copy every graph input not marked static into the graph's buffers at each replay. The cache marked its windows,
+    pools and book, not the layers' transform tensors nor the plans' removal counts (8 a layer). Every tensor of
+    the cache the traced step reads must be marked (``torch._dynamo.mark_static_address``)."""
+    pytest.importorskip("triton")
+    from dataclasses import fields
+
+    model = tiny(torch.bfloat16)
+    with enable_oscar(model, rotated_artifact(model, key_bits=(4, 2)), backend="triton") as oscar:
+        cache = oscar.make_cache(2, 400)
+        mine = {}
+        for layer in cache.layers:
+            owners = [(f"transform.{f.name}", getattr(layer.transform, f.name)) for f in fields(layer.transform)]
+            owners += [(f"append_plan.{f.name}", getattr(layer.append_plan, f.name)) for f in fields(layer.append_plan)]
+            owners += [(f"state.{f.name}", getattr(layer.state, f.name)) for f in fields(layer.state)]
+            owners += [(f"step_state.{f.name}", getattr(layer.step_state, f.name)) for f in fields(layer.step_state)]
+            mine.update({id(t): f"layer {layer.index} {name}" for name, t in owners if isinstance(t, torch.Tensor)})
+        mine.update({id(t): "book" for t in cache.book.tensors() + [cache.seen]})
+        inputs = []
+
+        def keep_inputs(gm, example_inputs):
+            inputs.extend(example_inputs)
+            raise _Traced
+
+        step = torch.compile(model.forward, fullgraph=True, backend=keep_inputs)
+        with torch.no_grad(), pytest.raises(Exception, match="_Traced"):
+            step(torch.ones(2, 1, dtype=torch.long), position_ids=torch.full((2, 1), 150), **cache_kwargs(model, cache))
+    read = [(mine[id(t)], t) for t in inputs if isinstance(t, torch.Tensor) and id(t) in mine]
+    assert len(read) > 20, [name for name, _ in read]
+    loose = [name for name, t in read if getattr(t, "_dynamo_static_input_type", None) is None]
+    assert not loose, f"{len(loose)} of {len(read)} cache tensors the step reads are not static: {loose[:8]}"
