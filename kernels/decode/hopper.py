@@ -29,7 +29,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 def check_hopper_layout(layout: KVCacheLayout, num_heads: int) -> None:
     """Raise for what the Gluon kernel does not read: pages not mma16 (``ValueError``), and ``NotImplementedError``
     for key codes it does not hold, a head_dim / page size / GQA ratio it is not built for, token groups smaller
-    than a row or fitted (codebook) levels."""
+    than a row (but two groups of 128 at head_dim 256: Gemma 3, run on the H200 2026-12-02) or fitted (codebook)
+    levels (``hopper_kernel.check_gluon_layout``)."""
     if layout.key.packing != "mma16" or layout.value.packing != "mma16":
         raise ValueError(f"hopper decode: reads 'mma16' pages, the layout has key {layout.key.packing!r}, value "
                          f"{layout.value.packing!r} (linear pages: the portable kernel)")
@@ -39,10 +40,6 @@ def check_hopper_layout(layout: KVCacheLayout, num_heads: int) -> None:
     if num_heads % layout.num_kv_heads or num_heads // layout.num_kv_heads not in GQ_SUPPORTED:
         raise NotImplementedError(f"hopper decode: {num_heads} query heads over {layout.num_kv_heads} KV heads; GQA "
                                   f"ratios {list(GQ_SUPPORTED)} supported")
-    for name, fmt in (("key", layout.key), ("value", layout.value)):
-        if fmt.granularity == "token" and fmt.group_size != layout.head_dim:
-            raise NotImplementedError(f"hopper decode: {name} group_size must equal head_dim ({layout.head_dim}), "
-                                      f"got {fmt.group_size}")
     if not HAVE_GLUON:
         raise NotImplementedError("hopper decode: this Triton has no Gluon")
     _gl.check_gluon_layout(layout, num_heads, bool(layout.key.codebook or layout.value.codebook))

@@ -148,6 +148,25 @@ def test_wrapper_layout_refusals():
         hopper.check_hopper_layout(replace(lay, value=replace(lay.value, bits=4)), 8)
 
 
+def test_head_dim_256_with_two_groups_a_row_selects_the_hopper_kernel():
+    """Gemma 3's default (head_dim 256, token groups of 128) decodes on the hopper kernel on sm_90: its two-group
+    path passed on the H200 (tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256,
+    4 passed, lead's call of 2026-12-02); groups of 64 at head_dim 256 still go to the portable kernel."""
+    from oscar_export.kernels.decode import select_backend
+
+    hopper = _hopper()
+    for gran in ("token", "channel"):
+        for bits in (2, 4):
+            lay = KVCacheLayout.default(8, 256, gran).with_key_bits(bits)
+            assert lay.value.group_size == 128
+            hopper.check_hopper_layout(lay.with_packing("mma16"), 16)
+            got = select_backend(lay, 90, 16)
+            assert (got.name, got.why) == ("hopper", ""), (gran, bits, got)
+    narrow = KVCacheLayout(8, 256, RowFormat(256, 64), RowFormat(256, 64), sink=64, window=256, page_size=128)
+    got = select_backend(narrow, 90, 16)
+    assert got.name == "portable" and "128" in got.why, got
+
+
 def test_wrapper_refuses_misaligned_page_buffers():
     """A contiguous but sliced pool (base address off a 16-byte boundary) is refused before any launch."""
     from dataclasses import replace
