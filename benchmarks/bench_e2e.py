@@ -383,6 +383,14 @@ def kernel_jit(name: str, device: torch.device, ctx: int = 8192, ahead: bool = T
             "jit_step_s": times[0], "step_s": times[1], "jit_s": times[0] - times[1]}
 
 
+def fresh_caches() -> None:
+    """Point Triton and Inductor at empty cache folders, before anything compiles (Inductor's compile workers
+    inherit the environment; Triton reads ``TRITON_CACHE_DIR`` at each compile)."""
+    fresh = tempfile.mkdtemp(prefix="bench_e2e_caches_")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-8b", choices=sorted(MODELS))
@@ -406,10 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here; a copy of the "
                     "working tree on another machine may carry stale git metadata)")
     args = ap.parse_args(argv)
-    if not args.keep_caches:  # before anything compiles (Inductor's compile workers inherit the environment)
-        fresh = tempfile.mkdtemp(prefix="bench_e2e_caches_")
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+    if not args.keep_caches:
+        fresh_caches()
     from oscar_export.plugins.hf import enable_oscar
 
     t_start = time.perf_counter()
