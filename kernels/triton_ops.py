@@ -25,7 +25,8 @@ and no shape-dependent Python value. :func:`decode_attention` and :func:`decode_
 (:func:`append_launches`, :func:`decode_launches`: the real arguments, nothing launched) and their kernel variants
 JIT-compiled in a background thread, in parallel (Triton's ``AsyncCompileMode``; its compiler releases the GIL),
 while the caller prefills and ``torch.compile`` traces; the first launch of either op waits for them. A failed
-warm-up only logs: the launch then compiles as it would have.
+warm-up only logs: the launch then compiles as it would have. (Untested on a GPU: written 2026-12-02 after the
+day's device time was spent; ``benchmarks/bench_e2e.py --jit-only`` with and without ``--jit-in-step`` measures it.)
 """
 
 from __future__ import annotations
