@@ -199,7 +199,8 @@ def decode_attention(
                   "status"),
 )
 def _decode_append_op(
-    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_rotation: torch.Tensor, k_scale: torch.Tensor, k_mean: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_rotation: torch.Tensor, k_scale: torch.Tensor,
+    k_mean: torch.Tensor,
     v_mean: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, recent_k: torch.Tensor,
     recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor, v_codes: torch.Tensor,
     v_params: torch.Tensor, k_removals: torch.Tensor, v_removals: torch.Tensor, k_levels: torch.Tensor,

@@ -7,7 +7,8 @@ forward:
 * **decode** (``T == 1`` for every slot): device-only. The first layer begins the step on the page book;
   each layer appends its token (``ops.decode_append``: key transform, NaN/Inf check, demotion when due; the
   same launch turns the step's queries into the stored key basis, once a step) and attends over sink + INT2
-  pages + recent (``ops.decode_attention`` on those queries); the last layer commits. No host read: the whole model step is capturable in one CUDA graph.
+  pages + recent (``ops.decode_attention`` on those queries); the last layer commits. No host read: the whole
+  model step is capturable in one CUDA graph.
 * **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend causally at full precision
   through ``scaled_dot_product_attention`` in the model dtype (flash / memory-efficient: O(T) memory, no
   ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages, recent ring).
