@@ -347,30 +347,19 @@ def add_ratios(rows) -> None:
                 r[name] = r[key] / ref[key]
 
 
-def kernel_jit(name: str, device: torch.device, ctx: int = 8192, ahead: bool = True) -> dict:
+def kernel_jit(name: str, device: torch.device, ctx: int = 8192) -> dict:
     """Seconds the README loop's decode step spends compiling its kernels (Triton / Gluon JIT, this process's cache
     folders): ``name``'s attention shape with two layers (4-bit and 2-bit keys: every kernel variant the full model
-    launches, the layouts being per key width), a ``ctx``-token cache (``cache_s``: made, its decode kernels'
-    compile started in the background), 16 prompt tokens (``prefill_s``: their writers compiled); the first eager
-    decode step (``jit_step_s``: it waits for the background compile) minus the second (``step_s``) is ``jit_s``.
-    ``ahead=False``: the kernels compiled by the first step itself, one after the other (no background compile: the
-    comparison)."""
+    launches, the layouts being per key width), a ``ctx``-token cache, 16 prompt tokens (their writers compiled
+    first); the first eager decode step (``jit_step_s``) minus the second (``step_s``) is ``jit_s``."""
     from oscar_export.plugins.hf import enable_oscar
 
-    if not ahead:
-        from oscar_export.kernels import triton_ops
-
-        triton_ops.warm_up = lambda launches, device: None
     model = build(name, device, layers=2)
     with torch.no_grad(), enable_oscar(model, random_artifact(model)) as setup:
-        t0 = time.perf_counter()
         cache = setup.make_cache(1, ctx)
-        cache_s = time.perf_counter() - t0
         ids = torch.randint(1, model.config.vocab_size, (1, 16), device=device)
-        t0 = time.perf_counter()
         model(ids, logits_to_keep=1, **kw(model, cache))
         _sync(device)
-        prefill_s = time.perf_counter() - t0
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
@@ -379,8 +368,7 @@ def kernel_jit(name: str, device: torch.device, ctx: int = 8192, ahead: bool = T
             times.append(time.perf_counter() - t0)
         backends = [b.name for b in setup.decode_backends]
     return {"cache": "oscar-jit", "model": name, "layers": 2, "key_bits": list(random_artifact(model).key_bits),
-            "backends": backends, "compiled_ahead": ahead, "cache_s": cache_s, "prefill_s": prefill_s,
-            "jit_step_s": times[0], "step_s": times[1], "jit_s": times[0] - times[1]}
+            "backends": backends, "jit_step_s": times[0], "step_s": times[1], "jit_s": times[0] - times[1]}
 
 
 def fresh_caches() -> None:
@@ -406,8 +394,6 @@ def main(argv=None) -> int:
                     "mode='reduce-overhead': the README's; 'eager' for a quick CPU smoke test of this script)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no row after this many seconds (0: none)")
     ap.add_argument("--jit-only", action="store_true", help="only time the decode step's kernel JIT (kernel_jit)")
-    ap.add_argument("--jit-in-step", action="store_true", help="with --jit-only: no compile ahead when the cache is "
-                    "made, the first step compiles (the comparison)")
     ap.add_argument("--keep-caches", action="store_true", help="use the usual Triton / Inductor cache folders "
                     "(default: fresh empty ones, a new machine's compile)")
     ap.add_argument("--json", default=None)
@@ -424,7 +410,7 @@ def main(argv=None) -> int:
     env = env_line(device, args.commit)
     print(json.dumps(env), flush=True)
     if args.jit_only:
-        row = kernel_jit(args.model, device, ahead=not args.jit_in_step)
+        row = kernel_jit(args.model, device)
         print(json.dumps(row), flush=True)
         if args.json:
             with open(args.json, "w") as f:

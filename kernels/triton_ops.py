@@ -20,20 +20,10 @@ Every check is made once, by :func:`plan_decode` / :func:`plan_append`, when a c
 the plans); a traced step calls :func:`run_decode` / :func:`run_append`, which read no pointer, no device value
 and no shape-dependent Python value. :func:`decode_attention` and :func:`decode_append` are the eager entry points
 (plan + run) with the plain wrappers' signatures.
-
-**Kernels compiled ahead** (:func:`warm_up`): when a cache is made, the launches of its plans are recorded
-(:func:`append_launches`, :func:`decode_launches`: the real arguments, nothing launched) and their kernel variants
-JIT-compiled in a background thread, in parallel (Triton's ``AsyncCompileMode``; its compiler releases the GIL),
-while the caller prefills and ``torch.compile`` traces; the first launch of either op waits for them. A failed
-warm-up only logs: the launch then compiles as it would have. (Untested on a GPU: written 2026-12-02 after the
-day's device time was spent; ``benchmarks/bench_e2e.py --jit-only`` with and without ``--jit-in-step`` measures it.)
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -46,47 +36,6 @@ from .transform import LayerTransform
 
 _WINDOWS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
 _BOOK = ("block_table", "sink_len", "num_pages", "recent_len")
-log = logging.getLogger(__name__)
-
-
-def _launch(kernel):
-    return kernel
-
-
-class _Recorder:
-    """A ``wrap`` that records each launch ``(kernel, grid, args, kwargs)`` instead of running it."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple] = []
-
-    def __call__(self, kernel):
-        launches = self.launches
-
-        class _Grid:
-            def __getitem__(self, grid):
-                return lambda *args, **kwargs: launches.append((kernel, grid, args, kwargs))
-
-        return _Grid()
-
-
-def _decode_attention_impl(
-    q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels, block_table,
-    sink_len, num_pages, recent_len, hopper_kernel, num_kv_heads, page_size, sink, recent_slots, scale, k_channel,
-    codebook, fast_unpack, pages_per_split, out_dtype, group_size, key_bits, wrap=_launch,
-):
-    unread = k_levels  # the kernels' rotation operands (R_K, d_K): not read without ROTATE_Q
-    if hopper_kernel:
-        return hopper.launch(
-            q, unread, unread, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-            v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots,
-            scale, k_channel, False, pages_per_split, out_dtype, wrap=wrap,
-        )
-    return portable.launch_decode(
-        q, unread, unread, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-        v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
-        k_channel, codebook, False, fast_unpack, pages_per_split, out_dtype, wrap=wrap, group_size=group_size,
-        key_bits=key_bits,
-    )
 
 
 @torch.library.custom_op("oscar::decode_attention", mutates_args=())
@@ -98,11 +47,18 @@ def _decode_attention_op(
     sink: int, recent_slots: int, scale: float, k_channel: bool, codebook: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, group_size: int, key_bits: int,
 ) -> torch.Tensor:
-    _wait_for_warm_up()
-    return _decode_attention_impl(
-        q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels, block_table,
-        sink_len, num_pages, recent_len, hopper_kernel, num_kv_heads, page_size, sink, recent_slots, scale, k_channel,
-        codebook, fast_unpack, pages_per_split, out_dtype, group_size, key_bits,
+    unread = k_levels  # the kernels' rotation operands (R_K, d_K): not read without ROTATE_Q
+    if hopper_kernel:
+        return hopper.launch(
+            q, unread, unread, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+            v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots,
+            scale, k_channel, False, pages_per_split, out_dtype,
+        )
+    return portable.launch_decode(
+        q, unread, unread, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+        v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
+        k_channel, codebook, False, fast_unpack, pages_per_split, out_dtype, group_size=group_size,
+        key_bits=key_bits,
     )
 
 
@@ -154,25 +110,15 @@ def plan_decode(
     )
 
 
-def _decode_args(plan: DecodePlan, q, state, k_levels, v_levels, scale) -> tuple:
-    p = plan
-    return (q, *(getattr(state, f) for f in _WINDOWS), k_levels, v_levels, *(getattr(state, f) for f in _BOOK),
-            p.hopper_kernel, p.num_kv_heads, p.page_size, p.sink, p.recent_slots, float(scale), p.k_channel,
-            p.codebook, p.fast_unpack, p.pages_per_split, p.out_dtype, p.group_size, p.key_bits)
-
-
 def run_decode(plan: DecodePlan, q: torch.Tensor, state: PagedKV, k_levels: torch.Tensor, v_levels: torch.Tensor,
                scale: float) -> torch.Tensor:
     """``oscar::decode_attention`` on a checked plan (no checks: what a traced step calls)."""
-    return torch.ops.oscar.decode_attention(*_decode_args(plan, q, state, k_levels, v_levels, scale))
-
-
-def decode_launches(plan: DecodePlan, q: torch.Tensor, state: PagedKV, k_levels: torch.Tensor,
-                    v_levels: torch.Tensor, scale: float) -> list[tuple]:
-    """The kernel launches :func:`run_decode` would make, recorded (``(kernel, grid, args, kwargs)``), not run."""
-    rec = _Recorder()
-    _decode_attention_impl(*_decode_args(plan, q, state, k_levels, v_levels, scale), wrap=rec)
-    return rec.launches
+    p = plan
+    return torch.ops.oscar.decode_attention(
+        q, *(getattr(state, f) for f in _WINDOWS), k_levels, v_levels, *(getattr(state, f) for f in _BOOK),
+        p.hopper_kernel, p.num_kv_heads, p.page_size, p.sink, p.recent_slots, float(scale), p.k_channel, p.codebook,
+        p.fast_unpack, p.pages_per_split, p.out_dtype, p.group_size, p.key_bits,
+    )
 
 
 def decode_attention(
@@ -199,8 +145,7 @@ def decode_attention(
                   "status"),
 )
 def _decode_append_op(
-    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_rotation: torch.Tensor, k_scale: torch.Tensor,
-    k_mean: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_rotation: torch.Tensor, k_scale: torch.Tensor, k_mean: torch.Tensor,
     v_mean: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, recent_k: torch.Tensor,
     recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor, v_codes: torch.Tensor,
     v_params: torch.Tensor, k_removals: torch.Tensor, v_removals: torch.Tensor, k_levels: torch.Tensor,
@@ -209,24 +154,9 @@ def _decode_append_op(
     recent_capacity: int, group_size: int, k_channel: bool, fused_transform: bool, k_packing: int, v_packing: int,
     key_bits: int, rotate_q: bool,
 ) -> torch.Tensor:
-    _wait_for_warm_up()
-    return _decode_append_impl(
-        k, v, q, k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes,
-        v_params, k_removals, v_removals, k_levels, v_levels, block_table, sink_len, num_pages, recent_len, status,
-        page_size, sink, recent_slots, recent_capacity, group_size, k_channel, fused_transform, k_packing, v_packing,
-        key_bits, rotate_q,
-    )
-
-
-def _decode_append_impl(
-    k, v, q, k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes,
-    v_params, k_removals, v_removals, k_levels, v_levels, block_table, sink_len, num_pages, recent_len, status,
-    page_size, sink, recent_slots, recent_capacity, group_size, k_channel, fused_transform, k_packing, v_packing,
-    key_bits, rotate_q, wrap=_launch,
-):
     bsz, h, d = k.shape
     q_s = torch.empty(q.shape, dtype=torch.float32, device=q.device) if rotate_q else q.new_empty(0)
-    wrap(_decode_append_kernel)[(bsz, h)](
+    _decode_append_kernel[(bsz, h)](
         k, v, q, q_s,  # q_ptr, q_rot_ptr: read / written iff ROTATE_Q
         k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
         k_codes, k_params, v_codes, v_params, k_removals, v_removals, k_levels, v_levels,
@@ -285,75 +215,14 @@ def run_append(plan: AppendPlan, state: PagedKV, k: torch.Tensor, v: torch.Tenso
     """``oscar::decode_append`` on a checked plan (no checks: what a traced step calls). Returns the step's
     queries in the stored key basis (fp32, a fresh tensor) if the plan rotates them (``q`` then required), else
     None."""
-    q_s = torch.ops.oscar.decode_append(*_append_args(plan, state, k, v, status, transform, q))
-    return q_s if plan.rotate_q else None
-
-
-def _append_args(plan: AppendPlan, state, k, v, status, transform, q) -> tuple:
     p, tr = plan, transform
-    return (k, v, q if p.rotate_q else k, tr.k_rotation, tr.k_scale, tr.k_mean, tr.v_mean,
-            *(getattr(state, f) for f in _WINDOWS), p.k_removals, p.v_removals, tr.k_levels, tr.v_levels,
-            *(getattr(state, f) for f in _BOOK), status, p.page_size, p.sink, p.recent_slots, p.recent_capacity,
-            p.group_size, p.k_channel, p.fused_transform, p.k_packing, p.v_packing, p.key_bits, p.rotate_q)
-
-
-def append_launches(plan: AppendPlan, state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor,
-                    transform: LayerTransform, q: torch.Tensor | None = None) -> list[tuple]:
-    """The kernel launch :func:`run_append` would make, recorded (``(kernel, grid, args, kwargs)``), not run."""
-    rec = _Recorder()
-    _decode_append_impl(*_append_args(plan, state, k, v, status, transform, q), wrap=rec)
-    return rec.launches
-
-
-# ---- kernels compiled ahead (see the module doc) ------------------------------------------------------------------
-
-_WARMING: list[threading.Thread] = []
-_WARMED: set = set()
-
-
-def _arg_key(a):
-    """What of a launch argument decides the kernel variant (Triton specializes pointers on 16-byte alignment)."""
-    if isinstance(a, torch.Tensor):
-        return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
-    return a if isinstance(a, (int, float, bool, str, torch.dtype, type(None))) else repr(a)
-
-
-def warm_up(launches: list[tuple], device: torch.device) -> None:
-    """JIT-compile the kernel variants of ``launches`` (recorded by :func:`append_launches` /
-    :func:`decode_launches`; variants already warmed skipped) in a background thread, in parallel; the next launch
-    of either custom op waits for it. CUDA only (the CPU interpreter compiles nothing)."""
-    if device.type != "cuda":
-        return
-    todo = []
-    for kernel, grid, args, kwargs in launches:
-        key = (kernel, len(grid), tuple(_arg_key(a) for a in args),
-               tuple(sorted((k, _arg_key(v)) for k, v in kwargs.items())))
-        if key not in _WARMED:
-            _WARMED.add(key)
-            todo.append((kernel, grid, args, kwargs))
-    if not todo:
-        return
-    thread = threading.Thread(target=_compile_all, args=(todo, device), name="oscar-kernel-warm-up", daemon=True)
-    _WARMING.append(thread)
-    thread.start()
-
-
-def _compile_all(todo: list[tuple], device: torch.device) -> None:
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-
-        with torch.cuda.device(device), ThreadPoolExecutor(len(todo)) as pool, AsyncCompileMode(pool):
-            for kernel, grid, args, kwargs in todo:
-                kernel.warmup(*args, grid=grid, **kwargs)
-    except Exception as e:  # noqa: BLE001 - the launch compiles what the warm-up could not
-        log.warning("oscar kernels: the ahead-of-use compile failed (%s: %s); the first launch compiles instead",
-                    type(e).__name__, e)
-
-
-def _wait_for_warm_up() -> None:
-    """Join the warm-up threads (called by the ops' launches: a no-op once they are done)."""
-    while _WARMING:
-        _WARMING.pop().join()
+    q_s = torch.ops.oscar.decode_append(
+        k, v, q if p.rotate_q else k, tr.k_rotation, tr.k_scale, tr.k_mean, tr.v_mean,
+        *(getattr(state, f) for f in _WINDOWS), p.k_removals, p.v_removals, tr.k_levels, tr.v_levels,
+        *(getattr(state, f) for f in _BOOK), status, p.page_size, p.sink, p.recent_slots, p.recent_capacity,
+        p.group_size, p.k_channel, p.fused_transform, p.k_packing, p.v_packing, p.key_bits, p.rotate_q,
+    )
+    return q_s if p.rotate_q else None
 
 
 def decode_append(
@@ -368,5 +237,5 @@ def decode_append(
     return run_append(plan, state, k, v, status, transform, q)
 
 
-__all__ = ["AppendPlan", "DecodePlan", "append_launches", "decode_append", "decode_attention", "decode_launches",
-           "plan_append", "plan_decode", "run_append", "run_decode", "warm_up"]
+__all__ = ["AppendPlan", "DecodePlan", "decode_append", "decode_attention", "plan_append", "plan_decode",
+           "run_append", "run_decode"]

@@ -103,12 +103,11 @@ def launch(
     q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
     recent_slots: int, scale: float, k_channel: bool, rotate_q: bool, pages_per_split_: int, out_dtype: torch.dtype,
-    *, stages: int | None = None, maxnreg: int | None = None, fused_merge: bool | None = None, wrap=lambda k: k,
+    *, stages: int | None = None, maxnreg: int | None = None, fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Launch the split kernel (and the merge, unless fused) on checked inputs. ``stages``: cp.async page stages
     (None: the plan's ``GL_PAGE_STAGES``); ``maxnreg``: registers a thread (None: the plan's ``gl_occupancy``,
-    0: no cap); ``fused_merge`` (None: the plan's ``GL_FUSED_MERGE`` up to ``MERGE_COUNTERS`` pairs); ``wrap``
-    wraps each kernel before launch (:func:`.portable.launch_split_merge`)."""
+    0: no cap); ``fused_merge`` (None: the plan's ``GL_FUSED_MERGE`` up to ``MERGE_COUNTERS`` pairs)."""
     _, hq, d = q.shape
     gq = hq // num_kv_heads
     stages = _plan.GL_PAGE_STAGES if stages is None else stages
@@ -129,7 +128,7 @@ def launch(
              BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=False, V_CODEBOOK=False,
              ROTATE_Q=rotate_q, KEY_BITS=k_codes.shape[-1] * 8 // d,
              NG=v_params.shape[-2] if v_params.dim() == 5 else 1, **extra),
-        _gl.NUM_WARPS, stages, wrap=wrap, counters=counters,
+        _gl.NUM_WARPS, stages, counters=counters,
     )
 
 

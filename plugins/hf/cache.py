@@ -210,8 +210,6 @@ class OscarCache(Cache):
             ``select_backend``): the layer's decode kernel and so its page packing; None: the layout's packing.
         num_heads: the model's query heads; with them the backend checks and plans its launches now, not in the
             first decode step.
-        scaling: the model's softmax scale; with it the backend also compiles its decode kernel now (in the
-            background), not in the first decode step.
         sliding_layers, sliding_window: layers with a sliding window (Gemma 3's local layers) and its width W:
             they get a :class:`~.sliding.SlidingLayer` (a model-dtype ring of W tokens) instead of an
             :class:`OscarLayer`; their entries of ``transforms`` are not read (the family table says which).
@@ -224,7 +222,6 @@ class OscarCache(Cache):
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend: str | CacheOps = "torch",
         sliding_layers=(), sliding_window: int | None = None, key_bits=None,
         decode_backends: "tuple[DecodeBackend, ...] | None" = None, num_heads: int | None = None,
-        scaling: float | None = None,
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
@@ -247,9 +244,6 @@ class OscarCache(Cache):
         #: query heads of the model (``enable_oscar`` passes them): the backend checks its launches when the cache
         #: is made; None: at the first decode step
         self.num_heads = num_heads
-        #: the model's softmax scale (``enable_oscar`` passes it): the backend compiles its decode kernel for it when
-        #: the cache is made (a constant of the kernel); None: at the first decode step
-        self.scaling = scaling
         self.layout = layout
         self.max_length = max_length
         self.active_slots: list[int] = list(range(batch_size))

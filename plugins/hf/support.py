@@ -95,8 +95,7 @@ class OscarSetup:
         return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
                           backend=self.ops, sliding_layers=self.shape.sliding_layers,
                           sliding_window=self.shape.sliding_window, key_bits=self.key_bits,
-                          decode_backends=self.decode_backends, num_heads=self.shape.num_heads,
-                          scaling=self.shape.scaling)
+                          decode_backends=self.decode_backends, num_heads=self.shape.num_heads)
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""

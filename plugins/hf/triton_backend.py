@@ -45,29 +45,15 @@ def write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch
 
 def prepare(layer) -> None:
     """Check and plan the layer's two decode-step launches (``kernels.triton_ops.plan_append`` / ``plan_decode``)
-    on tensors of the step's shapes, kept on the layer (``append_plan``, ``decode_plan``), and start compiling
-    their kernels in the background (``triton_ops.warm_up``; the decode kernel's needs the model's softmax scale,
-    ``cache.scaling``). Needs the model's query heads (``cache.num_heads``); without them the first decode step
-    plans (eager only)."""
-    from oscar_export.kernels import triton_ops
-
+    on tensors of the step's shapes, kept on the layer (``append_plan``, ``decode_plan``). Needs the model's query
+    heads (``cache.num_heads``); without them the first decode step plans (eager only)."""
     if layer.cache.num_heads is None:
         return
     lay = layer.layout
     kv = torch.empty(layer.batch_size, lay.num_kv_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
     q = torch.empty(layer.batch_size, layer.cache.num_heads, lay.head_dim, dtype=layer.dtype, device=layer.device)
-    status = layer.cache.book.status
-    layer.append_plan = _plan_append(layer, layer.state, kv, kv, q, status)
-    q_s = _stored_queries(layer, q)
-    layer.decode_plan = _plan_decode(layer, q_s, layer.step_state, q.dtype)
-    if layer.device.type == "cuda":
-        launches = triton_ops.append_launches(layer.append_plan, layer.state, kv, kv, status, layer.transform, q)
-        scale = getattr(layer.cache, "scaling", None)
-        if scale is not None:
-            tr = layer.transform
-            launches += triton_ops.decode_launches(layer.decode_plan, q_s, layer.step_state, tr.k_levels,
-                                                   tr.v_levels, scale)
-        triton_ops.warm_up(launches, layer.device)
+    layer.append_plan = _plan_append(layer, layer.state, kv, kv, q, layer.cache.book.status)
+    layer.decode_plan = _plan_decode(layer, _stored_queries(layer, q), layer.step_state, q.dtype)
 
 
 def _plan_append(layer, state, k, v, q, status):

@@ -371,7 +371,7 @@ def test_fused_merge_is_the_plans_default_up_to_the_counters(monkeypatch, key_bi
     hopper = _hopper()
     seen = []
     monkeypatch.setattr(hopper, "launch_split_merge",
-                        lambda kernel, *a, counters=None, wrap=None: seen.append((kernel, counters, a[-3]["KEY_BITS"])))
+                        lambda kernel, *a, counters=None: seen.append((kernel, counters, a[-3]["KEY_BITS"])))
     t = torch.zeros(1)
     k_codes = torch.zeros(1, 8, 64, 64 * key_bits // 8, dtype=torch.uint8)
 

@@ -173,69 +173,6 @@ def test_a_model_without_triton_installed_generates():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-def test_kernels_compiled_ahead_are_the_launches_the_step_makes(monkeypatch):
-    """When a cache is made the triton backend records its decode-step launches (``append_launches`` /
-    ``decode_launches``: nothing launched) and compiles each kernel variant once, in a background thread the first
-    launch waits for (``warm_up``). Here: the recorded launches are the step's kernels with its grid and constexprs
-    (the append launch rotating the queries as its plan says; the hopper backend's one fused launch, the portable
-    one's split and merge), and ``warm_up`` compiles each variant once (Triton's warm-up stood in for: the JIT needs
-    a GPU; tests/gpu runs the real one)."""
-    pytest.importorskip("triton")
-    from dataclasses import replace
-
-    from oscar_export.kernels import triton_ops
-    from oscar_export.kernels.decode import DecodeBackend, hopper, portable
-    from oscar_export.kernels.decode_step import _decode_append_kernel
-
-    model = tiny(torch.bfloat16)
-    with enable_oscar(model, rotated_artifact(model, key_bits=(2, 2)), backend="triton") as oscar:
-        names = ["portable", "hopper"] if hopper.HAVE_GLUON else ["portable", "portable"]
-        cache = replace(oscar, decode_backends=tuple(DecodeBackend(n) for n in names)).make_cache(2, 400)
-    assert cache.scaling == model.model.layers[0].self_attn.scaling
-    q = torch.empty(2, 4, 64, dtype=torch.bfloat16)
-    kv = torch.empty(2, 2, 64, dtype=torch.bfloat16)
-    seen = []
-    for layer in cache.layers:
-        tr = layer.transform
-        (append,) = triton_ops.append_launches(layer.append_plan, layer.state, kv, kv, cache.book.status, tr, q)
-        kernel, grid, args, kwargs = append
-        assert kernel is _decode_append_kernel and grid == (2, 2)
-        assert (kwargs["ROTATE_Q"], kwargs["GQ"], kwargs["TRANSFORM"]) == (True, 2, True)
-        assert args[2] is q and args[3].shape == q.shape and args[3].dtype == torch.float32
-        q_s = torch.empty(q.shape, dtype=torch.float32)
-        decode = triton_ops.decode_launches(layer.decode_plan, q_s, layer.step_state, tr.k_levels, tr.v_levels, 0.125)
-        if layer.decode_plan.hopper_kernel:
-            assert [d[0] for d in decode] == [hopper._gl.FUSED_KERNEL]
-        else:
-            assert [d[0] for d in decode] == [portable._decode_split_kernel, portable._merge_kernel]
-        assert decode[0][2][0] is q_s and decode[0][3]["ROTATE_Q"] is False and decode[0][3]["SM_SCALE"] == 0.125
-        seen += [append] + decode
-
-    class Kernel:  # stands in for a JITFunction: records what it is asked to compile
-        compiled = []
-
-        def __init__(self, real):
-            self.real = real
-
-        def warmup(self, *args, grid, **kwargs):
-            Kernel.compiled.append((self.real, grid))
-
-    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
-    stand_ins = {}
-    launches = [(stand_ins.setdefault(k, Kernel(k)), g, a, kw) for k, g, a, kw in seen]
-    triton_ops.warm_up(launches, torch.device("cpu"))
-    assert not triton_ops._WARMING, "the CPU compiles nothing ahead"
-    triton_ops.warm_up(launches + launches, torch.device("cuda"))
-    triton_ops.warm_up(launches, torch.device("cuda"))  # every variant already warmed: no second thread
-    assert len(triton_ops._WARMING) == 1
-    triton_ops._wait_for_warm_up()
-    assert not triton_ops._WARMING
-    variants = {(k.real, kw.get("K_PACKING")) for k, _, _, kw in launches}  # the layers' pages differ in packing
-    assert sorted(map(repr, Kernel.compiled)) == sorted(repr((k.real, g)) for k, g, _, kw in launches
-                                                        if (k.real, kw.get("K_PACKING")) in variants)
-    assert len(Kernel.compiled) == len(variants) == (5 if hopper.HAVE_GLUON else 3), Kernel.compiled
-
-
 def test_every_cache_tensor_the_step_reads_is_a_static_input():
     """Bug (issue 26, the H200 profile of the README loop: ~260 device-to-device copies a step): CUDA-graph trees
     copy every graph input not marked static into the graph's buffers at each replay. The cache marked its windows,
