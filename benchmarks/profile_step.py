@@ -7,15 +7,21 @@ The same model, random artifact and loop as ``bench_e2e.py`` (lengths set, no pr
 records ``--steps`` steps (the kernels replayed from the step's CUDA graph are recorded one by one). Each kernel is
 put in one kind by its name (:data:`KINDS`, first match); per kind: microseconds a step, launches a step. The sum
 over kinds is the GPU's busy time; the step time (CUDA events, median of 20) minus it is the idle time between
-kernels.
+kernels. The host side: ``host_ms`` (median wall time of the call alone, the GPU idle before it: when it is
+near ``step_ms`` the step is bound by the host) and, with ``--host-profile N``, cProfile's top functions by own
+time over N steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -43,7 +49,7 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device) -> dict:
+def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device, host_profile: int = 0) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from transformers import StaticCache
@@ -67,6 +73,24 @@ def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device) -> dic
                 fwd(tok, position_ids=pos, **kwargs)
             torch.cuda.synchronize()
             step_ms = statistics.median(bench_e2e.time_steps(lambda: fwd(tok, position_ids=pos, **kwargs), 20, device))
+            host = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fwd(tok, position_ids=pos, **kwargs)
+                host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            hot = ""
+            if host_profile:
+                prof_host = cProfile.Profile()
+                prof_host.enable()
+                for _ in range(host_profile):
+                    fwd(tok, position_ids=pos, **kwargs)
+                torch.cuda.synchronize()
+                prof_host.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(30)
+                hot = buf.getvalue()
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
                     fwd(tok, position_ids=pos, **kwargs)
@@ -85,7 +109,8 @@ def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device) -> dic
         names[ev.name] += t / steps
     busy = sum(us.values())
     top = sorted(names.items(), key=lambda x: -x[1])[:12]
-    return {"cache": cache_kind, "B": b, "context": ctx, "step_ms": step_ms, "busy_ms": busy / 1e3,
+    return {"cache": cache_kind, "B": b, "context": ctx, "step_ms": step_ms, "host_ms": statistics.median(host),
+            "busy_ms": busy / 1e3, "host_profile": hot,
             "idle_ms": step_ms - busy / 1e3,
             "kinds": {k: {"us_per_step": round(us[k], 1), "launches_per_step": launches[k] / steps}
                       for k in sorted(us, key=lambda x: -us[x])},
@@ -99,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="1x32768", help="BxL")
     ap.add_argument("--caches", default="oscar,bf16")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many steps (0: none)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None)
     args = ap.parse_args(argv)
@@ -107,14 +133,15 @@ def main(argv=None) -> int:
     model = bench_e2e.build(args.model, device)
     out = {"env": bench_e2e.env_line(device, args.commit), "model": args.model, "rows": []}
     for c in args.caches.split(","):
-        row = profile(model, c, b, ctx, args.steps, device)
+        row = profile(model, c, b, ctx, args.steps, device, args.host_profile)
         out["rows"].append(row)
-        print(f"\n{c} {b}x{ctx}: step {row['step_ms']:.2f} ms, GPU busy {row['busy_ms']:.2f} ms, idle "
-              f"{row['idle_ms']:.2f} ms")
+        print(f"\n{c} {b}x{ctx}: step {row['step_ms']:.2f} ms, host {row['host_ms']:.2f} ms, GPU busy "
+              f"{row['busy_ms']:.2f} ms, idle {row['idle_ms']:.2f} ms")
         for k, v in row["kinds"].items():
             print(f"  {k:24s} {v['us_per_step']:9.1f} us  {v['launches_per_step']:6.1f} launches")
         for n, t in row["top_kernels_us"].items():
             print(f"    {t:8.1f} us  {n}")
+        print(row["host_profile"])
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
