@@ -229,13 +229,8 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
         t0 = time.perf_counter()
         if not prefill:
             _fill_without_prefill(model, oscar, cache, ids, ctx)
-        elif oscar:
-            model(ids, logits_to_keep=1, **kw(model, cache))
         else:
-            for s in range(0, ctx, PREFILL_CHUNK):
-                e = min(ctx, s + PREFILL_CHUNK)
-                pos = torch.arange(s, e, device=device)[None].expand(b, -1)
-                model(ids[:, s:e], position_ids=pos, logits_to_keep=1, **kw(model, cache))
+            fill_by_prefill(model, oscar, cache, ids)
         _sync(device)
         if prefill:
             row["prefill_s"] = time.perf_counter() - t0
@@ -279,6 +274,7 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
         row["warmup_s"] = time.perf_counter() - t0
         times = time_steps(step, steps, device)
         row["step_ms"] = statistics.median(times)
+        row["step_ms_all"] = [round(t, 3) for t in times]
         row["tokens_per_s"] = b * 1e3 / row["step_ms"]
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -298,6 +294,17 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
 
 def _bf16_cache_bytes(cfg, b, length):
     return cfg.num_hidden_layers * b * length * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+def fill_by_prefill(model, oscar: bool, cache, ids) -> None:
+    """Prefill ``ids`` ``[B, L]``: OSCAR in one forward, BF16 ``StaticCache`` in ``PREFILL_CHUNK``-token chunks."""
+    if oscar:
+        model(ids, logits_to_keep=1, **kw(model, cache))
+        return
+    for s in range(0, ids.shape[1], PREFILL_CHUNK):
+        e = min(ids.shape[1], s + PREFILL_CHUNK)
+        pos = torch.arange(s, e, device=ids.device)[None].expand(ids.shape[0], -1)
+        model(ids[:, s:e], position_ids=pos, logits_to_keep=1, **kw(model, cache))
 
 
 def _fill_without_prefill(model, oscar: bool, cache, ids, ctx):

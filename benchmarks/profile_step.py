@@ -2,14 +2,14 @@
 
     python benchmarks/profile_step.py [--model llama3-8b] [--workload 1x32768] [--steps 5] [--json out.json]
 
-The same model, random artifact and loop as ``bench_e2e.py`` (lengths set, no prefill), the step compiled with
-``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``; after three warm-up calls ``torch.profiler``
-records ``--steps`` steps (the kernels replayed from the step's CUDA graph are recorded one by one). Each kernel is
-put in one kind by its name (:data:`KINDS`, first match); per kind: microseconds a step, launches a step. The sum
-over kinds is the GPU's busy time; the step time (CUDA events, median of 20) minus it is the idle time between
-kernels. The host side: ``host_ms`` (median wall time of the call alone, the GPU idle before it: when it is
-near ``step_ms`` the step is bound by the host) and, with ``--host-profile N``, cProfile's top functions by own
-time over N steps.
+The same model, random artifact and loop as ``bench_e2e.py`` (lengths set; ``--prefill``: a random prompt
+prefilled), the step compiled with ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``; after
+three warm-up calls ``torch.profiler`` records ``--steps`` steps (the kernels replayed from the step's CUDA graph are
+recorded one by one). Each kernel is put in one kind by its name (:data:`KINDS`, first match); per kind: microseconds
+a step, launches a step. The sum over kinds is the GPU's busy time; the step time (CUDA events, median of 20) minus
+it is the idle time between kernels. The host side: ``host_ms`` (median wall time of the call alone, the GPU idle
+before it: when it is near ``step_ms`` the step is bound by the host) and, with ``--host-profile N``, cProfile's top
+functions by own time over N steps.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device, host_profile: int = 0) -> dict:
+def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device, host_profile: int = 0,
+            prefill: bool = False) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from transformers import StaticCache
@@ -61,10 +62,14 @@ def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device, host_p
     setup = enable_oscar(model, bench_e2e.random_artifact(model)) if cache_kind == "oscar" else None
     try:
         with torch.no_grad():
-            n = ctx + 3 + steps + 32
+            n = ctx + 3 + 20 + 20 + host_profile + steps + 16  # every step below stores one token
             cache = setup.make_cache(b, n) if setup else StaticCache(config=cfg, max_cache_len=n)
-            ids = torch.randint(1, cfg.vocab_size, (b, 16), device=device)
-            bench_e2e._fill_without_prefill(model, setup is not None, cache, ids, ctx)
+            if prefill:
+                ids = torch.randint(1, cfg.vocab_size, (b, ctx), device=device)
+                bench_e2e.fill_by_prefill(model, setup is not None, cache, ids)
+            else:
+                ids = torch.randint(1, cfg.vocab_size, (b, 16), device=device)
+                bench_e2e._fill_without_prefill(model, setup is not None, cache, ids, ctx)
             tok = torch.randint(1, cfg.vocab_size, (b, 1), device=device)
             pos = torch.full((b, 1), ctx, device=device)
             kwargs = bench_e2e.kw(model, cache)
@@ -109,8 +114,8 @@ def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device, host_p
         names[ev.name] += t / steps
     busy = sum(us.values())
     top = sorted(names.items(), key=lambda x: -x[1])[:12]
-    return {"cache": cache_kind, "B": b, "context": ctx, "step_ms": step_ms, "host_ms": statistics.median(host),
-            "busy_ms": busy / 1e3, "host_profile": hot,
+    return {"cache": cache_kind, "B": b, "context": ctx, "prefill": prefill, "step_ms": step_ms,
+            "host_ms": statistics.median(host), "busy_ms": busy / 1e3, "host_profile": hot,
             "idle_ms": step_ms - busy / 1e3,
             "kinds": {k: {"us_per_step": round(us[k], 1), "launches_per_step": launches[k] / steps}
                       for k in sorted(us, key=lambda x: -us[x])},
@@ -124,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="1x32768", help="BxL")
     ap.add_argument("--caches", default="oscar,bf16")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prefill", action="store_true", help="prefill a random prompt (default: lengths set)")
     ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many steps (0: none)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None)
@@ -133,7 +139,7 @@ def main(argv=None) -> int:
     model = bench_e2e.build(args.model, device)
     out = {"env": bench_e2e.env_line(device, args.commit), "model": args.model, "rows": []}
     for c in args.caches.split(","):
-        row = profile(model, c, b, ctx, args.steps, device, args.host_profile)
+        row = profile(model, c, b, ctx, args.steps, device, args.host_profile, args.prefill)
         out["rows"].append(row)
         print(f"\n{c} {b}x{ctx}: step {row['step_ms']:.2f} ms, host {row['host_ms']:.2f} ms, GPU busy "
               f"{row['busy_ms']:.2f} ms, idle {row['idle_ms']:.2f} ms")
