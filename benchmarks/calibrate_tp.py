@@ -1,8 +1,8 @@
 """Calibration of a model larger than one GPU: wall time and peak memory per GPU, and a 1-GPU vs all-GPU check.
 
 UNTESTED ON GPUs: the two GPU modes below have never been run (no multi-GPU machine was lent while this was
-written); only ``--tiny --device cpu`` has run (tests/oscar_export/test_calibrate_tp.py). Treat the first
-GPU run as the test of this script, and report what it prints, not what this docstring expects.
+written); only ``--tiny --device cpu`` has run (its CPU smoke mode). Treat the first GPU run as the test of this
+script, and report what it prints, not what this docstring expects.
 
 Modes:
 

@@ -5,9 +5,7 @@
 #   call 2 (carry .mB .whl .hqq art):   bash benchmarks/eval_gpu_h200.sh a   # text + NIAH of the fake-quantized methods
 #   call 3 (carry .whl .hqq art):       bash benchmarks/eval_gpu_h200.sh b   # deployed (DEP_ARGS), then NIAH of the HF
 #                                       QuantizedCache methods (HF=0 skips)
-#   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh c   # deployed beside niah_diagnose.py
 #   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh d   # deployed beside the HF NIAH
-#   or  (carry .whl .hqq art [.evalres]): bash benchmarks/eval_gpu_h200.sh e   # HF NIAH beside niah_diagnose.py
 #   or  (carry .mB .whl [.art27]):      bash benchmarks/eval_gpu_h200.sh g   # issue 27, one call after call 1: the
 #                                       # default artifact (.art27, else calibrated here with the default recipe) as
 #                                       # deployed (DEP_ARGS), then the default calibration of a random-weight
@@ -35,20 +33,10 @@ if [ "${1:-}" = a ]; then
 elif [ "${1:-}" = b ]; then
     ev "${DEP_S:-300}" --phases deployed ${DEP_ARGS:-}
     [ "${HF:-1}" = 1 ] && ev "${HF_S:-300}" --phases niah --methods bf16,hf-hqq-int2,hf-quanto-int2,hf-hqq-int4,hf-quanto-int4
-elif [ "${1:-}" = c ]; then  # deployed runs (background) beside the issue-17 NIAH diagnosis (foreground), one GPU
-    ( ev "${DEP_S:-240}" --phases deployed ${DEP_ARGS:-} >/dev/null ) &
-    timeout "${DIAG_S:-240}" python3 benchmarks/niah_diagnose.py "$G" --artifact "$ART" --out "$OUT/diag" \
-        --budget-s "${DIAG_BUDGET:-160}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 40
-    wait; tail -n 30 "$OUT/eval.log"
 elif [ "${1:-}" = d ]; then  # deployed runs (background) beside the HF QuantizedCache NIAH (foreground, own out dir)
     ( ev "${DEP_S:-480}" --phases deployed ${DEP_ARGS:-} >/dev/null ) &
     RES=/tmp/eval_gpu_hf ev "${HF_S:-480}" --phases niah --methods "${HF_METHODS:-hf-quanto-int2,hf-hqq-int2,hf-quanto-int4,hf-hqq-int4}"
     wait; tail -n 30 "$OUT/eval.log"
-elif [ "${1:-}" = e ]; then  # HF QuantizedCache NIAH (background, own out dir) beside niah_diagnose.py (DIAG_ARGS)
-    ( RES=/tmp/eval_gpu_hf ev "${HF_S:-400}" --phases niah --methods "${HF_METHODS:-hf-quanto-int4,hf-hqq-int4}" >/dev/null ) &
-    timeout "${DIAG_S:-400}" python3 benchmarks/niah_diagnose.py "$G" --artifact "$ART" --out "$OUT/diag" \
-        --budget-s "${DIAG_BUDGET:-330}" ${DIAG_ARGS:-} 2>&1 | tee "$OUT/diag.log" | tail -n 60
-    wait; tail -n 12 "$OUT/eval.log"
 elif [ "${1:-}" = g ]; then
     # One after the other: run side by side (2026-12-02, commit 42408cc) the 8B fit's CPU threads and the SmolLM2
     # calibration's oversubscribed the 16 cores and neither finished in 295 s (the SmolLM2 fit alone needs ~150 CPU s).

@@ -5,13 +5,15 @@ kernel over mma16 pages on sm_90, else the portable kernel over linear pages; th
 the fastest). Random codes and parameters (speed does not depend on them), queries already in the stored key basis;
 CUDA-graph replays over input sets rotated to defeat the L2, median per call; bytes from ``KVCacheLayout``. Part of
 the installed package: no source checkout needed. The numbers of record and the scripts that made them:
-docs/kernels.md.
+docs/kernels.md. The benchmarks' random inputs live here too: :func:`random_state` (a paged cache) and
+:func:`random_artifact` (a calibrated model's shape, for the end-to-end benchmark and the GPU tests).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 
 EPILOG = """examples:
   oscar-export bench                                          # Llama-3-8B heads, 1x8K 1x32K 1x128K 8x32K, token keys
@@ -119,6 +121,45 @@ def random_state(layout, batch: int, length: int):
     st.num_pages.fill_(pages)
     st.recent_len.fill_(recent)
     return st
+
+
+@dataclass(frozen=True)
+class RandomArtifact:
+    """What ``enable_oscar`` reads of an artifact (``layout``, ``transforms``, ``key_bits``, ``check_model``)."""
+
+    layout: object
+    transforms: tuple
+    key_bits: tuple[int, ...]
+
+    def check_model(self, config) -> None:
+        pass
+
+
+def random_artifact(model, seed: int = 0) -> RandomArtifact:
+    """A calibrated model's shape with random numbers, for benchmarks and GPU tests of a random-weight model: per KV
+    head a random orthogonal ``R_K`` and scalings ``d_K`` in [0.5, 2], key and value means, clip ratios 0.96 / 0.92,
+    channel keys, 4-bit keys in every other layer (half, as the default recipe's 3.0 page-bit budget gives),
+    values pre-rotated (an exported checkpoint)."""
+    import torch
+
+    from oscar_export.kernels.layout import KVCacheLayout
+    from oscar_export.kernels.transform import LayerTransform
+
+    cfg = model.config
+    hkv, d, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(seed)
+    transforms = []
+    for _ in range(n):
+        base = LayerTransform.identity(hkv, d, 0.96, 0.92)
+        rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g))[0].contiguous()
+        transforms.append(LayerTransform(
+            k_rotation=rot, v_rotation=base.v_rotation, k_scale=2 ** (2 * torch.rand(hkv, d, generator=g) - 1),
+            v_scale=base.v_scale, k_mean=0.1 * torch.randn(hkv, d, generator=g),
+            v_mean=0.01 * torch.randn(hkv, d, generator=g), k_clip=base.k_clip, v_clip=base.v_clip,
+            k_levels=base.k_levels, v_levels=base.v_levels, values_prerotated=True,
+        ))
+    layout = KVCacheLayout.default(hkv, d, "channel")
+    return RandomArtifact(layout, tuple(transforms), tuple(4 if i % 2 == 0 else 2 for i in range(n)))
 
 
 def bench_row(heads: str, batch: int, length: int, keys: str, bits: int, copy: float) -> dict:

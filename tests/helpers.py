@@ -15,16 +15,3 @@ def randomize_biases_and_norms(model):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
     return model
 
-
-def load_benchmark_script(name: str):
-    """``benchmarks/<name>.py`` as a module (registered under ``name``: dataclasses look their module up)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return mod

@@ -240,18 +240,13 @@ class PagedInt2(CacheModel):
         valid = c1 + lay.recent_capacity  # query a reads pages up to S0 + pages(a+1) P <= c1 iff a < c1 + W + P
         if c1 <= c0:
             return [Segment(q_start, q_end, valid_until=valid)]
-        k_alt = self.page_rows(layer, ks[:, c0:c1], "k", ks[:, c0:c1])
-        v_alt = self.page_rows(layer, vs[:, c0:c1], "v", ks[:, c0:c1])
-        if k_alt is None and v_alt is None:  # this layer keeps its pages at full precision
-            return [Segment(q_start, q_end, valid_until=valid)]
-        k_alt = ks[:, c0:c1].clone() if k_alt is None else k_alt
-        v_alt = vs[:, c0:c1].clone() if v_alt is None else v_alt
+        k_alt = self.page_rows(layer, ks[:, c0:c1], "k")
+        v_alt = self.page_rows(layer, vs[:, c0:c1], "v")
         return [Segment(q_start, q_end, c0, k_alt, v_alt, self.int2_ranges, valid)]
 
-    def page_rows(self, layer: int, x: torch.Tensor, side: str, keys: torch.Tensor) -> torch.Tensor | None:
-        """What the pages hold: ``x [H_kv, N*P, D]`` stored-basis rows of whole pages (``side`` "k" or "v"; ``keys``
-        the same tokens' stored keys) -> dequantized rows ``[H_kv, N*P, D]`` float32, or None where the layer
-        keeps them at full precision. The one place a variant of the page format (``levers``) changes."""
+    def page_rows(self, layer: int, x: torch.Tensor, side: str) -> torch.Tensor:
+        """What the pages hold: ``x [H_kv, N*P, D]`` stored-basis rows of whole pages (``side`` "k" or "v") ->
+        dequantized rows ``[H_kv, N*P, D]`` float32."""
         return page_roundtrip(x, self.layer_layout(layer), self.transforms[layer], side, self.param_dtype)
 
     def _reads_quantized(self, pos, prefill_len):

@@ -8,14 +8,12 @@
   (``quantize_groups`` always stores fp16 params). :func:`fp32_param_roundtrip` is that rule with the
   params kept in fp32, written as the reference's arithmetic with the two fp16 casts left out; a test pins
   it to the reference wherever fp16 rounding is exact.
-* wider codes (the evaluation's 4-bit levers, an artifact's 4-bit key layers): :func:`page_roundtrip` on the
-  layout with that side's 4-bit row format (:func:`with_side_bits`), the reference's 16-level rule.
+* wider codes (an artifact's 4-bit key layers): :func:`page_roundtrip` on the layout with 4-bit keys
+  (``KVCacheLayout.with_key_bits``), the reference's 16-level rule.
 * transformers' ``QuantizedCache``: the real backend layer (``HQQQuantizedLayer`` / ``QuantoQuantizedLayer``).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 
@@ -53,18 +51,6 @@ def page_roundtrip(x: torch.Tensor, layout: KVCacheLayout, transform: LayerTrans
     else:
         raise ValueError(f"param_dtype: expected one of {PARAM_DTYPES}, got {param_dtype!r}")
     return out.transpose(0, 1).reshape(h, t, d)
-
-
-def with_side_bits(layout: KVCacheLayout, side: str, bits: int) -> KVCacheLayout:
-    """``layout`` with ``bits``-bit codes on ``side`` (``"k"``: ``layout.with_key_bits``; ``"v"``: the value row
-    format likewise: uniform levels, no codebook)."""
-    if side == "k":
-        return layout.with_key_bits(bits)
-    if side != "v":
-        raise ValueError(f"side: expected 'k' or 'v', got {side!r}")
-    if bits == layout.value.bits:
-        return layout
-    return replace(layout, value=replace(layout.value, bits=bits, codebook=False))
 
 
 def fp32_param_roundtrip(x: torch.Tensor, rank: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -149,5 +135,5 @@ def add_noise_like(x: torch.Tensor, seed: int) -> torch.Tensor:
 
 __all__ = [
     "HF_BACKENDS", "PARAM_DTYPES", "add_noise_like", "fp32_param_roundtrip", "hf_backend_layer", "hf_backend_missing",
-    "kivi_keys", "kivi_values", "minmax_roundtrip", "page_roundtrip", "with_side_bits",
+    "kivi_keys", "kivi_values", "minmax_roundtrip", "page_roundtrip",
 ]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from oscar_export.bench import random_artifact
 from oscar_export.kernels.pages import STATUS_NONFINITE
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
@@ -30,25 +31,10 @@ def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return rel, top1
 
 
-def bench_e2e():
-    """``benchmarks/bench_e2e.py`` as a module (its ``random_artifact``: a calibrated model's shape)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    if "bench_e2e" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("bench_e2e",
-                                                      Path(__file__).parents[2] / "benchmarks/bench_e2e.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_e2e"] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules["bench_e2e"]
-
-
 def artifact_of(model, kind: str):
-    """None (identity transforms) or ``"rotated"``: ``bench_e2e.random_artifact`` (rotated and scaled keys, means,
-    channel keys, 4-bit keys in every other layer)."""
-    return None if kind == "identity" else bench_e2e().random_artifact(model)
+    """None (identity transforms) or ``"rotated"``: ``oscar_export.bench.random_artifact`` (rotated and scaled keys,
+    means, channel keys, 4-bit keys in every other layer)."""
+    return None if kind == "identity" else random_artifact(model)
 
 
 def forced_logits(model, setup, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -306,8 +292,8 @@ def test_generate_with_a_compile_config():
 def test_readme_loop_with_a_calibrated_shape_artifact():
     """Issue 26: the README loop (``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``) with an
     artifact of a calibrated model's shape (rotated and scaled keys, means, channel keys, 4-bit keys in half the
-    layers: ``bench_e2e.random_artifact``) on the backends ``select_backend`` picks, against the eager forward over
-    steps that cross a demotion.
+    layers: ``oscar_export.bench.random_artifact``) on the backends ``select_backend`` picks, against the eager
+    forward over steps that cross a demotion.
 
     Each step starts both caches from the same state (the compiled cache's, copied into the eager one), so the
     comparison measures one step's compiled-vs-eager arithmetic, not a drift: Inductor rounds the dense BF16 parts
