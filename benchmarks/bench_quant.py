@@ -23,12 +23,12 @@ import json
 import torch
 
 from oscar_export.kernels import reference as ref
-from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.decode_step import decode_append
+from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.quant_pack import quantize_pages, write_pages
 from oscar_export.kernels.transform import LayerTransform
 
-from bench_decode import copy_bandwidth, copies_for, env_line, graph_ms  # noqa: E402  (same folder)
+from bench_decode import copies_for, copy_bandwidth, env_line, graph_ms  # noqa: E402  (same folder)
 
 H, D = 8, 128
 
@@ -147,8 +147,8 @@ def main(argv=None) -> int:
     print(f"\n{'op':>22} {'gran':>7} {'packing':>7} {'pages':>6} {'variant':>20} {'MB':>8} {'us':>8} {'TB/s':>6} "
           f"{'% copy':>6}  check")
     for r in rows:
-        print(f"{r['op']:>22} {r['gran']:>7} {r['packing']:>7} {r['pages']:>6} {r['variant']:>20} {r['bytes'] / 1e6:8.1f} "
-              f"{r['us']:8.1f} {r['tbps']:6.2f} {100 * r['tbps'] / bw:6.1f}  {r['check']}")
+        print(f"{r['op']:>22} {r['gran']:>7} {r['packing']:>7} {r['pages']:>6} {r['variant']:>20} "
+              f"{r['bytes'] / 1e6:8.1f} {r['us']:8.1f} {r['tbps']:6.2f} {100 * r['tbps'] / bw:6.1f}  {r['check']}")
     return 0
 
 

@@ -32,8 +32,8 @@ import torch
 
 RESULTS = Path(__file__).with_name("RESULTS-calibrate.md")
 HEADER = (
-    "| date (UTC) | git | tokens | seq_len | budget | 4-bit key layers | total s | load s | capture s | fit s | key bits s "
-    "| CPU s (capture / fit / key bits) | K/id | V/id | CPUs "
+    "| date (UTC) | git | tokens | seq_len | budget | 4-bit key layers | total s | load s | capture s | fit s "
+    "| key bits s | CPU s (capture / fit / key bits) | K/id | V/id | CPUs "
     "| load avg before→after | torch |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )

@@ -13,7 +13,8 @@
 3. ``results.json``, ``results.md`` and the PNG plots in ``--out``; progress and phase times on stdout.
 
 Without ``--artifact`` it calibrates on the GPU first (``CalibrationConfig.recipe``, the CLI's default, on at
-least 20,000 tokens) and saves the artifact to ``--out/artifact``. ``--quick`` is the same protocol small (a first run that also times it).
+least 20,000 tokens) and saves the artifact to ``--out/artifact``. ``--quick`` is the same protocol small (a first
+run that also times it).
 ``--device cpu --tiny`` runs every code path at toy sizes on the CPU (the BF16 run then uses the reference
 backend: Triton needs CUDA) so that nothing crashes on the GPU for want of a test.
 """

@@ -67,7 +67,8 @@ def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a local HF model dir")
+    p.add_argument("--model", default="default",
+                   help="'default' (embedded SmolLM2-135M-Instruct) or a local HF model dir")
     p.add_argument("--artifact", default=None, help="OSCAR artifact directory (default: identity transforms)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text")
@@ -80,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="torch", help="cache ops backend: torch | torch.compile | triton")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--skip-bf16", action="store_true",
-                   help="only run the OSCAR cache (skip the full-precision DynamicCache run: BF16 on CUDA, fp32 on the CPU)")
+                   help="only run the OSCAR cache (skip the full-precision DynamicCache run: BF16 on CUDA, fp32 on "
+                        "the CPU)")
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -90,7 +92,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
         from pydoc_data.topics import topics
 
         if args.prompt_topic not in topics:
-            raise UserError(f"--prompt-topic: unknown topic {args.prompt_topic!r}; e.g. {', '.join(sorted(topics)[:8])}")
+            some = ", ".join(sorted(topics)[:8])
+            raise UserError(f"--prompt-topic: unknown topic {args.prompt_topic!r}; e.g. {some}")
         return topics[args.prompt_topic]
     if args.prompt is None:  # ~700 tokens: long enough that the history reaches the INT2 pages
         from pydoc_data.topics import topics

@@ -33,7 +33,13 @@ from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
 from .quantizers import (
-    HF_BACKENDS, PARAM_DTYPES, add_noise_like, hf_backend_layer, kivi_keys, kivi_values, page_roundtrip,
+    HF_BACKENDS,
+    PARAM_DTYPES,
+    add_noise_like,
+    hf_backend_layer,
+    kivi_keys,
+    kivi_values,
+    page_roundtrip,
 )
 
 NEVER = 1 << 62  # a segment valid for every later query position

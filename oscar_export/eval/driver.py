@@ -79,7 +79,8 @@ PRESETS = {
     # peers; HQQ re-optimises the whole history at every flush (minutes here): "long"/"full" or --methods.
     "default": Preset((2048,), 1, (2048,), 10, 20_000, 2048, hf=("hf-quanto-int2",), tasks=("single", "multikey"),
                       methods=MAIN_METHODS),
-    # The GPU protocol (docs/design.md §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length, every method.
+    # The GPU protocol (docs/design.md §5): 2K/4K/8K text, NIAH at 1K-8K with 20 needles per task and length, every
+    # method.
     "full": _FULL,
     # The same lengths and needles for the main job's methods only.
     "long": replace(_FULL, hf=("hf-quanto-int2",), methods=MAIN_METHODS),
@@ -448,7 +449,8 @@ def calibrate_and_save(model, tok, preset: Preset, out: str, inputs) -> object:
         return bars[-1]
 
     try:
-        art = calibrate(model, tok, cfg, progress=bars[0].update, on_layer=lambda i, s: phase("calibrate: fit").update(1),
+        art = calibrate(model, tok, cfg, progress=bars[0].update,
+                        on_layer=lambda i, s: phase("calibrate: fit").update(1),
                         on_key_bits=lambda n: phase("calibrate: key bits").update(n))
     finally:
         for b in bars:
@@ -462,5 +464,5 @@ def calibrate_and_save(model, tok, preset: Preset, out: str, inputs) -> object:
     return art
 
 
-__all__ = ["EPILOG", "MAIN_METHODS", "PRESETS", "Preset", "calibrate_and_save", "add_arguments", "build_methods", "check_device", "check_lengths",
-           "run", "run_deployed", "run_eval"]
+__all__ = ["EPILOG", "MAIN_METHODS", "PRESETS", "Preset", "calibrate_and_save", "add_arguments", "build_methods",
+           "check_device", "check_lengths", "run", "run_deployed", "run_eval"]

@@ -101,8 +101,9 @@ def headline(result: dict, paths: dict | None = None) -> str:
     if niah:
         cfg = niah["config"]
         lens = ", ".join(f"{x:,}" for x in cfg["lengths"])
-        lines.append(f"- needles: {cfg['needles']} per task and length ({', '.join(TASK_NAMES[t] for t in cfg['tasks'])}"
-                     f") at {lens} tokens, split {cfg['split']!r}; exact answers")
+        tasks = ", ".join(TASK_NAMES[t] for t in cfg["tasks"])
+        lines.append(f"- needles: {cfg['needles']} per task and length ({tasks}) at {lens} tokens, "
+                     f"split {cfg['split']!r}; exact answers")
     tm = result.get("timings") or {}
     if "wall_s" in tm:
         phases = [f"{what} {tm[k]:,.0f} s" for k, what in PHASES if k in tm]
@@ -275,8 +276,8 @@ def summary_plot(result: dict, out_dir: Path, plt) -> Path | None:
             for yy, k, _ in pts:
                 ax.annotate(f"{k:.3g}", (k, yy), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
             if "bf16" in names:
-                ax.annotate("0 (the reference)", (lo, y[names.index("bf16")]), xytext=(3, 0), textcoords="offset points",
-                            va="center", fontsize=8)
+                ax.annotate("0 (the reference)", (lo, y[names.index("bf16")]), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=8)
             ax.set_xlabel(f"KL(p_bf16 || p_method) at {int(L):,} tokens, nats")
             ax.set_title("Text: distance to BF16\nlower is better", fontsize=10)
         else:

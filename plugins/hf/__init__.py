@@ -15,7 +15,14 @@ Files: ``support.py`` (model checks, ``enable_oscar``), ``cache.py`` (``OscarCac
 
 from .cache import LayerStep, OscarCache, OscarLayer
 from .ops import BACKENDS, CacheOps, get_ops
-from .support import SUPPORTED_MODEL_TYPES, OscarSetup, cache_kwargs, enable_oscar, model_attention_shape, register_attention
+from .support import (
+    SUPPORTED_MODEL_TYPES,
+    OscarSetup,
+    cache_kwargs,
+    enable_oscar,
+    model_attention_shape,
+    register_attention,
+)
 
 __all__ = [
     "BACKENDS",

@@ -9,9 +9,10 @@ forward:
   same launch turns the step's queries into the stored key basis, once a step) and attends over sink + INT2
   pages + recent (``ops.decode_attention`` on those queries); the last layer commits. No host read: the whole
   model step is capturable in one CUDA graph.
-* **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend causally at full precision
-  through ``scaled_dot_product_attention`` in the model dtype (flash / memory-efficient: O(T) memory, no
-  ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages, recent ring).
+* **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend
+  causally at full precision through ``scaled_dot_product_attention`` in the model dtype (flash /
+  memory-efficient: O(T) memory, no ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages,
+  recent ring).
 * **chunk** (``T > 1``, a slot that holds tokens): the chunk reads the history as stored and itself causally
   (``ops.chunk_attention``, stored basis, in query blocks), then is written.
 

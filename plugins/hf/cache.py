@@ -407,7 +407,8 @@ class OscarCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes the cached tokens occupy now, all layers: OSCAR layers from each layer's layout (windows at BF16,
-        pages INT2 / 4-bit keys), sliding layers the ``min(n, W)`` tokens their ring holds (:meth:`memory` splits them)."""
+        pages INT2 / 4-bit keys), sliding layers the ``min(n, W)`` tokens their ring holds (:meth:`memory` splits
+        them)."""
         mem = self.memory()
         return mem["oscar_kv"] + mem["sliding_kv"]
 

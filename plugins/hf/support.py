@@ -11,7 +11,6 @@ naming the architecture or the feature.
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence

@@ -8,10 +8,10 @@ Run on the H200 (the bundle is built on the CPU machine and carried over)::
 Checks, for the cubin and for the PTX (driver JIT) of every kernel: the parameter list matches the
 manifest (``cuFuncGetParamInfo``); results are bitwise equal to the Triton JIT launch of the same kernel
 and constexprs (attention outputs: bitwise when the bundle's Triton is the JIT's, else within 2 bf16 ulps on
-at most 1 % of them, see ``_attention_matches_jit``); integer kernels equal the reference exactly, attention is within the error budget of the
-reference (at most 2x the error of a BF16 PyTorch computation, plus 1e-3); a decode step captured in a
-CUDA graph replays correctly with new inputs. A bundle compiled on the GPU machine with its own Triton
-(``local``) separates "the AOT path is wrong" from "two Triton versions compile differently".
+at most 1 % of them, see ``_attention_matches_jit``); integer kernels equal the reference exactly, attention is
+within the error budget of the reference (at most 2x the error of a BF16 PyTorch computation, plus 1e-3); a
+decode step captured in a CUDA graph replays correctly with new inputs. A bundle compiled on the GPU machine
+with its own Triton (``local``) separates "the AOT path is wrong" from "two Triton versions compile differently".
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def bundles(cuda, tmp_path_factory):
     path = os.environ.get("OSCAR_AOT_BUNDLE")
     if path:
         m = read_manifest(path)
-        print(f"CPU-built bundle: triton {m.data['triton_version']}, ptxas {m.data['ptxas']}, {len(m.entries)} binaries")
+        print(f"CPU-built bundle: triton {m.data['triton_version']}, ptxas {m.data['ptxas']}, "
+              f"{len(m.entries)} binaries")
         out["cpu"] = m
     local = tmp_path_factory.mktemp("local") / "bundle"
     # this machine's Triton and ptxas, native PTX ISA; one layout (the compile time is device time)
@@ -229,8 +230,8 @@ def _state(layout, lengths, cuda, seed=0):
     g = torch.Generator().manual_seed(seed)
     h, d = layout.num_kv_heads, layout.head_dim
     t = LayerTransform.identity(h, d, 0.96, 0.92)
-    t = replace(t, k_rotation=torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))[0].float().contiguous(),
-                k_scale=torch.rand(h, d, generator=g) + 0.5)
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))[0].float().contiguous()
+    t = replace(t, k_rotation=rot, k_scale=torch.rand(h, d, generator=g) + 0.5)
     max_pages = max(1, max(layout.pages_for(n) for n in lengths))
     st = PagedKV.allocate(layout, len(lengths), pool_pages=len(lengths) * max_pages + 3, max_pages=max_pages)
     free = list(range(st.k_codes.shape[0]))[::-1]
@@ -305,8 +306,8 @@ def _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, what):
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", SOURCES)
 def test_decode_attention(bundles, where, source, lay, cuda):
-    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
+    from oscar_export.kernels.decode import portable as jit_mod
 
     layout = layouts()[lay]
     tag = layout_tag(layout, HEADS)
@@ -320,9 +321,11 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
     out = _aot_decode(split, merge, q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
     jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
-                                   q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16, pages_per_split=pps)
+                                   q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
+                                   pages_per_split=pps)
     torch.cuda.synchronize()
-    _check_reference_budget(out, q, t, st, layout, f"decode [{where} {source} {lay}] B={len(lengths)} lengths {lengths}")
+    _check_reference_budget(out, q, t, st, layout,
+                            f"decode [{where} {source} {lay}] B={len(lengths)} lengths {lengths}")
     assert _attention_matches_jit("decode vs JIT", out, jit, _same_triton(bundles, where))
 
     # The TensorRT-order variants (what plugins/trt hands TensorRT) through the same driver path.
@@ -351,9 +354,9 @@ def test_decode_attention(bundles, where, source, lay, cuda):
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", [("cpu", "cubin"), ("cpu", "ptx")])
 def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
-    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import layout_tag
+    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.plugins.trtllm.device import AotCacheOps
 
     layout = layouts()[lay]
@@ -395,9 +398,9 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
     """Prefill three prompts, then decode 140 steps the way the TensorRT-LLM module does (the page book's step
     around the AOT device ops: write at the committed length, one decode_append per step, commit); after
     every step the cache equals reference.append_tokens'."""
-    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import layout_tag
+    from oscar_export.kernels.decode import portable as jit_mod
     from oscar_export.kernels.layout import PagedKV
     from oscar_export.kernels.pages import PageBook
     from oscar_export.plugins.trtllm.device import AotCacheOps
@@ -415,7 +418,8 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
     ref = PagedKV.allocate(layout, 3, book.num_pool_pages, book.max_pages)
     ref.block_table.copy_(book.block_table.cpu())  # the reference writes the book's pages
     g = torch.Generator().manual_seed(7)
-    rows = {b: ((torch.randn(3, n + steps, 64, generator=g) * 2).bfloat16(), torch.randn(3, n + steps, 64, generator=g).bfloat16())
+    rows = {b: ((torch.randn(3, n + steps, 64, generator=g) * 2).bfloat16(),
+                torch.randn(3, n + steps, 64, generator=g).bfloat16())
             for b, n in prompts.items()}
 
     def check(what):
@@ -473,11 +477,11 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     within budget of the reference, and a CUDA-graph replay equal to an eager launch. (A bundle built on the CPU
     machine by another Triton is not tested here: the harness's CPU bundle is built for sm_80/89 too, which a
     Gluon kernel of warpgroup MMAs refuses.)"""
-    from oscar_export.kernels.decode import hopper
     from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_plan, decode_split_spec, layout_tag
     from oscar_export.kernels.aot.compile import build_bundle
     from oscar_export.kernels.aot.launcher import AotKernel
     from oscar_export.kernels.aot.manifest import read_manifest
+    from oscar_export.kernels.decode import hopper
     from oscar_export.kernels.layout import KVCacheLayout
 
     layout = KVCacheLayout.default(3, 64, packing="mma16")

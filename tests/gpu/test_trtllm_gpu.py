@@ -44,8 +44,13 @@ def cuda():
 
 def _aot_ops(lay, tmp_path_factory):
     """The adapter's device ops of ``lay`` over a bundle compiled here for this GPU."""
-    from oscar_export.kernels.aot.bundle import decode_merge_spec, decode_split_spec, decode_step_specs, layout_tag
-    from oscar_export.kernels.aot.bundle import quant_pack_spec
+    from oscar_export.kernels.aot.bundle import (
+        decode_merge_spec,
+        decode_split_spec,
+        decode_step_specs,
+        layout_tag,
+        quant_pack_spec,
+    )
     from oscar_export.kernels.aot.compile import build_bundle
     from oscar_export.kernels.aot.manifest import read_manifest
     from oscar_export.plugins.trtllm.device import AotCacheOps
@@ -185,8 +190,9 @@ def _manager(ops, dep, lengths, cuda):
     lay = dep.layout
     cls = make_cache_manager_class(SimpleNamespace(KVCacheManager=Base), dep, lambda layout: ops)
     # upstream's KvCacheConfig always has max_tokens (None: no token budget given)
-    mgr = cls(SimpleNamespace(max_tokens=None), "SELF", num_layers=1, num_kv_heads=2, head_dim=64, tokens_per_block=lay.page_size,
-              max_seq_len=256, max_batch_size=len(lengths), mapping=SimpleNamespace(world_size=1))
+    mgr = cls(SimpleNamespace(max_tokens=None), "SELF", num_layers=1, num_kv_heads=2, head_dim=64,
+              tokens_per_block=lay.page_size, max_seq_len=256, max_batch_size=len(lengths),
+              mapping=SimpleNamespace(world_size=1))
     torch.manual_seed(0)
     st = mgr.layers[0]
     for f in ("sink_k", "sink_v", "recent_k", "recent_v"):
@@ -226,10 +232,10 @@ def _attention_layer(monkeypatch, dep):
     """One attention layer built as the adapter's model class builds it: the stand-in ``Attention`` constructed
     for the unfused backend (``model.constructed_with``), its ``.attn`` the OSCAR backend."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "plugins"))
-    import trtllm_standins
-
     from oscar_export.plugins.trtllm.attention import make_attention_class
     from oscar_export.plugins.trtllm.model import CONSTRUCTION_BACKEND, constructed_with
+
+    import trtllm_standins
 
     ns = trtllm_standins.install(monkeypatch, "1.2")
     cfg = trtllm_standins.ModelConfig(pretrained_config=SimpleNamespace(head_dim=64))

@@ -19,10 +19,12 @@ def tiny_dir(tmp_path_factory):
     vocab = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(94)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[PAD]").save_pretrained(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", pad_token="[PAD]", eos_token="[PAD]")
+    fast.save_pretrained(path)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, pad_token_id=0, eos_token_id=None)
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, pad_token_id=0,
+                      eos_token_id=None)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
 

@@ -9,10 +9,11 @@ import torch
 
 from oscar_export.kernels import reference
 from oscar_export.kernels.layout import KVCacheLayout
+from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf.attention import attend
-from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE
-from oscar_export.plugins.hf.cache import OscarCache, OscarLayer
+from oscar_export.plugins.hf.cache import OscarCache
+
 from conftest import GQA_SHAPES, HEAD_DIMS
 
 SMALL = dict(sink=4, window=16, page_size=16)  # windows small enough that a few dozen tokens reach INT2
@@ -232,7 +233,8 @@ def test_slot_prefill_while_others_keep_their_sequences():
 @pytest.mark.parametrize(
     "k_shape, dtype, match",
     [
-        ((2, 2, 1, 32), torch.float32, r"key_states: expected \[1, 2, T, 32\], got \[2, 2, 1, 32\] \(batch = the cache's active slots\)"),
+        ((2, 2, 1, 32), torch.float32,
+         r"key_states: expected \[1, 2, T, 32\], got \[2, 2, 1, 32\] \(batch = the cache's active slots\)"),
         ((1, 3, 1, 32), torch.float32, r"expected \[1, 2, T, 32\].*got \[1, 3, 1, 32\]"),
         ((1, 2, 1, 16), torch.float32, r"got \[1, 2, 1, 16\]"),
         ((1, 2, 32), torch.float32, r"got \[1, 2, 32\]"),
@@ -337,7 +339,8 @@ def test_padded_chunk_strips_pads_per_sequence():
         alone, al = one_layer(lay, tr, 1, 100)
         cut = 25 - (n - m)  # real tokens of sequence b in the first chunk
         sl = slice(n - m, n)
-        a1 = attend(al, q[b : b + 1, :, n - m : 25], k[b : b + 1, :, n - m : 25], v[b : b + 1, :, n - m : 25], None, scale)
+        rows = slice(n - m, 25)
+        a1 = attend(al, q[b : b + 1, :, rows], k[b : b + 1, :, rows], v[b : b + 1, :, rows], None, scale)
         a2 = attend(al, q[b : b + 1, :, 25:], k[b : b + 1, :, 25:], v[b : b + 1, :, 25:], None, scale)
         assert cut == a1.shape[2]
         torch.testing.assert_close(out[b : b + 1, :, sl], torch.cat([a1, a2], 2), atol=1e-5, rtol=1e-5)
@@ -377,7 +380,8 @@ def test_attention_rejects_bad_queries_masks_and_indices():
 def test_mixed_key_bits_layers_store_read_and_attend_in_their_own_layout():
     """Layers with ``key_bits`` (2, 4, 2): each allocates and quantizes with ``layout.with_key_bits(b)`` (a 4-bit
     K pool is ``[N, H_kv, P, D / 2]``); prompt, chunk and decode steps past a demotion read back exactly the
-    reference's pages of that layout (to fp32 rounding) and attend like the fp64 oracle over them; bytes follow each layout."""
+    reference's pages of that layout (to fp32 rounding) and attend like the fp64 oracle over them; bytes follow each
+    layout."""
     h, h_kv, d = 4, 2, 32
     lay = small_layout(h_kv, d, "channel")
     trs = [rotated_transform(h_kv, d, seed=i) for i in range(3)]

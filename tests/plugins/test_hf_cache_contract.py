@@ -15,6 +15,7 @@ import torch
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import OscarCache, cache_kwargs, enable_oscar
+
 from test_hf_models import SMALL, tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
@@ -87,7 +88,8 @@ def test_a_cache_used_after_restore_fails_with_one_clear_error():
     oscar = enable_oscar(model, layout=SMALL)
     cache = oscar.make_cache(1, 64)
     oscar.restore()
-    with pytest.raises(AttributeError, match=r"an OscarCache reached attention that is not OSCAR's .*setup.restore\(\)"):
+    msg = r"an OscarCache reached attention that is not OSCAR's .*setup.restore\(\)"
+    with pytest.raises(AttributeError, match=msg):
         with torch.no_grad():
             model(torch.randint(1, 96, (1, 8)), **cache_kwargs(model, cache))
 

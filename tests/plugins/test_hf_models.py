@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from helpers import randomize_biases_and_norms
-
 import copy
 from types import SimpleNamespace
 
@@ -26,6 +24,8 @@ from transformers import (
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import OscarCache, cache_kwargs, enable_oscar
+
+from helpers import randomize_biases_and_norms
 from test_hf_cache import rotated_transform
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
@@ -251,7 +251,8 @@ def test_key_bits_without_an_artifact_give_layers_their_width():
 
 def test_bad_arguments_give_clear_errors():
     model = tiny("llama")
-    with pytest.raises(ValueError, match=r"backend: expected one of \['torch', 'torch.compile', 'triton'\], got 'cuda'"):
+    msg = r"backend: expected one of \['torch', 'torch.compile', 'triton'\], got 'cuda'"
+    with pytest.raises(ValueError, match=msg):
         enable_oscar(model, backend="cuda")
     with pytest.raises(ValueError, match="layout: expected H_kv=2, D=16 .* got H_kv=3, D=16"):
         enable_oscar(model, layout=KVCacheLayout.default(3, 16))

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from pydoc_data.topics import topics
+
 import pytest
 import torch
-from pydoc_data.topics import topics
 from transformers import DynamicCache
 
 from oscar_export.plugins.hf import CacheOps, OscarCache, cache_kwargs, enable_oscar, get_ops

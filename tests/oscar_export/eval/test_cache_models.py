@@ -9,16 +9,23 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eval_helpers import D, LAY, random_transform, tiny_llama
 from oscar_export.eval.attention import EvalContext, _one_row
 from oscar_export.eval.cache_models import (
-    BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2, hf_flushes, hf_quantized_count,
+    BF16Cache,
+    CacheModel,
+    HFQuantized,
+    Kivi2,
+    PagedInt2,
+    hf_flushes,
+    hf_quantized_count,
 )
 from oscar_export.eval.recipes import baseline_methods
 from oscar_export.eval.text import compare_hidden, final_hidden
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform, hadamard
+
+from eval_helpers import LAY, D, random_transform, tiny_llama
 
 
 def methods_for(model, lay=LAY):

@@ -9,10 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eval_helpers import D, CharTokenizer, random_transform, tiny_llama
 from oscar_export.eval.deployed import deployed_niah, deployed_text, greedy_answers, oscar_logits, plain_logits
 from oscar_export.eval.niah import NiahConfig, build_prompts
 from oscar_export.kernels.layout import KVCacheLayout
+
+from eval_helpers import CharTokenizer, D, random_transform, tiny_llama
 
 pytest.importorskip("oscar_export.plugins.hf")
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 import transformers
 
-from eval_helpers import D, random_transform, tiny_llama
 from oscar_export.eval.cache_models import BF16Cache, PagedInt2
 from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths
 from oscar_export.eval.recipes import attention_shape, research_recipe
 from oscar_export.eval.text import evaluation_text, final_hidden, text_windows
 from oscar_export.kernels.layout import KVCacheLayout
+
+from eval_helpers import D, random_transform, tiny_llama
 
 
 @pytest.mark.parametrize("granularity", ["token", pytest.param("channel", marks=pytest.mark.slow)])
@@ -59,8 +60,9 @@ def test_research_recipe_is_shared_u_h_with_global_clips():
 def test_run_eval_on_a_tiny_model_scores_every_length_and_task(monkeypatch):
     """The driver's fake-quantized path: every method scored at every text length (prefixes of one window),
     BF16 exactly 0 KL, NIAH counted per task and length."""
-    from eval_helpers import CharTokenizer
     from oscar_export.eval import driver, text
+
+    from eval_helpers import CharTokenizer
 
     model = tiny_llama()
     tok = CharTokenizer()

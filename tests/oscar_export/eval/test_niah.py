@@ -6,13 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval_helpers import LAY, CharTokenizer, random_transform, tiny_llama
 from oscar_export.eval.cache_models import BF16Cache, HFQuantized, Kivi2, PagedInt2
 from oscar_export.eval.niah import (
-    NEEDLE, NiahConfig, NiahPrompt, build_prompts, judge, numbers, run_niah, summarize, values_found, wilson,
+    NEEDLE,
+    NiahConfig,
+    NiahPrompt,
+    build_prompts,
+    judge,
+    numbers,
+    run_niah,
+    summarize,
+    values_found,
+    wilson,
 )
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
+
+from eval_helpers import LAY, CharTokenizer, random_transform, tiny_llama
 
 
 def prompt(task="single", values=("2531545",)):
