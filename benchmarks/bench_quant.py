@@ -11,7 +11,7 @@ the time includes. Medians of CUDA-graph replays over rotated input sets.
 Before timing, every prefill-write variant is checked bit-exact against ``reference.quantize_pages`` on
 the same GPU (64 pages, clips 1.0 .. 0.5, so the multi-round threshold path runs too); ``+rot`` within the
 tests' tolerance. ``--sweep`` adds the launch widths (``num_warps`` 1/2/4/8) and the fused in-kernel rotation.
-``--packing linear,mma16`` also runs the rows on mma16 pages (the v2 / v3 decode kernels' order; there the value
+``--packing linear,mma16`` also runs the rows on mma16 pages (the Hopper decode kernel's order; there the value
 pool is written transposed, so a value-page write row is added).
 """
 

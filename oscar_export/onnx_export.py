@@ -60,7 +60,7 @@ def _io(layout, num_heads: int, types: dict[str, str] | None = None):
     if layout.key.bits != 2 or layout.value.bits != 2:  # the reference function below unpacks 2-bit codes
         raise NotImplementedError(f"ONNX export: 2-bit pages only, the layout has {layout.key.bits}-bit keys and "
                                   f"{layout.value.bits}-bit values")
-    if layout.packing != "linear":  # ... in linear order, and the TensorRT plugins launch the v1 kernels
+    if layout.packing != "linear":  # ... in linear order, and the TensorRT plugins launch the portable kernels
         raise NotImplementedError(f"ONNX export: linear pages only, the layout has {layout.key.packing!r} key and "
                                   f"{layout.value.packing!r} value pages")
     h, hkv, d, p = num_heads, layout.num_kv_heads, layout.head_dim, layout.page_size

@@ -96,10 +96,10 @@ def test_folded_values_are_the_rotated_values():
     with torch.no_grad():
         v = attn.v_proj(x).double().view(5, 2, 16)  # [T, H_kv, D]
         fold_value_transforms(model, art.transforms)
-        v2 = attn.v_proj(x).double().view(5, 2, 16)
+        folded = attn.v_proj(x).double().view(5, 2, 16)
     t = art.transforms[1]
     want = torch.einsum("thd,hde->the", v, t.v_rotation.double()) * t.v_scale.double()
-    assert (v2 - want).abs().max().item() < 1e-5
+    assert (folded - want).abs().max().item() < 1e-5
 
 
 def test_fold_rejects_wrong_heads_and_prerotated():

@@ -320,7 +320,7 @@ def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monk
 
 def test_build_has_no_decode_kernel_knob(capsys):
     """Issue 30: ``--decode-kernel gluon`` changed nothing (the targets choose the kernel: the test above) and named
-    the deleted v2/v3; it is gone."""
+    kernels that no longer exist; it is gone."""
     with pytest.raises(SystemExit) as e:
         main(["build", "--export", "ck", "--out", "d", "--decode-kernel", "gluon"])
     assert e.value.code == 2 and "unrecognized arguments: --decode-kernel" in capsys.readouterr().err
