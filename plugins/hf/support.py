@@ -25,6 +25,7 @@ from oscar_export.kernels.decode.backend import have_triton
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
+from . import precompile
 from .attention import ATTENTION_NAME, oscar_attention, oscar_mask
 from .cache import OscarCache
 from .ops import CacheOps, get_ops
@@ -91,10 +92,13 @@ class OscarSetup:
         """A fresh cache for ``batch_size`` sequence slots of up to ``max_length`` tokens each (prompt +
         generated); every page they can need is reserved now. Windows take the model's dtype and device."""
         p = next(self.model.parameters())
-        return OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
-                          backend=self.ops, sliding_layers=self.shape.sliding_layers,
-                          sliding_window=self.shape.sliding_window, key_bits=self.key_bits,
-                          decode_backends=self.decode_backends, num_heads=self.shape.num_heads)
+        cache = OscarCache(self.layout, self.transforms, batch_size, max_length, device=p.device, dtype=p.dtype,
+                           backend=self.ops, sliding_layers=self.shape.sliding_layers,
+                           sliding_window=self.shape.sliding_window, key_bits=self.key_bits,
+                           decode_backends=self.decode_backends, num_heads=self.shape.num_heads)
+        if self.ops.name == "triton" and p.is_cuda:  # the decode step's kernels, compiled in worker processes
+            cache.precompile = precompile.start(precompile.formats(cache, self.shape.scaling), p.device)
+        return cache
 
     def restore(self) -> None:
         """Switch the model back to the attention implementation it had before ``enable_oscar``."""
