@@ -18,8 +18,7 @@ import torch
 
 from oscar_export.calibration.artifact import ArtifactError, ArtifactMissing, load_artifact
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_export import random_artifact, tiny_model  # noqa: E402
+from helpers import random_artifact, tiny_model
 
 
 @pytest.fixture

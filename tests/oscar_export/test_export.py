@@ -6,7 +6,6 @@ The same checks on the real SmolLM2 are in test_export_smollm2.py (marked ``mode
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint  # noqa: E402
+from oscar_export.calibration.artifact import load_artifact  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export import (  # noqa: E402
     ARTIFACT_DIR,
@@ -23,49 +22,8 @@ from oscar_export.export import (  # noqa: E402
     read_export,
 )
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
-from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
-
-def tiny_model(kind: str = "llama", heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2):
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=128,
-    )
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(cfg)
-    elif kind == "qwen2":  # v_proj has a bias
-        cfg = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        raise ValueError(kind)
-    return model.float().eval()
-
-
-def random_transform(hkv: int, d: int, seed: int) -> LayerTransform:
-    g = torch.Generator().manual_seed(seed)
-    q, _ = torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))
-    base = LayerTransform.identity(hkv, d, 0.95, 0.9)
-    return replace(
-        base,
-        v_rotation=q.float(),
-        v_scale=torch.rand(hkv, d, generator=g) * 1.5 + 0.5,
-        k_rotation=torch.linalg.qr(torch.randn(hkv, d, d, generator=g, dtype=torch.float64))[0].float(),
-        v_mean=torch.randn(hkv, d, generator=g) * 0.1,
-    )
-
-
-def random_artifact(model) -> OscarArtifact:
-    c = model.config
-    layout = KVCacheLayout.default(c.num_key_value_heads, c.head_dim, sink=4, window=16, page_size=16)
-    ts = tuple(random_transform(c.num_key_value_heads, c.head_dim, seed=i) for i in range(c.num_hidden_layers))
-    return OscarArtifact(layout, ts, model_fingerprint(c), {"method": "random-test"}, {})
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.double()
+from helpers import logits, random_artifact, rotated_transform, tiny_model  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -106,7 +64,7 @@ def test_fold_rejects_wrong_heads_and_prerotated():
     model = tiny_model()
     art = random_artifact(model)
     with pytest.raises(ValueError, match="artifact has 3 KV heads x head_dim 16, model has 2 x 16"):
-        fold_value_transforms(model, [random_transform(3, 16, 0)] * 2)
+        fold_value_transforms(model, [rotated_transform(3, 16, 0)] * 2)
     with pytest.raises(ValueError, match="artifact has 1 layers, model has 2"):
         fold_value_transforms(model, art.transforms[:1])
     with pytest.raises(ValueError, match="already values_prerotated"):

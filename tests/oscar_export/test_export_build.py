@@ -12,27 +12,18 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
 from oscar_export.build import build_deployment  # noqa: E402
-from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint  # noqa: E402
+from oscar_export.calibration.artifact import OscarArtifact  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export import export_checkpoint  # noqa: E402
 from oscar_export.kernels.aot.manifest import read_manifest  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
-from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
-
-def _export(path, kv_heads=1, packing="linear"):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=64)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    layout = KVCacheLayout.default(kv_heads, 64, packing=packing)
-    art = OscarArtifact(layout, (LayerTransform.identity(kv_heads, 64),), model_fingerprint(cfg), {}, {})
-    return export_checkpoint(model, None, art, path)
+from helpers import tiny_export  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    return _export(tmp_path_factory.mktemp("exp") / "ckpt")
+    return tiny_export(tmp_path_factory.mktemp("exp") / "ckpt")
 
 
 @pytest.mark.slow  # ~30 s on 2 CPUs: compiles the whole serving bundle (one target)
@@ -307,7 +298,7 @@ def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monk
     import oscar_export.build as build_mod
 
     seen = _recording_bundle(monkeypatch)
-    ck = _export(tmp_path / "ck", packing="mma16")
+    ck = tiny_export(tmp_path / "ck", packing="mma16")
     split = lambda: [s.kernel.rsplit(":", 1)[1] for s in seen["specs"] if s.name.startswith("decode_split")]  # noqa
     monkeypatch.setattr(build_mod, "write_trtllm_files", lambda tmp, layout: False)
     monkeypatch.setattr("oscar_export.plugins.trtllm.deployment.SUPPORTED_FAMILIES", ())

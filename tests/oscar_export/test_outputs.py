@@ -22,9 +22,9 @@ transformers = pytest.importorskip("transformers")
 from oscar_export.atomic_dir import MARKER, OutputBusy, OutputChanged, atomic_dir, check_out_dir  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 
+from helpers import random_artifact, tiny_export, tiny_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-from test_export import random_artifact, tiny_model  # noqa: E402
 
 
 def files(d: Path) -> dict[str, bytes]:
@@ -327,7 +327,7 @@ EXPORT_CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
     import oscar_export.models as models
-    from test_export import tiny_model
+    from helpers import tiny_model
     models.load_model = lambda *a, **k: (tiny_model(), None)
     from oscar_export.cli import main
     sys.exit(main(["export", "--artifact", sys.argv[2], "--out", sys.argv[3]]))
@@ -341,7 +341,7 @@ def test_export_over_the_file_size_limit_is_one_line(tmp_path, art):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
 
     out = tmp_path / "ckpt"
-    p = subprocess.run([sys.executable, "-c", EXPORT_CHILD, str(Path(__file__).parent), str(art), str(out)],
+    p = subprocess.run([sys.executable, "-c", EXPORT_CHILD, str(Path(__file__).parents[1]), str(art), str(out)],
                        preexec_fn=limit, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("oscar-export")]
@@ -385,9 +385,7 @@ def test_a_safetensors_error_is_one_line(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def exported_ckpt(tmp_path_factory):
     pytest.importorskip("triton")
-    from test_export_build import _export
-
-    return _export(tmp_path_factory.mktemp("exp") / "ckpt")
+    return tiny_export(tmp_path_factory.mktemp("exp") / "ckpt")
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from oscar_export.tensor_parallel import (  # noqa: E402
     rank_heads,
 )
 
-from test_export import logits, random_artifact, tiny_model  # noqa: E402
+from helpers import logits, random_artifact, tiny_model  # noqa: E402
 
 HEADS, KV_HEADS, D, LAYERS = 12, 6, 16, 2
 #: tp sizes that fit 12 query / 6 KV heads: split (1, 2, 3) and replicated (12: each KV head on 2 ranks)

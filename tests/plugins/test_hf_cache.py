@@ -15,27 +15,13 @@ from oscar_export.plugins.hf.attention import attend
 from oscar_export.plugins.hf.cache import OscarCache
 
 from conftest import GQA_SHAPES, HEAD_DIMS
+from helpers import rotated_transform
 
 SMALL = dict(sink=4, window=16, page_size=16)  # windows small enough that a few dozen tokens reach INT2
 
 
 def small_layout(h_kv: int = 2, d: int = 32, granularity: str = "token") -> KVCacheLayout:
     return KVCacheLayout.default(h_kv, d, granularity, **SMALL)
-
-
-def rotated_transform(h_kv: int, d: int, seed: int = 0, prerotated: bool = False) -> LayerTransform:
-    """Per-head random orthogonal K/V rotations, scalings, means and clipping: every term of the basis change."""
-    g = torch.Generator().manual_seed(seed)
-    rot = lambda: torch.linalg.qr(torch.randn(h_kv, d, d, generator=g))[0].contiguous()  # noqa: E731
-    pos = lambda: (0.5 + torch.rand(h_kv, d, generator=g))  # noqa: E731
-    return LayerTransform(
-        k_rotation=rot(), v_rotation=rot(), k_scale=pos(), v_scale=pos(),
-        k_mean=0.1 * torch.randn(h_kv, d, generator=g), v_mean=0.1 * torch.randn(h_kv, d, generator=g),
-        k_clip=torch.full((h_kv,), 0.95), v_clip=torch.full((h_kv,), 0.9),
-        k_levels=torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(h_kv, 4).contiguous(),
-        v_levels=torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(h_kv, 4).contiguous(),
-        values_prerotated=prerotated,
-    )
 
 
 def expected_contents(layout: KVCacheLayout, tr: LayerTransform, k: torch.Tensor, v: torch.Tensor):

@@ -16,7 +16,7 @@ from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import OscarCache, cache_kwargs, enable_oscar
 
-from test_hf_models import SMALL, tiny
+from helpers import SMALL_LAYOUT, tiny_hf_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 
@@ -27,9 +27,9 @@ def _generate(model, ids, cache, new):
 
 def test_generate_with_too_small_a_cache_stops_with_one_error():
     """Issue: make_cache(1, prompt + 10) and 40 new tokens: 40 came back, the last 30 from a cache that held none."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 24))
-    with enable_oscar(model, layout=SMALL) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         with pytest.raises(ValueError, match=r"sequence slot 0: the cache is full \(max_length=34 tokens stored\)"):
             _generate(model, ids, oscar.make_cache(1, 24 + 10), 40)
         exact = _generate(model, ids, oscar.make_cache(1, 24 + 39), 40)  # the 40th token is never fed back
@@ -37,8 +37,8 @@ def test_generate_with_too_small_a_cache_stops_with_one_error():
 
 
 def test_the_host_bound_follows_prompts_resets_and_decode_steps():
-    model = tiny("llama")
-    with enable_oscar(model, layout=SMALL) as oscar:
+    model = tiny_hf_model("llama")
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         cache = oscar.make_cache(2, 20)
         with torch.no_grad():
             model(torch.randint(1, 96, (2, 18)), **cache_kwargs(model, cache))
@@ -72,8 +72,8 @@ def test_slot_indices_are_ints_not_bools(bad):
 
 def test_sizes_are_bounded_before_allocation():
     """Issue: make_cache of 1e6 slots grew to 23 GB until the OOM killer stopped it."""
-    model = tiny("llama")
-    with enable_oscar(model, layout=SMALL) as oscar:
+    model = tiny_hf_model("llama")
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         t0 = time.perf_counter()
         with pytest.raises(MemoryError, match=r"an OscarCache of 1,000,000 slots x 1,000,000 tokens needs about"):
             oscar.make_cache(10**6, 10**6)
@@ -84,8 +84,8 @@ def test_sizes_are_bounded_before_allocation():
 
 def test_a_cache_used_after_restore_fails_with_one_clear_error():
     """Issue: AttributeError: 'LayerStep' object has no attribute 'shape'."""
-    model = tiny("llama")
-    oscar = enable_oscar(model, layout=SMALL)
+    model = tiny_hf_model("llama")
+    oscar = enable_oscar(model, layout=SMALL_LAYOUT)
     cache = oscar.make_cache(1, 64)
     oscar.restore()
     msg = r"an OscarCache reached attention that is not OSCAR's .*setup.restore\(\)"
@@ -98,7 +98,7 @@ def test_the_readme_refill_pattern_keeps_every_slots_positions():
     """Issue: after ``cache.reset_sequence(1); with cache.select([1]): model(new_prompt)`` the next decode step was
     off by up to 9.4 in the logits (7.95 for the untouched slot): positions came from the columns the cache had
     seen, not from each slot's length. Now a forward without position_ids takes them from the slot lengths."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     torch.manual_seed(1)
     first = torch.randint(1, 96, (2, 20))
     steps = torch.randint(1, 96, (3, 2, 1))

@@ -17,36 +17,15 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import OscarCache, cache_kwargs, enable_oscar
 
-from helpers import randomize_biases_and_norms
-from test_hf_cache import rotated_transform
+from helpers import HF_MODEL, SMALL_LAYOUT, rotated_transform, tiny_hf_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-
-COMMON = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-)
-SMALL = KVCacheLayout.default(2, 16, "channel", sink=4, window=16, page_size=16)
-
-
-def tiny(kind: str = "llama"):
-    torch.manual_seed(0)
-    cls, cfg = {
-        "llama": (LlamaForCausalLM, LlamaConfig),
-        "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-        "qwen3": (Qwen3ForCausalLM, Qwen3Config),
-    }[kind]
-    model = cls(cfg(**COMMON)).eval()
-    return randomize_biases_and_norms(model)
-
 
 def generate(model, ids, cache=None, mask=None, **kw):
     kw = {"max_new_tokens": 30, "do_sample": False, "output_scores": True, "return_dict_in_generate": True, **kw}
@@ -67,7 +46,7 @@ def assert_same_generation(a, b, atol=1e-4):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_inside_windows_equals_dynamic_cache(kind):
     """Every token within sink + recent: greedy tokens identical, scores equal to fp32 noise."""
-    model = tiny(kind)
+    model = tiny_hf_model(kind)
     ids = torch.randint(1, 96, (1, 24))
     want = generate(model, ids, DynamicCache(config=model.config))
     with enable_oscar(model) as oscar:
@@ -81,7 +60,7 @@ def test_inside_windows_equals_dynamic_cache(kind):
 @pytest.mark.parametrize("prerotated", [False, True])
 def test_basis_change_inside_windows_matches(prerotated):
     """Rotations, scalings, means (and folded value rotations) change the stored basis, not the outputs."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 20))
     want = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=12)
     transforms = [rotated_transform(2, 16, seed=i, prerotated=prerotated) for i in range(2)]
@@ -104,22 +83,23 @@ def test_basis_change_inside_windows_matches(prerotated):
 
 
 def test_beyond_windows_runs_and_accounts_bytes():
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 50))
-    with enable_oscar(model, layout=SMALL) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         cache = oscar.make_cache(1, 120)
         tokens, scores = generate(model, ids, cache, max_new_tokens=60)
     n = 50 + 60 - 1
     assert tokens.shape == (1, 60) and bool(torch.isfinite(scores).all())
     assert cache.sequence_lengths() == [n]
-    assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [SMALL.pages_for(n)] * 2 == [5, 5]
-    assert cache.kv_bytes() == 2 * SMALL.sequence_bytes(n) < cache.bf16_bytes() == 2 * n * SMALL.bf16_token_bytes()
+    assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [SMALL_LAYOUT.pages_for(n)] * 2 == [5, 5]
+    lay = SMALL_LAYOUT
+    assert cache.kv_bytes() == 2 * lay.sequence_bytes(n) < cache.bf16_bytes() == 2 * n * lay.bf16_token_bytes()
 
 
 @pytest.mark.parametrize("sample", [False, True])
 def test_ragged_batch_equals_each_sequence_alone(sample):
     """Left-padded prompts of 45 and 20 tokens, 14 new tokens each (past the windows): batch == alone."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     lens = [45, 20]
     prompts = [torch.randint(1, 96, (1, n)) for n in lens]
     ids = torch.zeros(2, 45, dtype=torch.long)
@@ -128,7 +108,7 @@ def test_ragged_batch_equals_each_sequence_alone(sample):
         ids[b, 45 - lens[b] :] = p[0]
         mask[b, 45 - lens[b] :] = 1
     kw = {"max_new_tokens": 14, "do_sample": sample, "top_k": 0}
-    with enable_oscar(model, layout=SMALL) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         torch.manual_seed(1)
         cache = oscar.make_cache(2, 80)
         batch = generate(model, ids, cache, mask, **kw)
@@ -149,7 +129,7 @@ def test_ragged_batch_equals_each_sequence_alone(sample):
 
 def test_chunked_prefill_inside_windows_equals_dynamic_cache():
     """A prompt fed as 20 tokens, then 13 more through generate (chunk path), then decode."""
-    model = tiny("qwen3")
+    model = tiny_hf_model("qwen3")
     ids = torch.randint(1, 96, (1, 33))
     want = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=10)
     with enable_oscar(model) as oscar:
@@ -164,16 +144,17 @@ def test_chunked_prefill_inside_windows_equals_dynamic_cache():
 def test_chunk_reads_quantized_history():
     """Beyond the windows a second chunk reads INT2 pages: its logits differ from a full-precision prefill of
     the same tokens, and equal those of a cache whose pages hold the same codes (deterministic)."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 70))
-    with enable_oscar(model, layout=SMALL) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         logits = []
         for _ in range(2):
             cache = oscar.make_cache(1, 80)
             with torch.no_grad():
                 model(ids[:, :60], **cache_kwargs(model, cache))
                 logits.append(model(ids[:, 60:], **cache_kwargs(model, cache)).logits)
-            assert SMALL.pages_for(60) == 2 and int(cache.layers[0].state.num_pages[0]) == SMALL.pages_for(70) == 3
+            assert SMALL_LAYOUT.pages_for(60) == 2
+            assert int(cache.layers[0].state.num_pages[0]) == SMALL_LAYOUT.pages_for(70) == 3
         full = oscar.make_cache(1, 80)
         with torch.no_grad():
             one = model(ids, **cache_kwargs(model, full)).logits[:, 60:]
@@ -185,23 +166,24 @@ def test_chunk_reads_quantized_history():
 @pytest.mark.slow
 def test_1500_tokens_with_small_windows():
     """Mechanics over many demotions: 1,500 generated tokens through 93 pages per layer, no error."""
-    model = tiny("qwen2")
+    model = tiny_hf_model("qwen2")
     ids = torch.randint(1, 96, (1, 20))
-    with enable_oscar(model, layout=SMALL) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         cache = oscar.make_cache(1, 1520)
         tokens, scores = generate(model, ids, cache, max_new_tokens=1500, min_new_tokens=1500)
     assert tokens.shape == (1, 1500) and bool(torch.isfinite(scores).all())
-    assert cache.sequence_lengths() == [1519] and int(cache.layers[1].state.num_pages[0]) == SMALL.pages_for(1519) == 93
+    assert cache.sequence_lengths() == [1519]
+    assert int(cache.layers[1].state.num_pages[0]) == SMALL_LAYOUT.pages_for(1519) == 93
 
 
 @pytest.mark.slow
 def test_compiled_backend_matches_eager():
     """backend="torch.compile" (compiled reference attention) gives the eager backend's tokens and scores."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 45))
-    with enable_oscar(model, layout=SMALL) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         eager = generate(model, ids, oscar.make_cache(1, 80), max_new_tokens=8)
-    with enable_oscar(model, layout=SMALL, backend="torch.compile") as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT, backend="torch.compile") as oscar:
         assert oscar.ops.name == "torch.compile"
         compiled = generate(model, ids, oscar.make_cache(1, 80), max_new_tokens=8)
     assert_same_generation(compiled, eager, atol=1e-5)
@@ -216,15 +198,15 @@ def test_unsupported_architectures_and_features_are_named():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=96)).eval()
     with pytest.raises(NotImplementedError, match=r"'GPT2LMHeadModel' \(model_type 'gpt2'\) is not supported"):
         enable_oscar(gpt2)
-    mistral = MistralForCausalLM(MistralConfig(**COMMON)).eval()  # MistralConfig's default sliding_window is 4096
+    mistral = MistralForCausalLM(MistralConfig(**HF_MODEL)).eval()  # MistralConfig's default sliding_window is 4096
     with pytest.raises(NotImplementedError, match=r"'MistralForCausalLM' \(model_type 'mistral'\) has sliding-window "
                                                   r"attention in 2 of 2 layers \(0, 1; sliding_window=4096\)"):
         enable_oscar(mistral)
-    sliding = Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    sliding = Qwen2ForCausalLM(Qwen2Config(**HF_MODEL, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     with pytest.raises(NotImplementedError, match=r"in 1 of 2 layers \(1; sliding_window=8\); only full-attention"):
         enable_oscar(sliding)
     assert mistral.config._attn_implementation == sliding.config._attn_implementation == "sdpa"
-    full = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None)).eval()
+    full = MistralForCausalLM(MistralConfig(**HF_MODEL, sliding_window=None)).eval()
     with enable_oscar(full) as oscar:
         s = oscar.shape
         assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (2, 4, 2, 16)
@@ -234,15 +216,15 @@ def test_unsupported_architectures_and_features_are_named():
 def test_key_bits_without_an_artifact_give_layers_their_width():
     """``enable_oscar(model, key_bits=...)`` (no artifact: the benchmarks' mixed 2/4-bit caches): each layer's pages
     take its width, the bytes follow, and a wrong count or an artifact beside it is refused."""
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 50))
-    with enable_oscar(model, layout=SMALL, key_bits=(4, 2)) as oscar:
+    with enable_oscar(model, layout=SMALL_LAYOUT, key_bits=(4, 2)) as oscar:
         cache = oscar.make_cache(1, 120)
         tokens, scores = generate(model, ids, cache, max_new_tokens=30)
     n = 50 + 30 - 1
     assert bool(torch.isfinite(scores).all())
     assert [layer.layout.key.bits for layer in cache.layers] == [4, 2]
-    assert cache.kv_bytes() == SMALL.with_key_bits(4).sequence_bytes(n) + SMALL.sequence_bytes(n)
+    assert cache.kv_bytes() == SMALL_LAYOUT.with_key_bits(4).sequence_bytes(n) + SMALL_LAYOUT.sequence_bytes(n)
     with pytest.raises(ValueError, match=r"key_bits: expected one per layer \(2\), got 3"):
         enable_oscar(model, key_bits=(4, 2, 2))
     with pytest.raises(ValueError, match="layout, key_bits: the artifact defines them"):
@@ -250,7 +232,7 @@ def test_key_bits_without_an_artifact_give_layers_their_width():
 
 
 def test_bad_arguments_give_clear_errors():
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     msg = r"backend: expected one of \['torch', 'torch.compile', 'triton'\], got 'cuda'"
     with pytest.raises(ValueError, match=msg):
         enable_oscar(model, backend="cuda")
@@ -282,19 +264,19 @@ def test_triton_backend_is_registered():
 
 
 def test_artifact_object_is_checked_and_used():
-    model = tiny("llama")
+    model = tiny_hf_model("llama")
     transforms = [rotated_transform(2, 16, seed=i) for i in range(2)]
     calls = []
-    art = SimpleNamespace(layout=SMALL, transforms=transforms, check_model=calls.append)
+    art = SimpleNamespace(layout=SMALL_LAYOUT, transforms=transforms, check_model=calls.append)
     with enable_oscar(model, art) as oscar:
-        assert calls == [model.config] and oscar.layout == SMALL and oscar.transforms[1] is transforms[1]
+        assert calls == [model.config] and oscar.layout == SMALL_LAYOUT and oscar.transforms[1] is transforms[1]
 
     def mismatch(config):
         raise ValueError("artifact fingerprint: expected 30 layers, got 2")
 
     with pytest.raises(ValueError, match="fingerprint"):
-        enable_oscar(model, SimpleNamespace(layout=SMALL, transforms=transforms, check_model=mismatch))
-    short = SimpleNamespace(layout=SMALL, transforms=transforms[:1], check_model=calls.append)
+        enable_oscar(model, SimpleNamespace(layout=SMALL_LAYOUT, transforms=transforms, check_model=mismatch))
+    short = SimpleNamespace(layout=SMALL_LAYOUT, transforms=transforms[:1], check_model=calls.append)
     with pytest.raises(ValueError, match=r"transforms: expected 2 \(one per layer\), got 1"):
         enable_oscar(model, short)
     identity = [LayerTransform.identity(3, 16)] * 2
@@ -306,7 +288,7 @@ def test_artifact_object_is_checked_and_used():
 def test_auto_backend_is_torch_on_cpu_and_triton_for_bf16_cuda():
     from oscar_export.plugins.hf.support import resolve_backend
 
-    model = tiny()
+    model = tiny_hf_model()
     assert resolve_backend(model, "auto") == "torch"  # fp32 on the CPU
     assert resolve_backend(model, "torch.compile") == "torch.compile"
     if torch.cuda.is_available():
