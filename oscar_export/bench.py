@@ -135,11 +135,12 @@ class RandomArtifact:
         pass
 
 
-def random_artifact(model, seed: int = 0) -> RandomArtifact:
-    """A calibrated model's shape with random numbers, for benchmarks and GPU tests of a random-weight model: per KV
-    head a random orthogonal ``R_K`` and scalings ``d_K`` in [0.5, 2], key and value means, clip ratios 0.96 / 0.92,
-    channel keys, 4-bit keys in every other layer (half, as the default recipe's 3.0 page-bit budget gives),
-    values pre-rotated (an exported checkpoint)."""
+def random_artifact(model, seed: int = 0, layout=None, key_bits: tuple[int, ...] | None = None) -> RandomArtifact:
+    """A calibrated model's shape with random numbers, for benchmarks and tests of a random-weight model: per KV head
+    a random orthogonal ``R_K`` and scalings ``d_K`` in [0.5, 2], key and value means, clip ratios 0.96 / 0.92,
+    values pre-rotated (an exported checkpoint). ``layout``: default ``KVCacheLayout.default`` with channel keys;
+    ``key_bits`` per layer: default 4-bit keys in every other layer (half, as the default recipe's 3.0 page-bit
+    budget gives)."""
     import torch
 
     from oscar_export.kernels.layout import KVCacheLayout
@@ -158,8 +159,11 @@ def random_artifact(model, seed: int = 0) -> RandomArtifact:
             v_mean=0.01 * torch.randn(hkv, d, generator=g), k_clip=base.k_clip, v_clip=base.v_clip,
             k_levels=base.k_levels, v_levels=base.v_levels, values_prerotated=True,
         ))
-    layout = KVCacheLayout.default(hkv, d, "channel")
-    return RandomArtifact(layout, tuple(transforms), tuple(4 if i % 2 == 0 else 2 for i in range(n)))
+    layout = KVCacheLayout.default(hkv, d, "channel") if layout is None else layout
+    key_bits = tuple(4 if i % 2 == 0 else 2 for i in range(n)) if key_bits is None else tuple(key_bits)
+    if len(key_bits) != n:
+        raise ValueError(f"key_bits: expected {n} entries (one per layer), got {len(key_bits)}")
+    return RandomArtifact(layout, tuple(transforms), key_bits)
 
 
 def bench_row(heads: str, batch: int, length: int, keys: str, bits: int, copy: float) -> dict:

@@ -40,6 +40,16 @@ def tiny_hf_model(kind: str = "llama"):
     return randomize_biases_and_norms(cls(cfg(**HF_MODEL)).eval())
 
 
+def tiny_llama(layers: int = 2, dtype: torch.dtype = torch.float32):
+    """A random-weight Llama with the attention shape of a real one at toy size: 4 query / 2 KV heads of 64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
 def tiny_model(kind: str = "llama", heads: int = 6, kv_heads: int = 2, head_dim: int = 16, layers: int = 2):
     """A random-weight Llama or Qwen2 (``v_proj`` with a bias) for the export tests: hidden 48, vocab 97, fp32."""
     import transformers

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_export.bench import random_artifact
+from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+from helpers import tiny_llama
 
 
 def test_random_artifact_has_a_calibrated_models_shape():
@@ -34,10 +37,7 @@ def test_random_artifact_has_a_calibrated_models_shape():
 @torch.no_grad()
 def test_random_artifact_serves_through_enable_oscar():
     """``enable_oscar`` takes it as an artifact: each layer's cache gets its key width and rotated keys."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama()
     art = random_artifact(model)
     with enable_oscar(model, art, backend="torch") as oscar:
         cache = oscar.make_cache(1, 40)
@@ -45,3 +45,12 @@ def test_random_artifact_serves_through_enable_oscar():
         assert not any(layer.flags.keys_identity for layer in cache.layers)
         out = model(torch.randint(1, 96, (1, 24)), **cache_kwargs(model, cache)).logits
     assert out.shape == (1, 24, 96) and torch.isfinite(out).all()
+
+
+def test_random_artifact_takes_a_layout_and_key_bits():
+    model = SimpleNamespace(config=SimpleNamespace(num_key_value_heads=2, head_dim=64, num_hidden_layers=3))
+    lay = KVCacheLayout.default(2, 64, "channel", sink=16, window=64, page_size=64)
+    art = random_artifact(model, layout=lay, key_bits=(2, 4, 2))
+    assert art.layout is lay and art.key_bits == (2, 4, 2)
+    with pytest.raises(ValueError, match=r"key_bits: expected 3 entries \(one per layer\), got 2"):
+        random_artifact(model, key_bits=(2, 4))

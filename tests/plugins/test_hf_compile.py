@@ -14,46 +14,21 @@ import textwrap
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from oscar_export.bench import random_artifact
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
+from helpers import tiny_llama
+
 LAYOUT = KVCacheLayout.default(2, 64, "channel", sink=16, window=64, page_size=64)
-
-
-def tiny(dtype=torch.float32):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
-
-
-def rotated_artifact(model, key_bits=(4, 2)):
-    """What ``enable_oscar`` reads of a calibrated artifact, with random numbers: per KV head a random orthogonal
-    key rotation, scalings and means (keys not the identity: the queries are rotated once a step)."""
-    from types import SimpleNamespace
-
-    from oscar_export.kernels.transform import LayerTransform
-
-    g = torch.Generator().manual_seed(1)
-    h, d = LAYOUT.num_kv_heads, LAYOUT.head_dim
-    ts = []
-    for _ in range(model.config.num_hidden_layers):
-        t = LayerTransform.identity(h, d, 0.96, 0.92)
-        ts.append(LayerTransform(
-            k_rotation=torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].contiguous(), v_rotation=t.v_rotation,
-            k_scale=2 ** (2 * torch.rand(h, d, generator=g) - 1), v_scale=t.v_scale,
-            k_mean=0.1 * torch.randn(h, d, generator=g), v_mean=0.01 * torch.randn(h, d, generator=g),
-            k_clip=t.k_clip, v_clip=t.v_clip, k_levels=t.k_levels, v_levels=t.v_levels))
-    return SimpleNamespace(layout=LAYOUT, transforms=tuple(ts), key_bits=key_bits, check_model=lambda config: None)
 
 
 def _readme_loop(compiler: str, mode: str | None, steps: int) -> None:
     """Prefill two caches, then ``steps`` decode steps (crossing a demotion): compiled vs eager, same tokens. Keys
     rotated (a calibrated artifact's shape): the queries go through ``decode_append``'s rotation once a step."""
-    model = tiny()
-    with torch.no_grad(), enable_oscar(model, rotated_artifact(model)) as oscar:
+    model = tiny_llama()
+    with torch.no_grad(), enable_oscar(model, random_artifact(model, seed=1, layout=LAYOUT, key_bits=(4, 2))) as oscar:
         assert oscar.ops.name == "torch"
         assert not any(layer.flags.keys_identity for layer in oscar.make_cache(1, 8).layers)
         eager, comp = oscar.make_cache(2, 400), oscar.make_cache(2, 400)
@@ -112,8 +87,8 @@ def test_hopper_decode_step_traces_in_one_graph():
 
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
-    model = tiny(torch.bfloat16)
-    with enable_oscar(model, rotated_artifact(model, key_bits=(2, 2)), backend="triton") as oscar:
+    model = tiny_llama(dtype=torch.bfloat16)
+    with enable_oscar(model, random_artifact(model, seed=1, layout=LAYOUT, key_bits=(2, 2)), backend="triton") as oscar:
         from dataclasses import replace
 
         on_hopper = replace(oscar, decode_backends=(DecodeBackend("hopper"),) * 2)
@@ -181,8 +156,8 @@ def test_every_cache_tensor_the_step_reads_is_a_static_input():
     pytest.importorskip("triton")
     from dataclasses import fields
 
-    model = tiny(torch.bfloat16)
-    with enable_oscar(model, rotated_artifact(model, key_bits=(4, 2)), backend="triton") as oscar:
+    model = tiny_llama(dtype=torch.bfloat16)
+    with enable_oscar(model, random_artifact(model, seed=1, layout=LAYOUT, key_bits=(4, 2)), backend="triton") as oscar:
         cache = oscar.make_cache(2, 400)
         mine = {}
         for layer in cache.layers:
