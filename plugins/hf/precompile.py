@@ -54,6 +54,11 @@ class StepFormat:
     scale: float
 
 
+#: the formats this process has started workers for, per device (a second cache of the same formats starts none:
+#: Triton already holds or is writing their kernels)
+_STARTED: set[tuple] = set()
+
+
 def formats(cache, scale: float) -> list[StepFormat]:
     """The distinct decode-step formats of ``cache``'s OSCAR layers (one per layout and transform flags)."""
     out: dict[tuple, StepFormat] = {}
@@ -63,6 +68,13 @@ def formats(cache, scale: float) -> list[StepFormat]:
             out[key] = StepFormat(layer.layout, layer.transform.to("cpu"), cache.book.batch, cache.book.max_pages,
                                   cache.num_heads, layer.dtype, float(scale))
     return list(out.values())
+
+
+def _key(fmt: StepFormat, device: torch.device) -> tuple:
+    from .cache import TransformFlags
+
+    return (fmt.layout, TransformFlags.of(fmt.transform), fmt.batch, fmt.max_pages, fmt.num_heads, fmt.dtype,
+            fmt.scale, device)
 
 
 def run_step(fmt: StepFormat, device: torch.device | str) -> None:
@@ -112,19 +124,23 @@ class Precompile:
 def start(fmts: list[StepFormat], device: torch.device) -> Precompile | None:
     """Start one worker process per format on ``device`` (a CUDA device); None when there is nothing to do or the
     workers cannot start (logged: the main process then compiles on its first launch)."""
-    if not fmts or device.type != "cuda":
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fmts = [f for f in fmts if _key(f, index) not in _STARTED]
+    if not fmts:
         return None
     folder = tempfile.TemporaryDirectory(prefix="oscar-precompile-")
     path = os.path.join(folder.name, "formats.pt")
     try:
         torch.save(fmts, path)
-        index = device.index if device.index is not None else torch.cuda.current_device()
         procs = [subprocess.Popen([sys.executable, "-m", __name__, path, str(i), str(index)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(len(fmts))]
     except OSError as e:
         log.debug("oscar precompile: workers not started (%s)", e)
         folder.cleanup()
         return None
+    _STARTED.update(_key(f, index) for f in fmts)
     return Precompile(procs, folder)
 
 
