@@ -29,23 +29,16 @@ import json
 import torch
 import torch.nn.functional as F
 
-from oscar_export.bench import random_state
+from oscar_export.bench import copy_tbps, env_line, graph_us, random_state
+from oscar_export.bench import input_sets as copies_for
 from oscar_export.kernels.decode import hopper
 from oscar_export.kernels.decode.portable import decode_attention as portable_decode
 from oscar_export.kernels.decode_step import decode_append, rotate_queries
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from bench_decode import copies_for, env_line, graph_ms
-from bench_decode import copy_bandwidth as copy_tbps
-
 HEADS = {"llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256)}
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768)]
-
-
-def graph_us(fns, reps: int = 20) -> float:
-    """Per-call µs of a CUDA graph that calls every ``fns[i]`` once (``bench_decode.graph_ms``)."""
-    return graph_ms(fns, reps) * 1e3
 
 
 def layout_for(hkv: int, d: int, gran: str, bits: int, packing: str = "mma16", groups: str = "row") -> KVCacheLayout:

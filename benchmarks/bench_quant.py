@@ -22,13 +22,13 @@ import json
 
 import torch
 
+from oscar_export.bench import copy_tbps, env_line, graph_us
+from oscar_export.bench import input_sets as copies_for
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.decode_step import decode_append
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.quant_pack import quantize_pages, write_pages
 from oscar_export.kernels.transform import LayerTransform
-
-from bench_decode import copies_for, copy_bandwidth, env_line, graph_ms  # noqa: E402  (same folder)
 
 H, D = 8, 128
 
@@ -79,7 +79,7 @@ def bench_write(n_pages: int, gran: str, rotate: bool, packing: str = "linear", 
     ids = [torch.arange(i * n_pages, (i + 1) * n_pages, dtype=torch.int32, device="cuda") for i in range(sets)]
     fns = [lambda i=i: write_pages(xs[i], ids[i], codes, params, lay, fmt, clip, lev, rot, operand=operand, **kw)
            for i in range(sets)]
-    us = graph_ms(fns) * 1e3
+    us = graph_us(fns)
     nbytes = in_bytes + out_bytes
     variant = ",".join(f"{k}={v}" for k, v in kw.items()) or "default"
     return dict(op="prefill write" + (" +rot" if rotate else "") + ("" if operand == "key" else " (V)"), gran=gran,
@@ -109,7 +109,7 @@ def bench_demote(batch: int, gran: str, packing: str = "linear") -> dict:
         st.num_pages.fill_(1)
         decode_append(st, k, v, status, lay, tr)
 
-    us = graph_ms([lambda st=st: step(st) for st in states]) * 1e3
+    us = graph_us([lambda st=st: step(st) for st in states])
     row_bytes = H * D * 2
     nbytes = batch * (2 * p * row_bytes + 2 * (lay.page_bytes() // 2)  # read P K+V ring rows, write one page
                       + 2 * row_bytes)  # append (the ring moves nothing)
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--packing", default="linear", help="comma list of page packings: linear, mma16")
     args = ap.parse_args(argv)
     print(env_line())
-    bw = copy_bandwidth()
+    bw = copy_tbps()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
     for packing in args.packing.split(","):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 EPILOG = """examples:
   oscar-export bench                                          # Llama-3-8B heads, 1x8K 1x32K 1x128K 8x32K, token keys
@@ -98,6 +99,24 @@ def copy_tbps() -> float:
     a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     return 2 * a.numel() / (graph_us([lambda: b.copy_(a)], reps=10) * 1e-6) / 1e12
+
+
+def env_line(commit: str | None = None) -> str:
+    """GPU, torch and Triton versions, and the code's git commit (``commit`` when given: a copied tree's ``.git`` can
+    be stale; none for an installed wheel outside a checkout): the first line of every benchmark's output."""
+    import subprocess
+
+    import torch
+    import triton
+
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+        except OSError:
+            commit = ""
+    line = f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
+    return line + (f" | git {commit}" if commit else "")
 
 
 def random_state(layout, batch: int, length: int):
@@ -212,11 +231,9 @@ def run(args) -> int:
     bits = parse_choices(args.key_bits, "--key-bits", (2, 4))
     if not torch.cuda.is_available():
         raise NotImplementedError("bench: the decode-kernel benchmark needs a CUDA GPU (none visible)")
-    import triton
-
+    env = env_line()  # imports Triton: without it, ImportError before anything runs
     copy = copy_tbps()
-    env = (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-           f"copy {copy:.2f} TB/s")
+    env = f"{env} | copy {copy:.2f} TB/s"
     print(env)
     print("| B x length | keys | bits | backend | µs | SDPA BF16 µs | x SDPA | TB/s | of copy |")
     print("|---|---|---|---|---|---|---|---|---|")

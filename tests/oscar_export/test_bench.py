@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from oscar_export.bench import random_artifact
+from oscar_export.bench import env_line, random_artifact
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
@@ -54,3 +54,10 @@ def test_random_artifact_takes_a_layout_and_key_bits():
     assert art.layout is lay and art.key_bits == (2, 4, 2)
     with pytest.raises(ValueError, match=r"key_bits: expected 3 entries \(one per layer\), got 2"):
         random_artifact(model, key_bits=(2, 4))
+
+
+def test_env_line_names_the_gpu_versions_and_commit(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    line = env_line("abc1234")
+    assert line.startswith(f"NVIDIA H200 | torch {torch.__version__} | triton ") and line.endswith(" | git abc1234")
