@@ -44,9 +44,10 @@ import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 
 import torch
+
+from oscar_export.bench import random_artifact
 
 MODELS = {
     "llama3-8b": dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -91,42 +92,6 @@ def build(name: str, device: torch.device, layers: int | None = None):
         model = (LlamaForCausalLM if kind == "llama" else Qwen3ForCausalLM)(cfg)
     torch.set_default_dtype(prev)
     return model.eval()
-
-
-@dataclass(frozen=True)
-class RandomArtifact:
-    """What ``enable_oscar`` reads of an artifact (``layout``, ``transforms``, ``key_bits``, ``check_model``)."""
-
-    layout: object
-    transforms: tuple
-    key_bits: tuple[int, ...]
-
-    def check_model(self, config) -> None:
-        pass
-
-
-def random_artifact(model, seed: int = 0) -> RandomArtifact:
-    """A calibrated model's shape with random numbers: per KV head a random orthogonal ``R_K`` and scalings
-    ``d_K`` in [0.5, 2], key and value means, clip ratios 0.96 / 0.92, channel keys, 4-bit keys in every other
-    layer (half, as the default recipe's 3.0 page-bit budget gives), values pre-rotated (an exported checkpoint)."""
-    from oscar_export.kernels.layout import KVCacheLayout
-    from oscar_export.kernels.transform import LayerTransform
-
-    cfg = model.config
-    hkv, d, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-    g = torch.Generator().manual_seed(seed)
-    transforms = []
-    for _ in range(n):
-        base = LayerTransform.identity(hkv, d, 0.96, 0.92)
-        rot = torch.linalg.qr(torch.randn(hkv, d, d, generator=g))[0].contiguous()
-        transforms.append(LayerTransform(
-            k_rotation=rot, v_rotation=base.v_rotation, k_scale=2 ** (2 * torch.rand(hkv, d, generator=g) - 1),
-            v_scale=base.v_scale, k_mean=0.1 * torch.randn(hkv, d, generator=g),
-            v_mean=0.01 * torch.randn(hkv, d, generator=g), k_clip=base.k_clip, v_clip=base.v_clip,
-            k_levels=base.k_levels, v_levels=base.v_levels, values_prerotated=True,
-        ))
-    layout = KVCacheLayout.default(hkv, d, "channel")
-    return RandomArtifact(layout, tuple(transforms), tuple(4 if i % 2 == 0 else 2 for i in range(n)))
 
 
 def copy_bandwidth(device: torch.device) -> float:

@@ -55,11 +55,12 @@ def profile(model, cache_kind: str, b: int, ctx: int, steps: int, device, host_p
     from torch.profiler import profile as torch_profile
     from transformers import StaticCache
 
+    from oscar_export.bench import random_artifact
     from oscar_export.plugins.hf import enable_oscar
 
     torch._dynamo.reset()
     cfg = model.config
-    setup = enable_oscar(model, bench_e2e.random_artifact(model)) if cache_kind == "oscar" else None
+    setup = enable_oscar(model, random_artifact(model)) if cache_kind == "oscar" else None
     try:
         with torch.no_grad():
             n = ctx + 3 + 20 + 20 + host_profile + steps + 16  # every step below stores one token
