@@ -239,8 +239,8 @@ def run(args: argparse.Namespace) -> int:
         check_budget_any_model(cfg.key_bits_budget, lambda d: cfg.layout(1, d))  # floor now, its own before capture
     t0 = time.perf_counter()
     kw = {"device_map": parse_device_map(args.device_map)} if args.device_map else {}
-    if not args.quiet and args.model == "default":  # the GGUF's metadata is read 3 times (config, weights, tokenizer)
-        print("loading the default model (SmolLM2-135M GGUF, about 30 s on 2 cores) ...", file=sys.stderr, flush=True)
+    if not args.quiet and args.model == "default":  # one whole-file parse of the GGUF, for the weights (models.py)
+        print("loading the default model (SmolLM2-135M GGUF, about 15 s on 2 cores) ...", file=sys.stderr, flush=True)
     model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), **kw)
     t_load = time.perf_counter() - t0
     bars = {"capture": tqdm(total=cfg.num_sequences * cfg.seq_len, unit="tok", desc="capture", disable=args.quiet,
