@@ -100,7 +100,8 @@ def add_arguments(p) -> None:
     p.add_argument("--niah-lengths", default=None, help="comma-separated NIAH lengths (overrides the preset)")
     p.add_argument("--needles", type=int, default=None, help="NIAH needles per task and length (overrides the preset)")
     p.add_argument("--split", choices=("dev", "report"), default="report",
-                   help="NIAH needle set: 'dev' for tuning, 'report' (default) for reported numbers")
+                   help="needles and text windows: 'dev' for tuning, 'report' (default) for reported numbers (the "
+                        "text windows from the end of the evaluation text instead of its start)")
     p.add_argument("--no-niah", action="store_true", help="skip needle-in-a-haystack")
     p.add_argument("--no-text", action="store_true", help="skip PPL/KL/top-1")
     p.add_argument("--no-deployed", action="store_true", help="with --device cuda: skip the real-cache runs")
@@ -181,7 +182,8 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
     attention_shape(model)
     check_lengths(model, preset, text, niah)
     if text:  # fails early if the text is too short
-        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model),
+                               split=split)
     if niah:
         cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split, tasks=preset.tasks)
         prompts = build_prompts(tok, cfg)
@@ -221,7 +223,9 @@ def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None 
                         scores[L][m.name].add(part[m.name][L])
         result["text"] = {
             "source": "pydoc_data.topics, sorted topics joined by blank lines, last 30% of the characters; "
-                      "length L = the first L tokens of each window",
+                      "length L = the first L tokens of each window"
+                      + ("; windows ending at the text's end (split 'dev')" if split == "dev" else ""),
+            "split": split,
             "lengths": {str(L): {"windows": int(windows.shape[0]),
                                  "scores": {k: {**v.summary(), "per_window_kl": v.per_window_kl}
                                             for k, v in scores[L].items()}} for L in preset.text_lengths},
@@ -271,7 +275,8 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
     dep: dict = result.get("deployed") or {}  # a later call adds its part to an earlier one's
     dep.setdefault("timings", {})
     if text:
-        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model),
+                               split=split)
         dep["text_windows"] = int(windows.shape[0])
         part = deployed_text(models, artifact, windows, preset.text_lengths, preset.text_chunk, log)
         dep.update(text=part["text"], cross=part["cross"], chunk=part["chunk"])
@@ -378,7 +383,8 @@ def _run(args, preset: Preset, device: torch.device, merged: dict | None, names:
     if not args.no_text:  # before calibrating: a text too short for the windows fails at once
         from .text import max_positions, text_windows
 
-        text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model))
+        text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model),
+                     split=args.split)
     if args.artifact:
         from oscar_export.calibration.artifact import load_artifact
 

@@ -2,7 +2,8 @@
 
 Text: the LAST 30 % (by characters) of Python's ``pydoc_data.topics`` (topics sorted by name, joined by blank
 lines) — available offline on every machine; calibration reads only the first 70 % (``calibration/data.py``).
-It is tokenized once and cut into non-overlapping windows of ``length`` tokens from its start.
+It is tokenized once and cut into non-overlapping windows of ``length`` tokens from its start (``split="report"``, the
+reported numbers) or its end (``split="dev"``, for tuning: windows disjoint from the report ones).
 
 Each window is scored in ONE forward pass per method through the ``oscar_eval`` attention: position ``a``
 predicts token ``a + 1`` from what the method's cache holds after token ``a`` (``cache_models``). Logits are
@@ -43,15 +44,22 @@ def calibration_text() -> str:
     return text[:cut]
 
 
-def text_windows(tokenizer, length: int, count: int, text: str | None = None, max_positions: int | None = None
-                 ) -> torch.Tensor:
-    """``[count, length]`` token ids: consecutive non-overlapping windows of the evaluation text.
+#: where :func:`text_windows` cuts its windows: the start of the text (reported numbers) or its end (tuning).
+TEXT_SPLITS = ("report", "dev")
 
-    Raises ``ValueError`` when the text is too short for ``count`` windows or ``length`` exceeds the model's
-    ``max_positions``.
+
+def text_windows(tokenizer, length: int, count: int, text: str | None = None, max_positions: int | None = None,
+                 split: str = "report") -> torch.Tensor:
+    """``[count, length]`` token ids: consecutive non-overlapping windows of the evaluation text, from its start
+    (``split="report"``) or ending at its end (``"dev"``, none of whose tokens the report windows hold).
+
+    Raises ``ValueError`` when the text is too short for ``count`` windows (``"dev"``: for ``count`` windows past the
+    report ones) or ``length`` exceeds the model's ``max_positions``.
     """
     if length < 2 or count < 1:
         raise ValueError(f"text windows: expected length >= 2 and count >= 1, got {length}, {count}")
+    if split not in TEXT_SPLITS:
+        raise ValueError(f"text windows: split expected one of {TEXT_SPLITS}, got {split!r}")
     if max_positions is not None and length > max_positions:
         raise ValueError(f"text windows of {length} tokens exceed the model's limit of {max_positions} positions")
     text = evaluation_text() if text is None else text
@@ -63,7 +71,14 @@ def text_windows(tokenizer, length: int, count: int, text: str | None = None, ma
             f"evaluation text: {count} windows of {length} tokens need {need} tokens, the text has {ids.numel()}"
             f" (use fewer windows: at most {ids.numel() // length} of {length} tokens)"
         )
-    return ids[:need].view(count, length)
+    if split == "report":
+        return ids[:need].view(count, length)
+    if ids.numel() < 2 * need:
+        raise ValueError(
+            f"evaluation text: {count} dev windows of {length} tokens past the report ones need {2 * need} tokens, "
+            f"the text has {ids.numel()} (use fewer windows: at most {ids.numel() // (2 * length)} of {length} tokens)"
+        )
+    return ids[ids.numel() - need :].view(count, length)
 
 
 def max_positions(model) -> int | None:
