@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import decode_step
 from .decode import hopper, portable
-from .decode_step import APPEND_WARPS, ROT_BLOCK, _decode_append_kernel, check_decode_append_inputs, removals
+from .decode_step import check_decode_append_inputs, removals
 from .layout import KVCacheLayout, PagedKV, packing_code
-from .pages import STATUS_NONFINITE
 from .transform import LayerTransform
 
 _WINDOWS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
@@ -145,8 +145,8 @@ def decode_attention(
                   "status"),
 )
 def _decode_append_op(
-    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_rotation: torch.Tensor, k_scale: torch.Tensor, k_mean: torch.Tensor,
-    v_mean: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, recent_k: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, k_rotation: torch.Tensor, k_scale: torch.Tensor,
+    k_mean: torch.Tensor, v_mean: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, recent_k: torch.Tensor,
     recent_v: torch.Tensor, k_codes: torch.Tensor, k_params: torch.Tensor, v_codes: torch.Tensor,
     v_params: torch.Tensor, k_removals: torch.Tensor, v_removals: torch.Tensor, k_levels: torch.Tensor,
     v_levels: torch.Tensor, block_table: torch.Tensor, sink_len: torch.Tensor, num_pages: torch.Tensor,
@@ -154,19 +154,12 @@ def _decode_append_op(
     recent_capacity: int, group_size: int, k_channel: bool, fused_transform: bool, k_packing: int, v_packing: int,
     key_bits: int, rotate_q: bool,
 ) -> torch.Tensor:
-    bsz, h, d = k.shape
-    q_s = torch.empty(q.shape, dtype=torch.float32, device=q.device) if rotate_q else q.new_empty(0)
-    _decode_append_kernel[(bsz, h)](
-        k, v, q, q_s,  # q_ptr, q_rot_ptr: read / written iff ROTATE_Q
-        k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
-        k_codes, k_params, v_codes, v_params, k_removals, v_removals, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, status, block_table.shape[1],
-        H_KV=h, P=page_size, D=d, G=group_size, S0=sink, C=recent_slots, RCAP=recent_capacity,
-        K_CHANNEL=k_channel, TRANSFORM=fused_transform, RB=min(ROT_BLOCK, d), NONFINITE=STATUS_NONFINITE,
-        K_PACKING=k_packing, V_PACKING=v_packing, K_BITS=key_bits, GQ=q.shape[1] // h if rotate_q else 1,
-        ROTATE_Q=rotate_q, num_warps=APPEND_WARPS,
+    return decode_step.launch(
+        k, v, q, k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v, k_codes, k_params,
+        v_codes, v_params, k_removals, v_removals, k_levels, v_levels, block_table, sink_len, num_pages, recent_len,
+        status, page_size, sink, recent_slots, recent_capacity, group_size, k_channel, fused_transform, k_packing,
+        v_packing, key_bits, rotate_q,
     )
-    return q_s
 
 
 @_decode_append_op.register_fake

@@ -38,8 +38,12 @@ BF16_CHUNK = 64
 PAGE_SLOTS = 2
 #: splits the merge kernel combines per loop step (``CH``).
 MERGE_CHUNK = 16
-#: rows of R_K per step of the decode-step writer's in-kernel key rotation (``RB = min(ROT_BLOCK, D)``).
-ROT_BLOCK = 32
+#: columns of the stored key row one decode-step writer program computes (``CB``, :func:`append_columns`): its
+#: ``R_K[h][:, cols]`` is one load of ``D x CB`` fp32 (8 KB at D 128), read once for the key and the query
+#: rotation; D / CB programs a (sequence, KV head) (8 at D 128).
+APPEND_COLUMNS = 16
+#: most fp32 elements of a writer program's query-rotation product ``[GQ_PAD, D, CB]`` (64 a thread at 4 warps).
+APPEND_PRODUCT = 8192
 #: Triton's default num_stages (what the JIT uses when a wrapper passes none).
 TRITON_DEFAULT_STAGES = 3
 #: plugin tensor names that are not the kernel parameter name minus ``_ptr``.
@@ -212,12 +216,12 @@ DECODE_APPEND = KernelPlan(
             ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
             ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"), ("status_ptr", "*i32"),
             ("max_pages", "i32")),
-    constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "RB", "NONFINITE", "K_PACKING",
+    constexprs=("H_KV", "P", "D", "G", "S0", "C", "RCAP", "K_CHANNEL", "TRANSFORM", "CB", "NONFINITE", "K_PACKING",
                 "V_PACKING", "K_BITS", "GQ", "ROTATE_Q"),
-    num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "1"), sizes=("B",),
-    doc="decode step: append one token per sequence into the recent ring, demoting a page where the window is "
-        "full (decided on the device; lengths are read, the page book commits them); with ROTATE_Q the step's "
-        "queries rotated into the stored key basis (q_rot, fp32), once a step",
+    num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("B", "H_KV", "D // CB"), sizes=("B",),
+    doc="decode step: append one token per sequence into the recent ring (CB columns a program), demoting a page "
+        "where the window is full (decided on the device; lengths are read, the page book commits them); with "
+        "ROTATE_Q the step's queries rotated into the stored key basis (q_rot, fp32), once a step",
 )
 #: TensorRT's AOT-plugin order: input tensors, int32 extras, output tensors (``trt_order.py``).
 TRT_DECODE_SPLIT = KernelPlan(
@@ -341,6 +345,16 @@ def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> di
             "PACKING": packing_code(fmt, operand), "BITS": fmt.bits}
 
 
+def append_columns(head_dim: int, gq: int = 1) -> int:
+    """``CB`` of the decode-step writer: :data:`APPEND_COLUMNS`, halved while the query-rotation product of ``gq``
+    query heads (padded to a power of two) would exceed :data:`APPEND_PRODUCT` elements (GQ 8 at D 128: 8)."""
+    gq_pow2 = 1 << max(0, (gq - 1).bit_length())
+    cb = min(APPEND_COLUMNS, head_dim)
+    while cb > 1 and gq_pow2 * head_dim * cb > APPEND_PRODUCT:
+        cb //= 2
+    return cb
+
+
 def decode_append_constexprs(layout, fused_transform: bool = False, num_heads: int | None = None) -> dict[str, Any]:
     """Constexprs of the decode-step writer: ``C`` the ring's slots (``W + 2P``), ``RCAP`` the window's most
     recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``);
@@ -350,13 +364,13 @@ def decode_append_constexprs(layout, fused_transform: bool = False, num_heads: i
     from ..layout import packing_code
     from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
 
+    gq = 1 if num_heads is None else num_heads // layout.num_kv_heads
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": layout.value.group_size,
             "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
             "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
-            "RB": min(ROT_BLOCK, layout.head_dim), "NONFINITE": STATUS_NONFINITE,
+            "CB": append_columns(layout.head_dim, gq), "NONFINITE": STATUS_NONFINITE,
             "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value"),
-            "K_BITS": layout.key.bits, "GQ": 1 if num_heads is None else num_heads // layout.num_kv_heads,
-            "ROTATE_Q": num_heads is not None}
+            "K_BITS": layout.key.bits, "GQ": gq, "ROTATE_Q": num_heads is not None}
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------
@@ -420,11 +434,11 @@ def _binop(op: ast.operator, a: Any, b: Any, owner: str) -> Any:
 
 
 __all__ = [
-    "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT", "DECODE_SPLIT_GL", "DECODE_SPLIT_MERGE_GL",
-    "GL_FUSED_MERGE", "GL_MAXNREG", "GL_MIN_PAGES_PER_SPLIT", "GL_PAGE_STAGES", "GL_PROGRAM_PAGES",
-    "KernelPlan", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS", "QUANT_PACK", "QUANT_PACK_ROT", "ROT_BLOCK", "TENSOR_NAMES",
-    "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT", "decode_append_constexprs",
-    "decode_merge_constexprs", "decode_split_constexprs", "decode_split_gl_constexprs", "decode_split_v2_constexprs",
-    "evaluate", "gl_occupancy", "gl_pages_per_split", "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name",
-    "trt_io"
+    "APPEND_COLUMNS", "APPEND_PRODUCT", "BF16_CHUNK", "DECODE_APPEND", "DECODE_MERGE", "DECODE_SPLIT",
+    "DECODE_SPLIT_GL", "DECODE_SPLIT_MERGE_GL", "GL_FUSED_MERGE", "GL_MAXNREG", "GL_MIN_PAGES_PER_SPLIT",
+    "GL_PAGE_STAGES", "GL_PROGRAM_PAGES", "KernelPlan", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS", "QUANT_PACK",
+    "QUANT_PACK_ROT", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT",
+    "append_columns", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
+    "decode_split_gl_constexprs", "decode_split_v2_constexprs", "evaluate", "gl_occupancy", "gl_pages_per_split",
+    "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io"
 ]

@@ -176,12 +176,38 @@ def test_jit_decode_step_with_the_query_rotation_launches_the_plan(monkeypatch):
         lp.decode_append_constexprs(LAYOUT, True, num_heads=13)
 
 
+def test_custom_op_decode_step_launches_the_plan(monkeypatch):
+    """``oscar::decode_append`` (what a compiled step runs) launches what the plan says, as the wrapper does."""
+    from oscar_export.kernels import triton_ops
+
+    (rec,) = _record(monkeypatch, ds._decode_append_kernel)
+    st, t = _state()
+    k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    q = torch.randn(2, 24, 64).bfloat16()
+    status = torch.zeros(2, dtype=torch.int32)
+    q_rot = triton_ops.decode_append(st, k, v, status, LAYOUT, t, fused_transform=True, q=q)
+    cx = lp.decode_append_constexprs(LAYOUT, True, num_heads=24)
+    assert (cx["GQ"], cx["CB"]) == (8, 16)
+    _check_launch(lp.DECODE_APPEND, rec.calls[0], cx, {"max_pages": 4}, {"B": 2},
+                  {"k_ptr": k, "v_ptr": v, "q_ptr": q, "q_rot_ptr": q_rot, "status_ptr": status})
+
+
+@pytest.mark.parametrize("d,gq,want", [(128, 1, 16), (128, 4, 16), (128, 8, 8), (128, 5, 8), (64, 16, 8),
+                                       (256, 4, 8), (128, 64, 1), (16, 1, 16)])
+def test_append_columns(d, gq, want):
+    """The writer's columns a program: ``APPEND_COLUMNS``, halved until the query product fits ``APPEND_PRODUCT``."""
+    cb = lp.append_columns(d, gq)
+    assert cb == want and d % cb == 0
+    pad = 1 << max(0, (gq - 1).bit_length())
+    assert pad * d * cb <= lp.APPEND_PRODUCT or cb == 1
+
+
 def test_wrapper_constants_are_the_plan():
     assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS, da.BF16_CHUNK) == (
         lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS, lp.BF16_CHUNK)
     assert (da.MERGE_WARPS, da.MERGE_CHUNK) == (lp.DECODE_MERGE.num_warps, lp.MERGE_CHUNK)
     assert (qp.QUANT_WARPS, qp.QUANT_ROT_WARPS) == (lp.QUANT_PACK.num_warps, lp.QUANT_PACK_ROT.num_warps)
-    assert (ds.APPEND_WARPS, ds.ROT_BLOCK) == (lp.DECODE_APPEND.num_warps, lp.ROT_BLOCK)
+    assert ds.APPEND_WARPS == lp.DECODE_APPEND.num_warps
     assert da.gq_pad(3) == lp.gq_pad(3) and da.gq_pad(8) == lp.gq_pad(8) and da.gq_pad(1) == lp.gq_pad(1)
 
 
