@@ -1,5 +1,5 @@
 """Test helpers shared by several test files (docs/design.md §2: one home): tiny random-weight models, a random
-calibrated-looking transform and artifact, a tiny exported checkpoint."""
+calibrated-looking transform and artifact, a character tokenizer, a tiny exported checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ HF_MODEL = dict(
 )
 #: its layout with windows small enough that a few dozen tokens reach INT2 pages.
 SMALL_LAYOUT = KVCacheLayout.default(2, 16, "channel", sink=4, window=16, page_size=16)
+#: :func:`tiny_llama`'s head_dim, and the evaluation tests' layout of its 2 KV heads (sink 16, window 32, P 16).
+D = 64
+EVAL_LAYOUT = KVCacheLayout.default(2, D, sink=16, window=32, page_size=16)
 
 
 def randomize_biases_and_norms(model):
@@ -40,13 +43,13 @@ def tiny_hf_model(kind: str = "llama"):
     return randomize_biases_and_norms(cls(cfg(**HF_MODEL)).eval())
 
 
-def tiny_llama(layers: int = 2, dtype: torch.dtype = torch.float32):
-    """A random-weight Llama with the attention shape of a real one at toy size: 4 query / 2 KV heads of 64."""
+def tiny_llama(layers: int = 2, dtype: torch.dtype = torch.float32, max_positions: int = 4096):
+    """A random-weight Llama with the attention shape of a real one at toy size: 4 query / 2 KV heads of :data:`D`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=max_positions)
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -68,21 +71,41 @@ def tiny_model(kind: str = "llama", heads: int = 6, kv_heads: int = 2, head_dim:
     return model.float().eval()
 
 
-def rotated_transform(h_kv: int, d: int, seed: int = 0, prerotated: bool = False):
-    """Per-head random orthogonal K/V rotations, scalings, means and clipping: every term of the basis change."""
+def rotated_transform(h_kv: int, d: int, seed: int = 0, prerotated: bool = False, k_clip=0.95, v_clip=0.9,
+                      levels=(0.0, 1.0, 2.0, 3.0)):
+    """Per-head random orthogonal K/V rotations, scalings, means and clipping: every term of the basis change.
+    ``k_clip`` / ``v_clip``: one ratio or one per head; ``levels``: the 4 code levels of both sides."""
     from oscar_export.kernels.transform import LayerTransform
 
     g = torch.Generator().manual_seed(seed)
     rot = lambda: torch.linalg.qr(torch.randn(h_kv, d, d, generator=g))[0].contiguous()  # noqa: E731
     pos = lambda: (0.5 + torch.rand(h_kv, d, generator=g))  # noqa: E731
+    clip = lambda c: torch.tensor(c, dtype=torch.float32).expand(h_kv).contiguous()  # noqa: E731
+    lv = torch.tensor(levels, dtype=torch.float32).expand(h_kv, 4).contiguous()
     return LayerTransform(
         k_rotation=rot(), v_rotation=rot(), k_scale=pos(), v_scale=pos(),
         k_mean=0.1 * torch.randn(h_kv, d, generator=g), v_mean=0.1 * torch.randn(h_kv, d, generator=g),
-        k_clip=torch.full((h_kv,), 0.95), v_clip=torch.full((h_kv,), 0.9),
-        k_levels=torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(h_kv, 4).contiguous(),
-        v_levels=torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(h_kv, 4).contiguous(),
-        values_prerotated=prerotated,
+        k_clip=clip(k_clip), v_clip=clip(v_clip), k_levels=lv, v_levels=lv.clone(), values_prerotated=prerotated,
     )
+
+
+def eval_transform(seed: int = 1):
+    """:func:`rotated_transform` of :data:`EVAL_LAYOUT`'s heads with what the evaluation's quantizers must honour: a
+    clip ratio per head (head 1's keys unclipped) and non-uniform levels."""
+    return rotated_transform(2, D, seed, k_clip=(0.95, 1.0), v_clip=(0.9, 0.97), levels=(0.0, 0.9, 2.1, 3.0))
+
+
+class CharTokenizer:
+    """ids = characters mod 96; decode maps every id to one digit (so any answer is a number)."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [ord(c) % 96 for c in text]
+        return type("E", (), {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids})()
+
+    def decode(self, ids):
+        return "".join(chr(48 + i % 10) for i in ids)
 
 
 def random_artifact(model):

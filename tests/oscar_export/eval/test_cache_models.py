@@ -25,10 +25,10 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform, hadamard
 
-from eval_helpers import LAY, D, random_transform, tiny_llama
+from helpers import EVAL_LAYOUT, D, eval_transform, tiny_llama
 
 
-def methods_for(model, lay=LAY):
+def methods_for(model, lay=EVAL_LAYOUT):
     return {m.name: m for m in baseline_methods(model, lay)}
 
 
@@ -60,8 +60,8 @@ def test_orthogonal_rotation_without_quantization_matches_bf16_to_fp32_rounding(
     base = final_hidden(model, ids, BF16Cache("bf16"), torch.float32)
     h = hadamard(D).float().expand(2, D, D)
     for name, t in (("hadamard", replace(LayerTransform.identity(2, D), k_rotation=h, v_rotation=h)),
-                    ("random", random_transform())):
-        m = PagedInt2(name, layout=LAY, transforms=(t, t), quantize=False)
+                    ("random", eval_transform())):
+        m = PagedInt2(name, layout=EVAL_LAYOUT, transforms=(t, t), quantize=False)
         got = final_hidden(model, ids, m, torch.float32)
         err = (got - base).abs().max().item()
         assert err < 1e-4 * base.abs().max().item(), f"{name}: max abs error {err:.3e}"
@@ -71,7 +71,7 @@ def test_orthogonal_rotation_without_quantization_matches_bf16_to_fp32_rounding(
 
 def test_short_sequences_inside_the_windows_match_bf16():
     model = tiny_llama()
-    ids = torch.randint(0, 96, (LAY.sink + LAY.recent_capacity,))  # no page yet at any position
+    ids = torch.randint(0, 96, (EVAL_LAYOUT.sink + EVAL_LAYOUT.recent_capacity,))  # no page yet at any position
     ms = methods_for(model)
     base = final_hidden(model, ids, ms["bf16"])
     for name in ("int2-naive", "quarot-int2"):
@@ -79,7 +79,7 @@ def test_short_sequences_inside_the_windows_match_bf16():
         tol = 0 if name == "int2-naive" else 2e-2
         assert (got - base).abs().max().item() <= tol, name
         assert not ms[name].reads_quantized(torch.arange(ids.numel())).any()
-    longer = torch.randint(0, 96, (LAY.sink + LAY.recent_capacity + 1,))
+    longer = torch.randint(0, 96, (EVAL_LAYOUT.sink + EVAL_LAYOUT.recent_capacity + 1,))
     b2 = final_hidden(model, longer, ms["bf16"])
     g2 = final_hidden(model, longer, ms["int2-naive"])
     assert torch.equal(g2[:-1], b2[:-1]) and not torch.equal(g2[-1], b2[-1]), "first page must change the last row"
@@ -90,8 +90,8 @@ def test_short_sequences_inside_the_windows_match_bf16():
 def test_noise_in_place_of_dequantized_values_scores_far_worse():
     model = tiny_llama()
     ids = torch.randint(0, 96, (256,))
-    t = random_transform()
-    m = PagedInt2("x", layout=LAY, transforms=(t, t))
+    t = eval_transform()
+    m = PagedInt2("x", layout=EVAL_LAYOUT, transforms=(t, t))
     base = final_hidden(model, ids, BF16Cache("bf16"))
     q = all_positions(ids)
     kl_q = compare_hidden(model, base, final_hidden(model, ids, m), ids, q).summary()["kl"]
@@ -106,7 +106,7 @@ def test_noise_in_place_of_dequantized_values_scores_far_worse():
 def test_fake_quant_rows_match_reference_cache_token_by_token(granularity):
     """Row ``a`` of the one-pass fake quantization == decode_attention over the reference cache after a+1 appends."""
     lay = KVCacheLayout.default(2, D, granularity, sink=16, window=32, page_size=16)
-    t = random_transform()
+    t = eval_transform()
     m = PagedInt2("x", layout=lay, transforms=(t,))
     T = lay.sink + lay.recent_capacity + 3 * lay.page_size + 5
     q = torch.randn(4, T, D)
@@ -141,7 +141,7 @@ def test_page_method_bits_follow_the_layout():
     model = tiny_llama(1)
     ms = methods_for(model)
     for L in (100, 1000):
-        assert ms["int2-naive"].bits_per_element(L) == LAY.effective_bits_per_element(L)
+        assert ms["int2-naive"].bits_per_element(L) == EVAL_LAYOUT.effective_bits_per_element(L)
     fp32 = replace(ms["int2-naive"], param_dtype="float32")
     assert fp32.bits_per_element(1000) > ms["int2-naive"].bits_per_element(1000)
     assert ms["bf16"].bits_per_element(10) == 16.0
@@ -184,8 +184,8 @@ def test_hf_replay_matches_real_quantized_layer(backend, nbits):
 def test_decode_mode_matches_score_mode_across_demotions_and_flushes():
     """The NIAH decode path (shared prefix, memoised quantization reused until ``valid_until``) gives the
     one-pass rows, through a page demotion (pages), a key-group flush (KIVI) and a requantization (HF)."""
-    t = random_transform()
-    ms = [PagedInt2("p", layout=LAY, transforms=(t,)), Kivi2("k", group=16, residual=32),
+    t = eval_transform()
+    ms = [PagedInt2("p", layout=EVAL_LAYOUT, transforms=(t,)), Kivi2("k", group=16, residual=32),
           HFQuantized("h", backend="hqq", residual=16)]
     T, n0 = 180, 140  # pages: demotion at a = 143, 159, 175; KIVI keys flush at a = 159; HF flush at 156
     q = torch.randn(4, T, D)
@@ -216,11 +216,12 @@ def test_fp32_params_equal_the_reference_where_fp16_is_exact():
     x[..., 0], x[..., 1] = 0.0, 3.0  # every 64-group spans 0..3
     x = x + torch.randint(-5, 5, (2, 32, 1), generator=g).float()
     t = LayerTransform.identity(2, D)
-    a = page_roundtrip(x, LAY, t, "k", "float16")
-    b = page_roundtrip(x, LAY, t, "k", "float32")
+    a = page_roundtrip(x, EVAL_LAYOUT, t, "k", "float16")
+    b = page_roundtrip(x, EVAL_LAYOUT, t, "k", "float32")
     assert torch.equal(a, b) and torch.equal(a, x)
     y = torch.randn(2, 32, D, generator=g)
-    assert not torch.equal(page_roundtrip(y, LAY, t, "k", "float16"), page_roundtrip(y, LAY, t, "k", "float32"))
+    lay = EVAL_LAYOUT
+    assert not torch.equal(page_roundtrip(y, lay, t, "k", "float16"), page_roundtrip(y, lay, t, "k", "float32"))
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------
@@ -236,10 +237,10 @@ def test_bad_methods_rejected():
     with pytest.raises(ValueError, match="nbits"):
         HFQuantized("x", nbits=3)
     with pytest.raises(ValueError, match="transform 0"):
-        PagedInt2("x", layout=LAY, transforms=(LayerTransform.identity(3, D),))
+        PagedInt2("x", layout=EVAL_LAYOUT, transforms=(LayerTransform.identity(3, D),))
     with pytest.raises(ValueError, match="multiple of group"):
         Kivi2("k", group=32, residual=100)
     with pytest.raises(ValueError, match="param_dtype"):
-        PagedInt2("x", layout=LAY, transforms=(LayerTransform.identity(2, D),), param_dtype="float8")
+        PagedInt2("x", layout=EVAL_LAYOUT, transforms=(LayerTransform.identity(2, D),), param_dtype="float8")
     with pytest.raises(ValueError, match="mode"):
         EvalContext([], "train")

@@ -13,7 +13,7 @@ from oscar_export.eval.deployed import deployed_niah, deployed_text, greedy_answ
 from oscar_export.eval.niah import NiahConfig, build_prompts
 from oscar_export.kernels.layout import KVCacheLayout
 
-from eval_helpers import CharTokenizer, D, random_transform, tiny_llama
+from helpers import CharTokenizer, D, eval_transform, tiny_llama
 
 pytest.importorskip("oscar_export.plugins.hf")
 
@@ -21,7 +21,7 @@ pytest.importorskip("oscar_export.plugins.hf")
 def artifact(model, lay):
     from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
 
-    return OscarArtifact(lay, (random_transform(seed=1), random_transform(seed=2)), model_fingerprint(model.config))
+    return OscarArtifact(lay, (eval_transform(seed=1), eval_transform(seed=2)), model_fingerprint(model.config))
 
 
 LAY = KVCacheLayout.default(2, D, "channel", sink=16, window=32, page_size=16)

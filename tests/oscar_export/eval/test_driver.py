@@ -15,7 +15,7 @@ from oscar_export.eval.recipes import attention_shape, research_recipe
 from oscar_export.eval.text import evaluation_text, final_hidden, text_windows
 from oscar_export.kernels.layout import KVCacheLayout
 
-from eval_helpers import D, random_transform, tiny_llama
+from helpers import D, eval_transform, tiny_llama
 
 
 @pytest.mark.parametrize("granularity", ["token", pytest.param("channel", marks=pytest.mark.slow)])
@@ -28,7 +28,7 @@ def test_fake_quant_agrees_with_real_hf_cache_token_by_token(granularity):
     model = tiny_llama()
     lay = KVCacheLayout.default(2, D, granularity, sink=16, window=32, page_size=16)
     lay = replace(lay, key=replace(lay.key, codebook=True), value=replace(lay.value, codebook=True))
-    ts = (random_transform(seed=1), random_transform(seed=2))
+    ts = (eval_transform(seed=1), eval_transform(seed=2))
     art = OscarArtifact(lay, ts, model_fingerprint(model.config))
     T = 100  # 3 pages at the end
     ids = torch.randint(0, 96, (T,))
@@ -62,7 +62,7 @@ def test_run_eval_on_a_tiny_model_scores_every_length_and_task(monkeypatch):
     BF16 exactly 0 KL, NIAH counted per task and length."""
     from oscar_export.eval import driver, text
 
-    from eval_helpers import CharTokenizer
+    from helpers import CharTokenizer
 
     model = tiny_llama()
     tok = CharTokenizer()
@@ -271,7 +271,7 @@ def test_mixed_key_bits_fake_quant_agrees_with_real_hf_cache_token_by_token():
     model = tiny_llama()
     lay = KVCacheLayout.default(2, D, "token", sink=16, window=32, page_size=16)
     lay = replace(lay, key=replace(lay.key, codebook=True), value=replace(lay.value, codebook=True))
-    ts = (replace(random_transform(seed=1), k_clip=torch.ones(2)), random_transform(seed=2))
+    ts = (replace(eval_transform(seed=1), k_clip=torch.ones(2)), eval_transform(seed=2))
     art = OscarArtifact(lay, ts, model_fingerprint(model.config), key_bits=(4, 2))
     T = 100
     ids = torch.randint(0, 96, (T,))

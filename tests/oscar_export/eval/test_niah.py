@@ -22,7 +22,7 @@ from oscar_export.eval.niah import (
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
-from eval_helpers import LAY, CharTokenizer, random_transform, tiny_llama
+from helpers import EVAL_LAYOUT, CharTokenizer, eval_transform, tiny_llama
 
 
 def prompt(task="single", values=("2531545",)):
@@ -94,9 +94,9 @@ def test_niah_runs_bf16_equals_disabled_quantization_and_batching_changes_nothin
     """Prompts decoded together (folded into the KV heads) give each prompt's answers alone, for every kind of
     cache (per-head transforms tiled, KIVI, the HF replay per prompt)."""
     model = tiny_llama()
-    t = random_transform()
-    ms = [BF16Cache("bf16"), PagedInt2("off", layout=LAY, transforms=(t, t), quantize=False),
-          PagedInt2("on", layout=LAY, transforms=(t, t)), Kivi2("kivi", group=16, residual=32),
+    t = eval_transform()
+    ms = [BF16Cache("bf16"), PagedInt2("off", layout=EVAL_LAYOUT, transforms=(t, t), quantize=False),
+          PagedInt2("on", layout=EVAL_LAYOUT, transforms=(t, t)), Kivi2("kivi", group=16, residual=32),
           HFQuantized("hf", backend="hqq", residual=16)]
     cfg = NiahConfig(lengths=(640,), needles=3, tasks=("single", "multivalue"), digits=3, values=2)
     lines = [[i % 96 for i in range(j, j + 12)] for j in range(60)]
