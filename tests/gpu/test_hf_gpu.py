@@ -31,6 +31,17 @@ def agreement(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return rel, top1
 
 
+def assert_triton_matches_torch(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Logits of the Triton backend ``got`` against the reference ops ``want`` over the same forced tokens: finite,
+    max relative error < 2e-2 (both run a BF16 model; the attention arithmetic differs: fp16 dot operands vs fp32)
+    and top-1 agreement >= 0.95."""
+    assert torch.isfinite(got).all()
+    rel, top1 = agreement(got, want)
+    print(f"{what}, triton vs torch over {len(got)} steps: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
+    assert rel < 2e-2, rel
+    assert top1 >= 0.95, top1
+
+
 def artifact_of(model, kind: str):
     """None (identity transforms) or ``"rotated"``: ``oscar_export.bench.random_artifact`` (rotated and scaled keys,
     means, channel keys, 4-bit keys in every other layer)."""
@@ -64,12 +75,7 @@ def test_auto_backend_is_triton_and_matches_reference_ops(kind):
         got = forced_logits(model, setup, prompt, tokens)
     with enable_oscar(model, art, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
-    assert torch.isfinite(got).all()
-    rel, top1 = agreement(got, want)
-    print(f"{kind} keys, triton vs torch backend over {len(got)} steps: max relative logit error {rel:.2e}, "
-          f"top-1 agreement {top1:.3f}")
-    assert rel < 2e-2, rel  # both run a BF16 model; the attention arithmetic differs (fp16 dot operands vs fp32)
-    assert top1 >= 0.95, top1
+    assert_triton_matches_torch(got, want, f"{kind} keys")
 
 
 @torch.no_grad()
@@ -95,11 +101,7 @@ def test_mixed_key_bits_triton_matches_reference_ops(gran):
         got = forced_logits(model, setup, prompt, tokens)
     with enable_oscar(model, art, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
-    assert torch.isfinite(got).all()
-    rel, top1 = agreement(got, want)
-    print(f"mixed key bits ({gran}), triton vs torch: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
-    assert rel < 2e-2, rel
-    assert top1 >= 0.95, top1
+    assert_triton_matches_torch(got, want, f"mixed key bits ({gran})")
 
 
 @torch.no_grad()
@@ -124,11 +126,7 @@ def test_each_decode_backend_matches_reference_ops(backend):
         got = forced_logits(model, setup, prompt, tokens)
     with enable_oscar(model, layout=lay, backend="torch") as setup:
         want = forced_logits(model, setup, prompt, tokens)
-    assert torch.isfinite(got).all()
-    rel, top1 = agreement(got, want)
-    print(f"{backend} backend, triton vs torch: max relative logit error {rel:.2e}, top-1 {top1:.3f}")
-    assert rel < 2e-2, rel
-    assert top1 >= 0.95, top1
+    assert_triton_matches_torch(got, want, f"{backend} backend")
 
 
 def test_select_backend_on_this_gpu_with_the_plans_split():
