@@ -16,7 +16,6 @@ No TensorRT-LLM and no GPU needed: tested in tests/plugins/test_trtllm_contract.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -81,16 +80,15 @@ class OscarDeployment:
 
     def __init__(self, checkpoint: str | Path, bundle: str | Path, arch: str | None = None) -> None:
         from oscar_export.calibration.artifact import load_artifact
+        from oscar_export.export import artifact_path, read_config_json, read_export
         from oscar_export.kernels.aot.bundle import layout_tag
         from oscar_export.kernels.aot.manifest import BundleError, read_manifest
 
         checkpoint = Path(checkpoint)
-        self.config = json.loads((checkpoint / "config.json").read_text())
+        section = read_export(checkpoint)  # the oscar section as `oscar-export export` wrote it, or ValueError
+        self.config = read_config_json(checkpoint)
         self.family = family_of(self.config)
-        section = self.config.get("oscar")
-        if not isinstance(section, dict) or "artifact" not in section:
-            raise ValueError(f"{checkpoint}: not an OSCAR export (no 'oscar' section in config.json)")
-        self.artifact = load_artifact(checkpoint / section["artifact"])
+        self.artifact = load_artifact(artifact_path(checkpoint, section))
         if not all(t.values_prerotated for t in self.artifact.transforms):
             raise ValueError(f"{checkpoint}: the artifact is not values_prerotated; serve an exported checkpoint")
         self.layout = self.artifact.layout

@@ -542,6 +542,29 @@ def test_bad_deployments_fail_at_startup(ns, tmp_path):
         register(mixed, _bundle(tmp_path / "b5"), arch="sm_90")  # the bundle has the 2-bit kernels only
 
 
+def test_the_checkpoints_oscar_section_is_read_as_export_writes_it(tmp_path):
+    """Bug (issue 30): the deployment read config.json with a bare ``json.loads`` and checked the section itself: an
+    artifact outside the checkpoint (``"artifact": "../elsewhere"``) was loaded, a section of another format version
+    accepted, a repeated key silently took its last value. It reads it as ``oscar_export.export.read_export`` does."""
+    from oscar_export.plugins.trtllm.deployment import OscarDeployment
+
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    bundle = _bundle(tmp_path / "b")
+    OscarDeployment(ckpt, bundle, arch="sm_90")  # as written: loads
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "oscar").rename(tmp_path / "elsewhere")
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "oscar": {**cfg["oscar"], "artifact": "../elsewhere"}}))
+    with pytest.raises(ValueError, match=r"the artifact '\.\./elsewhere' is outside the checkpoint"):
+        OscarDeployment(ckpt, bundle, arch="sm_90")
+    (tmp_path / "elsewhere").rename(ckpt / "oscar")
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "oscar": {**cfg["oscar"], "format_version": 7}}))
+    with pytest.raises(ValueError, match=r"no 'oscar' section of format 1"):
+        OscarDeployment(ckpt, bundle, arch="sm_90")
+    (ckpt / "config.json").write_text(json.dumps(cfg)[:-1] + ', "oscar": {}}')
+    with pytest.raises(ValueError, match=r"duplicate key 'oscar'"):
+        OscarDeployment(ckpt, bundle, arch="sm_90")
+
+
 def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
     ns, dep = deploy
     kw = dict(num_layers=LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_batch_size=2,
