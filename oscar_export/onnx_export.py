@@ -63,15 +63,17 @@ def _io(layout, num_heads: int, types: dict[str, str] | None = None):
     if layout.packing != "linear":  # ... in linear order, and the TensorRT plugins launch the portable kernels
         raise NotImplementedError(f"ONNX export: linear pages only, the layout has {layout.key.packing!r} key and "
                                   f"{layout.value.packing!r} value pages")
-    h, hkv, d, p = num_heads, layout.num_kv_heads, layout.head_dim, layout.page_size
-    kp = ["N", hkv, p, layout.key.groups, 2] if layout.key.granularity == "token" else ["N", hkv, 2, d]
+    h, hkv, d = num_heads, layout.num_kv_heads, layout.head_dim
+    # the cache tensors' shapes are the layout's (symbolic batch "B" and pool size "N")
+    sink, recent = list(layout.sink_shape("B")), list(layout.recent_shape("B"))
     spec = {
         "q": (T.FLOAT, ["B", h, d]), "k_rotation": (T.FLOAT, [hkv, d, d]), "k_scale": (T.FLOAT, [hkv, d]),
-        "sink_k": (T.BFLOAT16, ["B", hkv, layout.sink, d]), "sink_v": (T.BFLOAT16, ["B", hkv, layout.sink, d]),
-        "recent_k": (T.BFLOAT16, ["B", hkv, layout.recent_slots, d]),
-        "recent_v": (T.BFLOAT16, ["B", hkv, layout.recent_slots, d]),
-        "k_codes": (T.UINT8, ["N", hkv, p, d // 4]), "k_params": (T.FLOAT16, kp),
-        "v_codes": (T.UINT8, ["N", hkv, p, d // 4]), "v_params": (T.FLOAT16, ["N", hkv, p, layout.value.groups, 2]),
+        "sink_k": (T.BFLOAT16, sink), "sink_v": (T.BFLOAT16, sink),
+        "recent_k": (T.BFLOAT16, recent), "recent_v": (T.BFLOAT16, recent),
+        "k_codes": (T.UINT8, list(layout.key_codes_shape("N"))),
+        "k_params": (T.FLOAT16, list(layout.key_params_shape("N"))),
+        "v_codes": (T.UINT8, list(layout.value_codes_shape("N"))),
+        "v_params": (T.FLOAT16, list(layout.value_params_shape("N"))),
         "k_levels": (T.FLOAT, [hkv, 4]), "v_levels": (T.FLOAT, [hkv, 4]), "block_table": (T.INT32, ["B", "M"]),
         "sink_len": (T.INT32, ["B"]), "num_pages": (T.INT32, ["B"]), "recent_len": (T.INT32, ["B"]),
         "out": (T.FLOAT, ["B", h, d]),
