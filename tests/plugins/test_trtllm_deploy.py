@@ -24,7 +24,7 @@ REPO = HERE.parents[1]
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     """``oscar-export build`` of a tiny exported Llama, its kernel bundle written by ``fake_bundle`` (compiling
-    it is tests/oscar_export/test_export_build.py's; nothing here launches a kernel)."""
+    it is tests/oscar_export/test_build.py's; nothing here launches a kernel)."""
     import oscar_export.kernels.aot.compile as compile_mod
     from oscar_export.build import build_deployment
     from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
