@@ -9,9 +9,7 @@ bytes of both, computed from the cache layout.
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 EPILOG = """examples:
   oscar-export generate --prompt "Explain the Python assert statement." --max-new-tokens 64
@@ -25,21 +23,6 @@ DEFAULT_TOPIC = "class"
 MAX_NEW_TOKENS = 1 << 20
 
 
-def available_memory(device: str) -> int:
-    """Bytes free for new tensors on ``device``: the CUDA free memory, or the host's MemAvailable."""
-    import torch
-
-    if device.startswith("cuda"):
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -> None:
     """Refuse, before anything is allocated, a length the model cannot encode or whose KV cache cannot fit.
 
@@ -47,6 +30,8 @@ def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -
     smaller), ``L * T * 2 * H_kv * D`` elements.
     """
     import torch
+
+    from oscar_export.plugins.hf.cache import available_bytes
 
     from .cli import UserError
     from .export import head_counts
@@ -60,7 +45,7 @@ def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -
     _, hkv, d = head_counts(c)
     layers = int(c.num_hidden_layers)
     need = layers * length * 2 * hkv * d * torch.empty((), dtype=dtype).element_size()
-    free = available_memory(device)
+    free = available_bytes(device)
     if need > free:
         raise UserError(f"--max-new-tokens: a KV cache of {length} tokens needs {need:,} bytes at {dtype} ({layers} "
                         f"layers, {hkv} KV heads x head_dim {d}, K and V); {free:,} bytes available on {device}")
