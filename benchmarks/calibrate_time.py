@@ -22,13 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from oscar_export.bench import ByteTokenizer, git_commit
 
 RESULTS = Path(__file__).with_name("RESULTS-calibrate.md")
 HEADER = (
@@ -41,14 +42,6 @@ SHAPES = {  # layers, hidden, query heads, KV heads, head_dim, MLP, vocab
     "llama3-8b": (32, 4096, 32, 8, 128, 14336, 128256),
     "tiny": (2, 64, 4, 2, 32, 96, 256),
 }
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
 
 
 def smollm2(a) -> int:
@@ -71,8 +64,9 @@ def smollm2(a) -> int:
     cfg = art.config
     mean = lambda side, key: sum(x[side][key] for x in layers) / len(layers)  # noqa: E731
     wide = [i for i, b in enumerate(art.key_bits) if b != art.layout.key.bits]
+    sha = git_commit(Path(__file__).parent) or "?"
     row = (
-        f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | {git_sha()} | {cfg['tokens']} | {cfg['seq_len']} | "
+        f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} | {sha} | {cfg['tokens']} | {cfg['seq_len']} | "
         f"{cfg['key_bits_budget']} | {wide} | {total:.1f} | {st.get('seconds_load', 0):.1f} | "
         f"{st['seconds_capture']:.1f} | {st['seconds_fit']:.1f} | {st.get('seconds_key_bits', 0):.1f} | {cpu:.1f} "
         f"({' / '.join(str(st.get('cpu_seconds', {}).get(k, '?')) for k in ('capture', 'fit', 'key_bits'))}) | "
@@ -87,16 +81,6 @@ def smollm2(a) -> int:
         with RESULTS.open("a") as f:
             f.write(row + "\n")
     return 0
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (a random-weight model needs no vocabulary, the calibration text a tokenizer)."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        return {"input_ids": torch.tensor([[b % self.vocab for b in text.encode()]])}
 
 
 def random_shape(a) -> int:
@@ -127,7 +111,8 @@ def random_shape(a) -> int:
         "process_cpu_s": round(time.process_time() - c0, 1),
         "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if a.device == "cuda" else None,
         "key_bits_layers": [i for i, b in enumerate(art.key_bits) if b != art.layout.key.bits],
-        "page_bits": round(art.bits_per_element(), 3), "config": recipe.to_dict(), "git": git_sha(),
+        "page_bits": round(art.bits_per_element(), 3), "config": recipe.to_dict(),
+        "git": git_commit(Path(__file__).parent) or "?",
         "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     print(json.dumps(res, indent=1))

@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from oscar_export.bench import ByteTokenizer, git_commit
 
 SHAPES = {  # layers, hidden, heads, kv_heads, head_dim, intermediate, vocab
     "70b": (80, 8192, 64, 8, 128, 28672, 128256),
@@ -68,16 +69,6 @@ class Shape:
                            num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
                            intermediate_size=self.intermediate, vocab_size=self.vocab, max_position_embeddings=8192,
                            tie_word_embeddings=False)
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (the calibration text path needs a tokenizer; a random model needs no vocabulary)."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        return {"input_ids": torch.tensor([[b % self.vocab for b in text.encode()]])}
 
 
 # ---- building the model where it will run -------------------------------------------------------------------
@@ -188,11 +179,7 @@ def compare(a, b, rtol: float = RTOL) -> list[dict]:
 def environment(devices: list[str]) -> dict:
     import transformers
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "?"
+    sha = git_commit(Path(__file__).parent) or "?"
     gpus = [torch.cuda.get_device_name(i) for i in cuda_devices(devices)]
     return {"git": sha, "torch": torch.__version__, "transformers": transformers.__version__, "gpus": gpus,
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}

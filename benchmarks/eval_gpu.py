@@ -22,7 +22,6 @@ backend: Triton needs CUDA) so that nothing crashes on the GPU for want of a tes
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from dataclasses import fields, replace
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from oscar_export.bench import git_commit
 from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, run_deployed, run_eval
 from oscar_export.eval.report import markdown, merge, write_all
 
@@ -54,14 +54,6 @@ def load_earlier(out: Path) -> dict | None:
 
     p = out / "results.json"
     return json.loads(p.read_text()) if p.is_file() else None
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -129,7 +121,8 @@ def main(argv=None) -> int:
         """Write what is measured so far (a phase that dies later loses nothing before it)."""
         result.setdefault("command", command)
         result["preset"] = {f.name: getattr(preset, f.name) for f in fields(preset)}
-        result["environment"].update(git_sha=git_sha(), date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
+        result["environment"].update(git_sha=git_commit(Path(__file__).parent) or "unknown",
+                                     date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()))
         merged = merge(earlier, result) if earlier else result
         if earlier and "deployed" in earlier and "deployed" not in merged:
             merged["deployed"] = earlier["deployed"]

@@ -101,22 +101,39 @@ def copy_tbps() -> float:
     return 2 * a.numel() / (graph_us([lambda: b.copy_(a)], reps=10) * 1e-6) / 1e12
 
 
+def git_commit(cwd: str | Path | None = None) -> str:
+    """The short commit of the checkout holding ``cwd`` (default: this package's folder), or ``""`` outside one."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent if cwd is None else cwd).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def env_line(commit: str | None = None) -> str:
     """GPU, torch and Triton versions, and the code's git commit (``commit`` when given: a copied tree's ``.git`` can
     be stale; none for an installed wheel outside a checkout): the first line of every benchmark's output."""
-    import subprocess
-
     import torch
     import triton
 
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
-        except OSError:
-            commit = ""
+    commit = git_commit() if commit is None else commit
     line = f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}"
     return line + (f" | git {commit}" if commit else "")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids modulo ``vocab``: the tokenizer the calibration of a random-weight model reads its
+    text through (it needs no vocabulary)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        import torch
+
+        return {"input_ids": torch.tensor([[b % self.vocab for b in text.encode()]])}
 
 
 def random_state(layout, batch: int, length: int):
