@@ -86,40 +86,49 @@ def _decode_append_kernel(
     i = tl.arange(0, D)
     j = c * CB + tl.arange(0, CB)  # this program's columns
     row = (b * H_KV + h).to(tl.int64) * D
-    # every load of the step is independent of the others: one round trip (the status and the lengths first)
+    HP: tl.constexpr = triton.next_power_of_2(H_KV)
+    hh = tl.arange(0, HP)
+    rows = (b * H_KV + hh).to(tl.int64)[:, None] * D + i[None, :]  # every KV head's row of this token
+    heads = (hh < H_KV)[:, None]
+    # every load first: none depends on another. The transform's (HBM: a step's weights flush the L2) before the
+    # step's inputs (just written, L2), and those whose layout changes for a product last: a layout change goes
+    # through shared memory behind a barrier, and no load issued after it leaves before the data of the load
+    # before it has come
+    if TRANSFORM or ROTATE_Q:
+        rot = tl.load(rot_ptr + h * (D * D) + i[:, None] * D + j[None, :])  # [D, CB] fp32: R_K[h][:, j]
+        dk = tl.load(kscale_ptr + h * D + j)
+    if TRANSFORM:
+        mk = tl.load(kmean_ptr + h * D + j)
+        mv = tl.load(vmean_ptr + h * D + j)
     status = tl.load(status_ptr + b)
     sl = tl.load(sink_len_ptr + b)
     npg = tl.load(num_pages_ptr + b)
     rl = tl.load(recent_len_ptr + b)
-    if TRANSFORM or ROTATE_Q:
-        rot = tl.load(rot_ptr + h * (D * D) + i[:, None] * D + j[None, :])  # [D, CB] fp32: R_K[h][:, j]
-        dk = tl.load(kscale_ptr + h * D + j)
-    if ROTATE_Q:  # q_rot[b, h GQ + g, j] = (q[b, h GQ + g] @ R_K[h])[j] / d_K[h, j]
+    k_all = tl.load(k_ptr + rows, mask=heads, other=0.0).to(tl.float32)  # [HP, D]
+    v_all = tl.load(v_ptr + rows, mask=heads, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row + j).to(tl.float32)
+    if TRANSFORM:
+        v = v - mv
+        kin = tl.load(k_ptr + row + i).to(tl.float32)  # [D]
+    else:
+        k = tl.load(k_ptr + row + j).to(tl.float32)
+    if ROTATE_Q:
         GQ_PAD: tl.constexpr = triton.next_power_of_2(GQ)
         g = tl.arange(0, GQ_PAD)
         qrow = (b * (H_KV * GQ) + h * GQ + g).to(tl.int64) * D  # [GQ_PAD]
         gmask = (g < GQ)[:, None]
         qb = tl.load(q_ptr + qrow[:, None] + i[None, :], mask=gmask, other=0.0).to(tl.float32)  # [GQ_PAD, D]
+    if ROTATE_Q:  # q_rot[b, h GQ + g, j] = (q[b, h GQ + g] @ R_K[h])[j] / d_K[h, j]
         qs = tl.sum(qb[:, :, None] * rot[None, :, :], axis=1) / dk[None, :]  # [GQ_PAD, CB]
         tl.store(q_rot_ptr + qrow[:, None] + j[None, :], qs, mask=gmask)
     if TRANSFORM:
-        kin = tl.load(k_ptr + row + i).to(tl.float32)  # [D]
-        k = tl.sum(kin[:, None] * rot, axis=0) * dk - tl.load(kmean_ptr + h * D + j)
-        v = tl.load(v_ptr + row + j).to(tl.float32) - tl.load(vmean_ptr + h * D + j)
-    else:
-        k = tl.load(k_ptr + row + j).to(tl.float32)
-        v = tl.load(v_ptr + row + j).to(tl.float32)
+        k = tl.sum(kin[:, None] * rot, axis=0) * dk - mk
     # finite before rounding (rounding NaN bits is meaningless) and after (a huge finite value rounds to inf);
     # every program also checks every head's whole input rows, so a token with a NaN in any head writes no head
     k16 = _round_bf16(k)
     v16 = _round_bf16(v)
     fin = _finite(k) & _finite(v) & _finite(k16) & _finite(v16)
-    HP: tl.constexpr = triton.next_power_of_2(H_KV)
-    hh = tl.arange(0, HP)
-    rows = (b * H_KV + hh).to(tl.int64)[:, None] * D + i[None, :]  # every KV head's row of this token
-    heads = (hh < H_KV)[:, None]
-    others = (_finite(tl.load(k_ptr + rows, mask=heads, other=0.0).to(tl.float32))
-              & _finite(tl.load(v_ptr + rows, mask=heads, other=0.0).to(tl.float32)))
+    others = _finite(k_all) & _finite(v_all)
     finite = (tl.sum(fin.to(tl.int32), axis=0) == CB) & (tl.sum(tl.sum(others.to(tl.int32), axis=1), axis=0) == HP * D)
     if not finite:
         tl.atomic_or(status_ptr + b, NONFINITE)
