@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
+from oscar_export.atomic_dir import MARKER  # noqa: E402
 from oscar_export.build import build_deployment  # noqa: E402
 from oscar_export.calibration.artifact import OscarArtifact  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
@@ -30,8 +31,8 @@ def exported(tmp_path_factory):
 def test_build_writes_the_deployment(exported, tmp_path):
     out = build_deployment(exported, tmp_path / "deploy", ["sm_90"], onnx=True)
     assert sorted(p.name for p in out.iterdir()) == [
-        "README.md", "checkpoint", "deploy.json", "extra_llm_api_options.yaml", "kernels", "onnx", "trtllm_module",
-        "wheels"]
+        MARKER, "README.md", "checkpoint", "deploy.json", "extra_llm_api_options.yaml", "kernels", "onnx",
+        "trtllm_module", "wheels"]  # MARKER: every output of the tool says so (atomic_dir, since 039c976)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deploy"]  # no temp dir left
     m = read_manifest(out / "kernels")
     assert m.archs() == ["sm_90"]
