@@ -18,15 +18,6 @@ import torch
 
 from oscar_export.calibration.artifact import ArtifactError, ArtifactMissing, load_artifact
 
-from helpers import random_artifact, tiny_model
-
-
-@pytest.fixture
-def art_dir(tmp_path):
-    d = tmp_path / "art"
-    random_artifact(tiny_model()).save(d)
-    return d
-
 
 def _edit_meta(d: Path, text: str) -> None:
     (d / "oscar.json").write_text(text)

@@ -47,13 +47,6 @@ def model_dir(tmp_path):
     return d
 
 
-@pytest.fixture
-def art(tmp_path):
-    a = tmp_path / "art"
-    random_artifact(tiny_model()).save(a)
-    return a
-
-
 def one_line(err: str, command: str) -> str:
     assert err.count("\n") == 1 and err.startswith(f"oscar-export {command}: error: "), err
     assert "Traceback" not in err
@@ -65,11 +58,12 @@ def one_line(err: str, command: str) -> str:
 
 @pytest.mark.parametrize("where", ["is", "inside", "around"])
 @pytest.mark.parametrize("force", [False, True], ids=["", "force"])
-def test_export_out_overlapping_the_model_is_refused(model_dir, art, capsys, no_model_load, where, force):
+def test_export_out_overlapping_the_model_is_refused(model_dir, art_dir, capsys, no_model_load, where, force):
     out = {"is": model_dir, "inside": model_dir / "sub", "around": model_dir.parent}[where]
     before = files(model_dir)
     t0 = time.perf_counter()
-    rc = main(["export", "--model", str(model_dir), "--artifact", str(art), "--out", str(out)] + ["--force"] * force)
+    argv = ["export", "--model", str(model_dir), "--artifact", str(art_dir), "--out", str(out)] + ["--force"] * force
+    rc = main(argv)
     assert rc == 2 and time.perf_counter() - t0 < 5
     err = one_line(capsys.readouterr().err, "export")
     why = {"is": "is", "inside": "lies inside", "around": "contains"}[where]
@@ -78,11 +72,11 @@ def test_export_out_overlapping_the_model_is_refused(model_dir, art, capsys, no_
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["", "force"])
-def test_export_out_is_the_artifact_refused(art, tmp_path, capsys, no_model_load, force):
-    before = files(art)
-    assert main(["export", "--artifact", str(art), "--out", str(art)] + ["--force"] * force) == 2
+def test_export_out_is_the_artifact_refused(art_dir, tmp_path, capsys, no_model_load, force):
+    before = files(art_dir)
+    assert main(["export", "--artifact", str(art_dir), "--out", str(art_dir)] + ["--force"] * force) == 2
     assert "is the input --artifact" in one_line(capsys.readouterr().err, "export")
-    assert files(art) == before
+    assert files(art_dir) == before
 
 
 def test_build_out_inside_the_export_refused(tmp_path, capsys):
@@ -174,7 +168,7 @@ HOLDER = textwrap.dedent("""
 """)
 
 
-def test_a_second_run_to_the_same_out_refuses_at_once(tmp_path, art, capsys, no_model_load):
+def test_a_second_run_to_the_same_out_refuses_at_once(tmp_path, art_dir, capsys, no_model_load):
     """Issue: two exports to one --out at once both exited 0, the second replacing the first's output."""
     out = tmp_path / "ckpt"
     p = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -184,7 +178,7 @@ def test_a_second_run_to_the_same_out_refuses_at_once(tmp_path, art, capsys, no_
         with pytest.raises(OutputBusy, match=rf"--out .*ckpt: another oscar-export run \(pid {p.pid}\) is writing"):
             check_out_dir(out, claim=True)
         t0 = time.perf_counter()
-        assert main(["export", "--artifact", str(art), "--out", str(out)]) == 2
+        assert main(["export", "--artifact", str(art_dir), "--out", str(out)]) == 2
         assert time.perf_counter() - t0 < 5
         assert "another oscar-export run" in one_line(capsys.readouterr().err, "export")
         p.stdin.write("\n")
@@ -335,13 +329,13 @@ EXPORT_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.slow  # a child process imports torch and transformers: 10-30 s on the 2-core machine
-def test_export_over_the_file_size_limit_is_one_line(tmp_path, art):
+def test_export_over_the_file_size_limit_is_one_line(tmp_path, art_dir):
     """``ulimit -f``: writes past the limit fail with EFBIG (Python ignores SIGXFSZ); nothing is left behind."""
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
 
     out = tmp_path / "ckpt"
-    p = subprocess.run([sys.executable, "-c", EXPORT_CHILD, str(Path(__file__).parents[1]), str(art), str(out)],
+    p = subprocess.run([sys.executable, "-c", EXPORT_CHILD, str(Path(__file__).parents[1]), str(art_dir), str(out)],
                        preexec_fn=limit, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
     lines = [x for x in p.stderr.splitlines() if x.startswith("oscar-export")]
