@@ -8,42 +8,28 @@ compiles the same specialisations; no worker is started off the GPU. On the H200
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from oscar_export.bench import random_artifact
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar, precompile
+
+from helpers import tiny_llama
 
 LAYOUT = KVCacheLayout.default(2, 64, "channel", sink=16, window=64, page_size=64)
 POOLS = ("k_codes", "k_params", "v_codes", "v_params")
 
 
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
-
 def artifact(model, key_bits, identity_layers=()):
-    """Random per-head key rotations, scalings and means (the identity in ``identity_layers``)."""
-    from types import SimpleNamespace
-
-    g = torch.Generator().manual_seed(1)
-    h, d = LAYOUT.num_kv_heads, LAYOUT.head_dim
-    ts = []
-    for i in range(model.config.num_hidden_layers):
-        t = LayerTransform.identity(h, d, 0.96, 0.92)
-        if i not in identity_layers:
-            t = LayerTransform(
-                k_rotation=torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].contiguous(),
-                v_rotation=t.v_rotation, k_scale=2 ** (2 * torch.rand(h, d, generator=g) - 1), v_scale=t.v_scale,
-                k_mean=0.1 * torch.randn(h, d, generator=g), v_mean=0.01 * torch.randn(h, d, generator=g),
-                k_clip=t.k_clip, v_clip=t.v_clip, k_levels=t.k_levels, v_levels=t.v_levels)
-        ts.append(t)
-    return SimpleNamespace(layout=LAYOUT, transforms=tuple(ts), key_bits=key_bits, check_model=lambda config: None)
+    """``oscar_export.bench.random_artifact`` on :data:`LAYOUT` (random per-head key rotations, scalings and means),
+    with identity key transforms in ``identity_layers``."""
+    art = random_artifact(model, seed=1, layout=LAYOUT, key_bits=key_bits)
+    ident = replace(LayerTransform.identity(LAYOUT.num_kv_heads, LAYOUT.head_dim, 0.96, 0.92), values_prerotated=True)
+    return replace(art, transforms=tuple(ident if i in identity_layers else t for i, t in enumerate(art.transforms)))
 
 
 class RecordOscarOps(TorchDispatchMode):
@@ -73,7 +59,7 @@ class RecordOscarOps(TorchDispatchMode):
 def test_the_worker_step_calls_the_ops_as_a_real_decode_step():
     """The compiled-ahead kernels are only found if the worker launches them exactly as the real step does: per
     layer format (4- and 2-bit keys, rotated and identity keys), the same ops with the same arguments."""
-    model = tiny()
+    model = tiny_llama(layers=3, dtype=torch.bfloat16)
     art = artifact(model, key_bits=(4, 2, 2), identity_layers=(2,))
     with torch.no_grad(), enable_oscar(model, art, backend="triton") as oscar:
         cache = oscar.make_cache(2, 300)
@@ -95,7 +81,7 @@ def test_the_worker_step_calls_the_ops_as_a_real_decode_step():
 
 
 def test_formats_are_distinct():
-    model = tiny()
+    model = tiny_llama(layers=3, dtype=torch.bfloat16)
     with torch.no_grad(), enable_oscar(model, artifact(model, key_bits=(2, 2, 2)), backend="triton") as oscar:
         assert len(precompile.formats(oscar.make_cache(1, 100), oscar.shape.scaling)) == 1
     assert precompile.start([], torch.device("cuda", 0)) is None
