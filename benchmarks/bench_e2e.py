@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     print(f"{args.model}: {weight_bytes / 2**30:.1f} GiB of weights; 4-bit key layers "
           f"{[i for i, x in enumerate(art.key_bits) if x == 4]}", flush=True)
     plan = []
-    for w in args.workloads.split(","):
+    for w in filter(None, args.workloads.split(",")):  # "" : the equal-KV rows only
         direct = w.endswith("!")
         b, ctx = (int(x) for x in w.rstrip("!").split("x"))
         kinds = args.caches.split(",") + (["oscar-graph"] if args.graph_rows else [])
