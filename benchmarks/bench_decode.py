@@ -21,8 +21,9 @@ the default layout's pages in mma16 order, fp32 queries already in the stored ke
 returns), the Gluon kernel at its launch plan's split and fused merge (``decode.hopper.decode_attention``); the
 rotation's cost and the Hopper kernel's other layouts: ``bench_hopper.py``.
 
-``--append B,..`` times the decode step's other launch instead, the cache write ``decode_step.decode_append`` as the
-README loop runs it (key transform fused, the step's queries rotated, channel keys on mma16 pages), one row per
+``--append B,..`` times the decode step's other launch instead, the cache write ``oscar::decode_append`` as the
+README loop runs it (``triton_ops.plan_append`` once, then ``run_append``; the key transform fused, the step's
+queries rotated, channel keys on mma16 pages), one row per
 batch, key width and step kind: ``plain`` (the token into the ring) and ``demote`` (the ring full: a page of keys
 and values quantized too). Each over input sets of distinct transforms and caches (4x the L2: ``R_K`` comes from
 HBM, as in a step whose weights flushed the L2); ``graph_us``: per launch in a CUDA graph of them, ``kernel_us``:
@@ -171,7 +172,7 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
 
 def bench_append(batch: int, key_bits: int, demote: bool, heads: str = "llama3-8b") -> dict:
     """One ``--append`` row (see the module doc)."""
-    from oscar_export.kernels.decode_step import decode_append
+    from oscar_export.kernels import triton_ops
     from oscar_export.kernels.transform import LayerTransform
 
     hq, hkv, d = HEADS[heads]
@@ -192,8 +193,9 @@ def bench_append(batch: int, key_bits: int, demote: bool, heads: str = "llama3-8
     k = torch.randn(batch, hkv, d, device="cuda").bfloat16()
     q = torch.randn(batch, hq, d, device="cuda").bfloat16()
     status = torch.zeros(batch, dtype=torch.int32, device="cuda")
-    calls = [lambda i=i: decode_append(states[i], k, k, status, lay, trs[i], fused_transform=True, q=q)
-             for i in range(sets)]
+    plans = [triton_ops.plan_append(states[i], k, k, status, lay, trs[i], fused_transform=True, q=q)
+             for i in range(sets)]  # made once, with the cache, as the HF cache does
+    calls = [lambda i=i: triton_ops.run_append(plans[i], states[i], k, k, status, trs[i], q) for i in range(sets)]
     graph = graph_ms(calls) * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
