@@ -23,11 +23,11 @@ rotation's cost and the Hopper kernel's other layouts: ``bench_hopper.py``.
 
 ``--append B,..`` times the decode step's other launch instead, the cache write ``oscar::decode_append`` as the
 README loop runs it (``triton_ops.plan_append`` once, then ``run_append``; the key transform fused, the step's
-queries rotated, channel keys on mma16 pages), one row per
-batch, key width and step kind: ``plain`` (the token into the ring) and ``demote`` (the ring full: a page of keys
-and values quantized too). Each over input sets of distinct transforms and caches (their ``R_K`` 4x the L2: it
-comes from HBM, as in a step whose weights flushed the L2); ``graph_us``: per launch in a CUDA graph of them,
-``kernel_us``: the kernel's own time from the profiler.
+queries rotated, channel keys on mma16 pages), one row per batch, key width and step kind: ``plain`` (the token
+into the ring) and ``demote`` (the ring full: a page of keys and values quantized too). Each over input sets of
+distinct transforms and caches (their ``R_K`` 4x the L2, at most 256 sets: it comes from HBM, as in a step whose
+weights flushed the L2); ``graph_us``: per launch in a CUDA graph of them, ``kernel_us``: the kernel's own time
+from the profiler.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def bench_append(batch: int, key_bits: int, demote: bool, heads: str = "llama3-8
     lay = KVCacheLayout.default(hkv, d, "channel").with_packing("mma16").with_key_bits(key_bits)
     per_set = hkv * d * d * 4  # R_K: what must come from HBM (the cache rows a step touches are a few KB)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    sets = min(512, -(-4 * l2 // per_set))  # copies_for's 4x the L2 (of R_K alone), without its cap of 32
+    sets = min(256, -(-4 * l2 // per_set))  # 4x the L2 of R_K alone, at most 256 (128 MB at Llama-3-8B's heads)
     ident = LayerTransform.identity(hkv, d, 0.96, 0.92).to("cuda")
     trs, states = [], []
     for _ in range(sets):

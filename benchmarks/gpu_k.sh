@@ -78,7 +78,7 @@ timeout 110 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -x -m gpu \
   -k "decode_append or decode_step_cuda_graph or custom_ops" > "$OUT/tests.txt" 2>&1
 echo "tests rc $? at $((SECONDS - start)) s" >> "$OUT/env.txt"
 
-timeout 45 python3 benchmarks/bench_decode.py --append 1,8 --key-bits 2,4 --json "$OUT/append.json" \
+timeout 55 python3 benchmarks/bench_decode.py --append 1,8 --key-bits 2,4 --json "$OUT/append.json" \
   > "$OUT/append.txt" 2>&1
 echo "append rc $? at $((SECONDS - start)) s" >> "$OUT/env.txt"
 
