@@ -251,7 +251,8 @@ class OscarCache(Cache):
         self.host_lengths: list[int] = [0] * batch_size
         self.plan: PromptPlan | None = None
         self.seen = torch.zeros((), dtype=torch.int64, device=self.book.device)
-        #: the decode step's kernels being compiled in worker processes (``precompile.py``; set by ``make_cache``)
+        #: the workers compiling the decode step's kernels ahead (``precompile.py``; set by ``make_cache``; nothing
+        #: waits for them)
         self.precompile = None
         sliding = set(sliding_layers)
         if sliding and (sliding_window is None or not sliding <= set(range(len(transforms)))):
@@ -375,9 +376,6 @@ class OscarCache(Cache):
             )
         if not torch.compiler.is_compiling():
             self.check_room()
-            if self.precompile is not None:  # an eager step would compile the same kernels itself
-                self.precompile.wait()
-                self.precompile = None
         self.book.begin(1)
 
     def check_room(self) -> None:

@@ -14,10 +14,12 @@ format ``I`` through the same ``triton_backend`` calls as a real step (``prepare
 pool), so Triton compiles the same specialisations and writes them into its on-disk cache (``TRITON_CACHE_DIR``,
 inherited), where the main process's first launch finds them. Workers run side by side; the main process goes on.
 
-Nothing waits for them except an eager decode step (``OscarCache.begin_decode`` calls :meth:`Precompile.wait`:
-it would otherwise compile the same kernels itself); a compiled step's first run finds whatever is done by then
-and compiles the rest itself, as without this module. A worker that fails is logged (debug) and changes nothing
-else: the main process then compiles that format on its first launch.
+Nothing waits for them: the first launch of a kernel (a compiled step's first run, after Dynamo and Inductor; an
+eager step, after the prefill) finds it on disk if its worker is done, and otherwise compiles it itself, as without
+this module (Triton writes a cache entry atomically, so two writers of one entry are harmless). Waiting in an eager
+step could be slower than compiling there: a worker first starts an interpreter and a CUDA context. A worker that
+fails changes nothing else (:meth:`Precompile.wait` reports it; tests wait). Workers outlive nothing they need: a
+parent that exits leaves them to finish their compile and exit.
 """
 
 from __future__ import annotations
