@@ -5,9 +5,9 @@
 """
 
 import sys
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 
 from oscar_export.models import load_model
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar

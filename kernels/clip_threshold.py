@@ -11,7 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
 # The clip threshold: sorted(|x|)[rank] of each group, i.e. the K-th largest |x| with K = removals + 1.
 # Each thread keeps, per group it owns, the 8 largest |x| it has seen as a descending list in registers
 # (8 new values: a sorting network, then a bitonic merge into the list; one value: insertion), the lists

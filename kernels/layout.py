@@ -60,9 +60,9 @@ place and moves nothing. ``C`` is one page larger than the ``W + P`` tokens rece
 writes its new token into a free slot and its demoted page into a page no committed length reaches, so
 every write of a step is invisible until the step's lengths are committed (``pages.PageBook``); a step
 that fails (NaN, a full cache, an exception in any layer) leaves the cache exactly as it was. In the
-example: recent indices 640..935 sit in slots 640 mod 384 = 256 .. 935 mod 384 = 167 (wrapping). Bytes of one 1000-token sequence in one
-layer (K and V, all heads): BF16 (64 + 296) * 3 * 64 * 2 * 2 = 276,480; INT2 10 pages * 64 tokens * 3
-heads * (K 16 + 4, V 16 + 4 bytes) = 76,800; total 353,280 vs 768,000 for a BF16 cache.
+example: recent indices 640..935 sit in slots 640 mod 384 = 256 .. 935 mod 384 = 167 (wrapping). Bytes of one
+1000-token sequence in one layer (K and V, all heads): BF16 (64 + 296) * 3 * 64 * 2 * 2 = 276,480; INT2 10 pages *
+64 tokens * 3 heads * (K 16 + 4, V 16 + 4 bytes) = 76,800; total 353,280 vs 768,000 for a BF16 cache.
 """
 
 from __future__ import annotations
