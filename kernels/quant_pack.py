@@ -226,10 +226,8 @@ def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constex
     cut2 = cut[None, :]
     bound2 = bound[None, :]
     rows = x_base + t[:, None] * stride_xp + i[None, :]
-    if P >= 8 * T:
-        t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
-            t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut2, bound2, mn, mx, cnt, T, FIRST, True)
-        for tb in range(8 * T, P, 8 * T):
+    if P >= 8 * T:  # one loop body (no first block peeled: merging into the empty (-1) lists keeps the same 8)
+        for tb in range(0, P, 8 * T):
             t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
                 t0, t1, t2, t3, t4, t5, t6, t7, rows + tb * stride_xp, stride_xp, cut2, bound2, mn, mx, cnt,
                 T, FIRST, False)
