@@ -195,7 +195,7 @@ def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
 
 @triton.jit
 def _channel_block(t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut, bound, mn, mx, cnt,
-                   T: tl.constexpr, FIRST: tl.constexpr, EMPTY: tl.constexpr):
+                   T: tl.constexpr, FIRST: tl.constexpr):
     """Add 8 loads of T tokens each (``rows [T, D]`` pointers, then + j*T rows) to the channel lists."""
     e0, mn, mx, cnt = _prep(tl.load(rows).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
     e1, mn, mx, cnt = _prep(tl.load(rows + 1 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
@@ -205,7 +205,7 @@ def _channel_block(t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut, bound, 
     e5, mn, mx, cnt = _prep(tl.load(rows + 5 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
     e6, mn, mx, cnt = _prep(tl.load(rows + 6 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
     e7, mn, mx, cnt = _prep(tl.load(rows + 7 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, EMPTY)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, False)
     return t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt
 
 
@@ -230,7 +230,7 @@ def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constex
         for tb in range(0, P, 8 * T):
             t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
                 t0, t1, t2, t3, t4, t5, t6, t7, rows + tb * stride_xp, stride_xp, cut2, bound2, mn, mx, cnt,
-                T, FIRST, False)
+                T, FIRST)
     else:
         for tb in range(0, P, T):
             a, mn, mx, cnt = _prep(tl.load(rows + tb * stride_xp).to(tl.float32), cut2, bound2, mn, mx, cnt, FIRST)
@@ -541,7 +541,8 @@ def check_format(fmt: RowFormat, page_size: int, what: str) -> None:
     if fmt.head_dim > 256 or page_size > 256:
         raise NotImplementedError(f"{what}: head_dim and page_size <= 256 supported, got {fmt.head_dim}, {page_size}")
     if fmt.packing == "mma16" and fmt.head_dim < 64:
-        raise NotImplementedError(f"{what}: the Triton kernels write 'mma16' pages for head_dim >= 64, got {fmt.head_dim}")
+        raise NotImplementedError(f"{what}: the Triton kernels write 'mma16' pages for head_dim >= 64, "
+                                  f"got {fmt.head_dim}")
     if fmt.bits not in (2, 4):
         raise NotImplementedError(f"{what}: the Triton kernels write 2- and 4-bit codes, got {fmt.bits}-bit")
 
@@ -671,7 +672,8 @@ def write_pages(
         x, page_ids, removals, levels.contiguous(), rot, ds, mu, codes, params,
         x.stride(0), x.stride(1), x.stride(2),
         H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
-        ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16, ROUND_FP16=fuse and round_dtype == torch.float16,
+        ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16,
+        ROUND_FP16=fuse and round_dtype == torch.float16,
         PACKING=packing, BITS=fmt.bits, **warps,
     )
 
