@@ -56,7 +56,7 @@ class ClipFit:
 def fit_clip(
     errors_fn: Callable[[list[torch.Tensor]], torch.Tensor], num_heads: int, grid: list[float], per_head: bool = True,
     screen_fn: Callable[[list[torch.Tensor]], torch.Tensor] | None = None, keep: int = SCREEN_KEEP,
-    local: bool = False,
+    local: bool = False, start: torch.Tensor | None = None,
 ) -> ClipFit:
     """Evaluate ``errors_fn([clip [H], ...]) -> error [R, H]`` on the grid (all heads at once), pick the best.
 
@@ -66,8 +66,9 @@ def fit_clip(
 
     * ``screen_fn``: a cheaper estimate of the same error (same call) ranks the grid; only each head's ``keep`` best
       ranked ratios are measured (``keep`` calls);
-    * ``local``: a descent from the middle of the grid: each head's best ratio so far until both its grid
-      neighbours are measured and worse (the grid's best where the error has one minimum along it).
+    * ``local``: a descent from the middle of the grid (or each head's ``start`` ``[H]`` grid index): each head's
+      best ratio so far until both its grid neighbours are measured and worse (the grid's best where the error has
+      one minimum along it).
     """
     if not grid:
         raise ValueError("fit_clip: empty grid")
@@ -80,8 +81,8 @@ def fit_clip(
         ranked = est.argsort(dim=0, stable=True)[:keep]  # [keep, H] grid indices, best first
         table = torch.full((n, num_heads), float("inf"), dtype=torch.float64)
         table.scatter_(0, ranked, errors_fn([g[idx] for idx in ranked]).double())
-    elif local and n > 3:
-        table = _descend(errors_fn, num_heads, g, per_head)
+    elif local and (n > 3 or start is not None):
+        table = _descend(errors_fn, num_heads, g, per_head, start)
     else:
         table = errors_fn([torch.full((num_heads,), r, dtype=torch.float32) for r in grid]).double()  # [R, H]
     if per_head:
@@ -91,12 +92,14 @@ def fit_clip(
     return ClipFit(g[i].expand(num_heads).clone(), table[i], tuple(grid), table)
 
 
-def _descend(errors_fn, num_heads: int, g: torch.Tensor, per_head: bool) -> torch.Tensor:
+def _descend(errors_fn, num_heads: int, g: torch.Tensor, per_head: bool, start: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """``[R, H]`` errors of :func:`fit_clip`'s ``local`` search, ``inf`` where not measured."""
-    n, mid = len(g), len(g) // 2
+    n = len(g)
     table = torch.full((n, num_heads), float("inf"), dtype=torch.float64)
     heads = torch.arange(num_heads)
-    todo = [torch.full((num_heads,), i) for i in (mid - 1, mid, mid + 1)]  # [H] grid indices per call
+    mid = torch.full((num_heads,), n // 2) if start is None else start.long()
+    todo = [(mid + s).clamp(0, n - 1) for s in (-1, 0, 1)]  # [H] grid indices per call
     while todo:
         table[torch.stack(todo), heads] = errors_fn([g[idx] for idx in todo]).double()
         score = table if per_head else table.sum(1, keepdim=True).expand(-1, num_heads)

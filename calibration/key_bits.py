@@ -12,11 +12,19 @@ those queries and every query head of
 * ``top``: ``sum |p_bf16 - p_stored|`` over the ``top`` page rows with the largest ``p_bf16`` (the few tokens a
   retrieving head attends to: a needle's digits are such rows).
 
-Values play no part. :func:`layer_key_errors` measures a layer's keys at 2 bits (its fitted clips and levels)
-and at 4 bits (``layout.with_key_bits(4)``, plain min-max: clip 1, which is what a 4-bit layer of the artifact
-then stores); :func:`allocate_key_bits` gives 4-bit keys to the layers where 4 bits remove the most of the
-metric, best first, while the average page bits per element (``KVCacheLayout.int2_bits_per_element`` of each
-paged layer's layout, averaged over those layers) stay within the budget.
+Values play no part. :func:`layer_key_errors` measures a layer's keys at 2 bits and at 4 bits
+(``layout.with_key_bits(4)``), each width with its key clips chosen per head against the same metric
+(:func:`fit_key_clip`: a descent along a clip grid, at 2 bits from the clips fitted on the mean squared score
+error, at 4 bits from min-max), and the artifact stores the clips of the width it gets (:func:`set_key_clips`);
+:func:`allocate_key_bits` gives 4-bit keys to the layers where 4 bits remove the most of the metric, best first,
+while the average page bits per element (``KVCacheLayout.int2_bits_per_element`` of each paged layer's layout,
+averaged over those layers) stay within the budget.
+
+Why the clips are chosen again: the fit minimises the mean squared score error ``E (q·(k - k_hat))^2`` over every
+query and key (``objective.py``), which clips hard (ratios 0.80-0.92 on SmolLM2) and weighs the few keys a query
+attends to like any other; the attention KL weighs each score error by the probability it moves. On SmolLM2's
+dev text (``eval --split dev``, 4 windows) KL-chosen clips lowered the text KL at 2K/4K tokens by 11 % / 9 %
+(docs/evaluation.md, "Calibration").
 """
 
 from __future__ import annotations
@@ -24,15 +32,22 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from oscar_export.kernels.layout import KVCacheLayout
-from oscar_export.kernels.reference import dequantize_pages, quantize_pages
-from oscar_export.kernels.transform import LayerTransform
+from oscar_export.kernels.reference import (
+    dequantize_groups,
+    dequantize_pages,
+    format_levels,
+    quantize_groups,
+    quantize_pages,
+)
+from oscar_export.kernels.transform import LayerTransform, clip_rank
 
 from .capture import HeldOut
+from .clipping import DEFAULT_GRID, clip_grid, fit_clip
 
 #: metrics :func:`key_attention_error` reports (``CalibrationConfig.key_bits_metric`` picks one).
 METRICS = ("kl", "top")
@@ -77,68 +92,172 @@ def paged_rows(layout: KVCacheLayout, pos: torch.Tensor) -> tuple[torch.Tensor, 
     return lo, lo + pages * layout.page_size
 
 
-@torch.no_grad()
-def key_attention_error(held: HeldOut, transform: LayerTransform, layout: KVCacheLayout,
-                        stored: PageKeys | None = None, queries: int = QUERIES, top: int = TOP) -> dict[str, float]:
-    """The attention error of one layer's stored keys (module doc): ``{"kl": ..., "top": ...}``.
+class KeyAttention:
+    """One layer's held-out queries over its keys as the cache stores them (module doc), the parts that do not
+    depend on the page quantizer computed once: :meth:`errors` measures one quantizer.
+
+    Only the page rows change, so a query's KL is ``sum_pages p (s - s_hat) + log(Z_hat / Z)`` with ``s`` its
+    scores, ``p`` its probabilities and ``Z`` the softmax normaliser (``Z_hat``: the same with the pages read
+    back): one product over the page rows a measurement.
 
     Args:
         held: the layer's held-out q ``[N, H, T, D]`` and k ``[N, H_kv, T, D]`` (post-RoPE, model basis).
-        transform: the layer's transform (gives the stored basis; default quantizer's clips and levels).
-        layout: windows and page size (and the default quantizer's key format).
-        stored: what the pages read back (:data:`PageKeys`); default :func:`page_keys` of ``layout`` with the
-            transform's key clips and levels.
+        transform: the layer's transform (gives the stored basis).
+        layout: windows and page size.
         queries: the last ``queries`` positions of each sequence are the queries; top: rows of ``top``.
     """
-    q, k, scale = held.q, held.k, held.scaling
-    n, hq, t, _ = q.shape
-    hkv = k.shape[1]
-    if not 0 < queries <= t:
-        raise ValueError(f"key_attention_error: queries must be in [1, {t}] (the sequence length), got {queries}")
+
+    @torch.no_grad()
+    def __init__(self, held: HeldOut, transform: LayerTransform, layout: KVCacheLayout, queries: int = QUERIES,
+                 top: int = TOP) -> None:
+        q, k, scale = held.q, held.k, held.scaling
+        n, hq, t, _ = q.shape
+        hkv = k.shape[1]
+        if not 0 < queries <= t:
+            raise ValueError(f"key_attention_error: queries must be in [1, {t}] (the sequence length), got {queries}")
+        dev = transform.k_clip.device
+        pos = torch.arange(t - queries, t, device=dev)
+        lo, hi = paged_rows(layout, pos)  # rows [lo, hi) read from pages for the query at pos
+        c0, c1 = self.c0, self.c1 = layout.sink, int(hi.max())
+        if c1 <= c0:
+            raise ValueError(f"key_attention_error: {t} tokens leave no page before the last {queries} queries "
+                             f"(sink {layout.sink}, window {layout.window}, page {layout.page_size})")
+        g = hq // hkv
+        col = torch.arange(t, device=dev)
+        in_pages = ((col[None] >= lo[:, None]) & (col[None] < hi[:, None])).repeat(g, 1)  # [g*Q, T], rows (head, q)
+        causal = (col[None] <= pos[:, None]).repeat(g, 1)
+        self.scale, self.in_pages = scale, in_pages[:, c0:c1]  # [g*Q, c]
+        self.ks = transform.transform_keys(k.to(dev)).to(torch.bfloat16).float()  # [N, H_kv, T, D]
+        qs = transform.transform_queries(q.to(dev))[:, :, -queries:].float()  # [N, H, Q, D]
+        self.qs = qs.reshape(n, hkv, g * queries, -1)  # [N, H_kv, g*Q, D]: the query heads of each KV head
+        s = (scale * self.qs @ self.ks.transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # [N, H_kv, g*Q, T]
+        self.m = s.amax(-1, keepdim=True)
+        e = torch.exp(s - self.m)
+        self.s_pages = self._scores(self.ks[:, :, c0:c1])  # [N, H_kv, g*Q, c]: as :meth:`errors` computes them
+        self.z_out = (e * ~in_pages).sum(-1)  # [N, H_kv, g*Q]
+        e_pages = torch.exp(self.s_pages - self.m)
+        self.z = self.z_out + (e_pages * self.in_pages).sum(-1)
+        self.p_rows = e_pages / self.z[..., None]  # [N, H_kv, g*Q, c] probabilities of the rows c0 .. c1
+        self.p_pages = self.p_rows * self.in_pages
+        # the ``top`` page rows of each query (largest p_bf16), whatever the quantizer
+        self.top_idx = self.p_rows.masked_fill(~self.in_pages, -1.0).topk(min(top, c1 - c0), -1).indices
+        self._sorted: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # row format -> groups, their sorted |x|
+
+    @torch.no_grad()
+    def read_back(self, layout: KVCacheLayout, clip: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """``[N, H_kv, c, D]``: the page rows as :func:`page_keys` of ``layout`` reads them back (the same numbers),
+        each group's sorted ``|x|`` computed once per row format for every clip (``quantize_groups(sorted_abs=)``)."""
+        fmt, p = layout.key, layout.page_size
+        n, h, t, d = self.ks.shape
+        c = self.c1 - self.c0
+        key = (fmt.granularity, fmt.group_size, p)
+        if key not in self._sorted:
+            x = self.ks[:, :, self.c0 : self.c1].reshape(n, h, c // p, p, d).transpose(1, 2)  # [N, pages, H, P, D]
+            x = x.transpose(-1, -2) if fmt.granularity == "channel" else x.reshape(*x.shape[:-1], d // fmt.group_size,
+                                                                                    fmt.group_size)
+            self._sorted[key] = (x, x.abs().sort(dim=-1).values)
+        x, sorted_abs = self._sorted[key]
+        lv = format_levels(fmt, levels.to(x.device))
+        view = (1, 1, h, 1) if fmt.granularity == "channel" else (1, 1, h, 1, 1)
+        rank = clip_rank(clip.to(x.device), x.shape[-1]).view(*view, 1)
+        codes, scale, lo = quantize_groups(x, rank, lv.view(*view, -1), sorted_abs=sorted_abs)
+        y = dequantize_groups(codes, scale, lo, lv.view(*view, -1))
+        y = y.transpose(-1, -2) if fmt.granularity == "channel" else y.reshape(*y.shape[:-2], d)  # [N, pages, H, P, D]
+        return y.transpose(1, 2).reshape(n, h, c, d)
+
+    def _scores(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[N, H_kv, g*Q, c]`` scores of the queries over page rows ``[N, H_kv, c, D]``."""
+        return self.scale * self.qs @ rows.transpose(-1, -2)
+
+    @torch.no_grad()
+    def errors(self, stored: PageKeys | torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"kl": [H_kv], "top": [H_kv]}`` fp64: each KV head's mean over sequences, its query heads and queries
+        of the metrics (module doc) with the pages read back by ``stored`` (or those rows, ``[N, H_kv, c, D]``:
+        :meth:`read_back`)."""
+        if isinstance(stored, torch.Tensor):
+            rows = stored
+        else:
+            got = [stored(x[:, self.c0 : self.c1]) for x in self.ks]
+            rows = torch.stack([x[:, self.c0 : self.c1] if r is None else r for x, r in zip(self.ks, got)])
+        s_hat = torch.where(self.in_pages, self._scores(rows), self.s_pages)  # [N, H_kv, g*Q, c]
+        e_hat = torch.exp(s_hat - self.m)
+        z_hat = self.z_out + (e_hat * self.in_pages).sum(-1)
+        kl = (self.p_pages * (self.s_pages - s_hat)).sum(-1) + torch.log(z_hat / self.z)  # [N, H_kv, g*Q]
+        p_hat = e_hat.gather(-1, self.top_idx) / z_hat[..., None]
+        shift = (self.p_rows.gather(-1, self.top_idx) - p_hat).abs().sum(-1)
+        return {"kl": kl.double().mean(dim=(0, 2)), "top": shift.double().mean(dim=(0, 2))}
+
+
+def key_attention_error(held: HeldOut, transform: LayerTransform, layout: KVCacheLayout,
+                        stored: PageKeys | None = None, queries: int = QUERIES, top: int = TOP) -> dict[str, float]:
+    """The attention error of one layer's stored keys (module doc): ``{"kl": ..., "top": ...}``, the mean over KV
+    heads of :meth:`KeyAttention.errors`.
+
+    ``stored``: what the pages read back (:data:`PageKeys`); default :func:`page_keys` of ``layout`` with the
+    transform's key clips and levels.
+    """
     stored = stored or page_keys(layout, transform.k_clip, transform.k_levels)
-    dev = transform.k_clip.device
-    pos = torch.arange(t - queries, t, device=dev)
-    lo, hi = paged_rows(layout, pos)  # rows [lo, hi) read from pages for the query at pos
-    c0, c1 = layout.sink, int(hi.max())
-    if c1 <= c0:
-        raise ValueError(f"key_attention_error: {t} tokens leave no page before the last {queries} queries "
-                         f"(sink {layout.sink}, window {layout.window}, page {layout.page_size})")
-    grp = hq // hkv
-    col = torch.arange(t, device=dev)
-    in_pages = (col[None] >= lo[:, None]) & (col[None] < hi[:, None])  # [Q, T]
-    causal = col[None] <= pos[:, None]
-    total = {"kl": 0.0, "top": 0.0}
-    for i in range(n):
-        ks = transform.transform_keys(k[i : i + 1].to(dev))[0].to(torch.bfloat16).float()  # [H_kv, T, D]
-        qs = transform.transform_queries(q[i : i + 1].to(dev))[0][:, -queries:].float()  # [H, Q, D]
-        rows = stored(ks[:, c0:c1])
-        k_hat = ks.clone()
-        if rows is not None:
-            k_hat[:, c0:c1] = rows
-        s_ref = scale * qs @ ks.repeat_interleave(grp, 0).transpose(1, 2)  # [H, Q, T]
-        s_got = torch.where(in_pages[None], scale * qs @ k_hat.repeat_interleave(grp, 0).transpose(1, 2), s_ref)
-        lp = torch.log_softmax(s_ref.masked_fill(~causal[None], float("-inf")), -1)
-        lg = torch.log_softmax(s_got.masked_fill(~causal[None], float("-inf")), -1)
-        p_ref, p_got = lp.exp(), lg.exp()
-        kl = (p_ref * (lp - lg)).masked_fill(~causal[None], 0.0).sum(-1)  # [H, Q]
-        idx = p_ref.masked_fill(~in_pages[None], -1.0).topk(min(top, c1 - c0), -1).indices  # [H, Q, top]
-        shift = (p_ref.gather(-1, idx) - p_got.gather(-1, idx)).abs().sum(-1)  # [H, Q]
-        total["kl"] += float(kl.mean())
-        total["top"] += float(shift.mean())
-    return {m: v / n for m, v in total.items()}
+    return {m: float(v.mean()) for m, v in KeyAttention(held, transform, layout, queries, top).errors(stored).items()}
 
 
-def layer_key_errors(held: HeldOut, transform: LayerTransform, layout: KVCacheLayout, queries: int = QUERIES,
-                     wide: int = WIDE_BITS) -> dict[int, dict[str, float]]:
-    """``{2: error, wide: error}`` of one layer: its keys at 2 bits (the transform's clips and levels) and at
-    ``wide`` bits (``layout.with_key_bits(wide)``, clip 1: min-max)."""
-    wide_layout = layout.with_key_bits(wide)
-    ones = torch.ones_like(transform.k_clip)
-    return {
-        layout.key.bits: key_attention_error(held, transform, layout, queries=queries),
-        wide: key_attention_error(held, transform, layout,
-                                  page_keys(wide_layout, ones, transform.k_levels), queries=queries),
-    }
+def clip_group(layout: KVCacheLayout) -> int:
+    """Elements a key clip ratio ranks: the page's rows of a channel, or a token's group."""
+    return layout.page_size if layout.key.granularity == "channel" else layout.key.group_size
+
+
+def fit_key_clip(att: KeyAttention, layout: KVCacheLayout, levels: torch.Tensor, metric: str, grid: Sequence[float],
+                 start: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The key clip ratios ``[H_kv]`` of ``grid`` that minimise ``metric`` of ``att`` with ``layout``'s key pages
+    (``levels [H_kv, 4]``): ``clipping.fit_clip``'s descent along the grid from each head's ``start`` ``[H_kv]``
+    (the grid ratio of its clip rank, or the nearest); returns the clips and both metrics ``{"kl": [H_kv],
+    "top": [H_kv]}`` at them (``per_head`` False: one ratio for the layer)."""
+    h, group = levels.shape[0], clip_group(layout)
+    ranks = clip_rank(torch.tensor(list(grid), dtype=torch.float32), group)  # [R]
+    first = (ranks[None, :] - clip_rank(start.float().cpu(), group)[:, None]).abs().argmin(1)  # [H]
+    seen: dict[tuple[float, ...], dict[str, torch.Tensor]] = {}
+
+    def errors(clips: list[torch.Tensor]) -> torch.Tensor:
+        out = []
+        for c in clips:
+            key = tuple(c.tolist())
+            if key not in seen:
+                seen[key] = att.errors(att.read_back(layout, c, levels))
+            e = seen[key]
+            out.append(e[metric])
+        return torch.stack(out)  # [R, H_kv]
+
+    clip = fit_clip(errors, h, list(grid), per_head=per_head, local=True, start=first).clip
+    # each head's errors depend on its own clip only: read them from a measurement where it had its chosen one
+    both = {m: torch.empty(h, dtype=torch.float64) for m in METRICS}
+    for key, e in seen.items():
+        hit = torch.tensor(key, dtype=torch.float32) == clip
+        for m in METRICS:
+            both[m] = torch.where(hit, e[m], both[m])
+    return clip, both
+
+
+#: clip ratios the key-width search tries per head at 2 bits (from the fit's clip, chosen on the score error) and at
+#: the wider width (from min-max; 16 levels clip less: on SmolLM2 no 4-bit head chose below 0.92 on the whole grid).
+NARROW_CLIPS = DEFAULT_GRID
+WIDE_CLIPS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)
+
+
+def layer_key_errors(held: HeldOut, transform: LayerTransform, layout: KVCacheLayout, metric: str = "kl",
+                     queries: int = QUERIES, wide: int = WIDE_BITS,
+                     per_head: bool = True) -> dict[int, dict[str, Any]]:
+    """``{2: {"kl", "top", "clip"}, wide: {...}}`` of one layer: its keys at 2 bits and at ``wide`` bits
+    (``layout.with_key_bits(wide)``), each with the key clips (``[H_kv]`` list) chosen against ``metric`` on these
+    queries (:func:`fit_key_clip`, at 2 bits from the transform's clips, at ``wide`` from min-max), and the metrics
+    averaged over KV heads at those clips."""
+    att = KeyAttention(held, transform, layout, queries)
+    out: dict[int, dict[str, Any]] = {}
+    widths = ((layout, NARROW_CLIPS, transform.k_clip),
+              (layout.with_key_bits(wide), WIDE_CLIPS, torch.ones_like(transform.k_clip)))
+    for lay, ratios, start in widths:
+        grid = clip_grid(clip_group(lay), ratios)
+        clip, err = fit_key_clip(att, lay, transform.k_levels, metric, grid, start, per_head)
+        out[lay.key.bits] = {**{m: float(v.mean()) for m, v in err.items()}, "clip": clip.tolist()}
+    return out
 
 
 def check_budget(budget: float, layout: KVCacheLayout) -> None:
@@ -187,25 +306,28 @@ def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budg
 def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[LayerTransform], layout: KVCacheLayout,
                     budget: float, metric: str = "kl", skip: Sequence[int] = (), queries: int = QUERIES,
                     wide: int = WIDE_BITS, progress: Callable[[int], None] | None = None,
-                    workers: int = 1) -> tuple[tuple[int, ...], dict]:
-    """Per-layer key widths for an artifact: ``(key_bits, stats)``.
+                    workers: int = 1, per_head: bool = True) -> tuple[tuple[int, ...], dict]:
+    """Per-layer key widths and key clips for an artifact: ``(key_bits, stats)``.
 
     Args:
         heldout: layer -> its held-out q/k (``Collector.heldout_layer``).
         transforms: the fitted transforms (one per layer); layout: the artifact's (2-bit) layout.
-        budget: average page bits per element (module doc); metric: one of :data:`METRICS`.
+        budget: average page bits per element (module doc); metric: one of :data:`METRICS`, what the 4-bit keys
+            must reduce and what each width's key clips are chosen against (:func:`layer_key_errors`).
         skip: layers without pages (the family table's sliding layers): 2 bits, not measured.
         progress: called with 1 after each layer (in layer order).
         workers: layers measured at once, each in its own thread (independent: the result does not depend on it).
+        per_head: a key clip per KV head (False: one per layer).
     Returns:
-        ``key_bits`` (one per layer) and JSON stats (budget, metric, chosen layers, per-layer errors; None for
-        skipped layers).
+        ``key_bits`` (one per layer) and JSON stats (budget, metric, chosen layers, per-layer errors and clips of
+        both widths, None for skipped layers; :func:`set_key_clips` reads the clips).
     """
     if metric not in METRICS:
         raise ValueError(f"key_bits_metric: expected one of {METRICS}, got {metric!r}")
     check_budget(budget, layout)
     def one(i: int) -> dict | None:
-        return None if i in skip else layer_key_errors(heldout(i), transforms[i], layout, queries, wide)
+        return None if i in skip else layer_key_errors(heldout(i), transforms[i], layout, metric, queries, wide,
+                                                       per_head)
 
     errors: list[dict | None] = []
     with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -223,12 +345,15 @@ def choose_key_bits(heldout: Callable[[int], HeldOut], transforms: Sequence[Laye
     return key_bits, stats
 
 
-def widen_keys(transforms: Sequence[LayerTransform], key_bits: Sequence[int],
-               layout: KVCacheLayout) -> list[LayerTransform]:
-    """``transforms`` with key clip 1 (plain min-max, what :func:`layer_key_errors` measured) in the layers whose
-    ``key_bits`` differ from ``layout``'s: the transforms an artifact with those ``key_bits`` stores."""
-    return [replace(t, k_clip=torch.ones_like(t.k_clip)) if b != layout.key.bits else t
-            for t, b in zip(transforms, key_bits, strict=True)]
+def set_key_clips(transforms: Sequence[LayerTransform], key_bits: Sequence[int], stats: dict) -> list[LayerTransform]:
+    """``transforms`` with each measured layer's key clips of its width from :func:`choose_key_bits`' ``stats``
+    (the ones its error was measured with): the transforms an artifact with those ``key_bits`` stores."""
+    errors = stats["errors"]
+    if not len(transforms) == len(key_bits) == len(errors):
+        raise ValueError(f"set_key_clips: expected one key width and one measurement per layer ({len(transforms)}), "
+                         f"got {len(key_bits)} and {len(errors)}")
+    return [t if e is None else replace(t, k_clip=torch.tensor(e[str(b)]["clip"], dtype=t.k_clip.dtype))
+            for t, b, e in zip(transforms, key_bits, errors)]
 
 
 def parse_layers(spec: str) -> list[int]:
@@ -247,5 +372,6 @@ def parse_layers(spec: str) -> list[int]:
 
 
 __all__ = ["DEFAULT_BUDGET", "METRICS", "MIN_SEQ_LEN", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits",
-           "check_budget", "check_budget_any_model", "choose_key_bits", "key_attention_error", "layer_key_errors", "page_keys", "paged_rows",
-           "parse_layers", "widen_keys"]
+           "KeyAttention", "NARROW_CLIPS", "WIDE_CLIPS", "check_budget", "check_budget_any_model", "choose_key_bits",
+           "clip_group", "fit_key_clip", "key_attention_error", "layer_key_errors", "page_keys", "paged_rows",
+           "parse_layers", "set_key_clips"]

@@ -10,7 +10,8 @@ Per layer and (by default) per KV head, for keys and values separately:
 3. ``rotation="auto"`` keeps, per head, the candidate with the lowest held-out error; a fixed kind keeps it;
 4. a Lloyd-Max codebook is fitted and kept where it lowers the error (``codebook="auto"``);
 5. with ``key_bits_budget``, the layers whose held-out key attention error 4-bit keys reduce most get 4-bit
-   keys within that page-bit budget (``key_bits.py``); their key clip is 1 (min-max: what was measured).
+   keys within that page-bit budget (``key_bits.py``); every layer's key clips are chosen again per head against
+   that attention error, at the width it gets (``key_bits.fit_key_clip``).
 
 The statistics recorded in the artifact give, per layer, the error of the result next to identity
 (no clip), Hadamard + global clip and the research recipe (shared ``U·H``, global clips), all on the same held-out
@@ -36,9 +37,8 @@ from .codebook import lloyd_levels, normalized_positions, uniform_levels
 from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
 from .families import family_for
-from .key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN
+from .key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN, check_budget, choose_key_bits, set_key_clips
 from .key_bits import METRICS as KEY_BITS_METRICS
-from .key_bits import check_budget, choose_key_bits, widen_keys
 from .objective import LayerObjective
 from .rotation import ROTATION_KINDS, rotation, whitening_scale
 
@@ -433,10 +433,11 @@ def calibrate(
         try:
             key_bits, extra["key_bits"] = choose_key_bits(col.heldout_layer, transforms, layout, cfg.key_bits_budget,
                                                           cfg.key_bits_metric, skip=col.sliding_layers,
-                                                          progress=on_key_bits, workers=workers)
+                                                          progress=on_key_bits, workers=workers,
+                                                          per_head=cfg.per_head)
         finally:
             torch.set_num_threads(threads)
-        transforms = widen_keys(transforms, key_bits, layout)
+        transforms = set_key_clips(transforms, key_bits, extra["key_bits"])
     stats = {
         "tokens_statistics": int(sum(s.tokens for s in col.stats if s is not None) // max(len(fitted), 1)),
         "heldout_sequences": cfg.heldout,
