@@ -118,7 +118,7 @@ def _decode_append_kernel(
         qrow = (b * (H_KV * GQ) + h * GQ + g).to(tl.int64) * D  # [GQ_PAD]
         gmask = (g < GQ)[:, None]
         qb = tl.load(q_ptr + qrow[:, None] + i[None, :], mask=gmask, other=0.0).to(tl.float32)  # [GQ_PAD, D]
-    if ROTATE_Q:  # q_rot[b, h GQ + g, j] = (q[b, h GQ + g] @ R_K[h])[j] / d_K[h, j]
+        # q_rot[b, h GQ + g, j] = (q[b, h GQ + g] @ R_K[h])[j] / d_K[h, j]
         qs = tl.sum(qb[:, :, None] * rot[None, :, :], axis=1) / dk[None, :]  # [GQ_PAD, CB]
         tl.store(q_rot_ptr + qrow[:, None] + j[None, :], qs, mask=gmask)
     if TRANSFORM:
