@@ -270,18 +270,6 @@ def check_budget(budget: float, layout: KVCacheLayout) -> None:
                          f"2-bit keys in every layer")
 
 
-def check_budget_any_model(budget: float, layout_for_head_dim) -> None:
-    """``ValueError`` when ``budget`` is below the 2-bit pages of every model: what the command line refuses before
-    it knows the model (``layout_for_head_dim(d)``: the layout of the run's options at head_dim ``d``). Groups are
-    capped at 128 elements (``layout.default_group_size``), so head_dim 128 and 256 hold the least page bits."""
-    least = min((layout_for_head_dim(d) for d in (128, 256)), key=lambda lay: lay.int2_bits_per_element())
-    base = least.int2_bits_per_element()
-    if not budget >= base - 1e-9:
-        raise ValueError(f"key_bits_budget: {budget:g} bits per element is below the {base:g} that 2-bit pages take "
-                         f"at least (any head_dim, page {least.page_size}); {base:g} or more, or none for 2-bit keys "
-                         f"in every layer")
-
-
 def allocate_key_bits(gains: Sequence[float | None], layout: KVCacheLayout, budget: float,
                       wide: int = WIDE_BITS) -> list[int]:
     """The layers to give ``wide``-bit keys, sorted: largest ``gains[i]`` first (the metric ``wide`` bits remove;
@@ -372,6 +360,6 @@ def parse_layers(spec: str) -> list[int]:
 
 
 __all__ = ["DEFAULT_BUDGET", "METRICS", "MIN_SEQ_LEN", "QUERIES", "TOP", "WIDE_BITS", "PageKeys", "allocate_key_bits",
-           "KeyAttention", "NARROW_CLIPS", "WIDE_CLIPS", "check_budget", "check_budget_any_model", "choose_key_bits",
+           "KeyAttention", "NARROW_CLIPS", "WIDE_CLIPS", "check_budget", "choose_key_bits",
            "clip_group", "fit_key_clip", "key_attention_error", "layer_key_errors", "page_keys", "paged_rows",
            "parse_layers", "set_key_clips"]

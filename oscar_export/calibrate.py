@@ -223,20 +223,22 @@ def run(args: argparse.Namespace) -> int:
     from oscar_export.atomic_dir import atomic_dir
     from oscar_export.calibration.artifact import META_FILE
     from oscar_export.calibration.families import family_for, family_for_pretrained
-    from oscar_export.calibration.key_bits import check_budget, check_budget_any_model
+    from oscar_export.calibration.key_bits import check_budget
     from oscar_export.calibration.pipeline import calibrate
-    from oscar_export.models import load_model
+    from oscar_export.models import DEFAULT_MODEL, default_model_dir, gguf_config, load_model
 
     check_args(args)  # validate before the slow model load
     cfg = config_from_args(args)
     warn_short_key_bits_sequences(cfg)
+    # refuse what serving cannot run (enable_oscar's message) and a budget below the 2-bit pages before loading
+    facts = None
     if (Path(args.model) / "config.json").is_file():
-        # refuse what serving cannot run (enable_oscar's message) and a budget below the 2-bit pages before loading
         facts = family_for_pretrained(args.model)
-        if cfg.key_bits_budget is not None:
-            check_budget(cfg.key_bits_budget, cfg.layout(facts.num_kv_heads, facts.head_dim))
-    elif cfg.key_bits_budget is not None:  # the embedded GGUF model (its shape takes seconds to read): any model's
-        check_budget_any_model(cfg.key_bits_budget, lambda d: cfg.layout(1, d))  # floor now, its own before capture
+    elif args.model == DEFAULT_MODEL:  # the embedded GGUF's header: milliseconds (models.gguf_config)
+        folder, name = default_model_dir()
+        facts = family_for(gguf_config(str(folder / name)))
+    if facts is not None and cfg.key_bits_budget is not None:
+        check_budget(cfg.key_bits_budget, cfg.layout(facts.num_kv_heads, facts.head_dim))
     t0 = time.perf_counter()
     kw = {"device_map": parse_device_map(args.device_map)} if args.device_map else {}
     if not args.quiet and args.model == "default":  # one whole-file parse of the GGUF, for the weights (models.py)
