@@ -7,6 +7,14 @@ import torch
 
 from oscar_export.kernels.layout import KVCacheLayout
 
+#: the boundary-heavy shape grid (docs/design.md §8, STYLE "tests that can fail"): lengths around the windows for
+#: the default S0=64, W=256, P=64: 1, S0-1, S0, S0+1, S0+W, S0+W+1, S0+W+P (last length without pages), +1 (first
+#: page), page edges and odd lengths.
+BOUNDARY_LENGTHS = [1, 63, 64, 65, 320, 321, 384, 385, 448, 449, 511, 777]
+#: (query heads, KV heads): GQA ratios 1, 3, 4, 8.
+GQA_SHAPES = [(3, 3), (9, 3), (8, 2), (16, 2)]
+HEAD_DIMS = [64, 128]
+
 #: the tiny HF-path model (:func:`tiny_hf_model`): 4 query / 2 KV heads of 16, 2 layers.
 HF_MODEL = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -11,12 +11,10 @@ the variable; only this test harness sets it, in the child's environment.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -25,15 +23,6 @@ import torch
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _root_shapes():
-    """The shape grid of tests/conftest.py (re-exported: test files here see this file as ``conftest``)."""
-    spec = importlib.util.spec_from_file_location("_oscar_tests_root_conftest", Path(__file__).parents[1] / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.BOUNDARY_LENGTHS, module.GQA_SHAPES, module.HEAD_DIMS
-
-
-BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS = _root_shapes()
 _child_results: dict[str, tuple[dict[str, str], str]] = {}
 
 

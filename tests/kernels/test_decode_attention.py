@@ -16,7 +16,7 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from conftest import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
+from helpers import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
 
 
 def _cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, spare_pages: int = 1) -> PagedKV:

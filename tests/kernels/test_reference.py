@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
+from helpers import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform

@@ -14,8 +14,7 @@ from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf.attention import attend
 from oscar_export.plugins.hf.cache import OscarCache
 
-from conftest import GQA_SHAPES, HEAD_DIMS
-from helpers import rotated_transform
+from helpers import GQA_SHAPES, HEAD_DIMS, rotated_transform
 
 SMALL = dict(sink=4, window=16, page_size=16)  # windows small enough that a few dozen tokens reach INT2
 
