@@ -11,7 +11,8 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * ``decode_merge`` — ``_merge_kernel``, BF16 output. Grid ``(B * H,)``.
 * ``decode_append`` — ``kernels/decode_step.py:_decode_append_kernel``: the decode step's cache write on the
   device (the token into the recent ring, a demotion decided by the kernel from the committed lengths; keys
-  and values already in the stored basis, ``TRANSFORM`` off). Grid ``(B, H_kv)``.
+  and values already in the stored basis, ``TRANSFORM`` off). Grid ``(B, H_kv, D // CB)``
+  (``launch_plan.append_columns``).
 * ``trt_decode_split`` / ``trt_decode_merge`` — the same two kernels in TensorRT's AOT-plugin parameter
   order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
