@@ -108,7 +108,8 @@ class Collector:
                 f"capture layer {i}: expected keys [B, {self.num_kv_heads}, T, {self.head_dim}], got {tuple(k.shape)}"
             )
         if k.shape[2] != q.shape[2]:
-            raise ValueError(f"capture layer {i}: calibration runs without a cache (q {q.shape[2]} vs k {k.shape[2]} tokens)")
+            raise ValueError(f"capture layer {i}: calibration runs without a cache "
+                             f"(q {q.shape[2]} vs k {k.shape[2]} tokens)")
         s = self._scale(i, scaling)
         self.scaling[i] = s
         if self.mode == "heldout":
@@ -184,4 +185,5 @@ def run_batches(
                 progress(ids.numel())
 
 
-__all__ = ["CAPTURE_NAME", "Collector", "HeldOut", "base_model", "capture_attention", "capturing", "register", "run_batches"]
+__all__ = ["CAPTURE_NAME", "Collector", "HeldOut", "base_model", "capture_attention", "capturing", "register",
+           "run_batches"]

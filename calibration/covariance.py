@@ -14,8 +14,8 @@ tokens' activations are atypical)::
       "research"  w_t = k_t^T C_Q k_t / mean (the research code's mean-squared logit; C_Q is the running
                   estimate including the current batch, since a single streaming pass cannot know the final one)
 
-Only the weightings asked for are accumulated ("plain" always). Memory is ``O(H_kv * D^2)`` per layer whatever the number of tokens; the attention probabilities of one
-batch (``[B, H, T, T]``) are the largest temporary.
+Only the weightings asked for are accumulated ("plain" always). Memory is ``O(H_kv * D^2)`` per layer whatever the
+number of tokens; the attention probabilities of one batch (``[B, H, T, T]``) are the largest temporary.
 """
 
 from __future__ import annotations

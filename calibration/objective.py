@@ -185,11 +185,11 @@ def value_queries(q: torch.Tensor, k: torch.Tensor, scaling: float, lo: int, tv:
                   block: int = VALUE_BLOCK) -> tuple[list[list[torch.Tensor]], int]:
     """The attention probabilities ``p_i`` of the value queries over the rows ``[lo, lo + T_v)``, in blocks.
 
-    Value queries: every position in ``[lo, T)``, each with every query head of the KV head. ``p_i`` is the query's causal softmax attention (over all earlier positions, sink and window
-    included) restricted to those rows, zero where ``i - t <= window`` (with ``window > 0``: the BF16 recent
-    window). Computed a sequence and a block of positions at a time (never the ``[T, T]`` probabilities of every
-    head at once); a block keeps only the first ``c`` rows, the ones its queries read (the staircase of the
-    causal window), so ``||P x||^2`` costs about half of the full product.
+    Value queries: every position in ``[lo, T)``, each with every query head of the KV head. ``p_i`` is the query's
+    causal softmax attention (over all earlier positions, sink and window included) restricted to those rows, zero where
+    ``i - t <= window`` (with ``window > 0``: the BF16 recent window). Computed a sequence and a block of positions at a
+    time (never the ``[T, T]`` probabilities of every head at once); a block keeps only the first ``c`` rows, the ones
+    its queries read (the staircase of the causal window), so ``||P x||^2`` costs about half of the full product.
 
     Args:
         q: ``[N, H, T, D]``; k: ``[N, H_kv, T, D]`` (model basis, post-RoPE).

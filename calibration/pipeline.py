@@ -130,7 +130,8 @@ class CalibrationConfig:
             raise ValueError("CalibrationConfig.packing: 'mma16' pages hold 2-bit keys only; key_bits_budget (4-bit "
                              "key layers) needs 'linear' pages")
         if self.heldout < 1 or self.batch_size < 1:
-            raise ValueError(f"CalibrationConfig: heldout and batch_size must be >= 1, got {self.heldout}, {self.batch_size}")
+            raise ValueError(f"CalibrationConfig: heldout and batch_size must be >= 1, "
+                             f"got {self.heldout}, {self.batch_size}")
         if self.num_sequences <= self.heldout:
             raise ValueError(
                 f"CalibrationConfig.tokens: {self.tokens} tokens make {self.num_sequences} sequences of "
@@ -146,7 +147,8 @@ class CalibrationConfig:
         """BF16 window the objective honours (0 when sequences are too short to reach past it)."""
         return self.window if self.seq_len >= self.sink + self.window + self.page_size else 0
 
-    def layout(self, num_kv_heads: int, head_dim: int, codebook_k: bool = False, codebook_v: bool = False) -> KVCacheLayout:
+    def layout(self, num_kv_heads: int, head_dim: int, codebook_k: bool = False,
+               codebook_v: bool = False) -> KVCacheLayout:
         base = KVCacheLayout.default(
             num_kv_heads, head_dim, self.key_granularity, sink=self.sink, window=self.window, page_size=self.page_size,
             packing=self.packing
@@ -302,7 +304,8 @@ def capture(model, tokenizer, cfg: CalibrationConfig, progress: Callable[[int], 
     return col
 
 
-def fit_layer(i: int, stats: LayerStats, obj: LayerObjective, layout: KVCacheLayout, cfg: CalibrationConfig) -> tuple[SideFit, SideFit]:
+def fit_layer(i: int, stats: LayerStats, obj: LayerObjective, layout: KVCacheLayout,
+              cfg: CalibrationConfig) -> tuple[SideFit, SideFit]:
     """Keys and values of layer ``i``."""
     def share(t):
         return t if cfg.per_head else shared_target(t)
@@ -311,7 +314,8 @@ def fit_layer(i: int, stats: LayerStats, obj: LayerObjective, layout: KVCacheLay
         def f(r, s, mu):
             xs = torch.matmul(x, r.unsqueeze(0)) * s[None, :, None] - mu[None, :, None]  # [N, H, Tq, D]
             n, h, tq, d = xs.shape
-            return xs.float().reshape(n, h, tq // layout.page_size, layout.page_size, d).transpose(1, 2).reshape(-1, h, layout.page_size, d)
+            pages = xs.float().reshape(n, h, tq // layout.page_size, layout.page_size, d)
+            return pages.transpose(1, 2).reshape(-1, h, layout.page_size, d)
         return f
 
     kfmt, vfmt = layout.key, layout.value

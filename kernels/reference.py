@@ -380,8 +380,10 @@ def read_sequence(
     v_pg = dequantize_pages(state.v_codes[ids], state.v_params[ids], layout.value, v_levels, "value")
     h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
     slots = layout.recent_slot(torch.arange(pages * p, pages * p + recent, device=state.recent_k.device))
-    parts_k = [state.sink_k[b, :, :sink].float(), k_pg.transpose(0, 1).reshape(h, -1, d), state.recent_k[b][:, slots].float()]
-    parts_v = [state.sink_v[b, :, :sink].float(), v_pg.transpose(0, 1).reshape(h, -1, d), state.recent_v[b][:, slots].float()]
+    parts_k = [state.sink_k[b, :, :sink].float(), k_pg.transpose(0, 1).reshape(h, -1, d),
+               state.recent_k[b][:, slots].float()]
+    parts_v = [state.sink_v[b, :, :sink].float(), v_pg.transpose(0, 1).reshape(h, -1, d),
+               state.recent_v[b][:, slots].float()]
     return torch.cat(parts_k, dim=1), torch.cat(parts_v, dim=1)
 
 

@@ -45,11 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="artifact directory to write (new or empty; see --force)")
     p.add_argument("--force", action="store_true", help="replace an existing artifact directory at --out")
     p.add_argument("--data", nargs="+", default=list(d.data), metavar="SRC",
-                   help="'pydoc' (built-in), 'generate' (the model's own answers to seed prompts), .txt or .jsonl files")
+                   help="'pydoc' (built-in), 'generate' (the model's own answers to seed prompts), "
+                        ".txt or .jsonl files")
     p.add_argument("--tokens", type=int, default=d.tokens, help=f"calibration token budget (default {d.tokens})")
     p.add_argument("--seq-len", type=int, default=None,
                    help=f"tokens per sequence (default {KEY_BITS_SEQ_LEN}; {d.seq_len} with --key-bits-budget none)")
-    p.add_argument("--heldout", type=int, default=d.heldout, help=f"held-out sequences for clip fitting (default {d.heldout})")
+    p.add_argument("--heldout", type=int, default=d.heldout,
+                   help=f"held-out sequences for clip fitting (default {d.heldout})")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--per-head", dest="per_head", action="store_true", default=d.per_head,
@@ -70,8 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--key-bits-budget", type=parse_budget, default=DEFAULT_BUDGET, metavar="BITS",
                    help=f"give 4-bit keys to the layers whose held-out key attention error they reduce most, while the "
-                        f"pages average at most BITS bits per element (default {DEFAULT_BUDGET}; 2-bit pages are 2.5 for "
-                        f"G = P = 64); 'none': 2-bit keys in every layer, the format the ONNX / TensorRT export reads")
+                        f"pages average at most BITS bits per element (default {DEFAULT_BUDGET}; "
+                        f"2-bit pages are 2.5 for G = P = 64); 'none': 2-bit keys in every layer, the format the "
+                        f"ONNX / TensorRT export reads")
     p.add_argument("--key-bits-metric", choices=METRICS, default=d.key_bits_metric,
                    help="what 4-bit keys must reduce: 'kl' (attention KL, default) or 'top' (probability moved on the "
                         "most-attended page rows)")
@@ -291,9 +294,10 @@ def run(args: argparse.Namespace) -> int:
         return _r(sum(vals) / len(vals) if vals else None)
 
     print(
-        f"wrote {args.out}: {art.num_layers} layers, {art.layout.num_kv_heads} KV heads, keys {art.layout.key.granularity}, "
-        f"{art.bits_per_element():.2f} bits/element (INT2 part); held-out error vs identity K {mean('k', 'vs_identity')} "
-        f"V {mean('v', 'vs_identity')}, vs Hadamard+clip K {mean('k', 'vs_hadamard')} V {mean('v', 'vs_hadamard')}; "
+        f"wrote {args.out}: {art.num_layers} layers, {art.layout.num_kv_heads} KV heads, "
+        f"keys {art.layout.key.granularity}, {art.bits_per_element():.2f} bits/element (INT2 part); "
+        f"held-out error vs identity K {mean('k', 'vs_identity')} V {mean('v', 'vs_identity')}, "
+        f"vs Hadamard+clip K {mean('k', 'vs_hadamard')} V {mean('v', 'vs_hadamard')}; "
         f"{time.perf_counter() - t0:.0f} s (load {t_load:.0f} s)"
     )
     if peaks:

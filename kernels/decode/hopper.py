@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import hopper_kernel as _gl
 from ..aot import launch_plan as _plan
 from ..layout import KVCacheLayout, PagedKV
+from . import hopper_kernel as _gl
 from .portable import check_decode_inputs, launch_split_merge
 
 HAVE_GLUON = _gl.HAVE_GLUON

@@ -57,7 +57,6 @@ the CPU check of its algorithm is :func:`emulate` (the same folding of scales an
 
 from __future__ import annotations
 
-
 import torch
 
 try:  # Gluon (Triton 3.6 and 3.9 checked); without it, or with another spelling, "gluon" is simply not offered
@@ -75,8 +74,8 @@ except (ImportError, AttributeError):  # pragma: no cover - exercised only on ot
     HAVE_GLUON = False
 
 from ..aot import launch_plan as _plan
-from .portable import window_block
 from ..layout import KVCacheLayout
+from .portable import window_block
 
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
 NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps
@@ -116,7 +115,8 @@ def check_gluon_device(device: torch.device) -> None:
     """Raise ``NotImplementedError`` unless ``device`` is a Hopper GPU (sm_90: the warpgroup MMAs; neither Ampere /
     Ada nor Blackwell have them)."""
     if device.type != "cuda":
-        raise NotImplementedError("hopper kernel: CUDA only (Gluon has no CPU interpreter); the portable backend reads them")
+        raise NotImplementedError("hopper kernel: CUDA only (Gluon has no CPU interpreter); "
+                                  "the portable backend reads them")
     cap = torch.cuda.get_device_capability(device)
     if tuple(cap) != (9, 0):
         raise NotImplementedError(f"hopper kernel: warpgroup MMAs need a Hopper GPU (sm_90), this one is "
@@ -275,7 +275,7 @@ if HAVE_GLUON:
                       S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, GQ_PAD: gl.constexpr,
                       MMA: gl.constexpr, A_L: gl.constexpr):
         """Attention over BF16 chunk ``c`` (addressed by v1's ``window_block``: sink chunks first, then the recent
-        ring): ``m, l [GQ_PAD]`` (log2 units) and the unnormalised ``O^T [D, GQ_PAD]``."""
+        ring): ``m, den [GQ_PAD]`` (log2 units) and the unnormalised ``O^T [D, GQ_PAD]``."""
         LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         tb = gl.arange(0, BN, layout=gl.SliceLayout(1, LK))
         dd = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
@@ -290,14 +290,14 @@ if HAVE_GLUON:
         m = gl.max(st, axis=0)
         m_use = gl.where(m == float("-inf"), 0.0, m)
         pt = gl.exp2(st - m_use[None, :])
-        l = gl.sum(pt, axis=0)
+        den = gl.sum(pt, axis=0)
         PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, BN], gl.float16)
         p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, BN], PS, gl.permute(pt.to(gl.float16), [1, 0]))
         fence_async_shared()
         _cta_barrier()
         vt = gl.convert_layout(gl.permute(vv, [1, 0]), A_L)  # [D, BN]
         out_t = warpgroup_mma(vt, p_s.permute((1, 0)), gl.zeros([D, GQ_PAD], gl.float32, MMA))
-        return m, l, out_t
+        return m, den, out_t
 
     @gluon.jit
     def _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg, end, it,
@@ -329,8 +329,8 @@ if HAVE_GLUON:
             _cp_async(cbuf.index(2 * st + 1), pw + D, mask=ok)
         else:
             for g in gl.static_range(NG):
-                _cp_async(tbuf.index(2 * st * NG + g), k_params_ptr.to(gl.pointer_type(gl.int32)) + word_off + t * NG + g,
-                          mask=ok)
+                _cp_async(tbuf.index(2 * st * NG + g),
+                          k_params_ptr.to(gl.pointer_type(gl.int32)) + word_off + t * NG + g, mask=ok)
         for g in gl.static_range(NG):
             _cp_async(tbuf.index((2 * st + 1) * NG + g), vp32 + word_off + t * NG + g, mask=ok)
         async_copy.commit_group()
@@ -345,7 +345,7 @@ if HAVE_GLUON:
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
         STAGES: gl.constexpr, KEY_BITS: gl.constexpr, NG: gl.constexpr,
     ):
-        """The body of both split kernels: this program's partial (out / l and log2-sum-exp) into ``part_o`` /
+        """The body of both split kernels: this program's partial (out / den and log2-sum-exp) into ``part_o`` /
         ``part_lse``. ``NG``: token groups a row (keys at token granularity, values), 1, or 2 at ``D = 256``
         (``G = 128``, one key chunk a group: each chunk's scores scaled by its own group, the value MMA split
         into the two halves of the dims, each with its group's ``p·s_v``)."""
@@ -490,7 +490,7 @@ if HAVE_GLUON:
                     a_v = _a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
                     acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
             async_copy.wait_group(0)  # no copy outlives the program
-            l = gl.sum(l_acc, axis=0)
+            den = gl.sum(l_acc, axis=0)
             lo = gl.sum(lo_acc, axis=0)
             out_t = acc * (_bit3_scale(DG, 0.25, ROW) * 16777216.0)[:, None] + lo[None, :]  # 2^24·4^-hr per dim
             if NG == 2:  # [DG, GQ_PAD] x 2 -> [2, DG, GQ_PAD] -> [D, GQ_PAD], in the windows' layout
@@ -501,15 +501,15 @@ if HAVE_GLUON:
             qw_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, q32.to(gl.float16))
             fence_async_shared()
             _cta_barrier()
-            m, l, out_t = _window_chunk(qw_s, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
+            m, den, out_t = _window_chunk(qw_s, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
                                         num_pages_ptr, recent_len_ptr, b, h, s - n_page_splits, H_KV, D, P, S0,
                                         RC, BN, GQ_PAD, MMA, A_L)
-        # partials: out / l and log2-sum-exp (-inf and zeros when nothing was attended), rows g < GQ
+        # partials: out / den and log2-sum-exp (-inf and zeros when nothing was attended), rows g < GQ
         g = gl.arange(0, GQ_PAD, layout=COL)
         dd = gl.arange(0, D, layout=ROW)
-        nonempty = l > 0.0
-        inv = gl.where(nonempty, 1.0 / gl.where(nonempty, l, 1.0), 0.0)
-        lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, l, 1.0)), float("-inf"))
+        nonempty = den > 0.0
+        inv = gl.where(nonempty, 1.0 / gl.where(nonempty, den, 1.0), 0.0)
+        lse = gl.where(nonempty, m + gl.log2(gl.where(nonempty, den, 1.0)), float("-inf"))
         prow = (b * H + h * GQ + g).to(gl.int64) * n_splits + s
         gl.store(part_lse_ptr + prow, lse, mask=g < GQ)
         gl.store(part_o_ptr + prow[None, :] * D + dd[:, None], out_t * inv[None, :], mask=(g < GQ)[None, :])
@@ -697,7 +697,8 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
                 else:
                     kp = kp.reshape(p, ng, 2)
                     qk = (qh * hc_d[None, :]).half().double()
-                    st = sum((a_k[:, g * dg:(g + 1) * dg] @ qk[:, g * dg:(g + 1) * dg].T) * (kp[:, g, 0] * hr_t)[:, None]
+                    st = sum((a_k[:, g * dg:(g + 1) * dg] @ qk[:, g * dg:(g + 1) * dg].T)
+                             * (kp[:, g, 0] * hr_t)[:, None]
                              + kp[:, g, 1][:, None] * qh[:, g * dg:(g + 1) * dg].sum(1)[None, :] for g in range(ng))
                 vp = vp.reshape(p, ng, 2)
                 parts.append((st, a_v * hr_d[:, None], vp[:, :, 0] * hc_t[:, None], vp[:, :, 1]))

@@ -136,13 +136,13 @@ def _key_scores(ka, kb, b0, b1, b2, b3, l0, l1, l2, l3, KEY_BITS: tl.constexpr, 
 
 
 @triton.jit
-def _softmax_step(sc, m, l):
+def _softmax_step(sc, m, den):
     """Online-softmax update for scores ``sc [GQ_PAD, N]`` (log2 units): returns p, alpha, m_new, l_new."""
     m_new = tl.maximum(m, tl.max(sc, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_use)
     p = tl.exp2(sc - m_use[:, None])
-    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, den * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -244,7 +244,7 @@ def _grouped_pages(
     (``q·k̂ = Σ_g s_g (q_g·lev[c_g]) + lo_g Σ q_g``), the groups' scores are summed per slot before the
     softmax, and the value accumulators keep one ``[GQ_PAD, G/4]`` block per (slot, group). Quarter ``j`` of
     the query ``q_j [GQ_PAD, Q4]`` holds the elements :func:`_field_cols` ``(c, j)``, so column ``g·G/4 + c'``
-    is group ``g``, byte ``c'``. Returns ``m, l [GQ_PAD]``, the four output quarters ``[GQ_PAD, Q4]`` (levels
+    is group ``g``, byte ``c'``. Returns ``m, den [GQ_PAD]``, the four output quarters ``[GQ_PAD, Q4]`` (levels
     unscaled) and the value lows ``[GQ_PAD, Q4]`` (per group, spread over its columns), like the ``G == D`` path.
     ``KEY_BITS == 4``: key rows of ``D/2`` bytes, quarters 0 | 2 in bytes ``g G/2 + c'``, 1 | 3 in ``g G/2 + G/4 + c'``.
     """
@@ -351,7 +351,8 @@ def _grouped_pages(
                 ka = tl.load(k_codes_ptr + koff[:, None, None] + ktile4, mask=ok[:, None, None], other=0)
                 kb = tl.load(k_codes_ptr + koff[:, None, None] + ktile4 + G4, mask=ok[:, None, None], other=0)
             else:
-                kc = tl.load(k_codes_ptr + code_off[:, None, None] + ktile, mask=ok[:, None, None], other=0)  # [NB, P, Q4]
+                # [NB, P, Q4]
+                kc = tl.load(k_codes_ptr + code_off[:, None, None] + ktile, mask=ok[:, None, None], other=0)
             kw = ph * D
             ks0 = _slot_cols(k_params_ptr, kw, ok, w0)
             ks1 = _slot_cols(k_params_ptr, kw, ok, w1)
@@ -418,7 +419,7 @@ def _grouped_pages(
     m = tl.max(bm, axis=0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
-    l = tl.sum(bl * w, axis=0)
+    den = tl.sum(bl * w, axis=0)
     wg = _per_slot(w, NB, NG)  # [NBG, GQ_PAD]
     acc0 = _columns(b0 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU0
     acc1 = _columns(b1 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU1
@@ -426,7 +427,7 @@ def _grouped_pages(
     acc3 = _columns(b3 * wg[:, :, None], NB, NG, GQ_PAD, G4) * VU3
     lo = tl.trans(tl.sum(tl.reshape(blo * wg, (NB, NG, GQ_PAD)), axis=0))  # [GQ_PAD, NG]
     acclo = tl.reshape(tl.broadcast_to(lo[:, :, None], (GQ_PAD, NG, G4)), (GQ_PAD, NG * G4))
-    return m, l, acc0, acc1, acc2, acc3, acclo
+    return m, den, acc0, acc1, acc2, acc3, acclo
 
 
 @triton.jit
@@ -501,7 +502,7 @@ def _decode_split_kernel(
     ``j`` of code byte ``c`` is row element :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads
     and the output quarters use the same element map, so every part of the split agrees. Each page slot keeps
     its own online
-    softmax (``m, l [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); slots past the split's last page
+    softmax (``m, den [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); slots past the split's last page
     load nothing (masked) and score ``-inf``.
     """
     bh = tl.program_id(0)
@@ -541,7 +542,7 @@ def _decode_split_kernel(
     q2 = (q2 * qscale).to(tl.float16)
     q3 = (q3 * qscale).to(tl.float16)
     m = tl.full([GQ_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GQ_PAD], tl.float32)
+    den = tl.zeros([GQ_PAD], tl.float32)
     acc0 = tl.zeros([GQ_PAD, Q4], tl.float32)
     acc1 = tl.zeros([GQ_PAD, Q4], tl.float32)
     acc2 = tl.zeros([GQ_PAD, Q4], tl.float32)
@@ -551,7 +552,7 @@ def _decode_split_kernel(
     acclo = tl.zeros([GQ_PAD, LO_W], tl.float32)
     if s < n_page_splits:
         if G < D:
-            m, l, acc0, acc1, acc2, acc3, acclo = _grouped_pages(
+            m, den, acc0, acc1, acc2, acc3, acclo = _grouped_pages(
                 q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
                 block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
                 H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB, KEY_BITS)
@@ -654,10 +655,14 @@ def _decode_split_kernel(
                         st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK),
                                      tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
                     else:
-                        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
-                        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK), tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                                     tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
+                        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                                     tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                                     tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
+                        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                                     tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
                     st_ = st_ * KU + const[:, None, :]
                 else:
                     ks, klo = _token_params(k_params_ptr, word_off, t, ok)
@@ -673,16 +678,20 @@ def _decode_split_kernel(
                 vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
                 ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
                 plo = tl.sum(pt * vlo[:, :, None], axis=1)
-                b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * alpha[:, :, None])
-                b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * alpha[:, :, None])
-                b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * alpha[:, :, None])
-                b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * alpha[:, :, None])
+                b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
+                            b0 * alpha[:, :, None])
+                b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
+                            b1 * alpha[:, :, None])
+                b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
+                            b2 * alpha[:, :, None])
+                b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
+                            b3 * alpha[:, :, None])
                 blo = blo * alpha + plo
             # ---- combine the page slots by their log-sum-exp -------------------------------------------------
             m = tl.max(bm, axis=0)
             m_use = tl.where(m == float("-inf"), 0.0, m)
             w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
-            l = tl.sum(bl * w, axis=0)
+            den = tl.sum(bl * w, axis=0)
             acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
             acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
             acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
@@ -699,16 +708,16 @@ def _decode_split_kernel(
         scb = tl.dot(q2, tl.trans(tl.load(kk + e2[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
         scb = tl.dot(q3, tl.trans(tl.load(kk + e3[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
         scb = tl.where(tmask[None, :], scb, float("-inf"))
-        pw, alpha, m, l = _softmax_step(scb, m, l)
+        pw, alpha, m, den = _softmax_step(scb, m, den)
         pb = pw.to(tl.float16)
         vv = vb + rows
         acc0 = tl.dot(pb, tl.load(vv + e0[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
         acc1 = tl.dot(pb, tl.load(vv + e1[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
         acc2 = tl.dot(pb, tl.load(vv + e2[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
         acc3 = tl.dot(pb, tl.load(vv + e3[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
-    nonempty = l > 0.0
-    inv = tl.where(nonempty, 1.0 / l, 0.0)
-    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    nonempty = den > 0.0
+    inv = tl.where(nonempty, 1.0 / den, 0.0)
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, den, 1.0)), float("-inf"))
     prow = ((b * H + h * GQ + g).to(tl.int64) * n_splits + s)
     tl.store(part_lse_ptr + prow, lse, mask=gmask)
     po = part_o_ptr + prow[:, None] * D
@@ -860,7 +869,7 @@ def check_decode_inputs(
     if q.dim() != 3:
         raise ValueError(f"q: expected [B, H, D], got {list(q.shape)}")
     bsz, hq, d = q.shape
-    hkv, p = layout.num_kv_heads, layout.page_size
+    hkv = layout.num_kv_heads
     if d != layout.head_dim:
         raise ValueError(f"q: expected head_dim {layout.head_dim}, got {d}")
     if hq % hkv:

@@ -9,8 +9,6 @@ every unsupported feature: one ``NotImplementedError`` naming it, the same at ``
 
 from __future__ import annotations
 
-from helpers import randomize_biases_and_norms
-
 import inspect
 import json
 import sys
@@ -29,6 +27,8 @@ from oscar_export.export import export_checkpoint, fold_value_transforms
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+from helpers import randomize_biases_and_norms
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 

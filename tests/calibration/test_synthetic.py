@@ -20,7 +20,7 @@ from oscar_export.calibration.rotation import (
     rotation,
     whitening_scale,
 )
-from oscar_export.kernels.layout import KVCacheLayout, RowFormat
+from oscar_export.kernels.layout import RowFormat
 from oscar_export.kernels.reference import dequantize_pages, quantize_pages
 
 H_KV, G, D, T, P = 2, 3, 32, 96, 16
@@ -89,7 +89,8 @@ def test_oscar_spreads_top_eigendirections_across_groups():
     energy = (r[0] ** 2 * lam[:, None]).sum(0)  # per rotated coordinate
     blocks = sorted([float(energy[: D // 2].sum()), float(energy[D // 2 :].sum())])
     assert blocks == pytest.approx([90 + 15, 100 + 15])  # without the permutation: [16 - 2, 190 + 14]
-    plain = torch.eye(D, dtype=torch.float64) @ torch.block_diag(*[rotation("hadamard", torch.eye(D // 2)[None], D // 2)[0]] * 2)
+    half = rotation("hadamard", torch.eye(D // 2)[None], D // 2)[0]
+    plain = torch.eye(D, dtype=torch.float64) @ torch.block_diag(*[half] * 2)
     e2 = (plain**2 * lam[:, None]).sum(0)
     assert float(e2[: D // 2].sum()) == pytest.approx(204)
 
@@ -180,7 +181,8 @@ def test_objective_matches_brute_force():
     k_all = dk.transpose(0, 1).reshape(H_KV, -1, D)
     score_err = torch.einsum("hid,htd->hit", q_all, k_all) * D**-0.5
     brute_k = (score_err**2).mean(dim=(1, 2))
-    assert torch.allclose(obj.key_error(r, s, mu, clip, lv, fmt), brute_k, rtol=1e-6)  # rows enter the quantizer as fp32
+    # rows enter the quantizer as fp32
+    assert torch.allclose(obj.key_error(r, s, mu, clip, lv, fmt), brute_k, rtol=1e-6)
 
     vs = (v[:, :, 16 : 16 + tq].double() @ r) * s[:, None] - mu[:, None]
     dv = (roundtrip(vs) - vs) / s[:, None]
@@ -189,7 +191,8 @@ def test_objective_matches_brute_force():
     p = torch.softmax(sc, -1)[:, :, :, 16:, 16 : 16 + tq]
     do = torch.einsum("nhgit,nhtd->nhgid", p, dv)
     brute_v = (do**2).sum(-1).mean(dim=(2, 3)).mean(0)
-    assert torch.allclose(obj.value_error(r, s, mu, clip, lv, fmt), brute_v, rtol=1e-6)  # rows enter the quantizer as fp32
+    # rows enter the quantizer as fp32
+    assert torch.allclose(obj.value_error(r, s, mu, clip, lv, fmt), brute_v, rtol=1e-6)
 
 
 @pytest.mark.parametrize("granularity,group", [("token", 32), ("token", 8), ("channel", 32)])

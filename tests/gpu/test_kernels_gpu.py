@@ -158,7 +158,8 @@ def _book_cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, max_
     st = book.state_view(PagedKV.allocate(lay, len(lengths), book.num_pool_pages, book.max_pages, device=DEV),
                          book.committed)
     for b, t in enumerate(lengths):
-        k = torch.randn(lay.num_kv_heads, t, lay.head_dim, device=DEV) * torch.linspace(0.2, 2, lay.head_dim, device=DEV)
+        k = torch.randn(lay.num_kv_heads, t, lay.head_dim, device=DEV)
+        k = k * torch.linspace(0.2, 2, lay.head_dim, device=DEV)
         ref.write_tokens(st, b, 0, k, torch.randn_like(k), lay, tr)
     book.seq_len.copy_(torch.tensor(lengths, dtype=torch.int32))
     book.commit(0)

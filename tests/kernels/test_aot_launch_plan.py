@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from oscar_export.kernels.decode import portable as da  # noqa: E402
 from oscar_export.kernels import decode_step as ds  # noqa: E402
 from oscar_export.kernels import quant_pack as qp  # noqa: E402
 from oscar_export.kernels.aot import launch_plan as lp  # noqa: E402
 from oscar_export.kernels.aot.spec import KernelSpec  # noqa: E402
+from oscar_export.kernels.decode import portable as da  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 

@@ -274,14 +274,17 @@ def test_bad_inputs_raise(da, device):
             call(state=broken)
     with pytest.raises(NotImplementedError, match="head_dim 64, 128 or 256"):
         small = _layout(2, 32, "token")
-        call(layout=small, state=PagedKV.allocate(small, 2, 4, 2, device=device), q=torch.randn(2, 4, 32, device=device))
+        call(layout=small, state=PagedKV.allocate(small, 2, 4, 2, device=device),
+             q=torch.randn(2, 4, 32, device=device))
     for bad in (KVCacheLayout(2, 128, RowFormat(128, 32, "channel"), RowFormat(128, 32), page_size=64),
                 KVCacheLayout(2, 128, RowFormat(128, 32), RowFormat(128, 32), page_size=64)):
         with pytest.raises(NotImplementedError, match=r"group_size must equal head_dim \(128\) or be >= 64, got 32"):
-            call(layout=bad, state=PagedKV.allocate(bad, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
+            call(layout=bad, state=PagedKV.allocate(bad, 2, 4, 2, device=device),
+                 q=torch.randn(2, 4, 128, device=device))
     mixed = KVCacheLayout(2, 128, RowFormat(128, 64), RowFormat(128, 128), page_size=64)
     with pytest.raises(NotImplementedError, match="key and value group sizes must match"):
-        call(layout=mixed, state=PagedKV.allocate(mixed, 2, 4, 2, device=device), q=torch.randn(2, 4, 128, device=device))
+        call(layout=mixed, state=PagedKV.allocate(mixed, 2, 4, 2, device=device),
+             q=torch.randn(2, 4, 128, device=device))
     wide_v = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64, bits=4), sink=16, window=32)
     with pytest.raises(NotImplementedError, match="values are 2-bit"):
         call(layout=wide_v, state=PagedKV.allocate(wide_v, 2, 4, 2, device=device))

@@ -299,7 +299,8 @@ def test_decode_append_bad_inputs(ds, device):
     wide_v = KVCacheLayout(2, 64, RowFormat(64, 64), RowFormat(64, 64, bits=4), sink=16, window=16, page_size=16)
     with pytest.raises(NotImplementedError, match="values are 2-bit"):
         ds.decode_append(PagedKV.allocate(wide_v, 2, 4, 2, device=device), k, k, book.status, wide_v, tr)
-    with pytest.raises(ValueError, match=r"q: expected \[2, H_kv \* GQ \(GQ <= 64\), 64\] with H_kv=2, got \[2, 3, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"q: expected \[2, H_kv \* GQ \(GQ <= 64\), 64\] with H_kv=2, got \[2, 3, 64\]"):
         ds.decode_append(st, k, k, book.status, lay, tr, q=torch.randn(2, 3, 64, device=device))
     with pytest.raises(ValueError, match="q: expected dtype"):
         ds.decode_append(st, k, k, book.status, lay, tr, q=torch.randn(2, 4, 64, device=device).double())

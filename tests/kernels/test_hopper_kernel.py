@@ -19,8 +19,8 @@ import re
 import pytest
 import torch
 
-from oscar_export.kernels.decode import hopper_kernel as gl_attn
 from oscar_export.kernels import reference as ref
+from oscar_export.kernels.decode import hopper_kernel as gl_attn
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 

@@ -99,7 +99,8 @@ def test_fused_rotation_4bit_mma16_is_the_linear_result_reordered(qp, device, gr
     h, d = 3, 64
     gen = torch.Generator().manual_seed(3)
     rot = torch.linalg.qr(torch.randn(h, d, d, generator=gen))[0].contiguous().to(device)
-    rotation = (rot, (torch.rand(h, d, generator=gen) + 0.5).to(device), (torch.randn(h, d, generator=gen) * 0.1).to(device))
+    rotation = (rot, (torch.rand(h, d, generator=gen) + 0.5).to(device),
+                (torch.randn(h, d, generator=gen) * 0.1).to(device))
     x = (torch.randn(2, h, 32, d, generator=gen) * 2).to(device)
     kw = dict(rotation=rotation, fused_rotation=True)
     cl, pl = qp.quantize_pages(x, lin, lin.key, CLIPS.to(device), LEVELS.to(device), **kw)

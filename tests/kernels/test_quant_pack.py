@@ -166,7 +166,8 @@ def _hard_groups(p: int, g: int, h: int) -> torch.Tensor:
     x[:, 1] = 0.0  # all zero: threshold 0, scale 0
     x[:, 2, :: max(1, g // 10)] = 3.0  # the max repeated ~10 times
     x[:, 3] = torch.linspace(-1, 1, g)
-    x[:, 3, :12] = torch.tensor([5.0, -4.5, 4.0, 3.5, -3.0, 2.5, 2.0, 1.5, -1.5, 1.5, 1.5, -1.5])  # ties at the 8th..12th
+    # ties at the 8th..12th
+    x[:, 3, :12] = torch.tensor([5.0, -4.5, 4.0, 3.5, -3.0, 2.5, 2.0, 1.5, -1.5, 1.5, 1.5, -1.5])
     x[:, 4, g // 2:] = -x[:, 4, : g // 2]  # every |x| exactly twice
     x[:, 5] = torch.randn(g, generator=gen) * 1e-3  # distinct, tiny
     x[:, 6, 5] = 1e4  # one huge outlier

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
+
+from helpers import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
 
 
 def filled_state(layout: KVCacheLayout, lengths: list[int], tr: LayerTransform, dtype=torch.float32, one_by_one=False):

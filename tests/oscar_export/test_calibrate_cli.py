@@ -283,8 +283,8 @@ def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1, err
     # head_dim 16, G = P = 64 -> groups of 16: keys 2 + 32/64, values 2 + 32/16 = 4 -> 3.25 bits per element
-    assert "key_bits_budget: 2.4 bits per element is below the 3.25 of this model's 2-bit pages (head_dim 16, page 64)" \
-        in err and "or none for 2-bit keys in every layer" in err, err
+    assert ("key_bits_budget: 2.4 bits per element is below the 3.25 of this model's 2-bit pages "
+            "(head_dim 16, page 64)") in err and "or none for 2-bit keys in every layer" in err, err
     monkeypatch.setattr(pipeline, "capture", lambda *a, **k: pytest.fail("captured before the budget check"))
     with pytest.raises(ValueError, match="2.4 bits per element is below the 3.25"):
         pipeline.calibrate(_load(tiny_model_dir), None, pipeline.CalibrationConfig(key_bits_budget=2.4, seq_len=2048))
@@ -344,9 +344,10 @@ def test_key_bits_line_names_the_layers():
 
     art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                              num_hidden_layers=3, head_dim=16, vocab_size=10)).with_key_bits([4, 2, 4])
-    art = OscarArtifact(art.layout, art.transforms, art.fingerprint, stats={"key_bits": {"budget": 3.0, "metric": "kl"}},
-                        key_bits=art.key_bits)
-    assert key_bits_line(art).startswith("key bits: 4-bit keys in 2 of 3 layers [0, 2] (budget 3.0 page bits, metric kl")
+    art = OscarArtifact(art.layout, art.transforms, art.fingerprint,
+                        stats={"key_bits": {"budget": 3.0, "metric": "kl"}}, key_bits=art.key_bits)
+    assert key_bits_line(art).startswith(
+        "key bits: 4-bit keys in 2 of 3 layers [0, 2] (budget 3.0 page bits, metric kl")
 
 
 # ---- issue 26: the page packing is the serving GPU's (kernels.decode.select_backend), not calibrate's -------------
