@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("triton")
 
 from oscar_export.kernels.aot import bundle  # noqa: E402
+from oscar_export.kernels.aot import launch_plan as lp  # noqa: E402
 from oscar_export.kernels.aot.compile import DEFAULT_ARCHS, compile_kernel  # noqa: E402
 from oscar_export.kernels.aot.manifest import SHARED_LIMIT  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
@@ -45,12 +46,32 @@ def test_decode_plan(batch, max_pages, pps):
         bundle.decode_plan(layout, batch, heads, max_pages, 0)
 
 
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_append_launch_rotates_the_queries_once_a_step(name):
+    """Issue 26 item 4 in the bundle: its decode_append rotates the step's H queries into the stored key basis
+    (``ROTATE_Q``, ``GQ = H / H_kv``, an fp32 ``q_rot``), and every split kernel (JIT order and TensorRT order) reads
+    those fp32 queries, rotating nothing in its programs."""
+    layout, heads = LAYOUTS[name]
+    tag = bundle.layout_tag(layout, heads)
+    specs = {s.name: s for s in bundle.serving_specs(layout, heads, 0.125, probes=False)}
+    append = specs[f"decode_append_{tag}"]
+    gq = heads // layout.num_kv_heads
+    assert (append.constexpr_dict["ROTATE_Q"], append.constexpr_dict["GQ"]) == (True, gq)
+    assert append.constexpr_dict["CB"] == lp.append_columns(layout.head_dim, gq)
+    assert {p.name: p.type for p in append.params}["q_rot_ptr"] == "*fp32"
+    splits = [specs[f"decode_split_{tag}"]] + ([specs[f"trt_decode_split_{tag}"]] if layout.packing == "linear" else [])
+    for s in splits:
+        assert {p.name: p.type for p in s.params}["q_ptr"] == "*fp32", s.name
+        assert not s.constexpr_dict.get("ROTATE_Q", False), f"{s.name}: rotates the queries in every split program"
+
+
 def test_bad_heads():
     with pytest.raises(ValueError, match="not a multiple"):
         bundle.decode_split_spec(KVCacheLayout.default(3, 64), 8, 0.125, "t")
 
 
 @pytest.mark.slow  # ~1 min on 2 CPUs: the real bundle, every variant x 3 targets, each through ptxas
+@pytest.mark.representative
 def test_serving_bundle_compiles_for_every_target():
     layout, heads = LAYOUTS["smollm2"]
     failures = []

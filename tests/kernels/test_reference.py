@@ -352,6 +352,7 @@ def test_chunk_attention_is_causal_over_stored_history():
 
 
 @pytest.mark.slow
+@pytest.mark.representative
 def test_compiled_decode_attention_equals_eager():
     """torch.compile(fullgraph=True) of the reference decode attention: same numbers as eager."""
     lay = KVCacheLayout.default(3, 64, "channel")

@@ -63,6 +63,7 @@ def test_import_root_only():
 
 
 @pytest.mark.slow
+@pytest.mark.representative
 def test_wheel_contains_the_mapped_subpackages(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w",

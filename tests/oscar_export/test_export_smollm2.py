@@ -52,6 +52,7 @@ def exported(smollm2, tmp_path_factory):
 
 
 @pytest.mark.slow  # ~1-2 min on 2 CPUs: writes and reloads the 540 MB fp32 checkpoint, 24-token greedy run twice
+@pytest.mark.representative
 def test_exported_checkpoint_matches_original_with_plain_cache(smollm2, exported):
     model, tok = smollm2
     _, emodel, etok, _ = exported

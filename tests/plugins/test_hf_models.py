@@ -164,6 +164,7 @@ def test_chunk_reads_quantized_history():
 
 
 @pytest.mark.slow
+@pytest.mark.representative
 def test_1500_tokens_with_small_windows():
     """Mechanics over many demotions: 1,500 generated tokens through 93 pages per layer, no error."""
     model = tiny_hf_model("qwen2")

@@ -108,6 +108,7 @@ def teacher_forced(model, ids: torch.Tensor, want: torch.Tensor, cache) -> torch
 
 
 @pytest.mark.slow
+@pytest.mark.representative
 def test_int2_history_beats_same_scale_noise(smollm2):
     """The first 32 greedy BF16 tokens after 703/824/902-token prompts: at each step (same prefix), OSCAR picks
     the BF16 token far more often than a cache whose INT2 rows are replaced by noise of the same scale (fails if
@@ -129,6 +130,7 @@ def test_int2_history_beats_same_scale_noise(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.representative
 def test_ragged_batch_equals_each_alone(smollm2):
     """Prompts of 400 tokens (INT2 history) and 150 tokens (windows only), left-padded, 12 greedy tokens."""
     model, tok = smollm2

@@ -68,7 +68,8 @@ def test_deploy_folder_ships_a_wheel_of_this_project(deployment):
                                        "oscar-export"]
 
 
-@pytest.mark.slow  # ~10 s CPU (a virtualenv, pip, a fresh interpreter); CI runs it (REPRESENTATIVE_SLOW)
+@pytest.mark.slow  # ~10 s CPU (a virtualenv, pip, a fresh interpreter)
+@pytest.mark.representative
 def test_deploy_folder_installs_into_a_fresh_virtualenv(deployment, tmp_path):
     """The README's pip command in a new virtualenv (this machine's torch etc. visible through
     --system-site-packages; ``--ignore-installed`` only because this environment has the project installed from
