@@ -19,7 +19,9 @@ scalings, key and value means, channel keys, 4-bit keys in half the layers — a
 Per row: ``step_ms`` (median of CUDA-event timings of single steps), ``compile_s`` (the first compiled call: Dynamo
 + Inductor + the first run) split into ``dynamo_s`` (tracing, guards), ``inductor_s`` (AOT autograd + Inductor,
 its Triton kernels included) and ``first_run_s`` (the rest of the first call: the graph's first run, which
-JIT-compiles the custom ops' Triton / Gluon kernels, OSCAR's decode kernels), ``cache_s`` (making the cache),
+JIT-compiles the custom ops' Triton / Gluon kernels, OSCAR's decode kernels, unless ``plugins/hf/precompile.py``'s
+workers have), ``jit_kernels`` (the kernels that first call wrote into Triton's cache folder other than Inductor's
+``triton_*`` ones: the custom ops' kernels compiled in this process), ``cache_s`` (making the cache),
 ``warmup_s`` (the first three calls, CUDA-graph recording included), ``prefill_s``,
 ``peak_gib`` (``max_memory_allocated`` over prefill and decode), ``roofline_frac`` (the step's bytes — weights +
 the cache bytes it must read, from the layout — at the copy bandwidth measured in the same run, over the step
@@ -30,13 +32,15 @@ many seconds (the JSON is written after every row).
 
 Compile caches: the run starts with empty Triton and Inductor cache folders (fresh temporary ones, as on a new
 machine; ``--keep-caches`` uses the usual ones), so the first row compiles everything; later rows of the same run
-reuse the kernels an earlier row compiled (the dense layers' Inductor kernels are the same for both caches): the
-cache named first in ``--caches`` pays the cold compile.
+reuse the kernels an earlier row compiled (the dense layers' Inductor kernels are the same for both caches) and the
+process's one-time costs (imports, Inductor's worker pool): the cache named first in ``--caches`` pays the cold
+compile. A new user's first compile of each cache is one process per cache (``benchmarks/gpu_compile.sh``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
@@ -143,8 +147,9 @@ def time_steps(step, n: int, device) -> list[float]:
 
 def compile_split(compile_s: float) -> dict:
     """``compile_s`` of a first compiled call split by Dynamo's own timers (``torch._dynamo.utils``, cleared before
-    the call): ``dynamo_s``, ``inductor_s`` (the backend compiler) and ``first_run_s`` (the rest); {} if this torch
-    has no such timers."""
+    the call): ``dynamo_s``, ``inductor_s`` (the backend compiler) and ``first_run_s`` (the rest), and every timer
+    of 0.05 s or more (``compile_timers``: nested phases, seconds summed over calls); {} if this torch has no such
+    timers."""
     try:
         from torch._dynamo.utils import compilation_time_metrics as timers
     except ImportError:
@@ -153,7 +158,8 @@ def compile_split(compile_s: float) -> dict:
     backend = sum(timers.get("OutputGraph.call_user_compiler", ()))
     if not whole:
         return {}
-    return {"dynamo_s": whole - backend, "inductor_s": backend, "first_run_s": compile_s - whole}
+    return {"dynamo_s": whole - backend, "inductor_s": backend, "first_run_s": compile_s - whole,
+            "compile_timers": {k: round(sum(v), 3) for k, v in sorted(timers.items()) if sum(v) >= 0.05}}
 
 
 def clear_compile_timers() -> None:
@@ -164,8 +170,16 @@ def clear_compile_timers() -> None:
     compilation_time_metrics.clear()
 
 
-def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup, device, compiler: str) -> dict:
-    """One (cache, workload) row: prefill (or set the lengths), compile the step, time it."""
+def triton_binaries() -> set[str]:
+    """The compiled kernels (``.cubin``) in Triton's cache folder."""
+    folder = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
+    return {os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".cubin")}
+
+
+def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup, device, compiler: str,
+            profile_compile: str | None = None) -> dict:
+    """One (cache, workload) row: prefill (or set the lengths), compile the step, time it. ``profile_compile``: a
+    file for the cProfile statistics of the first compiled call."""
     from transformers import StaticCache
 
     torch._dynamo.reset()
@@ -227,10 +241,19 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
                 return out
 
         clear_compile_timers()
+        before = triton_binaries()
+        profiler = cProfile.Profile() if profile_compile else None
         t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
         step()
         _sync(device)
         row["compile_s"] = time.perf_counter() - t0
+        if profiler:
+            profiler.disable()
+            profiler.dump_stats(profile_compile)
+        row["jit_kernels"] = sorted(os.path.basename(f)[:-6] for f in triton_binaries() - before
+                                    if not os.path.basename(f).startswith("triton_"))
         if kind != "oscar-graph":
             row.update(compile_split(row["compile_s"]))
         for _ in range(2):  # CUDA-graph recording
@@ -368,6 +391,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jit-only", action="store_true", help="only time the decode step's kernel JIT (kernel_jit)")
     ap.add_argument("--keep-caches", action="store_true", help="use the usual Triton / Inductor cache folders "
                     "(default: fresh empty ones, a new machine's compile)")
+    ap.add_argument("--profile-compile", default=None, metavar="FILE",
+                    help="cProfile statistics of the first row's first compiled call (pstats format)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here; a copy of the "
                     "working tree on another machine may carry stale git metadata)")
@@ -416,7 +441,8 @@ def main(argv=None) -> int:
             continue
         setup = enable_oscar(model, art) if kind.startswith("oscar") else None
         try:
-            row = run_row(model, kind, b, ctx, args.steps, prefill, setup, device, args.compiler)
+            prof = args.profile_compile if args.profile_compile and not rows else None
+            row = run_row(model, kind, b, ctx, args.steps, prefill, setup, device, args.compiler, prof)
         except torch.OutOfMemoryError as e:
             row = {"cache": kind, "B": b, "context": ctx, "error": f"out of memory: {str(e)[:160]}"}
         except Exception as e:  # noqa: BLE001 - the row says what failed, the run goes on

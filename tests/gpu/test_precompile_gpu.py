@@ -3,9 +3,11 @@
     python -m pytest tests/gpu/test_precompile_gpu.py -m gpu -q
 
 A child process with an empty Triton cache folder: ``make_cache`` starts one worker per layer format (4- and 2-bit
-keys, rotated keys, values pre-rotated: a calibrated artifact's shape), every worker exits 0, and then an eager
-decode step of the main process compiles nothing (no new binary in the cache folder): it found every kernel the
-workers compiled.
+keys, rotated keys, values pre-rotated: a calibrated artifact's shape), every worker exits 0, and then a decode step
+of the main process compiles none of the cache's kernels (no new binary in the cache folder other than Inductor's
+own ``triton_*`` kernels): it found every kernel the workers compiled. Both ways a step runs: eager, and the README
+loop's ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (the graph's tensors can be
+specialised differently from an eager call's: alignment, strides).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import os
+    import sys
     from types import SimpleNamespace
 
     import torch
@@ -39,7 +42,9 @@ SCRIPT = textwrap.dedent("""
 
     def binaries():
         return {os.path.join(d, f) for d, _, fs in os.walk(os.environ["TRITON_CACHE_DIR"]) for f in fs
-                if f.endswith((".cubin", ".json"))}
+                if f.endswith((".cubin", ".json")) and not f.startswith(("triton_", "__grp__triton_"))}
+
+    compiled_step = sys.argv[1] == "compiled"
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
@@ -65,18 +70,22 @@ SCRIPT = textwrap.dedent("""
         compiled = binaries()
         assert len(compiled) >= 4, compiled
         model(torch.randint(1, 256, (2, 5), device="cuda"), **cache_kwargs(model, cache))  # in the sink: no page
-        model(torch.randint(1, 256, (2, 1), device="cuda"), position_ids=torch.full((2, 1), 5, device="cuda"),
-              **cache_kwargs(model, cache))
+        step = (torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled_step
+                else model.forward)
+        step(torch.randint(1, 256, (2, 1), device="cuda"), position_ids=torch.full((2, 1), 5, device="cuda"),
+             **cache_kwargs(model, cache))
         torch.cuda.synchronize()
         new = binaries() - compiled
-        assert not new, f"the eager step compiled {sorted(new)}"
-    print("precompiled:", len(compiled), "files; the eager step compiled none")
+        assert not new, f"the {sys.argv[1]} step compiled {sorted(new)}"
+    print("precompiled:", len(compiled), f"files; the {sys.argv[1]} step compiled none")
 """)
 
 
-def test_the_first_step_finds_the_kernels_the_workers_compiled():
-    with tempfile.TemporaryDirectory() as folder:
-        env = dict(os.environ, TRITON_CACHE_DIR=folder)
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=400)
+@pytest.mark.parametrize("step", ["eager", "compiled"])
+def test_the_first_step_finds_the_kernels_the_workers_compiled(step):
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as inductor:
+        env = dict(os.environ, TRITON_CACHE_DIR=folder, TORCHINDUCTOR_CACHE_DIR=inductor)
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, step], env=env, capture_output=True, text=True,
+                              timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "the eager step compiled none" in proc.stdout
+    assert f"the {step} step compiled none" in proc.stdout
