@@ -1,8 +1,9 @@
 """ONNX form of one OSCAR decode-attention layer, for TensorRT's ONNX-parser route.
 
 The graph holds one node ``OscarDecodeAttention`` in the custom domain ``oscar``, with the layout as
-attributes (the TensorRT form, :func:`decode_attention_trt_model`, splits it into the two nodes named after
-the two TensorRT plugins, ``OscarDecodeSplit`` and ``OscarDecodeMerge``: one kernel launch each)::
+attributes (the TensorRT form, :func:`decode_attention_trt_model`, is the query rotation in standard operators,
+once a step, then the two nodes named after the two TensorRT plugins, ``OscarDecodeSplit`` and
+``OscarDecodeMerge``: one kernel launch each, over the rotated queries)::
 
     inputs   q [B, H, D] f32 (model basis)   k_rotation [H_kv, D, D] f32   k_scale [H_kv, D] f32
              sink_k, sink_v [B, H_kv, S0, D] bf16   recent_k, recent_v [B, H_kv, C, D] bf16 (the ring, C = W + 2P)
@@ -28,8 +29,11 @@ from oscar_export.kernels.aot.launch_plan import TRT_DECODE_SPLIT, trt_io
 DOMAIN = "oscar"
 OP = "OscarDecodeAttention"
 OPSET = 18
-#: the decode layer's inputs, in the kernels' order (the launch plan's split-plugin inputs).
-INPUTS = tuple(trt_io(TRT_DECODE_SPLIT)[0])
+#: the queries and what rotates them into the stored key basis (``q_s = (q @ R_K) / d_K``, once a step).
+QUERY_INPUTS = ("q", "k_rotation", "k_scale")
+#: the decode layer's inputs: the queries (model basis) and their rotation, then the cache tensors in the kernels'
+#: order (the launch plan's split-plugin inputs after ``q_s``).
+INPUTS = QUERY_INPUTS + tuple(n for n in trt_io(TRT_DECODE_SPLIT)[0] if n not in QUERY_INPUTS + ("q_s",))
 #: Triton pointer type -> ONNX element type name (``TensorProto``).
 ONNX_TYPES = {"*fp32": "FLOAT", "*fp16": "FLOAT16", "*bf16": "BFLOAT16", "*i32": "INT32", "*u8": "UINT8"}
 
@@ -55,7 +59,8 @@ def node_attributes(layout, num_heads: int, sm_scale: float) -> dict[str, Any]:
 
 def _io(layout, num_heads: int, types: dict[str, str] | None = None):
     """Graph inputs and the output ``out``. ``types`` (plugin tensor name -> the kernel's pointer type) gives
-    the dtypes of the TensorRT form; without it ``q`` and ``out`` are FLOAT (the semantic node)."""
+    the dtypes of the TensorRT form (its ``q`` is the model's BF16); without it ``q`` and ``out`` are FLOAT (the
+    semantic node)."""
     _, T, helper = _onnx()
     if layout.key.bits != 2 or layout.value.bits != 2:  # the reference function below unpacks 2-bit codes
         raise NotImplementedError(f"ONNX export: 2-bit pages only, the layout has {layout.key.bits}-bit keys and "
@@ -81,6 +86,7 @@ def _io(layout, num_heads: int, types: dict[str, str] | None = None):
     if types is not None:
         spec = {n: (getattr(T, ONNX_TYPES[types[n]]), shape) if n in types else (t, shape)
                 for n, (t, shape) in spec.items()}
+        spec["q"] = (T.BFLOAT16, spec["q"][1])
     inputs = [helper.make_tensor_value_info(n, *spec[n]) for n in INPUTS]
     output = helper.make_tensor_value_info("out", *spec["out"])
     return inputs, output
@@ -170,6 +176,12 @@ def _ring_valid(b: _Body, layout) -> str:
     return b.op("Less", off, b.op("Unsqueeze", b.op("Cast", "recent_len", to=b.T.INT64), b.c([1])))
 
 
+def _rotate_queries(b: _Body, q: str, hkv: int, g: int, d: int) -> str:
+    """``q_s = (q @ R_K[h]) / d_K[h]`` of FLOAT queries ``q [B, H, D]``, grouped by KV head: ``[B, H_kv, g, D]``."""
+    qg = b.op("Reshape", q, b.c([0, hkv, g, d]))
+    return b.op("Div", b.op("MatMul", qg, "k_rotation"), b.op("Unsqueeze", "k_scale", b.c([1])))
+
+
 def reference_function(layout, num_heads: int, sm_scale: float):
     """The ONNX FunctionProto ``oscar.OscarDecodeAttention`` in standard operators (see the module doc)."""
     import numpy as np
@@ -177,10 +189,7 @@ def reference_function(layout, num_heads: int, sm_scale: float):
     b = _Body()
     T = b.T
     hkv, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
-    g = num_heads // hkv
-    # q_s = (q @ R_K[h]) / d_K[h], grouped by KV head: [B, H_kv, g, D]
-    qg = b.op("Reshape", "q", b.c([0, hkv, g, d]))
-    qs = b.op("Div", b.op("MatMul", qg, "k_rotation"), b.op("Unsqueeze", "k_scale", b.c([1])))
+    qs = _rotate_queries(b, "q", hkv, num_heads // hkv, d)  # [B, H_kv, g, D]
     kh = _history(b, layout, layout.key, "k_codes", "k_params", "k_levels", "block_table")
     vh = _history(b, layout, layout.value, "v_codes", "v_params", "v_levels", "block_table")
     k = b.op("Concat", b.op("Cast", "sink_k", to=T.FLOAT), kh, b.op("Cast", "recent_k", to=T.FLOAT), axis=2)
@@ -219,15 +228,18 @@ def decode_attention_model(layout, num_heads: int, sm_scale: float, reference: b
 
 
 def decode_attention_trt_model(layout, num_heads: int, sm_scale: float, pages_per_split: int = 8):
-    """The TensorRT form: the same inputs through ``oscar::OscarDecodeSplit`` -> ``oscar::OscarDecodeMerge``.
+    """The TensorRT form: the same inputs, the query rotation ``q_s = (q @ R_K) / d_K`` in standard operators (FP32
+    MatMul and Div over the step's queries, once a step: no split program rotates), then ``oscar::OscarDecodeSplit``
+    on ``q_s`` -> ``oscar::OscarDecodeMerge``.
 
     A TensorRT AOT plugin launches one kernel, and decode attention is two (split-K, then the LSE merge),
     so the layer is two plugin nodes (``plugins/trt``). TensorRT's node rules: the op type is the plugin name,
     ``plugin_namespace`` names the namespace, ``aot=1`` selects the AOT implementation, and no attribute the
     plugin does not declare (ours declare none: the layout and ``pages_per_split`` are fixed when
     ``register_plugins`` is called, so the same values must be used there). Every tensor has the dtype of the
-    kernel's pointer (launch plan): ``q`` and ``out`` are BF16. Not executable by onnxruntime (no reference
-    body): the semantic one-node model above is what runs here.
+    kernel's pointer (launch plan): ``q_s`` FP32, ``out`` BF16; ``q`` is the model's BF16. Not executable by
+    onnxruntime (no reference body for the plugins): the semantic one-node model above is what runs here, and the
+    rotation nodes alone (tests/oscar_export/test_onnx_export.py).
     """
     onnx, T, helper = _onnx()
     from oscar_export.kernels.aot.launch_plan import TRT_DECODE_MERGE
@@ -239,14 +251,19 @@ def decode_attention_trt_model(layout, num_heads: int, sm_scale: float, pages_pe
     rules = dict(plugin_namespace=PLUGIN_NAMESPACE, aot=1)
     split_in, _, split_out = trt_io(TRT_DECODE_SPLIT)
     merge_in, _, merge_out = trt_io(TRT_DECODE_MERGE)
+    h, hkv, d = num_heads, layout.num_kv_heads, layout.head_dim  # n_splits = shapes.n_splits(M), symbolic here
+    rotate = _Body()
+    qs = _rotate_queries(rotate, rotate.op("Cast", "q", to=T.FLOAT), hkv, h // hkv, d)
+    rotate.nodes.append(helper.make_node("Reshape", [qs, rotate.c([0, h, d])], ["q_s"]))  # [B, H, D] f32
     split = helper.make_node(SPLIT_PLUGIN, split_in, split_out, domain=DOMAIN, name="oscar_split", **rules)
     merge = helper.make_node(MERGE_PLUGIN, merge_in, merge_out, domain=DOMAIN, name="oscar_merge", **rules)
-    h, d = num_heads, layout.head_dim  # n_splits = shapes.n_splits(M), symbolic here
-    value_info = [helper.make_tensor_value_info("part_o", getattr(T, ONNX_TYPES[split_types["part_o"]]),
+    value_info = [helper.make_tensor_value_info("q_s", getattr(T, ONNX_TYPES[split_types["q_s"]]), ["B", h, d]),
+                  helper.make_tensor_value_info("part_o", getattr(T, ONNX_TYPES[split_types["part_o"]]),
                                                 ["B", h, "n_splits", d]),
                   helper.make_tensor_value_info("part_lse", getattr(T, ONNX_TYPES[split_types["part_lse"]]),
                                                 ["B", h, "n_splits"])]
-    graph = helper.make_graph([split, merge], "oscar_decode_attention_layer_trt", inputs, [out], value_info=value_info)
+    graph = helper.make_graph([*rotate.nodes, split, merge], "oscar_decode_attention_layer_trt", inputs, [out],
+                              value_info=value_info)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, 1)],
                               producer_name="oscar-export")
     model.ir_version = 9
@@ -267,5 +284,5 @@ def export_decode_attention_onnx(layout, num_heads: int, sm_scale: float, out_di
     return [ref, trt]
 
 
-__all__ = ["DOMAIN", "INPUTS", "ONNX_TYPES", "OP", "decode_attention_model", "decode_attention_trt_model",
-           "export_decode_attention_onnx", "node_attributes", "reference_function"]
+__all__ = ["DOMAIN", "INPUTS", "ONNX_TYPES", "OP", "QUERY_INPUTS", "decode_attention_model",
+           "decode_attention_trt_model", "export_decode_attention_onnx", "node_attributes", "reference_function"]

@@ -6,13 +6,15 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * ``quant_pack_{k,v}[_rot]`` — ``kernels/quant_pack.py:_quant_pack_kernel``: demotion (rows already in the
   stored basis) and, with ``_rot``, prefill pages straight from model-basis rows (``(x R) d - mu`` rounded
   through BF16, as the wrapper does). Grid ``(N pages, H_kv)``.
-* ``decode_split`` — ``kernels/decode/portable.py:_decode_split_kernel`` with the query rotation fused
-  (``ROTATE_Q``), BF16 queries. Grid ``(B * H_kv, n_splits)``.
+* ``decode_split`` — ``kernels/decode/portable.py:_decode_split_kernel`` (``decode/hopper_kernel.py``'s for mma16
+  pages) over the step's fp32 queries in the stored key basis, ``decode_append``'s ``q_rot``: no split program
+  rotates a query. Grid ``(B * H_kv, n_splits)``.
 * ``decode_merge`` — ``_merge_kernel``, BF16 output. Grid ``(B * H,)``.
 * ``decode_append`` — ``kernels/decode_step.py:_decode_append_kernel``: the decode step's cache write on the
   device (the token into the recent ring, a demotion decided by the kernel from the committed lengths; keys
-  and values already in the stored basis, ``TRANSFORM`` off). Grid ``(B, H_kv, D // CB)``
-  (``launch_plan.append_columns``).
+  and values already in the stored basis, ``TRANSFORM`` off), and the step's ``H`` queries rotated into the stored
+  key basis, once a step (``ROTATE_Q``: model-basis BF16 ``q`` in, fp32 ``q_rot [B, H, D]`` out, what the split
+  kernel reads). Grid ``(B, H_kv, D // CB)`` (``launch_plan.append_columns`` of ``GQ = H / H_kv``).
 * ``trt_decode_split`` / ``trt_decode_merge`` — the same two kernels in TensorRT's AOT-plugin parameter
   order (``trt_order.py``: inputs, int32 extras, outputs) for ``plugins/trt``.
 * the two probe kernels (``probe.py``) as a self-test.
@@ -99,9 +101,11 @@ def decode_merge_spec(layout: KVCacheLayout, tag: str) -> KernelSpec:
     return KernelSpec.from_plan(lp.DECODE_MERGE, f"decode_merge_{tag}", lp.decode_merge_constexprs(layout))
 
 
-def decode_step_specs(layout: KVCacheLayout, tag: str) -> list[KernelSpec]:
-    """The decode step's cache write (``decode_step.py``): token + demotion where due, one launch."""
-    return [KernelSpec.from_plan(lp.DECODE_APPEND, f"decode_append_{tag}", lp.decode_append_constexprs(layout))]
+def decode_step_specs(layout: KVCacheLayout, num_heads: int, tag: str) -> list[KernelSpec]:
+    """The decode step's cache write (``decode_step.py``): token + demotion where due and the step's ``num_heads``
+    queries rotated into the stored key basis, one launch."""
+    return [KernelSpec.from_plan(lp.DECODE_APPEND, f"decode_append_{tag}",
+                                 lp.decode_append_constexprs(layout, num_heads=num_heads))]
 
 
 def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) -> list[KernelSpec]:
@@ -138,7 +142,7 @@ def serving_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, probes
             quant_pack_spec(lay, lay.value, "v", True, tag),
             decode_split_spec(lay, num_heads, sm_scale, tag),
             decode_merge_spec(lay, tag),
-            *decode_step_specs(lay, tag),
+            *decode_step_specs(lay, num_heads, tag),
         ]
         if trt and lay.packing == "linear":
             specs += trt_specs(lay, num_heads, sm_scale, tag)

@@ -46,8 +46,9 @@ APPEND_COLUMNS = 16
 APPEND_PRODUCT = 8192
 #: Triton's default num_stages (what the JIT uses when a wrapper passes none).
 TRITON_DEFAULT_STAGES = 3
-#: plugin tensor names that are not the kernel parameter name minus ``_ptr``.
-TENSOR_NAMES = {"rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
+#: plugin tensor names that are not the kernel parameter name minus ``_ptr``: the split kernels' ``q_ptr`` is ``q_s``,
+#: the step's queries in the stored key basis (fp32, what ``decode_append`` writes to its ``q_rot_ptr``).
+TENSOR_NAMES = {"q_ptr": "q_s", "rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
 
 _DA = "oscar_export.kernels.decode.portable"
 _DS = "oscar_export.kernels.decode_step"
@@ -125,8 +126,10 @@ def tensor_name(param: str) -> str:
 
 # ---- the plans ----------------------------------------------------------------------------------------------
 
+#: the split kernels' inputs: ``q_ptr`` the step's fp32 queries in the stored key basis (the append launch's ``q_rot``;
+#: the bundle's kernels rotate nothing, docs/design.md §3.6).
 _SPLIT_INPUTS = (
-    ("q_ptr", "*bf16"), ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
+    ("q_ptr", "*fp32"), ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
     ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"), ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"),
     ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"), ("v_codes_ptr", "*u8"), ("v_params_ptr", "*fp16"),
     ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
@@ -143,7 +146,7 @@ DECODE_SPLIT = KernelPlan(
     name="decode_split", kernel=f"{_DA}:_decode_split_kernel",
     params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_CONSTEXPRS,
     num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
-    doc="decode attention, one split of sink/INT2 pages/recent per program (query rotation fused)",
+    doc="decode attention, one split of sink/INT2 pages/recent per program, over stored-basis fp32 queries",
 )
 #: constexprs of the split kernel over mma16 pages (the Gluon one's, before its own): the portable kernel's without
 #: NB, G and KEY_BITS; its parameters are the portable kernel's, in the same order.
@@ -259,7 +262,7 @@ def gq_pad(gq: int) -> int:
 
 
 def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
-    """Constexprs of the split kernel for ``layout``: BF16 queries in the model basis (``ROTATE_Q``);
+    """Constexprs of the split kernel for ``layout`` (queries in the stored key basis: no rotation in its programs);
     ``fast_unpack`` is the wrapper's choice on a GPU (uniform levels only)."""
     hkv = layout.num_kv_heads
     if num_heads % hkv:
@@ -271,7 +274,7 @@ def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack
         "P": layout.page_size, "S0": layout.sink,
         "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
+        "ROTATE_Q": False, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
     }
 
 
@@ -281,7 +284,7 @@ def gq_pad_v2(gq: int) -> int:
 
 
 def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
-    """Constexprs of the v2 split kernel for ``layout`` (mma16 pages), BF16 queries in the model basis;
+    """Constexprs of the v2 split kernel for ``layout`` (mma16 pages), queries in the stored key basis;
     ``fast_unpack``: the inline-PTX field masks (uniform levels only), what the wrapper uses on a GPU."""
     hkv = layout.num_kv_heads
     if num_heads % hkv:
@@ -292,7 +295,7 @@ def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unp
         "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad_v2(gq), "D": layout.head_dim, "P": layout.page_size,
         "S0": layout.sink, "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": True, "FAST_UNPACK": fast_unpack and not codebook,
+        "ROTATE_Q": False, "FAST_UNPACK": fast_unpack and not codebook,
     }
 
 

@@ -9,7 +9,9 @@ bundle, whose build path was loaded and checked on an H200 through the CUDA driv
 
 ``register_plugins(bundle_dir, layout, num_heads, pages_per_split)`` registers
 
-* ``oscar::OscarDecodeSplit`` — inputs ``SPLIT_INPUTS``; outputs ``part_o``, ``part_lse``;
+* ``oscar::OscarDecodeSplit`` — inputs ``SPLIT_INPUTS`` (the first, ``q_s``: the step's fp32 queries in the stored
+  key basis; the ONNX form computes them once a step in standard operators before this node); outputs ``part_o``,
+  ``part_lse``;
   AOT kernel ``trt_decode_split_<tag>`` (PTX of ``arch``, default sm_80: PTX JIT-compiles on any newer GPU);
 * ``oscar::OscarDecodeMerge`` — inputs ``part_o``, ``part_lse``; output ``out``; kernel ``trt_decode_merge_<tag>``.
 
@@ -102,14 +104,14 @@ def register_plugins(bundle_dir: Union[str, Path], layout, num_heads: int, pages
     def split_desc(*tensors):
         check_dtypes(split_id, SPLIT_INPUTS, tensors, split_types)
         named = dict(zip(SPLIT_INPUTS, tensors))
-        b, m = named["q"].shape_expr[0], named["block_table"].shape_expr[1]
+        b, m = named["q_s"].shape_expr[0], named["block_table"].shape_expr[1]
         shape_o, shape_lse = shapes.split_outputs(b, m)
         return tuple(trtp.from_shape_expr(s, dtype=dtype(split_types[n]))
                      for n, s in zip(SPLIT_OUTPUTS, (shape_o, shape_lse)))
 
     def split_aot(*args):
         named = dict(zip(SPLIT_INPUTS, args))
-        b, m = named["q"].shape_expr[0], named["block_table"].shape_expr[1]
+        b, m = named["q_s"].shape_expr[0], named["block_table"].shape_expr[1]
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y, launch.grid_z = shapes.split_grid(b, m)
         launch.block_x = 32 * split_e.spec.num_warps

@@ -20,7 +20,8 @@ Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests
 
 the generation rows take one device-only decode step over every slot (``ops.decode_step``: the decode-step
 writer, ``decode_append``, with every row that is not a generation row of this batch flagged so it writes
-nothing; ``ops.decode``: split-K attention + merge over the step's lengths), reading their slots from the cache
+nothing, which also rotates the step's queries into the stored key basis, once a step; ``ops.decode``: split-K
+attention + merge over those queries and the step's lengths), reading their slots from the cache
 manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it replays with the current
 batch's slots. The first layer begins the page book's step, the last commits it (``cache.py``).
 The output is in the stored value basis plus the value mean: the
@@ -150,9 +151,9 @@ def make_attention_class(up, deployment):
             gen.narrow(0, mgr.scratch, 1).fill_(False)  # padding rows: computed, never stored (no H2D copy)
             # context rows (written above) and idle rows take no decode write; the book's flags hold for the rest
             status = torch.where(gen, mgr.book.status, STATUS_IDLE).to(torch.int32)
-            ops.decode_step(state, kb, vb, status, t)
+            q_s = ops.decode_step(state, kb, vb, status, t, qb)  # [slots, H, D] fp32 stored key basis
             mgr.book.flag(torch.where(gen, status, 0).to(torch.int32))  # a NaN/Inf token: the slot is not committed
-            ob = ops.decode(qb, step_state, t, PAGES_PER_SPLIT)  # [slots, H, D] stored value basis
+            ob = ops.decode(q_s, step_state, t, PAGES_PER_SPLIT)  # [slots, H, D] stored value basis
             og = t.restore_output(ob.index_select(0, rows)[:, :, None].float()).squeeze(2)  # + v_mean
             return og.reshape(g, h * d)
 

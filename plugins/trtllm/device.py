@@ -5,7 +5,8 @@ the same code runs in the GPU tests without TensorRT-LLM (tests/gpu/test_trtllm_
 Triton JIT; tests/gpu/test_aot_gpu.py with the reference). Every launch passes its arguments by parameter
 name: their order, the warps and the grid are the launch plan's (``kernels/aot/launch_plan.py``; each
 ``AotKernel`` checks the binary against the manifest, whose specs the plan built).
-:meth:`AotCacheOps.decode_step` (one ``decode_append`` launch) and :meth:`AotCacheOps.decode` read
+:meth:`AotCacheOps.decode_step` (one ``decode_append`` launch, which also rotates the step's queries into the stored
+key basis: once a step, docs/design.md §3.6) and :meth:`AotCacheOps.decode` (over those queries) read
 no device value on the host: the demotion is decided by the kernel from the committed lengths, so a decode step
 is capturable in a CUDA graph and cannot be one step late under TensorRT-LLM's overlap executor loop.
 :class:`.reference_ops.TorchCacheOps` is the same interface on the PyTorch reference (the CPU contract tests).
@@ -38,12 +39,15 @@ class AotCacheOps:
         self._load = lambda name: AotKernel(manifest, f"{name}_{tag}", source=source)  # noqa: E731
         self.quant_k, self.quant_v = self._load("quant_pack_k"), self._load("quant_pack_v")
         self.split, self.merge = self._load("decode_split"), self._load("decode_merge")
+        check_query_rotation(self.split.entry.spec)
         self._append = None  # decode_append: loaded on first use, so older bundles still serve the rest
 
     @property
     def append_kernel(self):
         if self._append is None:
-            self._append = self._load("decode_append")
+            kernel = self._load("decode_append")
+            check_query_rotation(kernel.entry.spec)
+            self._append = kernel
         return self._append
 
     def _removals(self, fmt, clip, device):
@@ -91,16 +95,26 @@ class AotCacheOps:
         )
 
     # ---- the decode step (device-decided demotion + token, every row) -------------------------------------
-    def decode_step(self, state, k, v, status, transform) -> None:
+    def decode_step(self, state, k, v, status, transform, q):
         """Append one token per row (``k, v [B, H_kv, D]`` bf16 stored basis) to ``state`` (committed lengths),
         demoting where the recent ring holds ``W + P`` tokens into the page ``block_table[b, num_pages[b]]``
         names; a row whose ``status [B]`` int32 is nonzero writes nothing (NaN/Inf rows set
         ``STATUS_NONFINITE``). One launch, no host read: ``decode_step.decode_append`` through the bundle
-        (``TRANSFORM`` off: the keys are already in the stored basis)."""
+        (``TRANSFORM`` off: the keys are already in the stored basis; ``ROTATE_Q`` on).
+
+        Args:
+            q: ``[B, H, D]`` bf16 the step's queries in the model basis (post-RoPE), every row.
+        Returns:
+            ``[B, H, D]`` fp32 the queries in the stored key basis, ``(q @ R_K) / d_K`` per KV head (every row,
+            whatever its status): what :meth:`decode` takes.
+        """
+        import torch
+
         lay, tr = self.layout, transform
+        q = q.contiguous()
+        q_s = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         self.append_kernel.launch(named=dict(
-            k_ptr=k.contiguous(), v_ptr=v.contiguous(),  # q_ptr, q_rot_ptr (bf16, fp32): read only with ROTATE_Q
-            q_ptr=k, q_rot_ptr=tr.k_scale.contiguous(),
+            k_ptr=k.contiguous(), v_ptr=v.contiguous(), q_ptr=q, q_rot_ptr=q_s,
             rot_ptr=tr.k_rotation.contiguous(),  # the AOT ABI: dense
             kscale_ptr=tr.k_scale.contiguous(), kmean_ptr=tr.k_mean.contiguous(),
             vmean_ptr=tr.v_mean.contiguous(),  # read only with TRANSFORM
@@ -113,26 +127,28 @@ class AotCacheOps:
             sink_len_ptr=state.sink_len, num_pages_ptr=state.num_pages, recent_len_ptr=state.recent_len,
             status_ptr=status, max_pages=state.block_table.shape[1],
         ), grid_inputs={"B": k.shape[0]})
+        return q_s
 
     # ---- decode --------------------------------------------------------------------------------------------
-    def decode(self, q, state, transform, pages_per_split: int, out=None):
-        """One decode step: ``q [B, H, D]`` bf16 (model basis; the key rotation is fused) -> ``[B, H, D]`` bf16.
+    def decode(self, q_s, state, transform, pages_per_split: int, out=None):
+        """One decode step: ``q_s [B, H, D]`` fp32 in the stored key basis (what :meth:`decode_step` returned) ->
+        ``[B, H, D]`` bf16.
 
         Output is in the stored value basis (the exported ``o_proj`` undoes the value rotation).
         """
         import torch
 
-        b = q.shape[0]
+        b = q_s.shape[0]
         plan = decode_plan(self.layout, b, self.num_heads, state.block_table.shape[1], pages_per_split)
         d = self.layout.head_dim
-        part_o = torch.empty(b, self.num_heads, plan.n_splits, d, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(b, self.num_heads, plan.n_splits, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(b, self.num_heads, plan.n_splits, d, dtype=torch.float32, device=q_s.device)
+        part_lse = torch.empty(b, self.num_heads, plan.n_splits, dtype=torch.float32, device=q_s.device)
         if out is None:
-            out = torch.empty(b, self.num_heads, d, dtype=torch.bfloat16, device=q.device)
+            out = torch.empty(b, self.num_heads, d, dtype=torch.bfloat16, device=q_s.device)
         a = plan.split_args()
-        rot, dsc = transform.k_rotation.contiguous(), transform.k_scale.contiguous()  # the AOT ABI: dense
+        unread = transform.k_levels  # rot_ptr, dscale_ptr: no split program rotates a query
         self.split.launch(named=dict(
-            q_ptr=q, rot_ptr=rot, dscale_ptr=dsc, sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v,
+            q_ptr=q_s, rot_ptr=unread, dscale_ptr=unread, sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v,
             recent_k_ptr=state.recent_k, recent_v_ptr=state.recent_v, k_codes_ptr=state.k_codes,
             k_params_ptr=state.k_params, v_codes_ptr=state.v_codes, v_params_ptr=state.v_params,
             k_levels_ptr=transform.k_levels, v_levels_ptr=transform.v_levels, block_table_ptr=state.block_table,
@@ -144,4 +160,20 @@ class AotCacheOps:
         return out
 
 
-__all__ = ["AotCacheOps"]
+def check_query_rotation(spec) -> None:
+    """Raise ``BundleError`` unless ``spec`` (a bundle's ``decode_append`` or split kernel) gives the queries the way
+    this adapter does: the append launch rotates them (``ROTATE_Q``), the split kernel reads fp32 stored-basis
+    queries. A bundle built before the rotation moved into the append launch has neither."""
+    from oscar_export.kernels.aot.manifest import BundleError
+
+    cx, types = spec.constexpr_dict, {p.name: p.type for p in spec.params}
+    if "q_rot_ptr" in types:
+        ok, want = cx.get("ROTATE_Q") is True, "the step's query rotation (ROTATE_Q)"
+    else:
+        ok, want = types.get("q_ptr") == "*fp32" and not cx.get("ROTATE_Q", False), "fp32 stored-basis queries"
+    if not ok:
+        raise BundleError(f"{spec.name}: built without {want}; rebuild the bundle with this version "
+                          "(oscar-export build)")
+
+
+__all__ = ["AotCacheOps", "check_query_rotation"]

@@ -3,8 +3,9 @@
 Same interface and same semantics as :class:`.device.AotCacheOps` (the bundle's kernels), so the adapter's
 contract tests run on a CPU: ``write`` is ``reference.write_tokens``, ``decode_step`` is
 ``reference.decode_append`` (what ``_decode_append_kernel`` does: the token into the sink or the recent ring,
-a demotion where ``recent_len == W + P`` into ``block_table[b, num_pages[b]]``, nothing for a flagged row),
-``decode`` is ``reference.decode_attention`` with the query rotated as the fused kernel does.
+a demotion where ``recent_len == W + P`` into ``block_table[b, num_pages[b]]``, nothing for a flagged row) and
+returns the step's queries in the stored key basis (``transform_queries``, as the append launch does), ``decode``
+is ``reference.decode_attention`` over them.
 Host reads (``int(...)``) are allowed here: this path is the oracle, not the one captured in CUDA graphs.
 """
 
@@ -31,9 +32,10 @@ class TorchCacheOps:
         return reference.chunk_attention(qs, k[None], v[None], state, self.layout, transform.k_levels,
                                          transform.v_levels, self.sm_scale)[0]
 
-    def decode_step(self, state, k, v, status, transform) -> None:
+    def decode_step(self, state, k, v, status, transform, q):
         """``k, v [B, H_kv, D]`` stored basis, ``status [B]`` int32 (rows with a bit set write nothing; NaN/Inf
-        rows get ``STATUS_NONFINITE``), ``state`` with the committed lengths.
+        rows get ``STATUS_NONFINITE``), ``state`` with the committed lengths; ``q [B, H, D]`` the step's queries
+        (model basis). Returns ``[B, H, D]`` float32 ``q`` in the stored key basis, every row.
 
         One row at a time (views of ``state``): ``reference.decode_append`` stores every row's candidate page
         with one indexed assignment, and here rows may name the same pool page (unassigned block-table
@@ -41,11 +43,12 @@ class TorchCacheOps:
         for b in range(k.shape[0]):
             reference.decode_append(one_slot(state, b), k[b : b + 1], v[b : b + 1], status[b : b + 1], self.layout,
                                     transform)
+        return transform.transform_queries(q[:, :, None].float()).squeeze(2)
 
-    def decode(self, q, state, transform, pages_per_split: int = 8):
-        """``q [B, H, D]`` model basis -> ``[B, H, D]`` stored value basis (float32)."""
-        qs = transform.transform_queries(q[:, :, None].float()).squeeze(2)
-        return reference.decode_attention(qs, state, self.layout, transform.k_levels, transform.v_levels, self.sm_scale)
+    def decode(self, q_s, state, transform, pages_per_split: int = 8):
+        """``q_s [B, H, D]`` stored key basis (:meth:`decode_step`'s) -> ``[B, H, D]`` stored value basis (float32)."""
+        return reference.decode_attention(q_s, state, self.layout, transform.k_levels, transform.v_levels,
+                                          self.sm_scale)
 
 
 def one_slot(state, slot: int):

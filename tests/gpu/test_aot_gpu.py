@@ -243,12 +243,15 @@ def _state(layout, lengths, cuda, seed=0):
     return st, t, max_pages, free
 
 
-def _aot_decode(split, merge, q, rot, dsc, st, t, plan, cuda):
+def _aot_decode(split, merge, q_s, st, t, plan, cuda):
+    """The bundle's split + merge over the step's fp32 stored-basis queries ``q_s [B, H, D]``."""
+    q = q_s
     part_o = torch.empty(plan.batch, HEADS, plan.n_splits, q.shape[-1], device=cuda)
     part_lse = torch.empty(plan.batch, HEADS, plan.n_splits, device=cuda)
     out = torch.empty(plan.batch, HEADS, q.shape[-1], dtype=torch.bfloat16, device=cuda)
     a = plan.split_args()
-    split.launch(q, rot, dsc, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
+    unread = t.k_levels  # rot_ptr, dscale_ptr: no split program rotates
+    split.launch(q, unread, unread, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
                  st.v_params, t.k_levels, t.v_levels, st.block_table, st.sink_len, st.num_pages, st.recent_len,
                  part_o, part_lse, a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"],
                  grid_inputs={"B": plan.batch})
@@ -288,15 +291,15 @@ def _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, what):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)  # warm-up
+        _aot_decode(split, merge, static_q, st, tc, plan, cuda)  # warm-up
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out = _aot_decode(split, merge, static_q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+        g_out = _aot_decode(split, merge, static_q, st, tc, plan, cuda)
     q2 = torch.randn_like(q)
     static_q.copy_(q2)
     graph.replay()
-    eager = _aot_decode(split, merge, q2, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
+    eager = _aot_decode(split, merge, q2, st, tc, plan, cuda)
     torch.cuda.synchronize()
     assert not torch.equal(g_out, out)  # the replay really used the new query
     assert torch.equal(g_out, eager), "graph replay differs from an eager launch"
@@ -308,6 +311,7 @@ def _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, what):
 def test_decode_attention(bundles, where, source, lay, cuda):
     from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
     from oscar_export.kernels.decode import portable as jit_mod
+    from oscar_export.kernels.decode_step import rotate_queries
 
     layout = layouts()[lay]
     tag = layout_tag(layout, HEADS)
@@ -315,13 +319,13 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     st, t, max_pages, _ = _state(layout, lengths, cuda)
     tc = t.to(cuda)
     q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    q_s = rotate_queries(q, tc).contiguous()  # the step's stored-basis queries (what decode_append writes)
     split = _kernel(bundles, where, source, f"decode_split_{tag}")
     merge = _kernel(bundles, where, source, f"decode_merge_{tag}")
     pps = 2
     plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
-    out = _aot_decode(split, merge, q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
-                                   q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
+    out = _aot_decode(split, merge, q_s, st, tc, plan, cuda)
+    jit = jit_mod.decode_attention(q_s, st, layout, tc.k_levels, tc.v_levels, SCALE, out_dtype=torch.bfloat16,
                                    pages_per_split=pps)
     torch.cuda.synchronize()
     _check_reference_budget(out, q, t, st, layout,
@@ -335,16 +339,16 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     part_lse = torch.empty(plan.batch, HEADS, plan.n_splits, device=cuda)
     tout = torch.empty_like(out)
     a = plan.split_args()
-    tsplit.launch(q, tc.k_rotation, tc.k_scale, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params,
-                  st.v_codes, st.v_params, tc.k_levels, tc.v_levels, st.block_table, st.sink_len, st.num_pages,
-                  st.recent_len, a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"], part_o,
-                  part_lse, grid_inputs={"B": plan.batch})
+    tsplit.launch(q_s, tc.k_levels, tc.k_levels, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes,
+                  st.k_params, st.v_codes, st.v_params, tc.k_levels, tc.v_levels, st.block_table, st.sink_len,
+                  st.num_pages, st.recent_len, a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"],
+                  part_o, part_lse, grid_inputs={"B": plan.batch})
     tmerge.launch(part_o, part_lse, plan.n_splits, tout, grid_inputs={"rows": plan.batch * HEADS})
     torch.cuda.synchronize()
     assert _report("TensorRT-order kernels vs decode", tout, out)
 
     # CUDA graph: capture one step, change the query in place, replay, compare with an eager launch.
-    _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, f"decode [{where} {source} {lay}]")
+    _check_graph_replay(split, merge, q_s, out, tc, st, plan, cuda, f"decode [{where} {source} {lay}]")
 
 
 # ---- the TensorRT-LLM module's device ops (plugins/trtllm/device.py), without TensorRT-LLM ----------------
@@ -357,6 +361,7 @@ def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
     from oscar_export.kernels import reference
     from oscar_export.kernels.aot.bundle import layout_tag
     from oscar_export.kernels.decode import portable as jit_mod
+    from oscar_export.kernels.decode_step import rotate_queries
     from oscar_export.plugins.trtllm.device import AotCacheOps
 
     layout = layouts()[lay]
@@ -374,23 +379,23 @@ def test_trtllm_device_ops(bundles, where, source, lay, pps, cuda):
     status = torch.tensor([0, 0, 2], dtype=torch.int32, device=cuda)  # row 2 flagged (STATUS_FULL): no write
     cpu_status = status.cpu()
     reference.decode_append(cpu, k.cpu(), v.cpu(), cpu_status, layout, t)
-    ops.decode_step(st, k, v, status, tc)
+    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    q_s = ops.decode_step(st, k, v, status, tc, q)
     torch.cuda.synchronize()
+    torch.testing.assert_close(q_s, rotate_queries(q, tc), rtol=1e-5, atol=1e-4)  # fp32 FMA order
     diff = [f for f in st.__dataclass_fields__ if not torch.equal(getattr(st, f).cpu(), getattr(cpu, f))]
     assert not diff, f"AOT decode step differs from reference.decode_append in {diff}"
     assert torch.equal(status.cpu(), cpu_status)
     assert not torch.equal(st.k_codes[free[-1]].cpu(), torch.zeros_like(cpu.k_codes[0]))  # the demotion happened
     for i, n in enumerate(lengths[:2]):  # the step's lengths (what the attention of the step reads)
         st.sink_len[i], st.num_pages[i], st.recent_len[i] = layout.split(n + 1)
-    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
-    out = ops.decode(q, st, tc, pages_per_split=pps)
-    jit = jit_mod.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
-                                   q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
+    out = ops.decode(q_s, st, tc, pages_per_split=pps)
+    jit = jit_mod.decode_attention(q_s, st, layout, tc.k_levels, tc.v_levels, SCALE, out_dtype=torch.bfloat16,
                                    pages_per_split=pps)
     torch.cuda.synchronize()
     assert _attention_matches_jit("device-ops decode vs JIT", out, jit, _same_triton(bundles, where))
     print(f"  trtllm device ops [{where} {source} {lay} pps={pps}]: decode step == reference.decode_append, "
-          "decode == JIT")
+          "step queries == rotate_queries, decode == JIT")
 
 
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
@@ -440,13 +445,12 @@ def test_trtllm_serving_sequence(bundles, lay, cuda):
         k = torch.stack([rows[b][0][:, pos[b]] for b in prompts]).to(cuda)  # [3, H_kv, D]
         v = torch.stack([rows[b][1][:, pos[b]] for b in prompts]).to(cuda)
         book.begin(1)
-        ops.decode_step(committed, k, v, book.status, tc)
+        q = torch.randn(3, HEADS, 64, device=cuda).bfloat16()
+        q_s = ops.decode_step(committed, k, v, book.status, tc, q)
         if step % 35 == 34:
-            q = torch.randn(3, HEADS, 64, device=cuda).bfloat16()
-            out = ops.decode(q, in_step, tc, pages_per_split=2)
-            jit = jit_mod.decode_attention(q, in_step, layout, tc.k_levels, tc.v_levels, SCALE,
-                                           q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16,
-                                           pages_per_split=2)
+            out = ops.decode(q_s, in_step, tc, pages_per_split=2)
+            jit = jit_mod.decode_attention(q_s, in_step, layout, tc.k_levels, tc.v_levels, SCALE,
+                                           out_dtype=torch.bfloat16, pages_per_split=2)
             torch.cuda.synchronize()
             assert _attention_matches_jit(f"step {step} decode vs JIT", out, jit, _same_triton(bundles, "cpu"))
         book.commit(1)
@@ -482,6 +486,7 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     from oscar_export.kernels.aot.launcher import AotKernel
     from oscar_export.kernels.aot.manifest import read_manifest
     from oscar_export.kernels.decode import hopper
+    from oscar_export.kernels.decode_step import rotate_queries
     from oscar_export.kernels.layout import KVCacheLayout
 
     layout = KVCacheLayout.default(3, 64, packing="mma16")
@@ -493,12 +498,13 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     st, t, max_pages, _ = _state(layout, lengths, cuda)
     tc = t.to(cuda)
     q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    q_s = rotate_queries(q, tc).contiguous()
     pps = 2
     plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
-    out = _aot_decode(split, merge, q, tc.k_rotation, tc.k_scale, st, tc, plan, cuda)
-    jit = hopper.decode_attention(q, st, layout, tc.k_levels, tc.v_levels, SCALE,
-                                  q_rotation=(tc.k_rotation, tc.k_scale), out_dtype=torch.bfloat16, pages_per_split=pps)
+    out = _aot_decode(split, merge, q_s, st, tc, plan, cuda)
+    jit = hopper.decode_attention(q_s, st, layout, tc.k_levels, tc.v_levels, SCALE, out_dtype=torch.bfloat16,
+                                  pages_per_split=pps)
     torch.cuda.synchronize()
     assert _report("gluon bundle vs JIT", out, jit)
     _check_reference_budget(out, q, t, st, layout, f"gluon decode [{source}]")
-    _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, f"gluon decode [{source}]")
+    _check_graph_replay(split, merge, q_s, out, tc, st, plan, cuda, f"gluon decode [{source}]")

@@ -6,7 +6,8 @@ Run on the H200 (the bundle is compiled there, for this GPU only, with the machi
 
 Checks: ``AotCacheOps.decode_step`` (the bundle's ``decode_append`` through the driver API) leaves the same
 cache bytes and step status as the JIT ``decode_step.decode_append``, on rows that demote, rows that do not
-and flagged rows; ``AotCacheOps.decode`` equals the JIT ``decode_attention`` bit for bit (same Triton, same
+and flagged rows, and returns the same stored-basis queries (the rotation once a step); ``AotCacheOps.decode``
+equals the JIT ``decode_attention`` bit for bit (same Triton, same
 launch plan); and the adapter's whole decode forward as TensorRT-LLM calls it -- an attention layer
 (``Attention.forward`` of tests/plugins/trtllm_standins.py, upstream's path: the packed ``q|k|v`` rows of the
 fused-QKV projection, RoPE applied by the layer, the split, then ``OscarAttention.forward``: the page book's step
@@ -56,8 +57,9 @@ def _aot_ops(lay, tmp_path_factory):
     from oscar_export.plugins.trtllm.device import AotCacheOps
 
     tag = layout_tag(lay, HEADS)
-    specs = [decode_split_spec(lay, HEADS, SCALE, tag), decode_merge_spec(lay, tag), *decode_step_specs(lay, tag),
-             quant_pack_spec(lay, lay.key, "k", False, tag), quant_pack_spec(lay, lay.value, "v", False, tag)]
+    specs = [decode_split_spec(lay, HEADS, SCALE, tag), decode_merge_spec(lay, tag),
+             *decode_step_specs(lay, HEADS, tag), quant_pack_spec(lay, lay.key, "k", False, tag),
+             quant_pack_spec(lay, lay.value, "v", False, tag)]
     major, minor = torch.cuda.get_device_capability()
     out = build_bundle(specs, tmp_path_factory.mktemp("b") / "bundle", archs=[f"sm_{10 * major + minor}"],
                        ptx_version=None)
@@ -122,11 +124,13 @@ def test_decode_step_aot_equals_jit(ops, cuda):
     k[4, 1, 3] = float("nan")  # row 4: not finite -> STATUS_NONFINITE, nothing written
     s_aot = torch.tensor([0, 0, 0, 2, 0], dtype=torch.int32, device=cuda)  # row 3 flagged (STATUS_FULL)
     s_jit = s_aot.clone()
-    ops.decode_step(aot, k, v, s_aot, t)
-    decode_append(jit, k, v, s_jit, _layout(), t)
+    q = torch.randn(len(LENGTHS), HEADS, 64, device=cuda).bfloat16()
+    qs_aot = ops.decode_step(aot, k, v, s_aot, t, q)
+    qs_jit = decode_append(jit, k, v, s_jit, _layout(), t, q=q)
     torch.cuda.synchronize()
     _assert_same(aot, jit, "decode_step AOT vs JIT")
     assert torch.equal(s_aot, s_jit) and s_aot.tolist() == [0, 0, 0, 2, 1]
+    assert torch.equal(qs_aot, qs_jit), f"step queries AOT vs JIT: max |diff| {(qs_aot - qs_jit).abs().max().item()}"
     fresh = _state(cuda, LENGTHS)
     assert not torch.equal(aot.k_codes, fresh.k_codes)  # row 2 demoted a page
     assert torch.equal(aot.recent_k[3:], fresh.recent_k[3:]) and torch.equal(aot.sink_k[3:], fresh.sink_k[3:])
@@ -134,13 +138,14 @@ def test_decode_step_aot_equals_jit(ops, cuda):
 
 def test_decode_aot_equals_jit(ops, cuda):
     from oscar_export.kernels.decode.portable import decode_attention
+    from oscar_export.kernels.decode_step import rotate_queries
 
     t = _transform(cuda)
     st = _state(cuda, [1, 17, 80, 16 + 5 * 16 + 40])
-    q = torch.randn(4, HEADS, 64, device=cuda).bfloat16()
-    got = ops.decode(q, st, t, PPS)
-    want = decode_attention(q, st, _layout(), t.k_levels, t.v_levels, SCALE, q_rotation=(t.k_rotation, t.k_scale),
-                            out_dtype=torch.bfloat16, pages_per_split=PPS)
+    q_s = rotate_queries(torch.randn(4, HEADS, 64, device=cuda).bfloat16(), t).contiguous()
+    got = ops.decode(q_s, st, t, PPS)
+    want = decode_attention(q_s, st, _layout(), t.k_levels, t.v_levels, SCALE, out_dtype=torch.bfloat16,
+                            pages_per_split=PPS)
     assert torch.equal(got, want), f"AOT vs JIT decode: max |diff| {(got.float() - want.float()).abs().max().item()}"
 
 
@@ -160,15 +165,15 @@ def test_4bit_key_ops_aot_equal_jit(cuda, tmp_path_factory):
     v = torch.randn_like(k)
     s_aot = torch.tensor([0, 0, 0, 2, 0], dtype=torch.int32, device=cuda)
     s_jit = s_aot.clone()
-    ops4.decode_step(aot, k, v, s_aot, t)
-    decode_append(jit, k, v, s_jit, lay, t)
+    q = torch.randn(len(LENGTHS), HEADS, 64, device=cuda).bfloat16()
+    q_s = ops4.decode_step(aot, k, v, s_aot, t, q)
+    assert torch.equal(q_s, decode_append(jit, k, v, s_jit, lay, t, q=q))
     torch.cuda.synchronize()
     _assert_same(aot, jit, "4-bit keys: decode_step AOT vs JIT")
     assert not torch.equal(aot.k_codes, _state(cuda, LENGTHS, lay=lay).k_codes)  # row 2 demoted a 4-bit page
-    q = torch.randn(len(LENGTHS), HEADS, 64, device=cuda).bfloat16()
-    got = ops4.decode(q, aot, t, PPS)
-    want = decode_attention(q, aot, lay, t.k_levels, t.v_levels, SCALE, q_rotation=(t.k_rotation, t.k_scale),
-                            out_dtype=torch.bfloat16, pages_per_split=PPS)
+    got = ops4.decode(q_s, aot, t, PPS)
+    want = decode_attention(q_s, aot, lay, t.k_levels, t.v_levels, SCALE, out_dtype=torch.bfloat16,
+                            pages_per_split=PPS)
     assert torch.equal(got, want), f"4-bit keys: AOT vs JIT decode, max |diff| {(got - want).abs().max().item()}"
 
 
@@ -215,17 +220,16 @@ class JitCacheOps:
     def __init__(self, lay):
         self.layout = lay
 
-    def decode_step(self, state, k, v, status, transform):
+    def decode_step(self, state, k, v, status, transform, q):
         from oscar_export.kernels.decode_step import decode_append
 
-        decode_append(state, k.contiguous(), v.contiguous(), status, self.layout, transform)
+        return decode_append(state, k.contiguous(), v.contiguous(), status, self.layout, transform, q=q.contiguous())
 
-    def decode(self, q, state, transform, pages_per_split):
+    def decode(self, q_s, state, transform, pages_per_split):
         from oscar_export.kernels.decode.portable import decode_attention
 
-        return decode_attention(q, state, self.layout, transform.k_levels, transform.v_levels, SCALE,
-                                q_rotation=(transform.k_rotation, transform.k_scale), out_dtype=torch.bfloat16,
-                                pages_per_split=pages_per_split)
+        return decode_attention(q_s, state, self.layout, transform.k_levels, transform.v_levels, SCALE,
+                                out_dtype=torch.bfloat16, pages_per_split=pages_per_split)
 
 
 def _attention_layer(monkeypatch, dep):

@@ -100,7 +100,7 @@ def test_decode_step_kernels_compile_for_sm90():
     """The decode step's decode_append (one launch: token + demotion into the ring) passes the AOT gates: scratch 0,
     params + 2."""
     layout, heads = LAYOUTS["smollm2"]
-    for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
+    for spec in bundle.decode_step_specs(layout, heads, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")
         assert ck.entry.symbol in ck.ptx.decode() and ck.entry.shared <= SHARED_LIMIT[90]
 
@@ -170,7 +170,7 @@ def test_4bit_key_decode_append_compiles_for_sm90():
     Triton) spends most of the compile on the one large function (the append kernel's cold JIT: 10.5 s of CPU
     instead of 2.8, 2026-12-02; Triton 3.9 does not show it)."""
     layout, heads = LAYOUTS["k4_llama"]
-    for spec in bundle.decode_step_specs(layout, bundle.layout_tag(layout, heads)):
+    for spec in bundle.decode_step_specs(layout, heads, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")
         ptx = ck.ptx.decode()
         assert ck.entry.symbol in ptx and ck.entry.shared <= SHARED_LIMIT[90]

@@ -108,15 +108,13 @@ def _state(batch=2, pool=6, max_pages=4):
 def test_jit_decode_attention_launches_the_plan(monkeypatch):
     split, merge = _record(monkeypatch, da._decode_split_kernel, da._merge_kernel)
     st, t = _state()
-    q = torch.randn(2, HEADS, 64).bfloat16()
-    rot, dsc = t.k_rotation.contiguous(), t.k_scale.contiguous()
-    da.decode_attention(q, st, LAYOUT, t.k_levels, t.v_levels, 0.125, q_rotation=(rot, dsc), out_dtype=torch.bfloat16,
-                        pages_per_split=2)
+    q = torch.randn(2, HEADS, 64)  # the step's fp32 queries in the stored key basis (decode_append's q_rot)
+    da.decode_attention(q, st, LAYOUT, t.k_levels, t.v_levels, 0.125, out_dtype=torch.bfloat16, pages_per_split=2)
     cx = lp.decode_split_constexprs(LAYOUT, HEADS, 0.125, fast_unpack=False)  # CPU: no PTX unpack
     known = {f"{n}_ptr": getattr(st, n) for n in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params",
                                                   "v_codes", "v_params", "block_table", "sink_len", "num_pages",
                                                   "recent_len")}
-    known.update(q_ptr=q, rot_ptr=rot, dscale_ptr=dsc, k_levels_ptr=t.k_levels, v_levels_ptr=t.v_levels)
+    known.update(q_ptr=q, k_levels_ptr=t.k_levels, v_levels_ptr=t.v_levels)
     _check_launch(lp.DECODE_SPLIT, split.calls[0], cx, {"max_pages": 4, "pages_per_split": 2}, {"B": 2}, known)
     _, sargs, _ = split.calls[0]
     part_o, part_lse = (sargs[lp.DECODE_SPLIT.param_names.index(n)] for n in ("part_o_ptr", "part_lse_ptr"))

@@ -121,13 +121,18 @@ def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
     layout = KVCacheLayout.default(3, 64)
     m = decode_attention_trt_model(layout, 9, SCALE, pages_per_split=4)
     onnx.checker.check_model(m, full_check=True)
-    assert [(n.domain, n.op_type) for n in m.graph.node] == [(DOMAIN, SPLIT_PLUGIN), (DOMAIN, MERGE_PLUGIN)]
-    assert list(m.graph.node[0].input) == list(INPUTS)
-    for node in m.graph.node:  # TensorRT's node rules (checked against the registry in test_trt_validators.py)
+    # the query rotation once a step in standard operators, then the two plugin nodes
+    *rotation, split, merge = m.graph.node
+    assert [(n.domain, n.op_type) for n in (split, merge)] == [(DOMAIN, SPLIT_PLUGIN), (DOMAIN, MERGE_PLUGIN)]
+    assert rotation and all(n.domain == "" for n in rotation)
+    assert [i.name for i in m.graph.input] == list(INPUTS)
+    assert split.input[0] == "q_s" and set(split.input[1:]) <= set(INPUTS) - {"q"}
+    for node in (split, merge):  # TensorRT's node rules (checked against the registry in test_trt_validators.py)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs == {"plugin_namespace": b"oscar", "aot": 1}, attrs
-    elem = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
-    assert elem["q"] == elem["out"] == onnx.TensorProto.BFLOAT16  # the kernels' *bf16 pointers
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output, *m.graph.value_info]}
+    assert elem["q"] == elem["out"] == onnx.TensorProto.BFLOAT16  # the model's queries; the merge's *bf16 output
+    assert elem["q_s"] == onnx.TensorProto.FLOAT  # the split kernel's *fp32 stored-basis queries
     assert not m.functions  # TensorRT must map the nodes to its plugins, not inline a body
     shapes = DecodeShapes.from_layout(layout, 9, 4)
     vi = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
@@ -136,6 +141,35 @@ def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
     assert po == (2, 9, 3 + 1 + 6, 64) and pl == po[:3]  # cdiv(10, 4) page splits + sink 1 + the ring's 6 chunks
     out = [d.dim_param or d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim]
     assert out == list(shapes.merge_output("B"))
+
+
+@pytest.mark.parametrize("heads, kv", [(9, 3), (4, 4), (8, 2)])
+def test_tensorrt_form_rotates_the_queries_once(heads, kv):
+    """The TensorRT form's nodes before the split plugin, run by onnxruntime: ``q_s = (q @ R_K) / d_K`` per KV head
+    in fp32 from the BF16 model-basis queries (``decode_step.rotate_queries``), the one rotation of the step."""
+    from oscar_export.kernels.decode_step import rotate_queries
+
+    layout = KVCacheLayout.default(kv, 64)
+    m = decode_attention_trt_model(layout, heads, SCALE, pages_per_split=4)
+    *rotation, _, _ = m.graph.node
+    h = onnx.helper
+    graph = h.make_graph(rotation, "rotation", [i for i in m.graph.input if i.name in ("q", "k_rotation", "k_scale")],
+                         [h.make_tensor_value_info("q_s", onnx.TensorProto.FLOAT, ["B", heads, 64])])
+    sub = h.make_model(graph, opset_imports=list(m.opset_import))
+    sub.ir_version = m.ir_version
+    onnx.checker.check_model(sub, full_check=True)
+    t, _, q = _case(layout, [1], heads, seed=3)
+    q = q.bfloat16()
+    feeds = {"q": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(q.view(torch.int16).numpy().view(np.uint16),
+                                                                  onnx_element_type=onnx.TensorProto.BFLOAT16),
+             "k_rotation": ort.OrtValue.ortvalue_from_numpy(t.k_rotation.numpy()),
+             "k_scale": ort.OrtValue.ortvalue_from_numpy(t.k_scale.numpy())}
+    sess = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(sess.run(None, feeds)[0])
+    want = rotate_queries(q, t)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < 1e-5, err
 
 
 def test_bad_heads():

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from oscar_export.kernels.aot.bundle import decode_plan, layout_tag, trt_specs
+from oscar_export.kernels.aot.launch_plan import tensor_name
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.plugins.trt import DecodeShapes, check_split_inputs
 from oscar_export.plugins.trt.shapes import SPLIT_EXTRAS, SPLIT_INPUTS, SPLIT_OUTPUTS
@@ -28,9 +29,8 @@ def test_shapes_agree_with_the_decode_plan(batch, max_pages, pps):
 def test_trt_kernel_parameter_order_is_inputs_extras_outputs():
     split, merge = trt_specs(LAYOUT, 9, 0.125, layout_tag(LAYOUT, 9))
     names = [p.name for p in split.params]
-    rename = {"rot": "k_rotation", "dscale": "k_scale"}  # kernel argument -> plugin input name
-    assert [rename.get(n.removesuffix("_ptr"), n.removesuffix("_ptr")) for n in names[: len(SPLIT_INPUTS)]] == list(
-        SPLIT_INPUTS)
+    assert [tensor_name(n) for n in names[: len(SPLIT_INPUTS)]] == list(SPLIT_INPUTS)
+    assert SPLIT_INPUTS[0] == "q_s"  # the step's stored-basis queries (the kernel's q_ptr)
     assert len(names) == len(SPLIT_INPUTS) + len(SPLIT_EXTRAS) + len(SPLIT_OUTPUTS)
     assert names[len(SPLIT_INPUTS):len(SPLIT_INPUTS) + 4] == list(SPLIT_EXTRAS)
     assert names[-2:] == ["part_o_ptr", "part_lse_ptr"]
@@ -44,22 +44,23 @@ def test_check_split_inputs():
     s = DecodeShapes.from_layout(LAYOUT, 9, 4)
     b, hkv, d = 2, 3, 64
     dims = {
-        "q": (b, 9, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, 64, d),
+        "q_s": (b, 9, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, 64, d),
         "sink_v": (b, hkv, 64, d), "recent_k": (b, hkv, 384, d), "recent_v": (b, hkv, 384, d),
         "k_codes": (7, hkv, 64, 16), "k_params": (7, hkv, 64, 1, 2), "v_codes": (7, hkv, 64, 16),
         "v_params": (7, hkv, 64, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4), "block_table": (b, 5),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
+    dims = {n: dims[n] for n in SPLIT_INPUTS}
     assert check_split_inputs(s, dims) == (2, 5)
     # the recent ring holds W + 2P = 384 slots; a W + P buffer (the pre-ring layout) is refused
     with pytest.raises(ValueError, match=r"recent_k: expected \[2, 3, 384, 64\], got \[2, 3, 320, 64\]"):
         check_split_inputs(s, {**dims, "recent_k": (b, hkv, 320, d)})
-    with pytest.raises(ValueError, match=r"q: expected \[B, 9, 64\]"):
-        check_split_inputs(s, {**dims, "q": (b, 8, d)})
+    with pytest.raises(ValueError, match=r"q_s: expected \[B, 9, 64\]"):
+        check_split_inputs(s, {**dims, "q_s": (b, 8, d)})
     with pytest.raises(ValueError, match="block_table: expected"):
         check_split_inputs(s, {**dims, "block_table": (b, 0)})
     with pytest.raises(ValueError, match="missing inputs"):
-        check_split_inputs(s, {"q": (b, 9, d)})
+        check_split_inputs(s, {"q_s": (b, 9, d)})
 
 
 def test_bad_shapes_config():

@@ -78,13 +78,14 @@ def _create(trt, name, fields=()):
 
 def _split_dims(batch, max_pages):
     d, hkv, p = 64, 3, 64
-    return {
-        "q": (batch, HEADS, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d),
+    dims = {
+        "q_s": (batch, HEADS, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d),
         "sink_k": (batch, hkv, 64, d), "sink_v": (batch, hkv, 64, d), "recent_k": (batch, hkv, 384, d),
         "recent_v": (batch, hkv, 384, d), "k_codes": (40, hkv, p, 16), "k_params": (40, hkv, p, 1, 2),
         "v_codes": (40, hkv, p, 16), "v_params": (40, hkv, p, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
         "block_table": (batch, max_pages), "sink_len": (batch,), "num_pages": (batch,), "recent_len": (batch,),
     }
+    return {n: dims[n] for n in SPLIT_INPUTS}  # in the plugin's input order
 
 
 def _drive(trt, plugin, dims: dict[str, tuple], types: dict[str, str]):
@@ -142,8 +143,8 @@ def test_plugin_rejects_wrong_dtypes_and_attributes(trt):
     from oscar_export.plugins.trt import register_plugins
 
     register_plugins(bundle, LAYOUT, HEADS, PPS)
-    types = {**tensor_types(lp.TRT_DECODE_SPLIT), "q": "*fp32"}  # FP32 q into the kernel's *bf16 pointer
-    with pytest.raises(ValueError, match=r"input q must be bfloat16 \(the kernel's \*bf16 pointer\)"):
+    types = {**tensor_types(lp.TRT_DECODE_SPLIT), "q_s": "*bf16"}  # BF16 queries into the kernel's *fp32 pointer
+    with pytest.raises(ValueError, match=r"input q_s must be float32 \(the kernel's \*fp32 pointer\)"):
         _drive(trt, _create(trt, SPLIT_PLUGIN), _split_dims(2, 4), types)
     with pytest.raises(AssertionError, match="Unexpected attribute num_heads"):
         _create(trt, SPLIT_PLUGIN, [("num_heads", 9)])
@@ -169,7 +170,7 @@ def test_onnx_plugin_nodes_pass_the_node_rules(trt):
     onnx_of = {"*fp32": onnx.TensorProto.FLOAT, "*bf16": onnx.TensorProto.BFLOAT16, "*fp16": onnx.TensorProto.FLOAT16,
                "*i32": onnx.TensorProto.INT32, "*u8": onnx.TensorProto.UINT8}
     registry = trtp._lib.QDP_REGISTRY
-    for node, plan in zip(model.graph.node, (lp.TRT_DECODE_SPLIT, lp.TRT_DECODE_MERGE)):
+    for node, plan in zip(model.graph.node[-2:], (lp.TRT_DECODE_SPLIT, lp.TRT_DECODE_MERGE)):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         plugin_id = f"{PLUGIN_NAMESPACE}::{node.op_type}"
         assert plugin_id in registry, f"op {node.op_type} is not a registered plugin name"
@@ -179,5 +180,5 @@ def test_onnx_plugin_nodes_pass_the_node_rules(trt):
         types = tensor_types(plan)
         for name in node.input:
             assert elem[name] == onnx_of[types[name]], f"{node.op_type} input {name}: dtype is not {types[name]}"
-    assert list(model.graph.node[0].input) == list(SPLIT_INPUTS)
-    json.dumps([a.name for a in model.graph.node[0].attribute])
+    assert list(model.graph.node[-2].input) == list(SPLIT_INPUTS)
+    json.dumps([a.name for a in model.graph.node[-2].attribute])

@@ -4,6 +4,7 @@ tests/gpu/test_trtllm_gpu.py and tests/gpu/test_aot_gpu.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oscar_export.kernels.aot import launch_plan as lp
@@ -47,8 +48,9 @@ def test_every_device_launch_is_the_launch_plan():
     st = PagedKV.allocate(LAYOUT, 3, 8, 4, dtype=torch.bfloat16)
     t = LayerTransform.identity(2, 64)
     k = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
-    ops.decode_step(st, k, k, torch.zeros(3, dtype=torch.int32), t)
-    ops.decode(torch.zeros(3, 4, 64, dtype=torch.bfloat16), st, t, 2)
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    q_s = ops.decode_step(st, k, k, torch.zeros(3, dtype=torch.int32), t, q)
+    ops.decode(q_s, st, t, 2)
     rows = torch.zeros(2, 70, 64, dtype=torch.bfloat16)  # 70 tokens: sink 16, 2 pages, recent 22
     st.block_table[0, :2] = torch.tensor([5, 2], dtype=torch.int32)
     ops.write(st, 0, 0, rows, rows, t)
@@ -56,3 +58,44 @@ def test_every_device_launch_is_the_launch_plan():
     for kern in (ops.append_kernel, ops.split, ops.merge, ops.quant_k, ops.quant_v):
         assert kern.calls, f"{kern.plan.name} was not launched"
     assert ops.split.calls[0]["n_splits"] == ops.merge.calls[0]["n_splits"]
+
+
+def test_the_step_rotates_the_queries_once_and_decode_reads_them():
+    """Issue 26 item 4 on the TensorRT-LLM path: the decode step's one append launch takes the step's model-basis
+    queries and writes their stored-basis rotation into an fp32 ``[B, H, D]`` tensor it returns; the split kernel is
+    launched on that tensor."""
+    ops = _ops()
+    st = PagedKV.allocate(LAYOUT, 3, 8, 4, dtype=torch.bfloat16)
+    t = LayerTransform.identity(2, 64)
+    k = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    q = torch.randn(3, 4, 64).bfloat16()
+    q_s = ops.decode_step(st, k, k, torch.zeros(3, dtype=torch.int32), t, q)
+    (call,) = ops.append_kernel.calls
+    assert call["q_ptr"] is q and call["q_rot_ptr"] is q_s
+    assert q_s.shape == (3, 4, 64) and q_s.dtype == torch.float32 and q_s.is_contiguous()
+    ops.decode(q_s, st, t, 2)
+    assert ops.split.calls[0]["q_ptr"] is q_s
+
+
+def test_a_bundle_built_before_the_step_rotated_the_queries_is_refused():
+    """Older bundles rotate in every split program (BF16 model-basis ``q``) and their append launch writes no
+    queries: ``AotCacheOps`` refuses them when it loads them instead of attending with unrotated queries."""
+    from dataclasses import replace
+
+    from oscar_export.kernels.aot import bundle
+    from oscar_export.kernels.aot.manifest import BundleError
+    from oscar_export.kernels.aot.spec import KernelSpec
+    from oscar_export.plugins.trtllm.device import check_query_rotation
+
+    tag = bundle.layout_tag(LAYOUT, 4)
+    specs = {s.name: s for s in bundle.serving_specs(LAYOUT, 4, 0.125, probes=False)}
+    for name in ("decode_split", "decode_append"):
+        check_query_rotation(specs[f"{name}_{tag}"])
+    old_append = KernelSpec.from_plan(lp.DECODE_APPEND, "decode_append_old", lp.decode_append_constexprs(LAYOUT))
+    with pytest.raises(BundleError, match=r"decode_append_old: built without the step's query rotation"):
+        check_query_rotation(old_append)
+    split = specs[f"decode_split_{tag}"]
+    old_split = replace(split, name="decode_split_old",
+                        params=tuple(replace(p, type="*bf16") if p.name == "q_ptr" else p for p in split.params))
+    with pytest.raises(BundleError, match=r"decode_split_old: built without fp32 stored-basis queries"):
+        check_query_rotation(old_split)
