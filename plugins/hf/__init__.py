@@ -13,7 +13,8 @@ Files: ``support.py`` (model checks, ``enable_oscar``), ``cache.py`` (``OscarCac
 ``attention.py`` (the attention and mask functions), ``ops.py`` (the backend seam).
 """
 
-from .cache import LayerStep, OscarCache, OscarLayer
+from .cache import OscarCache, OscarLayer
+from .cache_layer import LayerStep
 from .ops import BACKENDS, CacheOps, get_ops
 from .support import (
     SUPPORTED_MODEL_TYPES,

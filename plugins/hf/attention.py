@@ -1,7 +1,7 @@
 """The ``"oscar"`` attention function and its mask function (registered by ``enable_oscar``).
 
 transformers calls, per layer: ``cache.update(k, v)`` (our :class:`~.cache.OscarLayer` returns a
-:class:`~.cache.LayerStep`), then ``oscar_attention(module, q, step, v, mask)``. What happens depends on the
+:class:`~.cache_layer.LayerStep`), then ``oscar_attention(module, q, step, v, mask)``. What happens depends on the
 forward:
 
 * **decode** (``T == 1`` for every slot): device-only. The first layer begins the step on the page book;
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from oscar_export.kernels import reference
 
-from .cache import LayerStep, OscarLayer
+from .cache import OscarLayer
+from .cache_layer import LayerStep
 from .sliding import SlidingLayer, sliding_attend
 
 #: the name registered with transformers' AttentionInterface and AttentionMaskInterface.

@@ -10,8 +10,8 @@ code width (an artifact's ``key_bits``, issue 17): layer ``i`` allocates and qua
 are the same for every layer.
 
 transformers calls ``cache.update(k, v, layer_idx)`` right before the attention function. ``update`` writes
-nothing: it returns a :class:`LayerStep` in place of the key tensor, and the ``"oscar"`` attention function
-(``attention.py``) attends and writes. A model must therefore run with ``attn_implementation="oscar"``
+nothing: it returns a :class:`~.cache_layer.LayerStep` in place of the key tensor, and the ``"oscar"`` attention
+function (``attention.py``) attends and writes. A model must therefore run with ``attn_implementation="oscar"``
 (``enable_oscar`` sets it).
 
 **A step is all or nothing.** The first layer begins the step on the book, every layer writes beyond the
@@ -51,32 +51,9 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.pages import PageBook
 from oscar_export.kernels.transform import LayerTransform
 
-from .cache_layer import OscarCacheLayer
+from .cache_layer import LayerStep, OscarCacheLayer
 from .ops import CacheOps, get_ops
 from .sliding import SlidingLayer
-
-
-@dataclass
-class LayerStep:
-    """What :meth:`OscarLayer.update` hands the attention function in place of the key tensor.
-
-    Args:
-        layer: the cache layer of this attention layer.
-        key, value: ``[B, H_kv, T, D]`` the new tokens, post-RoPE, model basis, model dtype.
-    """
-
-    layer: "OscarLayer"
-    key: torch.Tensor
-    value: torch.Tensor
-
-    def __getattr__(self, name: str):
-        """Only attention that is not OSCAR's reads a key tensor's attributes from a step: say so."""
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"an OscarCache reached attention that is not OSCAR's (it read .{name} of a key): the model was switched "
-            f"back (setup.restore(), or the end of `with enable_oscar(...)`) or was never switched; use the cache "
-            f"only while its setup is enabled")
 
 
 @dataclass(frozen=True)
@@ -488,4 +465,4 @@ def _contiguous(t: LayerTransform) -> LayerTransform:
     return replace(t, **fields)
 
 
-__all__ = ["LayerStep", "OscarCache", "OscarLayer", "PromptPlan", "TransformFlags"]
+__all__ = ["OscarCache", "OscarLayer", "PromptPlan", "TransformFlags"]

@@ -1,15 +1,40 @@
 """What every layer of an ``OscarCache`` answers to transformers' ``CacheLayerMixin`` the same way.
 
 Both layer kinds (``cache.OscarLayer``, the OSCAR paged cache; ``sliding.SlidingLayer``, a model-dtype ring)
-belong to one ``OscarCache``: their length, mask sizes and reset are the cache's (its page book), and both
-refuse what a fixed-batch cache cannot do (beam reordering, batch resizing). Each layer keeps its own
-``check_new``, ``update`` and ``crop``.
+belong to one ``OscarCache``: their length, mask sizes and reset are the cache's (its page book); both refuse
+what a fixed-batch cache cannot do (beam reordering, batch resizing), and both hand the attention function a
+:class:`LayerStep` from ``update``. Each layer keeps its own ``check_new``, ``update`` and ``crop``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
+
+
+@dataclass
+class LayerStep:
+    """What a layer's ``update`` hands the attention function in place of the key tensor.
+
+    Args:
+        layer: the cache layer of this attention layer (``cache.OscarLayer`` or ``sliding.SlidingLayer``).
+        key, value: ``[B, H_kv, T, D]`` the new tokens, post-RoPE, model basis, model dtype.
+    """
+
+    layer: "OscarCacheLayer"
+    key: torch.Tensor
+    value: torch.Tensor
+
+    def __getattr__(self, name: str):
+        """Only attention that is not OSCAR's reads a key tensor's attributes from a step: say so."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"an OscarCache reached attention that is not OSCAR's (it read .{name} of a key): the model was switched "
+            f"back (setup.restore(), or the end of `with enable_oscar(...)`) or was never switched; use the cache "
+            f"only while its setup is enabled")
 
 
 class OscarCacheLayer(CacheLayerMixin):
@@ -50,4 +75,4 @@ class OscarCacheLayer(CacheLayerMixin):
         raise NotImplementedError("OscarCache is allocated for a fixed batch")
 
 
-__all__ = ["OscarCacheLayer"]
+__all__ = ["LayerStep", "OscarCacheLayer"]

@@ -18,7 +18,8 @@ precomputed kernel arguments:
 
 Backends: ``"torch"`` (the reference, eager), ``"torch.compile"`` (the reference with the two decode ops
 compiled), ``"triton"`` (the Triton kernels, ``triton_backend.py``; BF16 windows, i.e. a BF16 model on a
-GPU). A new backend is one more entry in :data:`BACKENDS`.
+GPU). A new backend is a module of these functions (as ``triton_backend.py``, which imports nothing from here)
+and one more entry in :data:`BACKENDS`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Callable
 import torch
 
 from oscar_export.kernels import reference
+
+from . import triton_backend
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,10 @@ def _compiled_ops() -> CacheOps:
 
 
 def _triton_ops() -> CacheOps:
-    from .triton_backend import triton_ops  # Triton kernels (BF16 windows); ImportError without triton
-
-    return triton_ops()
+    """The Triton kernels (BF16 windows); ``ImportError`` without Triton. Chunks attend with the reference."""
+    triton_backend.require_triton()
+    return CacheOps("triton", triton_backend.write_tokens, triton_backend.decode_append,
+                    triton_backend.decode_attention, ref_chunk_attention, triton_backend.prepare)
 
 
 #: backend name -> factory. Add a backend here, not by patching the cache.

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from oscar_export.kernels.pages import STATUS_NONFINITE
 
-from .cache_layer import OscarCacheLayer
+from .cache_layer import LayerStep, OscarCacheLayer
 
 
 class SlidingLayer(OscarCacheLayer):
@@ -62,8 +62,6 @@ class SlidingLayer(OscarCacheLayer):
     # ---- transformers' cache-layer interface (the rest: cache_layer.OscarCacheLayer) --------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hand the new tokens to the attention function (nothing is written here), like ``OscarLayer.update``."""
-        from .cache import LayerStep
-
         self.check_new(key_states, value_states)
         return LayerStep(self, key_states, value_states), value_states
 

@@ -1,4 +1,5 @@
-"""``backend="triton"``: the Hugging Face cache ops on the Triton kernels (signatures in ``ops.py``).
+"""``backend="triton"``: the Hugging Face cache ops on the Triton kernels (signatures in ``ops.py``, which gathers
+them into the backend's ``CacheOps``).
 
 =====================  ====================================================================================
 ``write_tokens``       ``reference.write_tokens``' bookkeeping with whole pages quantized by
@@ -9,7 +10,7 @@
 ``decode_attention``   ``oscar::decode_attention``: the layer's decode backend (``kernels.decode.select_backend``,
                        by its page packing): split + merge over stored-basis queries (no rotation in a split
                        program), output in the model dtype
-``chunk_attention``    the reference (no Triton chunked-prefill kernel yet)
+``chunk_attention``    the reference's (``ops.ref_chunk_attention``; no Triton chunked-prefill kernel yet)
 =====================  ====================================================================================
 
 The windows must be BF16 (the cache's GPU default). Both decode ops are ``torch.library`` custom ops, so
@@ -24,8 +25,6 @@ import torch
 from oscar_export.kernels import reference
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform
-
-from .ops import CacheOps, ref_chunk_attention
 
 
 def _write(state: PagedKV, page_ids: list[int], k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout,
@@ -97,13 +96,12 @@ def decode_attention(layer, q_s: torch.Tensor, state, scale: float) -> torch.Ten
     return triton_ops.run_decode(plan, q_s, state, tr.k_levels, tr.v_levels, scale)
 
 
-def triton_ops() -> CacheOps:
-    """The ``"triton"`` :class:`CacheOps` (needs ``triton``; BF16 windows)."""
+def require_triton() -> None:
+    """Raise the ``ImportError`` that names the extra to install where Triton is not installed."""
     try:
         import triton  # noqa: F401
     except ImportError as e:
         raise ImportError("backend 'triton' needs Triton: pip install 'oscar-export[triton]'") from e
-    return CacheOps("triton", write_tokens, decode_append, decode_attention, ref_chunk_attention, prepare)
 
 
-__all__ = ["decode_append", "decode_attention", "prepare", "triton_ops", "write_tokens"]
+__all__ = ["decode_append", "decode_attention", "prepare", "require_triton", "write_tokens"]

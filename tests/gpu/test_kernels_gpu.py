@@ -270,9 +270,9 @@ def test_hf_triton_backend_matches_reference_ops():
     from types import SimpleNamespace
 
     from oscar_export.plugins.hf.cache import TransformFlags
-    from oscar_export.plugins.hf.triton_backend import triton_ops
+    from oscar_export.plugins.hf.ops import get_ops
 
-    ops = triton_ops()
+    ops = get_ops("triton")
     lay = KVCacheLayout.default(8, 128, "channel")
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
     torch.manual_seed(2)

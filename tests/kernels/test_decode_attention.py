@@ -296,7 +296,7 @@ def test_bad_inputs_raise(da, device):
 def test_custom_op_matches_wrapper(da, device, bits):
     """``oscar::decode_attention`` (a torch.library custom op) launches the same kernels: bitwise equal."""
     from oscar_export.kernels import triton_ops
-    from oscar_export.plugins.hf.triton_backend import triton_ops as backend
+    from oscar_export.plugins.hf.ops import get_ops
 
     lay = _layout(2, 64, "channel", sink=16, window=32).with_key_bits(bits)
     tr = LayerTransform.identity(2, 64, 0.95, 0.9)
@@ -313,4 +313,4 @@ def test_custom_op_matches_wrapper(da, device, bits):
 
     trd = tr.to(device)
     layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd))
-    assert torch.equal(backend().decode_attention(layer, q, dev_st, 0.125), want)
+    assert torch.equal(get_ops("triton").decode_attention(layer, q, dev_st, 0.125), want)

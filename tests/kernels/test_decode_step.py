@@ -246,9 +246,9 @@ def test_hf_triton_backend_rotates_the_queries_in_the_append_launch(ds, device, 
 
     from oscar_export.kernels.decode import portable
     from oscar_export.plugins.hf.cache import TransformFlags
-    from oscar_export.plugins.hf.triton_backend import triton_ops
+    from oscar_export.plugins.hf.ops import get_ops
 
-    ops = triton_ops()
+    ops = get_ops("triton")
     lay = _layout("channel")
     tr = (_random_transform(2, 64, seed=7) if rotated else LayerTransform.identity(2, 64, 0.9, 0.95)).to(device)
     layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr))

@@ -316,9 +316,9 @@ def test_hf_triton_backend_writes_equal_reference(qp, device):
     demote, leave the reference's cache bit for bit."""
     from types import SimpleNamespace
 
-    from oscar_export.plugins.hf.triton_backend import triton_ops
+    from oscar_export.plugins.hf.ops import get_ops
 
-    ops = triton_ops()
+    ops = get_ops("triton")
     lay = KVCacheLayout(2, 64, RowFormat(64, 64, "channel"), RowFormat(64, 64), sink=16, window=16, page_size=16)
     tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     a = PagedKV.allocate(lay, 2, 12, 6)

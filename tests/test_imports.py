@@ -1,0 +1,158 @@
+"""The package's import structure: no import cycle between its modules, and no Triton behind the HF host.
+
+The modules are found where the installed package keeps them (``kernels/`` is ``oscar_export.kernels`` through
+pyproject's ``package-dir``), read with ``ast`` and never imported, so a cycle shows whatever the order of import.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+#: the installed package and the folders pyproject maps into it
+ROOTS = ("oscar_export", "oscar_export.kernels", "oscar_export.calibration", "oscar_export.plugins")
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> source file, for every ``.py`` file of the package (a package is its ``__init__.py``)."""
+    mods = {}
+    for root in ROOTS:
+        (folder,) = importlib.util.find_spec(root).submodule_search_locations
+        for path in Path(folder).rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join([root, *parts])] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> dict[str, int]:
+    """The package modules ``name`` imports anywhere in its file (module level or inside a function: a lazy import
+    closes a cycle as surely as an eager one) -> the line of the first such import."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # `from pkg import sub` imports the module pkg.sub; `from mod import name` the module mod
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in mods:  # `import a.b.c` (or a name inside a.b.c): the module a.b.c
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle through each strongly connected set of modules that has one (Tarjan), as module paths."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.add(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:  # walk inside the group from its first module until a module repeats
+        path = [min(group)]
+        while path.count(path[-1]) < 2:
+            path.append(min(w for w in graph[path[-1]] if w in group))
+        cycles.append(path[path.index(path[-1]):])
+    return cycles
+
+
+def test_the_walk_sees_the_package():
+    """The walk finds the mapped folders' modules and their imports (else the no-cycle test below proves nothing)."""
+    mods = _modules()
+    for name in ("oscar_export.cli", "oscar_export.kernels.reference", "oscar_export.kernels.decode.backend",
+                 "oscar_export.plugins.hf", "oscar_export.plugins.hf.cache", "oscar_export.calibration.families"):
+        assert name in mods, sorted(mods)
+    hf = _imports("oscar_export.plugins.hf", mods["oscar_export.plugins.hf"], mods)
+    assert "oscar_export.plugins.hf.cache" in hf, hf
+    assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1, "d": 1}, "d": {}}) == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle():
+    """Issue 30: ``plugins/hf/ops.py`` <-> ``triton_backend.py`` and ``plugins/hf/cache.py`` <-> ``sliding.py``
+    imported each other (one side lazily, inside a function)."""
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    cycles = _cycles(graph)
+    lines = [" -> ".join(c) + "\n" + "".join(f"    {a}, line {graph[a][b]}: imports {b}\n" for a, b in zip(c, c[1:]))
+             for c in cycles]
+    assert not cycles, "import cycles:\n" + "".join(lines)
+
+
+_TRITON_WATCH = textwrap.dedent("""
+    import importlib.abc, sys
+    from pathlib import Path
+
+    repo = Path(sys.argv[1]).resolve()
+    importers = []
+
+    class Watch(importlib.abc.MetaPathFinder):
+        # blocks Triton so that it never enters sys.modules (a third party may probe for it, e.g. torch.compile
+        # at import), and notes the importing line when it is one of this repository's
+        def find_spec(self, name, path=None, target=None):
+            if name == "triton" or name.startswith("triton."):
+                frame = sys._getframe(1)
+                while frame.f_code.co_filename.startswith("<frozen"):  # the import machinery
+                    frame = frame.f_back
+                f = Path(frame.f_code.co_filename)
+                if f.is_absolute() and f.resolve().is_relative_to(repo):
+                    importers.append(f"{f}:{frame.f_lineno}")
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+            return None
+
+    sys.meta_path.insert(0, Watch())
+    import oscar_export.plugins.hf  # noqa: F401
+    import oscar_export.plugins.hf.ops  # noqa: F401
+    import oscar_export.plugins.hf.triton_backend  # noqa: F401
+    print("importers:", importers)
+""")
+
+
+def test_importing_the_hf_host_asks_for_no_triton():
+    """Triton is an optional extra: importing ``oscar_export.plugins.hf`` (its reference backend and the Triton
+    backend's module) asks for no Triton, not even in a guarded ``try: import triton`` (in a child process, with
+    Triton blocked; the kernels it launches import it when a Triton op is first called)."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _TRITON_WATCH, str(repo)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().endswith("importers: []"), proc.stdout[-2000:]
