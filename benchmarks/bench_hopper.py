@@ -8,7 +8,6 @@ Per row (one attention layer; CUDA-graph replays over input sets rotated to defe
 * ``sdpa_us``: PyTorch SDPA BF16 (GQA) over a BF16 cache of the same tokens;
 * ``once_us``: the Hopper kernel fed queries already in the stored key basis (the rotation done once a step,
   by the append launch or one batched product: ``kernels/decode_step.py``), its launch plan's split and fused merge;
-* ``per_program_us``: the same kernel rotating the model-basis queries in every split program (``ROTATE_Q``);
 * bytes from ``KVCacheLayout.sequence_bytes`` (+ queries and outputs), TB/s and the copy-roofline fraction.
 
 Per (heads, batch), the rotation's own cost in the step: ``append_us`` (``decode_append`` without queries),
@@ -73,14 +72,13 @@ def sdpa_us(hq: int, hkv: int, d: int, batch: int, seq: int) -> float:
     return _SDPA[key]
 
 
-def _launch(q, st, lay, tr, scale, pps, rotation):
+def _launch(q, st, lay, tr, scale, pps):
     """The Hopper kernel through ``hopper.launch`` (what ``hopper.decode_attention`` runs after its checks), for the
     layouts its wrapper does not take yet (two token groups a row: ``--groups default``, not yet run on a GPU)."""
-    rot, dsc = rotation if rotation is not None else (q, q)
-    return hopper.launch(q, rot, dsc, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params,
-                         st.v_codes, st.v_params, tr.k_levels, tr.v_levels, st.block_table, st.sink_len, st.num_pages,
+    return hopper.launch(q, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
+                         st.v_params, tr.k_levels, tr.v_levels, st.block_table, st.sink_len, st.num_pages,
                          st.recent_len, lay.num_kv_heads, lay.page_size, lay.sink, lay.recent_slots, scale,
-                         lay.key.granularity == "channel", rotation is not None, pps, torch.bfloat16)
+                         lay.key.granularity == "channel", pps, torch.bfloat16)
 
 
 def bench_kernel(hq, hkv, d, batch, seq, gran, bits, copy, warm_only: bool, groups: str = "row") -> dict:
@@ -98,24 +96,15 @@ def bench_kernel(hq, hkv, d, batch, seq, gran, bits, copy, warm_only: bool, grou
 
     def once(i):
         if lay.value.group_size != d:
-            return lambda: _launch(q_once[i], states[i], lay, tr, scale, pps, None)
+            return lambda: _launch(q_once[i], states[i], lay, tr, scale, pps)
         return lambda: hopper.decode_attention(q_once[i], states[i], lay, tr.k_levels, tr.v_levels, scale,
                                                out_dtype=torch.bfloat16, pages_per_split=pps)
 
-    def per_program(i):
-        if lay.value.group_size != d:
-            return lambda: _launch(q_model[i], states[i], lay, tr, scale, pps, (tr.k_rotation, tr.k_scale))
-        return lambda: hopper.decode_attention(q_model[i], states[i], lay, tr.k_levels, tr.v_levels, scale,
-                                               q_rotation=(tr.k_rotation, tr.k_scale), out_dtype=torch.bfloat16,
-                                               pages_per_split=pps)
-
     if warm_only:
         once(0)()
-        per_program(0)()
         torch.cuda.synchronize()
         return row
     row["once_us"] = graph_us([once(i) for i in range(sets)])
-    row["per_program_us"] = graph_us([per_program(i) for i in range(sets)])
     states.clear()  # the graphs are done with them: free the memory before SDPA's cache
     row["sdpa_us"] = sdpa_us(hq, hkv, d, batch, seq)
     row["tbps_once"] = nbytes / row["once_us"] / 1e6

@@ -47,18 +47,16 @@ def _decode_attention_op(
     sink: int, recent_slots: int, scale: float, k_channel: bool, codebook: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, group_size: int, key_bits: int,
 ) -> torch.Tensor:
-    unread = k_levels  # the kernels' rotation operands (R_K, d_K): not read without ROTATE_Q
     if hopper_kernel:
         return hopper.launch(
-            q, unread, unread, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-            v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots,
-            scale, k_channel, False, pages_per_split, out_dtype,
+            q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+            block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
+            k_channel, pages_per_split, out_dtype,
         )
     return portable.launch_decode(
-        q, unread, unread, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-        v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
-        k_channel, codebook, False, fast_unpack, pages_per_split, out_dtype, group_size=group_size,
-        key_bits=key_bits,
+        q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        block_table, sink_len, num_pages, recent_len, num_kv_heads, page_size, sink, recent_slots, scale,
+        k_channel, codebook, fast_unpack, pages_per_split, out_dtype, group_size=group_size, key_bits=key_bits,
     )
 
 
@@ -95,13 +93,11 @@ def plan_decode(
     queries in the stored key basis). The kernel follows the page packing: mma16 -> hopper, linear -> portable
     (``decode.select_backend`` chose)."""
     if layout.packing == "mma16":
-        _, _, pps = hopper.check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, None, out_dtype,
-                                               pages_per_split)
+        pps = hopper.check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
         if q.device.type == "cuda":  # allocated now, outside any CUDA-graph pool (a compiled step's warm-up runs
             hopper.merge_counters(q.device, min(q.shape[0] * layout.num_kv_heads, hopper.MERGE_COUNTERS))
     else:
-        _, _, pps = portable.check_decode_inputs(q, state, layout, k_levels, v_levels, scale, None, out_dtype,
-                                                 pages_per_split)
+        pps = portable.check_decode_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
     codebook = bool(layout.key.codebook or layout.value.codebook)
     return DecodePlan(
         layout.packing == "mma16", layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots,

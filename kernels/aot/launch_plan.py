@@ -120,7 +120,7 @@ def _int_constexprs(constexprs: Mapping[str, Any]) -> dict[str, int]:
 
 
 def tensor_name(param: str) -> str:
-    """Plugin / ONNX tensor name of a pointer parameter (``q_ptr`` -> ``q``, ``rot_ptr`` -> ``k_rotation``)."""
+    """Plugin / ONNX tensor name of a pointer parameter (``q_ptr`` -> ``q_s``, ``k_levels_ptr`` -> ``k_levels``)."""
     return TENSOR_NAMES.get(param, param.removesuffix("_ptr"))
 
 
@@ -138,7 +138,7 @@ _SPLIT_INPUTS = (
 _SPLIT_OUTPUTS = (("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"))
 _SPLIT_SCALARS = (("max_pages", "i32"), ("pages_per_split", "i32"), ("n_page_splits", "i32"), ("n_splits", "i32"))
 _SPLIT_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "G", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
-                     "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK", "NB", "KEY_BITS")
+                     "V_CODEBOOK", "FAST_UNPACK", "NB", "KEY_BITS")
 _SPLIT_DERIVED = (("n_page_splits", "cdiv(max_pages, pages_per_split)"),
                   ("n_splits", "n_page_splits + cdiv(S0, BN) + cdiv(RC, BN)"))
 
@@ -151,7 +151,7 @@ DECODE_SPLIT = KernelPlan(
 #: constexprs of the split kernel over mma16 pages (the Gluon one's, before its own): the portable kernel's without
 #: NB, G and KEY_BITS; its parameters are the portable kernel's, in the same order.
 _SPLIT_V2_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
-                        "V_CODEBOOK", "ROTATE_Q", "FAST_UNPACK")
+                        "V_CODEBOOK", "FAST_UNPACK")
 #: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
 GL_PAGE_STAGES = 3
 #: the Gluon split kernel's register cap per thread at head_dim <= 128: 4 CTAs (16 warps) share an SM's 64K
@@ -274,7 +274,7 @@ def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack
         "P": layout.page_size, "S0": layout.sink,
         "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": False, "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
+        "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
     }
 
 
@@ -295,7 +295,7 @@ def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unp
         "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad_v2(gq), "D": layout.head_dim, "P": layout.page_size,
         "S0": layout.sink, "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
         "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "ROTATE_Q": False, "FAST_UNPACK": fast_unpack and not codebook,
+        "FAST_UNPACK": fast_unpack and not codebook,
     }
 
 

@@ -26,7 +26,7 @@ def _decode_split_trt_kernel(
     part_o_ptr, part_lse_ptr,
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     P: tl.constexpr, S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
-    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """``_decode_split_kernel`` with the outputs (part_o, part_lse) last. Grid ``(B * H_kv, n_splits)``."""
@@ -35,8 +35,8 @@ def _decode_split_trt_kernel(
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
         block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr, part_o_ptr, part_lse_ptr,
         max_pages, pages_per_split, n_page_splits, n_splits,
-        H_KV, GQ, GQ_PAD, D, G, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK,
-        NB, KEY_BITS,
+        H_KV, GQ, GQ_PAD, D, G, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB,
+        KEY_BITS,
     )
 
 

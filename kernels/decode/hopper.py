@@ -83,29 +83,30 @@ def merge_counters(device: torch.device, pairs: int) -> torch.Tensor:
     return buf
 
 
-def check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split_):
+def check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split_):
     """Every check before a launch (layout, device, the portable kernel's packing-independent input checks,
-    alignment); returns ``(rot, dsc, pages_per_split)`` as the launch takes them."""
+    alignment); returns ``pages_per_split`` as the launch takes it."""
     if q.dim() == 3:  # (other shapes: the input checks below say what is wrong)
         check_hopper_layout(layout, q.shape[1])
         if pages_per_split_ is None:
             pages_per_split_ = pages_per_split(q.shape[0], layout.num_kv_heads, state.block_table.shape[-1],
                                                q.device, layout.head_dim)
-    rot, dsc, pps = check_decode_inputs(q, state, layout.with_packing("linear"), k_levels, v_levels, scale,
-                                        q_rotation, out_dtype, pages_per_split_, 1)
+    pps = check_decode_inputs(q, state, layout.with_packing("linear"), k_levels, v_levels, scale, out_dtype,
+                              pages_per_split_, 1)
     if q.device.type == "cuda":  # off the GPU the layout checks still run (tests); the launch needs sm_90
         _gl.check_gluon_device(q.device)
     check_hopper_state(state)
-    return rot, dsc, pps
+    return pps
 
 
 def launch(
-    q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+    q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
-    recent_slots: int, scale: float, k_channel: bool, rotate_q: bool, pages_per_split_: int, out_dtype: torch.dtype,
+    recent_slots: int, scale: float, k_channel: bool, pages_per_split_: int, out_dtype: torch.dtype,
     *, stages: int | None = None, maxnreg: int | None = None, fused_merge: bool | None = None,
 ) -> torch.Tensor:
-    """Launch the split kernel (and the merge, unless fused) on checked inputs. ``stages``: cp.async page stages
+    """Launch the split kernel (and the merge, unless fused) on checked inputs, ``q [B, H, D]`` in the stored key
+    basis. ``stages``: cp.async page stages
     (None: the plan's ``GL_PAGE_STAGES``); ``maxnreg``: registers a thread (None: the plan's ``gl_occupancy``,
     0: no cap); ``fused_merge`` (None: the plan's ``GL_FUSED_MERGE`` up to ``MERGE_COUNTERS`` pairs)."""
     _, hq, d = q.shape
@@ -121,12 +122,12 @@ def launch(
         fused_merge = _plan.GL_FUSED_MERGE and q.shape[0] * num_kv_heads <= MERGE_COUNTERS
     counters = merge_counters(q.device, q.shape[0] * num_kv_heads) if fused_merge else None
     return launch_split_merge(
-        _gl.FUSED_KERNEL if fused_merge else _gl.KERNEL, q, rot, dsc, sink_k, sink_v, recent_k, recent_v,
+        _gl.FUSED_KERNEL if fused_merge else _gl.KERNEL, q, sink_k, sink_v, recent_k, recent_v,
         k_codes, k_params, v_codes, v_params, k_levels, v_levels, block_table, sink_len, num_pages, recent_len,
         num_kv_heads, sink, recent_slots, pages_per_split_, out_dtype,
         dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
              BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=False, V_CODEBOOK=False,
-             ROTATE_Q=rotate_q, KEY_BITS=k_codes.shape[-1] * 8 // d,
+             KEY_BITS=k_codes.shape[-1] * 8 // d,
              NG=v_params.shape[-2] if v_params.dim() == 5 else 1, **extra),
         _gl.NUM_WARPS, stages, counters=counters,
     )
@@ -140,7 +141,6 @@ def decode_attention(
     v_levels: torch.Tensor,
     scale: float,
     *,
-    q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     pages_per_split: int | None = None,
     stages: int | None = None,
@@ -149,16 +149,14 @@ def decode_attention(
 ) -> torch.Tensor:
     """``reference.decode_attention`` over mma16 pages on a Hopper GPU (arguments as the portable
     ``decode_attention``; ``stages``, ``maxnreg``, ``fused_merge``: :func:`launch`). Returns ``[B, H, D]`` in
-    ``out_dtype``, stored value basis. Reads no device value on the host. ``q_rotation`` (a rotation in every
-    split program) is for the tests and benchmarks that compare it with the rotation once a step; serving passes
-    queries already in the stored key basis (``oscar::decode_append`` rotates them)."""
-    rot, dsc, pps = check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype,
-                                        pages_per_split)
+    ``out_dtype``, stored value basis. Reads no device value on the host. ``q`` is in the stored key basis (the
+    step's rotation, once a step: ``oscar::decode_append``)."""
+    pps = check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
     return launch(
-        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
+        q, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
-        layout.key.granularity == "channel", q_rotation is not None, pps, out_dtype, stages=stages, maxnreg=maxnreg,
+        layout.key.granularity == "channel", pps, out_dtype, stages=stages, maxnreg=maxnreg,
         fused_merge=fused_merge,
     )
 

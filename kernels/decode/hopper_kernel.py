@@ -221,44 +221,15 @@ if HAVE_GLUON:
         return gl.where((i // 8) % 2 == 1, small, 1.0)
 
     @gluon.jit
-    def _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr,
-               D: gl.constexpr, SM_SCALE: gl.constexpr, ROTATE_Q: gl.constexpr, QL: gl.constexpr):
-        """The ``GQ`` query heads of KV head ``h`` (rows past ``GQ`` zero), rotated by ``rot [D, D] / dscale`` if
-        ``ROTATE_Q`` (fp32 FMA products over 8-row chunks of ``rot``), times ``sm_scale·log2(e)``: fp32
-        ``[GQ_PAD, D]`` in ``QL``."""
+    def _query(q_ptr, b, h, H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr,
+               SM_SCALE: gl.constexpr, QL: gl.constexpr):
+        """The ``GQ`` query heads of KV head ``h`` (in the stored key basis; rows past ``GQ`` zero), times
+        ``sm_scale·log2(e)``: fp32 ``[GQ_PAD, D]`` in ``QL``."""
         H: gl.constexpr = H_KV * GQ
         g = gl.arange(0, GQ_PAD, layout=gl.SliceLayout(1, QL))
         dd = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
         qrow = (b * H + h * GQ + g).to(gl.int64) * D
-        if ROTATE_Q:
-            KR: gl.constexpr = 8
-            # the product runs on MH rows, half of GQ_PAD where the query heads fit (4 heads a KV head: 4, not 8), and
-            # the warps split the output dims (and the rows only where D < 128): each program reads its head's
-            # rotation from L2 once. Measured on the H200 (BENCHMARKS.md): the fused rotation costs v3 5-12 us a
-            # layer at batch 1 -- each split program of a head recomputes it
-            MH: gl.constexpr = GQ_PAD // 2 if GQ <= GQ_PAD // 2 else GQ_PAD
-            WD: gl.constexpr = D // 32 if D < 128 else 4
-            L3: gl.constexpr = gl.BlockedLayout([MH // (4 // WD), KR, D // (32 * WD)], [1, 1, 32], [4 // WD, 1, WD],
-                                                [2, 1, 0])
-            LA: gl.constexpr = gl.SliceLayout(2, L3)
-            LB: gl.constexpr = gl.SliceLayout(0, L3)
-            ga = gl.arange(0, MH, layout=gl.SliceLayout(1, LA))
-            ka = gl.arange(0, KR, layout=gl.SliceLayout(0, LA))
-            kb = gl.arange(0, KR, layout=gl.SliceLayout(1, LB))
-            nb = gl.arange(0, D, layout=gl.SliceLayout(0, LB))
-            arow = (b * H + h * GQ + ga).to(gl.int64) * D
-            amask = (ga < GQ)[:, None]
-            qf = gl.zeros([MH, D], gl.float32, gl.SliceLayout(1, L3))
-            for k0 in range(0, D, KR):
-                qa = gl.load(q_ptr + arow[:, None] + (k0 + ka)[None, :], mask=amask, other=0.0).to(gl.float32)
-                rb_ = gl.load(rot_ptr + h * D * D + (k0 + kb)[:, None] * D + nb[None, :])
-                qf += gl.sum(qa[:, :, None] * rb_[None, :, :], axis=1)
-            if MH < GQ_PAD:  # rows MH .. GQ_PAD - 1 are zeros: [MH, D] -> join -> [2, MH, D] -> [GQ_PAD, D]
-                qf = gl.reshape(gl.permute(gl.join(qf, gl.zeros_like(qf)), [2, 0, 1]), [GQ_PAD, D])
-            qf = gl.convert_layout(qf, QL)
-            qf = qf / gl.load(dscale_ptr + h * D + dd)[None, :]
-        else:
-            qf = gl.load(q_ptr + qrow[:, None] + dd[None, :], mask=(g < GQ)[:, None], other=0.0).to(gl.float32)
+        qf = gl.load(q_ptr + qrow[:, None] + dd[None, :], mask=(g < GQ)[:, None], other=0.0).to(gl.float32)
         qscale: gl.constexpr = SM_SCALE * 1.4426950408889634
         return (qf * qscale).to(gl.float16).to(gl.float32)
 
@@ -337,12 +308,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _split_partial(
-        q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
         recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
-        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
+        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr,
         STAGES: gl.constexpr, KEY_BITS: gl.constexpr, NG: gl.constexpr,
     ):
         """The body of both split kernels: this program's partial (out / den and log2-sum-exp) into ``part_o`` /
@@ -397,8 +368,8 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES - 1):
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, start + i, end,
                             i, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES, KEY_BITS, NG)
-            # the first pages are in flight while the query is loaded (and rotated)
-            q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)  # [GQ_PAD, D]
+            # the first pages are in flight while the query is loaded
+            q32 = _query(q_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, QL)  # [GQ_PAD, D]
             # 4^-2hc of the 2-bit key fields (K dim = dims); 4-bit fields have none (hc is shifted down)
             hc_q = _bit3_scale(D, 0.0625 if KEY_BITS == 2 else 1.0, gl.SliceLayout(0, QL))
             qsum = gl.convert_layout(gl.sum(q32, axis=1), COL)  # [GQ_PAD]
@@ -497,7 +468,7 @@ if HAVE_GLUON:
                 out1 = acc1 * (_bit3_scale(DG, 0.25, ROW) * 16777216.0)[:, None] + gl.sum(lo_acc1, axis=0)[None, :]
                 out_t = gl.convert_layout(gl.reshape(gl.permute(gl.join(out_t, out1), [2, 0, 1]), [D, GQ_PAD]), MMA)
         else:
-            q32 = _query(q_ptr, rot_ptr, dscale_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, ROTATE_Q, QL)
+            q32 = _query(q_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, QL)
             qw_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, q32.to(gl.float16))
             fence_async_shared()
             _cta_barrier()
@@ -575,16 +546,17 @@ if HAVE_GLUON:
         max_pages, pages_per_split, n_page_splits, n_splits,
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
-        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
+        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr,
         FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2, NG: gl.constexpr = 1,
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
-        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL). Uniform codes
-        only (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
-        _split_partial(q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr,
-                       k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
-                       recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
-                       H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
+        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL): ``q_ptr`` the
+        queries in the stored key basis (``rot_ptr``, ``dscale_ptr`` unread). Uniform codes only
+        (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
+        _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,
+                       v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+                       part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
+                       H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK,
                        STAGES, KEY_BITS, NG)
 
     @gluon.jit
@@ -597,16 +569,16 @@ if HAVE_GLUON:
         max_pages, pages_per_split, n_page_splits, n_splits,
         H_KV: gl.constexpr, GQ: gl.constexpr, GQ_PAD: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
         S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, SM_SCALE: gl.constexpr,
-        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr, ROTATE_Q: gl.constexpr,
+        K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr,
         FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2, NG: gl.constexpr = 1,
     ):
         """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`_merge_if_last`): one launch
         for the whole decode attention. ``out_ptr [B, H, D]`` (fp32 / bf16 / fp16), ``counters_ptr`` int32 ``[>=
         B * H_KV]``, zero at launch and left zero (``decode_attention_v2.merge_counters``)."""
-        _split_partial(q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr,
-                       k_params_ptr, v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr,
-                       recent_len_ptr, part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
-                       H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q,
+        _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,
+                       v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
+                       part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
+                       H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK,
                        STAGES, KEY_BITS, NG)
         _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV, GQ, D)
 

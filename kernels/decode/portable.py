@@ -475,14 +475,15 @@ def _decode_split_kernel(
     max_pages, pages_per_split, n_page_splits, n_splits,
     H_KV: tl.constexpr, GQ: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     P: tl.constexpr, S0: tl.constexpr, RC: tl.constexpr, BN: tl.constexpr, SM_SCALE: tl.constexpr,
-    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr, ROTATE_Q: tl.constexpr,
+    K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
     """Partial attention of one (sequence, KV head, split). Grid ``(B * H_kv, n_splits)``.
 
     Parameters (in order; pointers unless noted):
-        q_ptr         ``[B, H, D]`` queries (fp32/bf16/fp16, contiguous), stored key basis unless ROTATE_Q
-        rot_ptr, dscale_ptr  fp32 ``[H_kv, D, D]`` R_K and ``[H_kv, D]`` d_K (read iff ROTATE_Q: q_s = (q @ R) / d)
+        q_ptr         ``[B, H, D]`` queries in the stored key basis (fp32/bf16/fp16, contiguous): the step's
+                      rotation, once a step (``decode_step.decode_append(q=...)``), never in a split program
+        rot_ptr, dscale_ptr  unread
         sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
         recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` rings (RC = layout.recent_slots = W + 2P)
         k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D * KEY_BITS / 8]``, ``[N_pool, H_kv, P, D // 4]``
@@ -494,7 +495,7 @@ def _decode_split_kernel(
         max_pages, pages_per_split, n_page_splits, n_splits: int32
         constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 4)), D, G (token group size of keys and
         values; ``D // G`` groups per row, see :func:`_grouped_pages`), P, S0, RC, BN (BF16 chunk),
-        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, ROTATE_Q, FAST_UNPACK (PTX field extraction of
+        SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK (PTX field extraction of
         uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path), NB (pow2,
         INT2 pages per loop iteration; one per warp with ``num_warps == NB``), KEY_BITS (``layout.key.bits``: 2, or
         4 with uniform levels, ``k_levels_ptr`` then unread; values are 2-bit).
@@ -521,21 +522,11 @@ def _decode_split_kernel(
     e2 = _field_cols(c4, 2, G, Q4)
     e3 = _field_cols(c4, 3, G, Q4)
     qrow = (b * H + h * GQ + g).to(tl.int64) * D
-    if ROTATE_Q:
-        dd = tl.arange(0, D)
-        qf = tl.load(q_ptr + qrow[:, None] + dd[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        rb = rot_ptr + h * D * D + dd[:, None] * D
-        db = dscale_ptr + h * D
-        q0 = tl.dot(qf, tl.load(rb + e0[None, :]), input_precision="ieee") / tl.load(db + e0)[None, :]
-        q1 = tl.dot(qf, tl.load(rb + e1[None, :]), input_precision="ieee") / tl.load(db + e1)[None, :]
-        q2 = tl.dot(qf, tl.load(rb + e2[None, :]), input_precision="ieee") / tl.load(db + e2)[None, :]
-        q3 = tl.dot(qf, tl.load(rb + e3[None, :]), input_precision="ieee") / tl.load(db + e3)[None, :]
-    else:
-        qp = q_ptr + qrow[:, None]
-        q0 = tl.load(qp + e0[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q1 = tl.load(qp + e1[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(qp + e2[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q3 = tl.load(qp + e3[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    qp = q_ptr + qrow[:, None]
+    q0 = tl.load(qp + e0[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(qp + e1[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(qp + e2[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(qp + e3[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     qscale: tl.constexpr = SM_SCALE * 1.4426950408889634
     q0 = (q0 * qscale).to(tl.float16)
     q1 = (q1 * qscale).to(tl.float16)
@@ -813,7 +804,6 @@ def decode_attention(
     scale: float,
     *,
     codebook: bool | None = None,
-    q_rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     pages_per_split: int | None = None,
     page_slots: int = PAGE_SLOTS,
@@ -824,15 +814,12 @@ def decode_attention(
     """``reference.decode_attention`` in two Triton launches (split, merge).
 
     Args:
-        q: ``[B, H, D]`` fp32/bf16/fp16 queries in the stored key basis (or the model basis with ``q_rotation``).
+        q: ``[B, H, D]`` fp32/bf16/fp16 queries in the stored key basis (``decode_step.decode_append(q=...)`` or
+            ``decode_step.rotate_queries``: the rotation once a step, never in a split program).
         state: the layer's cache (new token appended); BF16 windows, contiguous.
         k_levels, v_levels: ``[H_kv, 4]`` fp32 code levels.
         scale: softmax scale (a compile-time constant of the kernel).
         codebook: treat levels as a fitted codebook (default: ``layout.key/value.codebook``).
-        q_rotation: optional ``(R_K [H_kv, D, D], d_K [H_kv, D])`` fp32 fused into the prologue (``ROTATE_Q``:
-            every split program rotates its queries). Serving never asks for it: the HF cache rotates the step's
-            queries once, in the append launch (``decode_step.decode_append(q=...)``); the AOT bundle's split
-            kernel (``kernels/aot/bundle.py``, the TensorRT plugins) and the benchmarks' per-program rows do.
         pages_per_split: INT2 pages per split program (default: fill the GPU, :func:`default_pages_per_split`).
         page_slots, num_warps, num_stages: tuning (pages per loop iteration, a power of two; Triton's
             options). The defaults are the fastest measured on the H200 and what the AOT bundle compiles.
@@ -842,29 +829,27 @@ def decode_attention(
     """
     if page_slots <= 0 or page_slots & (page_slots - 1):
         raise ValueError(f"page_slots: expected a power of two, got {page_slots}")
-    rot, dsc, pages_per_split = check_decode_inputs(
-        q, state, layout, k_levels, v_levels, scale, q_rotation, out_dtype, pages_per_split, page_slots
-    )
+    pages_per_split = check_decode_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split,
+                                          page_slots)
     dev = q.device
     if codebook is None:
         codebook = layout.key.codebook or layout.value.codebook
     fast = (dev.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook
     return launch_decode(
-        q, rot, dsc, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
+        q, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
         state.recent_len, layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots, float(scale),
-        layout.key.granularity == "channel", bool(codebook), q_rotation is not None, fast, pages_per_split,
-        out_dtype, num_warps, num_stages, page_slots=page_slots, group_size=layout.value.group_size,
-        key_bits=layout.key.bits,
+        layout.key.granularity == "channel", bool(codebook), fast, pages_per_split, out_dtype, num_warps,
+        num_stages, page_slots=page_slots, group_size=layout.value.group_size, key_bits=layout.key.bits,
     )
 
 
 def check_decode_inputs(
     q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor,
-    scale: float, q_rotation, out_dtype: torch.dtype, pages_per_split: int | None, page_slots: int = PAGE_SLOTS,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Raise on anything :func:`decode_attention` cannot launch on; returns ``(R, d, pages_per_split)``
-    (``R``/``d`` are placeholders when there is no ``q_rotation``). Reads shapes only, never device values."""
+    scale: float, out_dtype: torch.dtype, pages_per_split: int | None, page_slots: int = PAGE_SLOTS,
+) -> int:
+    """Raise on anything :func:`decode_attention` cannot launch on; returns ``pages_per_split`` (the default filled
+    in). Reads shapes only, never device values."""
     check_decode_layout(layout)
     if q.dim() != 3:
         raise ValueError(f"q: expected [B, H, D], got {list(q.shape)}")
@@ -885,13 +870,6 @@ def check_decode_inputs(
         _check(name, t, (hkv, 4), torch.float32, dev)
         if not t.is_contiguous():
             raise ValueError(f"{name}: expected a contiguous tensor")
-    if q_rotation is not None:
-        rot, dsc = q_rotation
-        _check("q_rotation R", rot, (hkv, d, d), torch.float32, dev)
-        _check("q_rotation d", dsc, (hkv, d), torch.float32, dev)
-        rot, dsc = rot.contiguous(), dsc.contiguous()
-    else:
-        rot = dsc = k_levels  # never read
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
@@ -901,13 +879,13 @@ def check_decode_inputs(
         pages_per_split = default_pages_per_split(bsz, hkv, max_pages, sms, page_slots)
     if pages_per_split <= 0:
         raise ValueError(f"pages_per_split: expected > 0, got {pages_per_split}")
-    return rot, dsc, pages_per_split
+    return pages_per_split
 
 
 def launch_decode(
-    q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+    q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
-    recent_slots: int, scale: float, k_channel: bool, codebook: bool, rotate_q: bool, fast_unpack: bool,
+    recent_slots: int, scale: float, k_channel: bool, codebook: bool, fast_unpack: bool,
     pages_per_split: int, out_dtype: torch.dtype, num_warps: int = SPLIT_WARPS, num_stages: int = SPLIT_STAGES,
     wrap=lambda k: k, page_slots: int = PAGE_SLOTS, group_size: int | None = None, key_bits: int = 2,
 ) -> torch.Tensor:
@@ -922,18 +900,18 @@ def launch_decode(
     _, hq, d = q.shape
     gq = hq // num_kv_heads
     return launch_split_merge(
-        _decode_split_kernel, q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params,
-        k_levels, v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots,
-        pages_per_split, out_dtype,
+        _decode_split_kernel, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+        v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots, pages_per_split,
+        out_dtype,
         dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, G=group_size or d, P=page_size, S0=sink,
              RC=recent_slots, BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook,
-             V_CODEBOOK=codebook, ROTATE_Q=rotate_q, FAST_UNPACK=fast_unpack, NB=page_slots, KEY_BITS=key_bits),
+             V_CODEBOOK=codebook, FAST_UNPACK=fast_unpack, NB=page_slots, KEY_BITS=key_bits),
         num_warps, num_stages, wrap,
     )
 
 
 def launch_split_merge(
-    split_kernel, q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+    split_kernel, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
     v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads: int, sink: int, recent_slots: int,
     pages_per_split: int, out_dtype: torch.dtype, constexprs: dict, num_warps: int, num_stages: int,
     wrap=lambda k: k, counters: torch.Tensor | None = None,
@@ -956,7 +934,8 @@ def launch_split_merge(
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
     fused = () if counters is None else (out, counters)
     wrap(split_kernel)[(bsz * num_kv_heads, n_splits)](
-        q, rot, dsc, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        q, k_levels, k_levels,  # rot_ptr, dscale_ptr: unread
+        sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse, *fused,
         max_pages, pages_per_split, n_page_splits, n_splits,
         **constexprs, num_warps=num_warps, num_stages=num_stages,

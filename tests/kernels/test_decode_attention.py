@@ -78,18 +78,18 @@ def _fitted_rotated_transform(hkv: int, d: int) -> LayerTransform:
     )
 
 
-def _check_fused_rotation(da, device, lay: KVCacheLayout, tr: LayerTransform, hq: int, what: str):
-    """Model-basis queries with q·R_K/d fused into the prologue, within budget of the stored-basis reference;
-    returns ``(q_stored, st, dev_st, levels)`` for further launches on the same cache."""
+def _check_rotated(da, device, lay: KVCacheLayout, tr: LayerTransform, hq: int, what: str):
+    """Model-basis queries rotated once (``transform_queries``, as the step's append launch does) over a cache
+    written with a rotated, scaled key basis, within budget of the stored-basis reference; returns ``(q_stored,
+    st, dev_st, levels)`` for further launches on the same cache."""
     d = lay.head_dim
     st = _cache(lay, [200, 500], tr)
     q_model = torch.randn(2, hq, d)
     q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    fused = da.decode_attention(q_model.to(device), dev_st, lay, *lv, d**-0.5,
-                                q_rotation=(tr.k_rotation.to(device), tr.k_scale.to(device)), pages_per_split=2)
-    _check_budget(fused, q_stored, st, lay, tr, d**-0.5, what)
+    got = da.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=2)
+    _check_budget(got, q_stored, st, lay, tr, d**-0.5, what)
     return q_stored, st, dev_st, lv
 
 
@@ -131,15 +131,15 @@ def test_gqa_and_head_dims(da, device, hq, hkv, d):
     _check_budget(got.float(), q, st, lay, tr, d**-0.5, f"gqa {hq}/{hkv} d={d} {gran}")
 
 
-@pytest.mark.slow  # ~20 s each in the interpreter: codebooks and the fused rotation are the less common paths
+@pytest.mark.slow  # ~20 s each in the interpreter: codebooks and rotated keys are the less common paths
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_codebook_rotation_and_splits(da, device, gran):
-    """Fitted levels, q·R_K/d fused into the prologue, and the split count not changing the result."""
+    """Fitted levels, a rotated key basis, and the split count not changing the result."""
     hkv, hq, d = 2, 8, 64
     lay = KVCacheLayout(hkv, d, RowFormat(d, d, gran, codebook=True), RowFormat(d, d, codebook=True),
                         sink=16, window=32, page_size=64)
     tr = _fitted_rotated_transform(hkv, d)
-    q_stored, st, dev_st, lv = _check_fused_rotation(da, device, lay, tr, hq, f"codebook+rotation {gran}")
+    q_stored, st, dev_st, lv = _check_rotated(da, device, lay, tr, hq, f"codebook+rotation {gran}")
     outs = [da.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=n) for n in (1, 64)]
     for n, o in zip((1, 64), outs):  # the split count moves the softmax max, so fp16 roundings of p differ
         _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
@@ -193,12 +193,12 @@ def test_two_groups_per_row(da, device, d, g, hq, hkv, gran):
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_two_groups_codebook_and_rotation(da, device, gran):
-    """``G < D`` with fitted levels and q·R_K/d fused into the prologue (the serving path's query rotation)."""
+    """``G < D`` with fitted levels and a rotated key basis (queries rotated once, as serving does)."""
     hkv, hq, d, g = 2, 4, 128, 64
     lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, codebook=True), RowFormat(d, g, codebook=True),
                         sink=16, window=32, page_size=64)
-    _check_fused_rotation(da, device, lay, _fitted_rotated_transform(hkv, d), hq,
-                          f"two groups, codebook + rotation, {gran} keys")
+    _check_rotated(da, device, lay, _fitted_rotated_transform(hkv, d), hq,
+                   f"two groups, codebook + rotation, {gran} keys")
 
 
 # ---- 4-bit key pages (layout.with_key_bits(4)): values stay 2-bit ------------------------------------------------
@@ -228,12 +228,12 @@ def test_4bit_keys_within_budget(da, device, gran, hq, hkv, d, g):
 @pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 128, 64)])
 def test_4bit_keys_codebook_values_and_rotation(da, device, gran, d, g):
     """4-bit keys read with their uniform levels while the values have a fitted codebook (the kernel's codebook
-    flag then covers values only), q·R_K/d fused into the prologue."""
+    flag then covers values only), a rotated key basis."""
     hkv, hq = 2, 4
     lay = KVCacheLayout(hkv, d, RowFormat(d, g, gran, bits=4), RowFormat(d, g, codebook=True),
                         sink=16, window=32, page_size=64)
-    _check_fused_rotation(da, device, lay, _fitted_rotated_transform(hkv, d), hq,
-                          f"4-bit keys, codebook values + rotation, {gran}")
+    _check_rotated(da, device, lay, _fitted_rotated_transform(hkv, d), hq,
+                   f"4-bit keys, codebook values + rotation, {gran}")
 
 
 # ---- bad input: raised before any launch ---------------------------------------------------------------------

@@ -195,36 +195,35 @@ def test_gluon_device_check(monkeypatch):
 
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
 
-SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, rotate q, key bits)
-    ("token", 128, 128, 4, False, 2), ("channel", 128, 128, 4, False, 2), ("token", 128, 64, 4, True, 2),
-    ("token", 64, 64, 3, True, 2), ("channel", 256, 128, 8, True, 2), ("token", 256, 64, 16, False, 2),
-    ("channel", 64, 128, 1, False, 2), ("token", 128, 128, 4, False, 4), ("channel", 128, 128, 4, False, 4),
-    ("channel", 64, 64, 3, False, 4), ("token", 256, 128, 8, False, 4),
+SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, key bits)
+    ("token", 128, 128, 4, 2), ("channel", 128, 128, 4, 2), ("token", 128, 64, 4, 2), ("token", 64, 64, 3, 2),
+    ("channel", 256, 128, 8, 2), ("token", 256, 64, 16, 2), ("channel", 64, 128, 1, 2), ("token", 128, 128, 4, 4),
+    ("channel", 128, 128, 4, 4), ("channel", 64, 64, 3, 4), ("token", 256, 128, 8, 4),
 ]
 #: head_dim 256 with the default two token groups of 128 a row (``NG`` 2): (granularity, page size, GQ, key bits)
 TWO_GROUP_SHAPES = [("token", 128, 2, 2), ("token", 64, 8, 4), ("channel", 128, 2, 2)]
 
 
-def _spec(gran, d, p, gq, rotate, stages=gl_attn.STAGES, key_bits=2):
+def _spec(gran, d, p, gq, stages=gl_attn.STAGES, key_bits=2):
     from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs, gl_occupancy
     from oscar_export.kernels.aot.spec import KernelSpec
 
     lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p).with_key_bits(key_bits)
     cx = decode_split_gl_constexprs(lay, 8 * gq, d**-0.5)
     assert cx["KEY_BITS"] == key_bits
-    cx.update(ROTATE_Q=rotate, STAGES=stages)
+    cx.update(STAGES=stages)
     return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}_k{key_bits}", cx,
                                 maxnreg=gl_occupancy(d)[0])
 
 
-@pytest.mark.parametrize("gran,d,p,gq,rotate,key_bits", SHAPES)
-def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, rotate, key_bits):
+@pytest.mark.parametrize("gran,d,p,gq,key_bits", SHAPES)
+def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, key_bits):
     pytest.importorskip("triton")
     if not gl_attn.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     from oscar_export.kernels.aot.compile import compile_kernel
 
-    spec = _spec(gran, d, p, gq, rotate, key_bits=key_bits)
+    spec = _spec(gran, d, p, gq, key_bits=key_bits)
     ck = compile_kernel(spec, "sm_90")  # raises if an operand conversion is not trivial
     ptx = ck.ptx.decode()
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ptx), "the dots are warpgroup MMAs"
@@ -267,7 +266,7 @@ def test_the_register_cap_is_the_plans_and_travels_in_the_manifest():
     from oscar_export.kernels.aot.launch_plan import GL_MAXNREG
     from oscar_export.kernels.aot.spec import KernelSpec
 
-    capped, free = _spec("token", 128, 128, 4, False), _spec("token", 256, 64, 16, False)
+    capped, free = _spec("token", 128, 128, 4), _spec("token", 256, 64, 16)
     assert (capped.maxnreg, free.maxnreg) == (GL_MAXNREG, 0)
     assert KernelSpec.from_dict(capped.to_dict()) == capped and "maxnreg" not in free.to_dict()
     assert KernelSpec.from_dict(free.to_dict()) == free
@@ -341,7 +340,7 @@ def test_fused_merge_compiles_with_the_grid_barrier_ordering(gran, d, p, gq):
     from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_MERGE_GL
     from oscar_export.kernels.aot.spec import KernelSpec
 
-    plain = _spec(gran, d, p, gq, True)
+    plain = _spec(gran, d, p, gq)
     fused = KernelSpec.from_plan(DECODE_SPLIT_MERGE_GL, plain.name.replace("split", "split_merge"),
                                  dict(plain.constexprs), maxnreg=plain.maxnreg)
     ptx = compile_kernel(fused, "sm_90").ptx.decode()
@@ -377,9 +376,8 @@ def test_fused_merge_is_the_plans_default_up_to_the_counters(monkeypatch, key_bi
 
     def launch(batch, **kw):
         q = torch.zeros(batch, 8, 64)
-        hopper.launch(q, t, t, t, t, t, t, k_codes, *[t] * 9, num_kv_heads=8, page_size=64, sink=64,
-                      recent_slots=384, scale=0.125, k_channel=False, rotate_q=False, pages_per_split_=4,
-                      out_dtype=torch.float32, **kw)
+        hopper.launch(q, t, t, t, t, k_codes, *[t] * 9, num_kv_heads=8, page_size=64, sink=64, recent_slots=384,
+                      scale=0.125, k_channel=False, pages_per_split_=4, out_dtype=torch.float32, **kw)
         kernel, counters, bits = seen.pop()
         assert bits == key_bits
         return kernel, counters
