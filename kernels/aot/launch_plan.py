@@ -48,7 +48,7 @@ APPEND_PRODUCT = 8192
 TRITON_DEFAULT_STAGES = 3
 #: plugin tensor names that are not the kernel parameter name minus ``_ptr``: the split kernels' ``q_ptr`` is ``q_s``,
 #: the step's queries in the stored key basis (fp32, what ``decode_append`` writes to its ``q_rot_ptr``).
-TENSOR_NAMES = {"q_ptr": "q_s", "rot_ptr": "k_rotation", "dscale_ptr": "k_scale"}
+TENSOR_NAMES = {"q_ptr": "q_s"}
 
 _DA = "oscar_export.kernels.decode.portable"
 _DS = "oscar_export.kernels.decode_step"
@@ -129,8 +129,8 @@ def tensor_name(param: str) -> str:
 #: the split kernels' inputs: ``q_ptr`` the step's fp32 queries in the stored key basis (the append launch's ``q_rot``;
 #: the bundle's kernels rotate nothing, docs/design.md §3.6).
 _SPLIT_INPUTS = (
-    ("q_ptr", "*fp32"), ("rot_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
-    ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"), ("recent_k_ptr", "*bf16"), ("recent_v_ptr", "*bf16"),
+    ("q_ptr", "*fp32"), ("sink_k_ptr", "*bf16"), ("sink_v_ptr", "*bf16"), ("recent_k_ptr", "*bf16"),
+    ("recent_v_ptr", "*bf16"),
     ("k_codes_ptr", "*u8"), ("k_params_ptr", "*fp16"), ("v_codes_ptr", "*u8"), ("v_params_ptr", "*fp16"),
     ("k_levels_ptr", "*fp32"), ("v_levels_ptr", "*fp32"), ("block_table_ptr", "*i32"),
     ("sink_len_ptr", "*i32"), ("num_pages_ptr", "*i32"), ("recent_len_ptr", "*i32"),

@@ -18,7 +18,7 @@ from ..decode.portable import _decode_split_kernel, _merge_kernel
 
 @triton.jit
 def _decode_split_trt_kernel(
-    q_ptr, rot_ptr, dscale_ptr,
+    q_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
     k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
     block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
@@ -31,7 +31,7 @@ def _decode_split_trt_kernel(
 ):
     """``_decode_split_kernel`` with the outputs (part_o, part_lse) last. Grid ``(B * H_kv, n_splits)``."""
     _decode_split_kernel(
-        q_ptr, rot_ptr, dscale_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
+        q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
         block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr, part_o_ptr, part_lse_ptr,
         max_pages, pages_per_split, n_page_splits, n_splits,

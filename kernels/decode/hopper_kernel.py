@@ -538,7 +538,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _decode_split_gl_kernel(
-        q_ptr, rot_ptr, dscale_ptr,
+        q_ptr,
         sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
         block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
@@ -551,7 +551,7 @@ if HAVE_GLUON:
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
         those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL): ``q_ptr`` the
-        queries in the stored key basis (``rot_ptr``, ``dscale_ptr`` unread). Uniform codes only
+        queries in the stored key basis. Uniform codes only
         (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
         _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,
                        v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
@@ -561,7 +561,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _decode_split_merge_gl_kernel(
-        q_ptr, rot_ptr, dscale_ptr,
+        q_ptr,
         sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
         block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,

@@ -467,7 +467,7 @@ def window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_pt
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, rot_ptr, dscale_ptr,
+    q_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
     k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
     block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
@@ -483,7 +483,6 @@ def _decode_split_kernel(
     Parameters (in order; pointers unless noted):
         q_ptr         ``[B, H, D]`` queries in the stored key basis (fp32/bf16/fp16, contiguous): the step's
                       rotation, once a step (``decode_step.decode_append(q=...)``), never in a split program
-        rot_ptr, dscale_ptr  unread
         sink_k_ptr, sink_v_ptr       bf16 ``[B, H_kv, S0, D]``
         recent_k_ptr, recent_v_ptr   bf16 ``[B, H_kv, RC, D]`` rings (RC = layout.recent_slots = W + 2P)
         k_codes_ptr, v_codes_ptr     uint8 ``[N_pool, H_kv, P, D * KEY_BITS / 8]``, ``[N_pool, H_kv, P, D // 4]``
@@ -934,8 +933,7 @@ def launch_split_merge(
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
     fused = () if counters is None else (out, counters)
     wrap(split_kernel)[(bsz * num_kv_heads, n_splits)](
-        q, k_levels, k_levels,  # rot_ptr, dscale_ptr: unread
-        sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, part_o, part_lse, *fused,
         max_pages, pages_per_split, n_page_splits, n_splits,
         **constexprs, num_warps=num_warps, num_stages=num_stages,

@@ -116,13 +116,13 @@ def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[in
         raise ValueError(f"q_s: expected [B, {shapes.num_heads}, {shapes.head_dim}], got {list(dims['q_s'])}")
     hkv = shapes.num_kv_heads
     want = {
-        "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, shapes.sink, d),
+        "sink_k": (b, hkv, shapes.sink, d),
         "sink_v": (b, hkv, shapes.sink, d), "recent_k": (b, hkv, shapes.recent_slots, d),
         "recent_v": (b, hkv, shapes.recent_slots, d), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
     for name, shape in want.items():
-        if name in SPLIT_INPUTS and tuple(dims[name]) != shape:
+        if tuple(dims[name]) != shape:
             raise ValueError(f"{name}: expected {list(shape)}, got {list(dims[name])}")
     bt = tuple(dims["block_table"])
     if len(bt) != 2 or bt[0] != b or bt[1] <= 0:

@@ -146,9 +146,8 @@ class AotCacheOps:
         if out is None:
             out = torch.empty(b, self.num_heads, d, dtype=torch.bfloat16, device=q_s.device)
         a = plan.split_args()
-        unread = transform.k_levels  # rot_ptr, dscale_ptr: no split program rotates a query
         self.split.launch(named=dict(
-            q_ptr=q_s, rot_ptr=unread, dscale_ptr=unread, sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v,
+            q_ptr=q_s, sink_k_ptr=state.sink_k, sink_v_ptr=state.sink_v,
             recent_k_ptr=state.recent_k, recent_v_ptr=state.recent_v, k_codes_ptr=state.k_codes,
             k_params_ptr=state.k_params, v_codes_ptr=state.v_codes, v_params_ptr=state.v_params,
             k_levels_ptr=transform.k_levels, v_levels_ptr=transform.v_levels, block_table_ptr=state.block_table,

@@ -250,8 +250,7 @@ def _aot_decode(split, merge, q_s, st, t, plan, cuda):
     part_lse = torch.empty(plan.batch, HEADS, plan.n_splits, device=cuda)
     out = torch.empty(plan.batch, HEADS, q.shape[-1], dtype=torch.bfloat16, device=cuda)
     a = plan.split_args()
-    unread = t.k_levels  # rot_ptr, dscale_ptr: no split program rotates
-    split.launch(q, unread, unread, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
+    split.launch(q, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
                  st.v_params, t.k_levels, t.v_levels, st.block_table, st.sink_len, st.num_pages, st.recent_len,
                  part_o, part_lse, a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"],
                  grid_inputs={"B": plan.batch})
@@ -339,10 +338,10 @@ def test_decode_attention(bundles, where, source, lay, cuda):
     part_lse = torch.empty(plan.batch, HEADS, plan.n_splits, device=cuda)
     tout = torch.empty_like(out)
     a = plan.split_args()
-    tsplit.launch(q_s, tc.k_levels, tc.k_levels, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes,
-                  st.k_params, st.v_codes, st.v_params, tc.k_levels, tc.v_levels, st.block_table, st.sink_len,
-                  st.num_pages, st.recent_len, a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"],
-                  part_o, part_lse, grid_inputs={"B": plan.batch})
+    tsplit.launch(q_s, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes,
+                  st.v_params, tc.k_levels, tc.v_levels, st.block_table, st.sink_len, st.num_pages, st.recent_len,
+                  a["max_pages"], a["pages_per_split"], a["n_page_splits"], a["n_splits"], part_o, part_lse,
+                  grid_inputs={"B": plan.batch})
     tmerge.launch(part_o, part_lse, plan.n_splits, tout, grid_inputs={"rows": plan.batch * HEADS})
     torch.cuda.synchronize()
     assert _report("TensorRT-order kernels vs decode", tout, out)

@@ -62,6 +62,7 @@ def test_the_append_launch_rotates_the_queries_once_a_step(name):
     splits = [specs[f"decode_split_{tag}"]] + ([specs[f"trt_decode_split_{tag}"]] if layout.packing == "linear" else [])
     for s in splits:
         assert {p.name: p.type for p in s.params}["q_ptr"] == "*fp32", s.name
+        assert not {"rot_ptr", "dscale_ptr"} & {p.name for p in s.params}, f"{s.name}: takes the key rotation"
         assert not s.constexpr_dict.get("ROTATE_Q", False), f"{s.name}: rotates the queries in every split program"
 
 

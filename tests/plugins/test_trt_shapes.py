@@ -44,13 +44,13 @@ def test_check_split_inputs():
     s = DecodeShapes.from_layout(LAYOUT, 9, 4)
     b, hkv, d = 2, 3, 64
     dims = {
-        "q_s": (b, 9, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d), "sink_k": (b, hkv, 64, d),
+        "q_s": (b, 9, d), "sink_k": (b, hkv, 64, d),
         "sink_v": (b, hkv, 64, d), "recent_k": (b, hkv, 384, d), "recent_v": (b, hkv, 384, d),
         "k_codes": (7, hkv, 64, 16), "k_params": (7, hkv, 64, 1, 2), "v_codes": (7, hkv, 64, 16),
         "v_params": (7, hkv, 64, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4), "block_table": (b, 5),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
-    dims = {n: dims[n] for n in SPLIT_INPUTS}
+    assert list(dims) == list(SPLIT_INPUTS)  # the queries (rotated once a step before the plugin) and the cache
     assert check_split_inputs(s, dims) == (2, 5)
     # the recent ring holds W + 2P = 384 slots; a W + P buffer (the pre-ring layout) is refused
     with pytest.raises(ValueError, match=r"recent_k: expected \[2, 3, 384, 64\], got \[2, 3, 320, 64\]"):

@@ -79,7 +79,7 @@ def _create(trt, name, fields=()):
 def _split_dims(batch, max_pages):
     d, hkv, p = 64, 3, 64
     dims = {
-        "q_s": (batch, HEADS, d), "k_rotation": (hkv, d, d), "k_scale": (hkv, d),
+        "q_s": (batch, HEADS, d),
         "sink_k": (batch, hkv, 64, d), "sink_v": (batch, hkv, 64, d), "recent_k": (batch, hkv, 384, d),
         "recent_v": (batch, hkv, 384, d), "k_codes": (40, hkv, p, 16), "k_params": (40, hkv, p, 1, 2),
         "v_codes": (40, hkv, p, 16), "v_params": (40, hkv, p, 1, 2), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
