@@ -9,7 +9,11 @@ The arithmetic is the reference's, step for step (see ``reference.py``): the cli
 per-thread top-8 lists in registers (:mod:`.clip_threshold`); the scale is
 ``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,
 so the codes and params are bit-identical to the reference on the same stored-basis input. A page takes
-two passes over its rows: the threshold (with min/max), then the codes.
+two passes over its rows: the threshold (with min/max), then the codes. BF16/FP16 rows are selected in their own
+dtype (``|x|``, the cut and the lists are exact there; min/max of x and everything after stay fp32): on sm_90 two
+comparators of the sort network then run as one packed ``HMNMX2``, and token pages take 64 rows a block (two a
+thread) so that they pair. The lists' filler is 0, not negative: Triton's interpreter holds BF16 as its uint16 bits,
+whose order is the value's for non-negative values only.
 
 4-bit pages (``RowFormat.bits == 4``, constexpr ``BITS``; keys of the layers that have them) take the same
 threshold pass; the scale uses ``reference.span_inverse(16)`` and the code compares with the 15 uniform
@@ -41,6 +45,9 @@ from .transform import clip_rank
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
 #: fp32 1/15, the range factor of 4-bit pages (16 levels), as a compile-time constant.
 _ONE_FIFTEENTH = tl.constexpr(span_inverse(16))
+#: rows per block of the token quantizer for 16-bit rows (else 32; see ``_token_pages``): two rows a thread, so
+#: the selection's min/max pair up into one packed ``HMNMX2`` (bf16x2/f16x2) each on sm_90
+S16 = tl.constexpr(64)
 #: rows of R per step of the fused rotation when ``D > 128`` (the whole fp32 ``[D, D]`` exceeds shared memory).
 ROT_K = tl.constexpr(32)
 #: the PACKING constexpr of mma16 keys (layout.packing_code), as a constexpr global.
@@ -70,13 +77,14 @@ def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constex
 
     Returns the 8 largest ``|x| < cut`` per row, the count in ``[cut, bound)`` and (FIRST) min/max of x.
     """
-    neg = tl.full((S, Q // C), -1.0, tl.float32)
+    XT: tl.constexpr = ptrs.dtype.element_ty  # the rows' own dtype: |x|, min, max and the lists are exact in it
+    neg = tl.full((S, Q // C), 0.0, XT)
     t0, t1, t2, t3, t4, t5, t6, t7 = neg, neg, neg, neg, neg, neg, neg, neg
     cnt = tl.zeros((S, Q), tl.int32)
     mn = tl.full((S, Q), float("inf"), tl.float32)
     mx = tl.full((S, Q), float("-inf"), tl.float32)
     for k in tl.static_range(4):
-        a, mn, mx, cnt = _prep(tl.load(ptrs + k * Q).to(tl.float32), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
+        a, mn, mx, cnt = _prep(tl.load(ptrs + k * Q), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
         t0, t1, t2, t3, t4, t5, t6, t7 = _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7,
                                                      tl.reshape(a, (S, Q // C, C)), C, k == 0)
     t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge8)
@@ -100,11 +108,15 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     """
     Q: tl.constexpr = G // 4
     C: tl.constexpr = 8 if Q >= 8 else Q
-    S: tl.constexpr = 32 if P >= 32 else P
     NG: tl.constexpr = D // G
+    # 64 rows a block for 16-bit rows, 2-bit codes and linear (or one-group-a-row mma16) stores: the mma16 whole-row
+    # parameters [S, D] of several groups a row and the 4-bit code pass would spill at 64 (sm_90)
+    WIDE: tl.constexpr = x_base.dtype.element_ty.primitive_bitwidth == 16 and BITS == 2 and (PACKING == 0 or NG == 1)
+    SW: tl.constexpr = S16 if WIDE else 32
+    S: tl.constexpr = SW if P >= SW else P
     r = tl.arange(0, S)
     q = tl.arange(0, Q)
-    inf = tl.full((S,), float("inf"), tl.float32)
+    inf = tl.full((S,), float("inf"), x_base.dtype.element_ty)  # the cut, in the rows' dtype (_row_round)
     t0p = (lv0 + lv1) * 0.5
     t1p = (lv1 + lv2) * 0.5
     t2p = (lv2 + lv3) * 0.5
@@ -185,11 +197,11 @@ def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
     """``|x|`` masked to ``< cut`` (FIRST: all) and the running min/max of x (FIRST) or the count in [cut, bound)."""
     a = tl.abs(x)
     if FIRST:
-        mn = tl.minimum(mn, x)
-        mx = tl.maximum(mx, x)
+        mn = tl.minimum(mn, x.to(tl.float32))
+        mx = tl.maximum(mx, x.to(tl.float32))
     else:
         cnt += ((a >= cut) & (a < bound)).to(tl.int32)
-        a = tl.where(a < cut, a, -1.0)
+        a = tl.where(a < cut, a, 0.0)
     return a, mn, mx, cnt
 
 
@@ -197,14 +209,14 @@ def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
 def _channel_block(t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut, bound, mn, mx, cnt,
                    T: tl.constexpr, FIRST: tl.constexpr):
     """Add 8 loads of T tokens each (``rows [T, D]`` pointers, then + j*T rows) to the channel lists."""
-    e0, mn, mx, cnt = _prep(tl.load(rows).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e1, mn, mx, cnt = _prep(tl.load(rows + 1 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e2, mn, mx, cnt = _prep(tl.load(rows + 2 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e3, mn, mx, cnt = _prep(tl.load(rows + 3 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e4, mn, mx, cnt = _prep(tl.load(rows + 4 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e5, mn, mx, cnt = _prep(tl.load(rows + 5 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e6, mn, mx, cnt = _prep(tl.load(rows + 6 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
-    e7, mn, mx, cnt = _prep(tl.load(rows + 7 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e0, mn, mx, cnt = _prep(tl.load(rows), cut, bound, mn, mx, cnt, FIRST)
+    e1, mn, mx, cnt = _prep(tl.load(rows + 1 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e2, mn, mx, cnt = _prep(tl.load(rows + 2 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e3, mn, mx, cnt = _prep(tl.load(rows + 3 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e4, mn, mx, cnt = _prep(tl.load(rows + 4 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e5, mn, mx, cnt = _prep(tl.load(rows + 5 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e6, mn, mx, cnt = _prep(tl.load(rows + 6 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e7, mn, mx, cnt = _prep(tl.load(rows + 7 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
     t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, False)
     return t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt
 
@@ -218,7 +230,8 @@ def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constex
     """
     t = tl.arange(0, T)
     i = tl.arange(0, D)
-    neg = tl.full((T, D), -1.0, tl.float32)
+    XT: tl.constexpr = x_base.dtype.element_ty  # as in _row_round: the selection in the rows' own dtype
+    neg = tl.full((T, D), 0.0, XT)
     t0, t1, t2, t3, t4, t5, t6, t7 = neg, neg, neg, neg, neg, neg, neg, neg
     cnt = tl.zeros((T, D), tl.int32)
     mn = tl.full((T, D), float("inf"), tl.float32)
@@ -226,14 +239,14 @@ def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constex
     cut2 = cut[None, :]
     bound2 = bound[None, :]
     rows = x_base + t[:, None] * stride_xp + i[None, :]
-    if P >= 8 * T:  # one loop body (no first block peeled: merging into the empty (-1) lists keeps the same 8)
+    if P >= 8 * T:  # one loop body (no first block peeled: merging into the empty (0) lists keeps the same 8)
         for tb in range(0, P, 8 * T):
             t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
                 t0, t1, t2, t3, t4, t5, t6, t7, rows + tb * stride_xp, stride_xp, cut2, bound2, mn, mx, cnt,
                 T, FIRST)
     else:
         for tb in range(0, P, T):
-            a, mn, mx, cnt = _prep(tl.load(rows + tb * stride_xp).to(tl.float32), cut2, bound2, mn, mx, cnt, FIRST)
+            a, mn, mx, cnt = _prep(tl.load(rows + tb * stride_xp), cut2, bound2, mn, mx, cnt, FIRST)
             t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, a)
     t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 0, _merge8)
     return t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 0), tl.min(mn, 0), tl.max(mx, 0)
@@ -257,7 +270,7 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     NG: tl.constexpr = D // G
     T: tl.constexpr = 4 if P >= 32 else (P // 8 if P >= 8 else 1)
     i = tl.arange(0, D)
-    inf = tl.full((D,), float("inf"), tl.float32)
+    inf = tl.full((D,), float("inf"), x_base.dtype.element_ty)  # the cut, in the rows' dtype (_channel_round)
     t0, t1, t2, t3, t4, t5, t6, t7, c, mn, mx = _channel_round(x_base, stride_xp, inf, inf, P, D, T, True)
     kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((D,), tl.int32) + keep,
                              tl.zeros((D,), tl.int32), tl.zeros((D,), tl.float32))

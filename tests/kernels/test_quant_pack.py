@@ -195,6 +195,55 @@ def test_threshold_ties_and_rank_edges_bit_exact(qp, device, gran):
     _assert_equal("params", got_p.cpu(), want_p)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gran", ["token", "channel"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_16bit_rows_hard_groups_bit_exact(qp, device, gran, dtype, bits):
+    """BF16/FP16 rows are selected in their own dtype (|x|, min/max, the top-8 lists): the hard groups (ties at
+    the threshold, repeated maxima, all-equal and zero groups, rank 0 and G - 1) on 128-token pages (two row
+    blocks of the token quantizer), against the reference on the same values in fp32."""
+    h, n = len(HARD_CLIPS), 64
+    lay = KVCacheLayout(h, n, RowFormat(n, n, gran), RowFormat(n, n), sink=64, window=256, page_size=2 * n)
+    lay = lay.with_key_bits(4) if bits == 4 else lay
+    x = torch.cat([_hard_groups(n, n, h), _hard_groups(n, n, h).flip(-2) * 0.75], dim=-2)  # [1, h, 2n, n]
+    if gran == "channel":
+        x = torch.cat([x[..., :n, :].transpose(-1, -2), x[..., n:, :].transpose(-1, -2)], dim=-2)
+    x = x.to(dtype)
+    levels = LEVELS[torch.arange(h) % 3]
+    want_c, want_p = ref.quantize_pages(x.float(), lay.key, HARD_CLIPS, levels)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+
+
+# levels whose clamped codes are not 0 at -thr and 3 at thr (the code pass folds the clamp into the thresholds):
+# lv3 beyond the range (3 never reached), lv0 below it (0 never reached), not ascending
+ODD_LEVELS = torch.tensor([[0.0, 1.0, 2.0, 5.0], [-2.0, -1.0, 0.5, 3.0], [0.0, 3.0, 1.0, 2.0]])
+
+
+@pytest.mark.parametrize("gran,packing,g", [("token", "linear", 64), ("channel", "linear", 64),
+                                            ("token", "mma16", 32), ("channel", "mma16", 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamp_at_the_code_thresholds_bit_exact(qp, device, gran, packing, g, dtype):
+    """Odd levels on the hard groups (outliers past the clip, zero and constant groups): the codes of clamped
+    values equal the reference's, whichever code ``-thr`` and ``thr`` get. Token mma16 with two groups a row
+    takes the whole-row code path."""
+    h, n = len(HARD_CLIPS), 64
+    lay = KVCacheLayout(h, n, RowFormat(n, g, gran), RowFormat(n, g), sink=64, window=256, page_size=n)
+    lay = _mma16(lay) if packing == "mma16" else lay
+    x = _hard_groups(n, n, h)
+    if gran == "channel":
+        x = x.transpose(-1, -2).contiguous()
+    x = x.to(dtype)
+    levels = ODD_LEVELS[torch.arange(h) % 3]
+    want_c, want_p = ref.quantize_pages(x.float(), lay.key, HARD_CLIPS, levels)
+    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
+    _assert_equal("codes", got_c.cpu(), want_c)
+    _assert_equal("params", got_p.cpu(), want_p)
+    codes = ref.unpack_page_codes(want_c, lay.key, "key")
+    assert int(codes.min()) == 0 and int(codes.max()) == 3  # not degenerate: the odd levels still use codes 0..3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("gran", ["token", "channel"])

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The page quantizer (prefill write, demotion) on the H200 against the copy bandwidth (issue 29's quantize target).
+# Run from the repository root; everything goes under $OUT; < 200 s (each stage has its own timeout).
+#
+#   OUT=/tmp/p bash benchmarks/gpu_P.sh
+#
+# $OUT/env.txt     GPU, versions, git, and each stage's seconds and return code
+# $OUT/bench.*     benchmarks/bench_quant.py --packing linear,mma16: prefill write, token and channel keys, 64 and
+#                  1024 pages (each variant first checked bit-exact against the reference on the GPU), +rot,
+#                  demote+append, beside the device copy bandwidth (json + the printed table)
+# $OUT/ab_s16.txt  the token prefill rows (64, 1024 pages) with quant_pack.S16 = 32, then 64 (committed): the rows per
+#                  block of the token quantizer for BF16 rows; one process and a fresh Triton cache per value, S16
+#                  set before the first compile (the committed file is not touched)
+# $OUT/tests.txt   the quantizer's GPU tests: tests/gpu/test_kernels_gpu.py -k quantize (bit-exact vs the reference,
+#                  real shapes, linear and mma16 pages, 2- and 4-bit keys, head_dim 256), then, with time left,
+#                  tests/gpu/test_aot_gpu.py -k quant_pack (the AOT bundle's quantizer)
+set -u
+OUT=${OUT:?set OUT to the output folder}
+mkdir -p "$OUT"
+start=$SECONDS
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.txt" 2>&1
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  date -u
+  echo "install: $((SECONDS - start)) s"
+} > "$OUT/env.txt" 2>&1
+
+t=$SECONDS
+timeout 90 python3 benchmarks/bench_quant.py --packing linear,mma16 --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+echo "bench_quant: rc $? $((SECONDS - t)) s" >> "$OUT/env.txt"
+
+for s16 in 32 64; do
+  t=$SECONDS
+  TRITON_CACHE_DIR=$(mktemp -d) timeout 22 python3 - "$s16" >> "$OUT/ab_s16.txt" 2>&1 <<'PY'
+import json
+import sys
+
+import triton.language as tl
+
+from oscar_export.bench import copy_tbps
+from oscar_export.kernels import quant_pack as qp
+
+sys.path.insert(0, "benchmarks")
+import bench_quant  # noqa: E402
+
+qp.S16 = tl.constexpr(int(sys.argv[1]))  # a constexpr global: read by the JIT at the first compile
+bw = copy_tbps()
+for n in (64, 1024):
+    r = bench_quant.bench_write(n, "token", rotate=False)
+    r["S16"] = int(sys.argv[1])
+    print(json.dumps(r), f"{100 * r['tbps'] / bw:.1f} % of copy {bw:.2f} TB/s", flush=True)
+PY
+  echo "A/B S16=$s16: rc $? $((SECONDS - t)) s" >> "$OUT/env.txt"
+done
+
+t=$SECONDS
+left=$((190 - (SECONDS - start)))
+if [ "$left" -gt 15 ]; then
+  timeout "$left" python3 -m pytest tests/gpu/test_kernels_gpu.py -q -m gpu -k quantize -p no:cacheprovider \
+    > "$OUT/tests.txt" 2>&1
+  echo "tests (kernels -k quantize): rc $? $((SECONDS - t)) s" >> "$OUT/env.txt"
+fi
+t=$SECONDS
+left=$((195 - (SECONDS - start)))
+if [ "$left" -gt 15 ]; then
+  timeout "$left" python3 -m pytest tests/gpu/test_aot_gpu.py -q -m gpu -k quant_pack -p no:cacheprovider \
+    >> "$OUT/tests.txt" 2>&1
+  echo "tests (aot -k quant_pack): rc $? $((SECONDS - t)) s" >> "$OUT/env.txt"
+else
+  echo "tests (aot -k quant_pack): skipped, ${left} s left" >> "$OUT/env.txt"
+fi
+echo "total: $((SECONDS - start)) s" >> "$OUT/env.txt"
