@@ -7,7 +7,8 @@ and the demotion of the oldest recent tokens inside a decode step (:mod:`.decode
 The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is
 ``sorted(|x|)[rank]`` of the group, i.e. its K-th largest ``|x|`` with ``K = group - rank``, found with
 per-thread top-8 lists in registers (:mod:`.clip_threshold`); the scale is
-``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,
+``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``clamp(x) - lo`` with ``t_j * s`` (the clamp folded into
+the three thresholds, :func:`_open_levels`). There is no division,
 so the codes and params are bit-identical to the reference on the same stored-basis input. A page takes
 two passes over its rows: the threshold (with min/max), then the codes. BF16/FP16 rows are selected in their own
 dtype (``|x|``, the cut and the lists are exact there; min/max of x and everything after stay fp32): on sm_90 two
@@ -123,7 +124,6 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     for rb in range(0, P, S):
         if PACKING != 0 and NG > 1 and BITS == 2:  # per-element group parameters of the row block (whole-row codes)
             colg = tl.arange(0, D)[None, :] // G
-            thr_f = tl.zeros((S, D), tl.float32)
             lof_f = tl.zeros((S, D), tl.float32)
             ts0_f = tl.zeros((S, D), tl.float32)
             ts1_f = tl.zeros((S, D), tl.float32)
@@ -148,10 +148,11 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                 scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
             lo16 = lo.to(tl.float16)
             s = scale16.to(tl.float32)
-            lof = lo16.to(tl.float32)[:, None]
-            ts0 = (t0p * s)[:, None]
-            ts1 = (t1p * s)[:, None]
-            ts2 = (t2p * s)[:, None]
+            lofv = lo16.to(tl.float32)
+            lof = lofv[:, None]
+            ts0 = _open_levels(t0p * s, thr, lofv)[:, None]
+            ts1 = _open_levels(t1p * s, thr, lofv)[:, None]
+            ts2 = _open_levels(t2p * s, thr, lofv)[:, None]
             if BITS == 4:
                 th = thr[:, None]
                 s2 = s[:, None]
@@ -165,14 +166,10 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             elif PACKING == 0 or NG == 1:  # mma16 with one group per row: linear first, repacked below
                 packed = tl.zeros((S, Q), tl.int32)
                 for k in tl.static_range(4):
-                    x = tl.load(ptrs + k * Q).to(tl.float32)
-                    d = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None]) - lof
-                    code = (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
-                    packed = packed | (code << (2 * k))
+                    packed = packed | (_code(tl.load(ptrs + k * Q).to(tl.float32), lof, ts0, ts1, ts2) << (2 * k))
                 tl.store(codes_base + (rb + r)[:, None] * (D // 4) + (g * Q + q)[None, :], packed.to(tl.uint8))
             else:
                 here = colg == g
-                thr_f = tl.where(here, thr[:, None], thr_f)
                 lof_f = tl.where(here, lof, lof_f)
                 ts0_f = tl.where(here, ts0, ts0_f)
                 ts1_f = tl.where(here, ts1, ts1_f)
@@ -186,7 +183,7 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                      mask=q[None, :] == 0)
         if PACKING != 0 and NG > 1 and BITS == 2:
             x = tl.load(x_base + (rb + r)[:, None] * stride_xp + tl.arange(0, D)[None, :]).to(tl.float32)
-            _store_codes_mma16(codes_base, _code(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
+            _store_codes_mma16(codes_base, _code(x, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
     if PACKING != 0 and (NG == 1 or BITS == 4):
         tl.debug_barrier()  # the linear codes of every row block are written (by other threads too)
         repack_linear_to_mma16(codes_base, P, D, PACKING != _MMA16_KEY, G, BITS)
@@ -292,9 +289,9 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     tl.store(params_base + D + i, lo16)
     s = scale16.to(tl.float32)
     lof = lo16.to(tl.float32)
-    ts0 = ((lv0 + lv1) * 0.5) * s
-    ts1 = ((lv1 + lv2) * 0.5) * s
-    ts2 = ((lv2 + lv3) * 0.5) * s
+    ts0 = _open_levels(((lv0 + lv1) * 0.5) * s, thr, lof)
+    ts1 = _open_levels(((lv1 + lv2) * 0.5) * s, thr, lof)
+    ts2 = _open_levels(((lv2 + lv3) * 0.5) * s, thr, lof)
     if PACKING != 0:  # mma16: whole rows of 16 * MB tokens per step (keys only: channel groups)
         TB0: tl.constexpr = 256 // (D * BITS) if D * BITS < 256 else 1
         TM: tl.constexpr = 16 * (TB0 if (P // 16) % TB0 == 0 else 1)  # 16 * mma16_group(P, D, BITS)
@@ -304,7 +301,7 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
             if BITS == 4:
                 code = _code16(x, thr[None, :], lof[None, :], s[None, :])
             else:
-                code = _code(x, thr[None, :], lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
+                code = _code(x, lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
             _store_codes_mma16(codes_base, code, tb, P, D, TM, PACKING, BITS)
         return
     T3: tl.constexpr = 2 * T if P >= 2 * T else T  # tokens per step of the code pass
@@ -331,32 +328,45 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
             tl.store(dst + Q, high.to(tl.uint8))
         return
     byte = (tl.arange(0, NG)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
-    th0, lo0 = _quarter(thr, 0, NG, Q)[None, :, :], _quarter(lof, 0, NG, Q)[None, :, :]
+    lo0 = _quarter(lof, 0, NG, Q)[None, :, :]
     a0, b0, c0 = (_quarter(ts0, 0, NG, Q)[None, :, :], _quarter(ts1, 0, NG, Q)[None, :, :],
                   _quarter(ts2, 0, NG, Q)[None, :, :])
-    th1, lo1 = _quarter(thr, 1, NG, Q)[None, :, :], _quarter(lof, 1, NG, Q)[None, :, :]
+    lo1 = _quarter(lof, 1, NG, Q)[None, :, :]
     a1, b1, c1 = (_quarter(ts0, 1, NG, Q)[None, :, :], _quarter(ts1, 1, NG, Q)[None, :, :],
                   _quarter(ts2, 1, NG, Q)[None, :, :])
-    th2, lo2 = _quarter(thr, 2, NG, Q)[None, :, :], _quarter(lof, 2, NG, Q)[None, :, :]
+    lo2 = _quarter(lof, 2, NG, Q)[None, :, :]
     a2, b2, c2 = (_quarter(ts0, 2, NG, Q)[None, :, :], _quarter(ts1, 2, NG, Q)[None, :, :],
                   _quarter(ts2, 2, NG, Q)[None, :, :])
-    th3, lo3 = _quarter(thr, 3, NG, Q)[None, :, :], _quarter(lof, 3, NG, Q)[None, :, :]
+    lo3 = _quarter(lof, 3, NG, Q)[None, :, :]
     a3, b3, c3 = (_quarter(ts0, 3, NG, Q)[None, :, :], _quarter(ts1, 3, NG, Q)[None, :, :],
                   _quarter(ts2, 3, NG, Q)[None, :, :])
     for tb in range(0, P, T3):
         rows = x_base + (tb + t) * stride_xp + col
-        packed = _code(tl.load(rows).to(tl.float32), th0, lo0, a0, b0, c0)
-        packed |= _code(tl.load(rows + Q).to(tl.float32), th1, lo1, a1, b1, c1) << 2
-        packed |= _code(tl.load(rows + 2 * Q).to(tl.float32), th2, lo2, a2, b2, c2) << 4
-        packed |= _code(tl.load(rows + 3 * Q).to(tl.float32), th3, lo3, a3, b3, c3) << 6
+        packed = _code(tl.load(rows).to(tl.float32), lo0, a0, b0, c0)
+        packed |= _code(tl.load(rows + Q).to(tl.float32), lo1, a1, b1, c1) << 2
+        packed |= _code(tl.load(rows + 2 * Q).to(tl.float32), lo2, a2, b2, c2) << 4
+        packed |= _code(tl.load(rows + 3 * Q).to(tl.float32), lo3, a3, b3, c3) << 6
         tl.store(codes_base + (tb + t) * (D // 4) + byte, packed.to(tl.uint8))
 
 
 @triton.jit
-def _code(x, thr, lof, ts0, ts1, ts2):
-    """The 2-bit code of ``x`` (int32) given its group's threshold, float(lo16) and ``t_j * scale``."""
-    d = tl.minimum(tl.maximum(x, -thr), thr) - lof
+def _code(x, lof, ts0, ts1, ts2):
+    """The 2-bit code of ``x`` (int32) given float(lo16) and its group's :func:`_open_levels` ``t_j * scale``."""
+    d = x - lof
     return (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
+
+
+@triton.jit
+def _open_levels(ts, thr, lof):
+    """``ts'`` with ``[x - lof >= ts'] == [clamp(x, -thr, thr) - lof >= ts]`` for every finite x (fp32 ops): the
+    clamp folded into the group's three code thresholds, so the code pass clamps nothing.
+
+    ``x -> fl(x - lof)`` is monotone, so for ``x >= thr`` the unclamped side is ``>= fl(thr - lof)``, and for
+    ``x <= -thr`` it is ``<= fl(-thr - lof)``: where the clamped comparison is the same for all x (true at -thr:
+    ``-inf``; false at thr: ``+inf``) the threshold says so, else ``ts`` itself is right on both sides (``x - lof``
+    cannot overflow: |lof| <= 65504). Exact: the codes are the clamped rule's, bit for bit.
+    """
+    return tl.where(thr - lof >= ts, tl.where(-thr - lof >= ts, float("-inf"), ts), float("inf"))
 
 
 @triton.jit
