@@ -8,8 +8,9 @@ Per layer and (by default) per KV head, for keys and values separately:
    clip ratios fitted on the held-out rows (``clipping.fit_clip`` over ``objective.LayerObjective``,
    the exact reference quantizer with the real row format);
 3. ``rotation="auto"`` keeps, per head, the candidate with the lowest held-out error; a fixed kind keeps it;
-4. a Lloyd-Max codebook is fitted and kept where it lowers the error (``codebook="auto"``);
-5. with ``key_bits_budget``, the layers whose held-out key attention error 4-bit keys reduce most get 4-bit
+4. value clips move one grid step milder than that fit (``clipping.VALUE_CLIP_STEPS``: what the text KL preferred);
+5. a Lloyd-Max codebook is fitted and kept where it lowers the error (``codebook="auto"``);
+6. with ``key_bits_budget``, the layers whose held-out key attention error 4-bit keys reduce most get 4-bit
    keys within that page-bit budget (``key_bits.py``); every layer's key clips are chosen again per head against
    that attention error, at the width it gets (``key_bits.fit_key_clip``).
 
@@ -32,7 +33,7 @@ from oscar_export.kernels.transform import LayerTransform
 
 from .artifact import OscarArtifact, model_fingerprint
 from .capture import Collector, run_batches
-from .clipping import GLOBAL_CLIP, clip_grid, fit_clip
+from .clipping import GLOBAL_CLIP, VALUE_CLIP_STEPS, clip_grid, fit_clip, milder
 from .codebook import lloyd_levels, normalized_positions, uniform_levels
 from .covariance import VALUE_WEIGHTINGS, LayerStats, shared_target
 from .data import load_sources, token_sequences
@@ -259,6 +260,10 @@ def fit_side(
         nomean = evaluate(best.rotation, best.scale, zero, "")
         nomean.chosen = [c + "/no-mean" for c in best.chosen]
         best = merge(best, nomean)
+    if side == "v" and cfg.clip == "fitted" and VALUE_CLIP_STEPS:
+        # the value clips a step milder than the held-out fit (clipping.VALUE_CLIP_STEPS), their error measured
+        best.clip = milder(best.clip, grid, VALUE_CLIP_STEPS)
+        best.error = error_fn(best.rotation, best.scale, best.mean, [best.clip], best.levels)[0].double()
     if cfg.codebook != "off":
         lv = lloyd_levels(normalized_positions(pages(best.rotation, best.scale, best.mean), fmt, best.clip))
         err = error_fn(best.rotation, best.scale, best.mean, [best.clip], lv)[0].double()

@@ -76,3 +76,12 @@ def test_the_local_descent_stops_in_the_minimum_it_reaches():
     table[n // 2 + 1, 0], table[0, 0] = 1.0, 0.5  # a minimum next to the middle, a lower one at the far end
     fit = fit_clip(table_fn(table, []), 1, GRID, local=True)
     assert fit.error.tolist() == [1.0] and fit_clip(table_fn(table, []), 1, GRID).error.tolist() == [0.5]
+
+
+def test_milder_moves_each_heads_ratio_steps_toward_one_and_stops_there():
+    from oscar_export.calibration.clipping import milder
+
+    clip = torch.tensor([0.9, 0.98, 1.0, 0.75, 0.8999])  # the last: nearest grid ratio 0.9
+    assert milder(clip, GRID, 1).tolist() == pytest.approx([0.92, 1.0, 1.0, 0.8, 0.92])
+    assert milder(clip, GRID, 2).tolist() == pytest.approx([0.94, 1.0, 1.0, 0.84, 0.94])
+    assert torch.equal(milder(clip, GRID, 0), torch.tensor(GRID)[[5, 1, 0, 9, 5]])

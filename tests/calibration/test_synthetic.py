@@ -209,3 +209,26 @@ def test_fast_roundtrip_is_the_reference_bit_for_bit(granularity, group):
         ref = dequantize_pages(*quantize_pages(x, fmt, clip, levels), fmt, levels)
         bad = (xh != ref).nonzero()
         assert torch.equal(xh, ref), f"{len(bad)} mismatches, first {bad[:5].tolist()}"
+
+
+def test_value_clips_are_one_grid_step_milder_than_the_fit_and_their_error_is_measured_there():
+    """``fit_side`` of values keeps the fitted rotation but moves each head's clip ``VALUE_CLIP_STEPS`` grid steps
+    toward 1.0 and reports the held-out error at that clip; keys keep the fitted clip."""
+    from oscar_export.calibration.clipping import VALUE_CLIP_STEPS, milder
+    from oscar_export.calibration.pipeline import fit_side
+
+    assert VALUE_CLIP_STEPS == 1
+    st, obj = stats_and_objective()
+    fmt = RowFormat(D, D)
+    c = cfg(rotation="hadamard", value_mean=False, key_mean=False)
+    lv = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(H_KV, 4)
+    one, zero = torch.ones(H_KV, D, dtype=torch.float64), torch.zeros(H_KV, D, dtype=torch.float64)
+    for side, target, err in (("v", st.value_target("prob"), obj.value_errors), ("k", st.key_target(), obj.key_errors)):
+        fn = lambda r, s, mu, cs, lv, err=err: err(r, s, mu, cs, lv, fmt)  # noqa: E731
+        got = fit_side(side, target, target, torch.zeros(H_KV, D), fn, None, fmt, D, c, seed=0)
+        r = rotation("hadamard", target, D, 0)
+        fit = fit_clip(lambda cs: fn(r, one, zero, cs, lv), H_KV, clip_grid(D))
+        want = milder(fit.clip, clip_grid(D), 1) if side == "v" else fit.clip
+        assert torch.equal(got.clip, want), (side, got.clip, fit.clip)
+        assert torch.allclose(got.error, fn(r, one, zero, [want], lv)[0].double(), rtol=1e-12)
+        assert side == "k" or not torch.equal(got.clip, fit.clip)  # the planted values' fit clips: some move
