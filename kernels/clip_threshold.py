@@ -120,7 +120,7 @@ def _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7, v, C: tl.constexpr, FIRST: tl.co
     """Insert the ``C`` (1, 2, 4 or 8) values along the last axis of ``v [S, M, C]`` into lists ``[S, M]``.
 
     The last axis is a thread's contiguous load vector, so the splits move no data. ``FIRST``: the lists
-    are empty (all 0, the filler: no ``|x|`` is below it).
+    are empty (all -1).
     """
     if C == 1:
         t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, tl.reshape(v, (v.shape[0], v.shape[1])))

@@ -7,14 +7,9 @@ and the demotion of the oldest recent tokens inside a decode step (:mod:`.decode
 The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is
 ``sorted(|x|)[rank]`` of the group, i.e. its K-th largest ``|x|`` with ``K = group - rank``, found with
 per-thread top-8 lists in registers (:mod:`.clip_threshold`); the scale is
-``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``clamp(x) - lo`` with ``t_j * s`` (the clamp folded into
-the three thresholds, :func:`_open_levels`). There is no division,
+``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,
 so the codes and params are bit-identical to the reference on the same stored-basis input. A page takes
-two passes over its rows: the threshold (with min/max), then the codes. BF16/FP16 rows are selected in their own
-dtype (``|x|``, the cut and the lists are exact there; min/max of x and everything after stay fp32): on sm_90 two
-comparators of the sort network then run as one packed ``HMNMX2``, and token pages take 64 rows a block (two a
-thread) so that they pair. The lists' filler is 0, not negative: Triton's interpreter holds BF16 as its uint16 bits,
-whose order is the value's for non-negative values only.
+two passes over its rows: the threshold (with min/max), then the codes.
 
 4-bit pages (``RowFormat.bits == 4``, constexpr ``BITS``; keys of the layers that have them) take the same
 threshold pass; the scale uses ``reference.span_inverse(16)`` and the code compares with the 15 uniform
@@ -46,9 +41,6 @@ from .transform import clip_rank
 _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
 #: fp32 1/15, the range factor of 4-bit pages (16 levels), as a compile-time constant.
 _ONE_FIFTEENTH = tl.constexpr(span_inverse(16))
-#: rows per block of the token quantizer for 16-bit rows (else 32; see ``_token_pages``): two rows a thread, so
-#: the selection's min/max pair up into one packed ``HMNMX2`` (bf16x2/f16x2) each on sm_90
-S16 = tl.constexpr(64)
 #: rows of R per step of the fused rotation when ``D > 128`` (the whole fp32 ``[D, D]`` exceeds shared memory).
 ROT_K = tl.constexpr(32)
 #: the PACKING constexpr of mma16 keys (layout.packing_code), as a constexpr global.
@@ -78,14 +70,13 @@ def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constex
 
     Returns the 8 largest ``|x| < cut`` per row, the count in ``[cut, bound)`` and (FIRST) min/max of x.
     """
-    XT: tl.constexpr = ptrs.dtype.element_ty  # the rows' own dtype: |x|, min, max and the lists are exact in it
-    neg = tl.full((S, Q // C), 0.0, XT)
+    neg = tl.full((S, Q // C), -1.0, tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7 = neg, neg, neg, neg, neg, neg, neg, neg
     cnt = tl.zeros((S, Q), tl.int32)
     mn = tl.full((S, Q), float("inf"), tl.float32)
     mx = tl.full((S, Q), float("-inf"), tl.float32)
     for k in tl.static_range(4):
-        a, mn, mx, cnt = _prep(tl.load(ptrs + k * Q), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
+        a, mn, mx, cnt = _prep(tl.load(ptrs + k * Q).to(tl.float32), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
         t0, t1, t2, t3, t4, t5, t6, t7 = _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7,
                                                      tl.reshape(a, (S, Q // C, C)), C, k == 0)
     t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge8)
@@ -109,21 +100,18 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
     """
     Q: tl.constexpr = G // 4
     C: tl.constexpr = 8 if Q >= 8 else Q
+    S: tl.constexpr = 32 if P >= 32 else P
     NG: tl.constexpr = D // G
-    # 64 rows a block for 16-bit rows, 2-bit codes and linear (or one-group-a-row mma16) stores: the mma16 whole-row
-    # parameters [S, D] of several groups a row and the 4-bit code pass would spill at 64 (sm_90)
-    WIDE: tl.constexpr = x_base.dtype.element_ty.primitive_bitwidth == 16 and BITS == 2 and (PACKING == 0 or NG == 1)
-    SW: tl.constexpr = S16 if WIDE else 32
-    S: tl.constexpr = SW if P >= SW else P
     r = tl.arange(0, S)
     q = tl.arange(0, Q)
-    inf = tl.full((S,), float("inf"), x_base.dtype.element_ty)  # the cut, in the rows' dtype (_row_round)
+    inf = tl.full((S,), float("inf"), tl.float32)
     t0p = (lv0 + lv1) * 0.5
     t1p = (lv1 + lv2) * 0.5
     t2p = (lv2 + lv3) * 0.5
     for rb in range(0, P, S):
         if PACKING != 0 and NG > 1 and BITS == 2:  # per-element group parameters of the row block (whole-row codes)
             colg = tl.arange(0, D)[None, :] // G
+            thr_f = tl.zeros((S, D), tl.float32)
             lof_f = tl.zeros((S, D), tl.float32)
             ts0_f = tl.zeros((S, D), tl.float32)
             ts1_f = tl.zeros((S, D), tl.float32)
@@ -148,11 +136,10 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                 scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
             lo16 = lo.to(tl.float16)
             s = scale16.to(tl.float32)
-            lofv = lo16.to(tl.float32)
-            lof = lofv[:, None]
-            ts0 = _open_levels(t0p * s, thr, lofv)[:, None]
-            ts1 = _open_levels(t1p * s, thr, lofv)[:, None]
-            ts2 = _open_levels(t2p * s, thr, lofv)[:, None]
+            lof = lo16.to(tl.float32)[:, None]
+            ts0 = (t0p * s)[:, None]
+            ts1 = (t1p * s)[:, None]
+            ts2 = (t2p * s)[:, None]
             if BITS == 4:
                 th = thr[:, None]
                 s2 = s[:, None]
@@ -166,10 +153,14 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             elif PACKING == 0 or NG == 1:  # mma16 with one group per row: linear first, repacked below
                 packed = tl.zeros((S, Q), tl.int32)
                 for k in tl.static_range(4):
-                    packed = packed | (_code(tl.load(ptrs + k * Q).to(tl.float32), lof, ts0, ts1, ts2) << (2 * k))
+                    x = tl.load(ptrs + k * Q).to(tl.float32)
+                    d = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None]) - lof
+                    code = (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
+                    packed = packed | (code << (2 * k))
                 tl.store(codes_base + (rb + r)[:, None] * (D // 4) + (g * Q + q)[None, :], packed.to(tl.uint8))
             else:
                 here = colg == g
+                thr_f = tl.where(here, thr[:, None], thr_f)
                 lof_f = tl.where(here, lof, lof_f)
                 ts0_f = tl.where(here, ts0, ts0_f)
                 ts1_f = tl.where(here, ts1, ts1_f)
@@ -183,7 +174,7 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                      mask=q[None, :] == 0)
         if PACKING != 0 and NG > 1 and BITS == 2:
             x = tl.load(x_base + (rb + r)[:, None] * stride_xp + tl.arange(0, D)[None, :]).to(tl.float32)
-            _store_codes_mma16(codes_base, _code(x, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
+            _store_codes_mma16(codes_base, _code(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
     if PACKING != 0 and (NG == 1 or BITS == 4):
         tl.debug_barrier()  # the linear codes of every row block are written (by other threads too)
         repack_linear_to_mma16(codes_base, P, D, PACKING != _MMA16_KEY, G, BITS)
@@ -194,11 +185,11 @@ def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
     """``|x|`` masked to ``< cut`` (FIRST: all) and the running min/max of x (FIRST) or the count in [cut, bound)."""
     a = tl.abs(x)
     if FIRST:
-        mn = tl.minimum(mn, x.to(tl.float32))
-        mx = tl.maximum(mx, x.to(tl.float32))
+        mn = tl.minimum(mn, x)
+        mx = tl.maximum(mx, x)
     else:
         cnt += ((a >= cut) & (a < bound)).to(tl.int32)
-        a = tl.where(a < cut, a, 0.0)
+        a = tl.where(a < cut, a, -1.0)
     return a, mn, mx, cnt
 
 
@@ -206,14 +197,14 @@ def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
 def _channel_block(t0, t1, t2, t3, t4, t5, t6, t7, rows, stride_xp, cut, bound, mn, mx, cnt,
                    T: tl.constexpr, FIRST: tl.constexpr):
     """Add 8 loads of T tokens each (``rows [T, D]`` pointers, then + j*T rows) to the channel lists."""
-    e0, mn, mx, cnt = _prep(tl.load(rows), cut, bound, mn, mx, cnt, FIRST)
-    e1, mn, mx, cnt = _prep(tl.load(rows + 1 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
-    e2, mn, mx, cnt = _prep(tl.load(rows + 2 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
-    e3, mn, mx, cnt = _prep(tl.load(rows + 3 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
-    e4, mn, mx, cnt = _prep(tl.load(rows + 4 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
-    e5, mn, mx, cnt = _prep(tl.load(rows + 5 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
-    e6, mn, mx, cnt = _prep(tl.load(rows + 6 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
-    e7, mn, mx, cnt = _prep(tl.load(rows + 7 * T * stride_xp), cut, bound, mn, mx, cnt, FIRST)
+    e0, mn, mx, cnt = _prep(tl.load(rows).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e1, mn, mx, cnt = _prep(tl.load(rows + 1 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e2, mn, mx, cnt = _prep(tl.load(rows + 2 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e3, mn, mx, cnt = _prep(tl.load(rows + 3 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e4, mn, mx, cnt = _prep(tl.load(rows + 4 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e5, mn, mx, cnt = _prep(tl.load(rows + 5 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e6, mn, mx, cnt = _prep(tl.load(rows + 6 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
+    e7, mn, mx, cnt = _prep(tl.load(rows + 7 * T * stride_xp).to(tl.float32), cut, bound, mn, mx, cnt, FIRST)
     t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, False)
     return t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt
 
@@ -227,8 +218,7 @@ def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constex
     """
     t = tl.arange(0, T)
     i = tl.arange(0, D)
-    XT: tl.constexpr = x_base.dtype.element_ty  # as in _row_round: the selection in the rows' own dtype
-    neg = tl.full((T, D), 0.0, XT)
+    neg = tl.full((T, D), -1.0, tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7 = neg, neg, neg, neg, neg, neg, neg, neg
     cnt = tl.zeros((T, D), tl.int32)
     mn = tl.full((T, D), float("inf"), tl.float32)
@@ -236,14 +226,14 @@ def _channel_round(x_base, stride_xp, cut, bound, P: tl.constexpr, D: tl.constex
     cut2 = cut[None, :]
     bound2 = bound[None, :]
     rows = x_base + t[:, None] * stride_xp + i[None, :]
-    if P >= 8 * T:  # one loop body (no first block peeled: merging into the empty (0) lists keeps the same 8)
+    if P >= 8 * T:  # one loop body (no first block peeled: merging into the empty (-1) lists keeps the same 8)
         for tb in range(0, P, 8 * T):
             t0, t1, t2, t3, t4, t5, t6, t7, mn, mx, cnt = _channel_block(
                 t0, t1, t2, t3, t4, t5, t6, t7, rows + tb * stride_xp, stride_xp, cut2, bound2, mn, mx, cnt,
                 T, FIRST)
     else:
         for tb in range(0, P, T):
-            a, mn, mx, cnt = _prep(tl.load(rows + tb * stride_xp), cut2, bound2, mn, mx, cnt, FIRST)
+            a, mn, mx, cnt = _prep(tl.load(rows + tb * stride_xp).to(tl.float32), cut2, bound2, mn, mx, cnt, FIRST)
             t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, a)
     t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 0, _merge8)
     return t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 0), tl.min(mn, 0), tl.max(mx, 0)
@@ -267,7 +257,7 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     NG: tl.constexpr = D // G
     T: tl.constexpr = 4 if P >= 32 else (P // 8 if P >= 8 else 1)
     i = tl.arange(0, D)
-    inf = tl.full((D,), float("inf"), x_base.dtype.element_ty)  # the cut, in the rows' dtype (_channel_round)
+    inf = tl.full((D,), float("inf"), tl.float32)
     t0, t1, t2, t3, t4, t5, t6, t7, c, mn, mx = _channel_round(x_base, stride_xp, inf, inf, P, D, T, True)
     kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((D,), tl.int32) + keep,
                              tl.zeros((D,), tl.int32), tl.zeros((D,), tl.float32))
@@ -289,9 +279,9 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
     tl.store(params_base + D + i, lo16)
     s = scale16.to(tl.float32)
     lof = lo16.to(tl.float32)
-    ts0 = _open_levels(((lv0 + lv1) * 0.5) * s, thr, lof)
-    ts1 = _open_levels(((lv1 + lv2) * 0.5) * s, thr, lof)
-    ts2 = _open_levels(((lv2 + lv3) * 0.5) * s, thr, lof)
+    ts0 = ((lv0 + lv1) * 0.5) * s
+    ts1 = ((lv1 + lv2) * 0.5) * s
+    ts2 = ((lv2 + lv3) * 0.5) * s
     if PACKING != 0:  # mma16: whole rows of 16 * MB tokens per step (keys only: channel groups)
         TB0: tl.constexpr = 256 // (D * BITS) if D * BITS < 256 else 1
         TM: tl.constexpr = 16 * (TB0 if (P // 16) % TB0 == 0 else 1)  # 16 * mma16_group(P, D, BITS)
@@ -301,7 +291,7 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
             if BITS == 4:
                 code = _code16(x, thr[None, :], lof[None, :], s[None, :])
             else:
-                code = _code(x, lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
+                code = _code(x, thr[None, :], lof[None, :], ts0[None, :], ts1[None, :], ts2[None, :])
             _store_codes_mma16(codes_base, code, tb, P, D, TM, PACKING, BITS)
         return
     T3: tl.constexpr = 2 * T if P >= 2 * T else T  # tokens per step of the code pass
@@ -328,45 +318,32 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
             tl.store(dst + Q, high.to(tl.uint8))
         return
     byte = (tl.arange(0, NG)[:, None] * Q + tl.arange(0, Q)[None, :])[None, :, :]
-    lo0 = _quarter(lof, 0, NG, Q)[None, :, :]
+    th0, lo0 = _quarter(thr, 0, NG, Q)[None, :, :], _quarter(lof, 0, NG, Q)[None, :, :]
     a0, b0, c0 = (_quarter(ts0, 0, NG, Q)[None, :, :], _quarter(ts1, 0, NG, Q)[None, :, :],
                   _quarter(ts2, 0, NG, Q)[None, :, :])
-    lo1 = _quarter(lof, 1, NG, Q)[None, :, :]
+    th1, lo1 = _quarter(thr, 1, NG, Q)[None, :, :], _quarter(lof, 1, NG, Q)[None, :, :]
     a1, b1, c1 = (_quarter(ts0, 1, NG, Q)[None, :, :], _quarter(ts1, 1, NG, Q)[None, :, :],
                   _quarter(ts2, 1, NG, Q)[None, :, :])
-    lo2 = _quarter(lof, 2, NG, Q)[None, :, :]
+    th2, lo2 = _quarter(thr, 2, NG, Q)[None, :, :], _quarter(lof, 2, NG, Q)[None, :, :]
     a2, b2, c2 = (_quarter(ts0, 2, NG, Q)[None, :, :], _quarter(ts1, 2, NG, Q)[None, :, :],
                   _quarter(ts2, 2, NG, Q)[None, :, :])
-    lo3 = _quarter(lof, 3, NG, Q)[None, :, :]
+    th3, lo3 = _quarter(thr, 3, NG, Q)[None, :, :], _quarter(lof, 3, NG, Q)[None, :, :]
     a3, b3, c3 = (_quarter(ts0, 3, NG, Q)[None, :, :], _quarter(ts1, 3, NG, Q)[None, :, :],
                   _quarter(ts2, 3, NG, Q)[None, :, :])
     for tb in range(0, P, T3):
         rows = x_base + (tb + t) * stride_xp + col
-        packed = _code(tl.load(rows).to(tl.float32), lo0, a0, b0, c0)
-        packed |= _code(tl.load(rows + Q).to(tl.float32), lo1, a1, b1, c1) << 2
-        packed |= _code(tl.load(rows + 2 * Q).to(tl.float32), lo2, a2, b2, c2) << 4
-        packed |= _code(tl.load(rows + 3 * Q).to(tl.float32), lo3, a3, b3, c3) << 6
+        packed = _code(tl.load(rows).to(tl.float32), th0, lo0, a0, b0, c0)
+        packed |= _code(tl.load(rows + Q).to(tl.float32), th1, lo1, a1, b1, c1) << 2
+        packed |= _code(tl.load(rows + 2 * Q).to(tl.float32), th2, lo2, a2, b2, c2) << 4
+        packed |= _code(tl.load(rows + 3 * Q).to(tl.float32), th3, lo3, a3, b3, c3) << 6
         tl.store(codes_base + (tb + t) * (D // 4) + byte, packed.to(tl.uint8))
 
 
 @triton.jit
-def _code(x, lof, ts0, ts1, ts2):
-    """The 2-bit code of ``x`` (int32) given float(lo16) and its group's :func:`_open_levels` ``t_j * scale``."""
-    d = x - lof
+def _code(x, thr, lof, ts0, ts1, ts2):
+    """The 2-bit code of ``x`` (int32) given its group's threshold, float(lo16) and ``t_j * scale``."""
+    d = tl.minimum(tl.maximum(x, -thr), thr) - lof
     return (d >= ts0).to(tl.int32) + (d >= ts1).to(tl.int32) + (d >= ts2).to(tl.int32)
-
-
-@triton.jit
-def _open_levels(ts, thr, lof):
-    """``ts'`` with ``[x - lof >= ts'] == [clamp(x, -thr, thr) - lof >= ts]`` for every finite x (fp32 ops): the
-    clamp folded into the group's three code thresholds, so the code pass clamps nothing.
-
-    ``x -> fl(x - lof)`` is monotone, so for ``x >= thr`` the unclamped side is ``>= fl(thr - lof)``, and for
-    ``x <= -thr`` it is ``<= fl(-thr - lof)``: where the clamped comparison is the same for all x (true at -thr:
-    ``-inf``; false at thr: ``+inf``) the threshold says so, else ``ts`` itself is right on both sides (``x - lof``
-    cannot overflow: |lof| <= 65504). Exact: the codes are the clamped rule's, bit for bit.
-    """
-    return tl.where(thr - lof >= ts, tl.where(-thr - lof >= ts, float("-inf"), ts), float("inf"))
 
 
 @triton.jit
