@@ -8,9 +8,6 @@
 # $OUT/bench.*     benchmarks/bench_quant.py --packing linear,mma16: prefill write, token and channel keys, 64 and
 #                  1024 pages (each variant first checked bit-exact against the reference on the GPU), +rot,
 #                  demote+append, beside the device copy bandwidth (json + the printed table)
-# $OUT/ab_s16.txt  the token prefill rows (64, 1024 pages) with quant_pack.S16 = 32, then 64 (committed): the rows per
-#                  block of the token quantizer for BF16 rows; one process and a fresh Triton cache per value, S16
-#                  set before the first compile (the committed file is not touched)
 # $OUT/tests.txt   the quantizer's GPU tests: tests/gpu/test_kernels_gpu.py -k quantize (bit-exact vs the reference,
 #                  real shapes, linear and mma16 pages, 2- and 4-bit keys, head_dim 256), then, with time left,
 #                  tests/gpu/test_aot_gpu.py -k quant_pack (the AOT bundle's quantizer)
@@ -30,30 +27,6 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT
 t=$SECONDS
 timeout 90 python3 benchmarks/bench_quant.py --packing linear,mma16 --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
 echo "bench_quant: rc $? $((SECONDS - t)) s" >> "$OUT/env.txt"
-
-for s16 in 32 64; do
-  t=$SECONDS
-  TRITON_CACHE_DIR=$(mktemp -d) timeout 22 python3 - "$s16" >> "$OUT/ab_s16.txt" 2>&1 <<'PY'
-import json
-import sys
-
-import triton.language as tl
-
-from oscar_export.bench import copy_tbps
-from oscar_export.kernels import quant_pack as qp
-
-sys.path.insert(0, "benchmarks")
-import bench_quant  # noqa: E402
-
-qp.S16 = tl.constexpr(int(sys.argv[1]))  # a constexpr global: read by the JIT at the first compile
-bw = copy_tbps()
-for n in (64, 1024):
-    r = bench_quant.bench_write(n, "token", rotate=False)
-    r["S16"] = int(sys.argv[1])
-    print(json.dumps(r), f"{100 * r['tbps'] / bw:.1f} % of copy {bw:.2f} TB/s", flush=True)
-PY
-  echo "A/B S16=$s16: rc $? $((SECONDS - t)) s" >> "$OUT/env.txt"
-done
 
 t=$SECONDS
 left=$((190 - (SECONDS - start)))

@@ -199,9 +199,9 @@ def test_threshold_ties_and_rank_edges_bit_exact(qp, device, gran):
 @pytest.mark.parametrize("gran", ["token", "channel"])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_16bit_rows_hard_groups_bit_exact(qp, device, gran, dtype, bits):
-    """BF16/FP16 rows are selected in their own dtype (|x|, min/max, the top-8 lists): the hard groups (ties at
-    the threshold, repeated maxima, all-equal and zero groups, rank 0 and G - 1) on 128-token pages (two row
-    blocks of the token quantizer), against the reference on the same values in fp32."""
+    """BF16/FP16 rows (the recent buffer's and the prefill's dtype): the hard groups (ties at the threshold,
+    repeated maxima, all-equal and zero groups, rank 0 and G - 1) on 128-token pages (several row blocks of the
+    token quantizer), equal to the reference on the same values in fp32."""
     h, n = len(HARD_CLIPS), 64
     lay = KVCacheLayout(h, n, RowFormat(n, n, gran), RowFormat(n, n), sink=64, window=256, page_size=2 * n)
     lay = lay.with_key_bits(4) if bits == 4 else lay
@@ -216,8 +216,8 @@ def test_16bit_rows_hard_groups_bit_exact(qp, device, gran, dtype, bits):
     _assert_equal("params", got_p.cpu(), want_p)
 
 
-# levels whose clamped codes are not 0 at -thr and 3 at thr (the code pass folds the clamp into the thresholds):
-# lv3 beyond the range (3 never reached), lv0 below it (0 never reached), not ascending
+# levels whose clamped codes are not 0 at -thr and 3 at thr, so the clamp before the code decides codes: lv3 beyond
+# the range (3 not reached at thr), lv0 below it (0 not reached at -thr), not ascending
 ODD_LEVELS = torch.tensor([[0.0, 1.0, 2.0, 5.0], [-2.0, -1.0, 0.5, 3.0], [0.0, 3.0, 1.0, 2.0]])
 
 
