@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .aot import launch_plan as _plan
+from .cache_keys import hash_bottom_up
 from .layout import KVCacheLayout, PagedKV, packing_code
 from .pages import STATUS_NONFINITE
 from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state, removal_counts
@@ -289,5 +290,8 @@ def check_decode_append_inputs(
     if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
         raise NotImplementedError("decode_append: key and value token group sizes must match")
 
+
+
+hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
 __all__ = ["APPEND_WARPS", "check_decode_append_inputs", "decode_append", "launch", "removals", "rotate_queries"]

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .aot import launch_plan as _plan
+from .cache_keys import hash_bottom_up
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
 from .layout import ONE_THIRD_F32, PACK_MMA16_KEY, KVCacheLayout, PagedKV, RowFormat, packing_code
 from .mma16 import repack_linear_to_mma16, store_mma16
@@ -703,5 +704,8 @@ def quantize_pages(
                 fused_rotation=fused_rotation, num_warps=num_warps, operand=operand)
     return codes, params
 
+
+
+hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
 __all__ = ["check_format", "check_paged_state", "quantize_pages", "removal_counts", "write_pages"]

@@ -125,23 +125,6 @@ class Precompile:
         return failed
 
 
-def hash_step_kernels() -> None:
-    """Fix the Triton cache key of the append kernel in this process now, hashed from the append kernel itself, as a
-    worker hashes it.
-
-    Triton keys a kernel's on-disk entry with a hash of its source and its helpers' (``JITFunction.cache_key``),
-    computed once a process, on a kernel's first launch, and kept on every helper it reaches. Measured on the H200
-    (2026-12-02, Triton 3.6): when the prefill's ``_quant_pack_kernel`` launched first, the helper chain
-    ``_channel_pages`` -> ``_quantize_page`` -> ``_demote`` kept different hashes than in a worker, whose first
-    launch is the append kernel — same sources, same constants, same options —, so the README loop's first compiled
-    call compiled both append kernels again (a second on-disk entry each) instead of loading the workers' ones.
-    Why the two entry points hash a helper differently was not found (not reproduced on the dev CPU, where every
-    order hashes alike); hashing the append kernel first in the main process too gives it the workers' key."""
-    from oscar_export.kernels import decode_step
-
-    decode_step._decode_append_kernel.cache_key
-
-
 def start(fmts: list[StepFormat], device: torch.device) -> Precompile | None:
     """Start one worker process per format on ``device`` (a CUDA device); None when there is nothing to do or the
     workers cannot start (logged: the main process then compiles on its first launch)."""
@@ -151,7 +134,6 @@ def start(fmts: list[StepFormat], device: torch.device) -> Precompile | None:
     fmts = [f for f in fmts if _key(f, index) not in _STARTED]
     if not fmts:
         return None
-    hash_step_kernels()
     folder = tempfile.TemporaryDirectory(prefix="oscar-precompile-")
     path = os.path.join(folder.name, "formats.pt")
     try:

@@ -1,0 +1,56 @@
+"""``kernels/cache_keys.py``: one Triton cache key per kernel in every process, whatever kernel launches first.
+
+With Triton 3.6 (the H200's) a kernel's source hash took in only the helpers hashed before it, so the decode-step
+append kernel got one key in the precompile workers (launched first there) and another in a serving process (the
+prefill's quantizer launched first): the compiled step recompiled the kernels the workers had written. Reproduce
+the order dependence on the CPU with a Triton 3.6.0 virtualenv: on the old code the two orders below gave the append
+kernel keys 236d33c8... and 003b82dc...; Triton 3.9 (CI's) hashes alike in either order, so there the first test is
+what can fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("triton")
+
+REACHABLE = textwrap.dedent("""
+    from oscar_export.kernels import decode_step, quant_pack
+    from oscar_export.kernels.cache_keys import _callees
+
+    seen, todo = set(), [decode_step._decode_append_kernel, quant_pack._quant_pack_kernel]
+    while todo:
+        fn = todo.pop()
+        if fn.__name__ in seen:
+            continue
+        seen.add(fn.__name__)
+        assert fn.hash is not None and not fn.hash.startswith("recursion"), (fn.__name__, fn.hash)
+        todo += _callees(fn)
+    print(len(seen), "hashed on import")
+""")
+
+ORDER = textwrap.dedent("""
+    import sys
+    from oscar_export.kernels import decode_step, quant_pack
+    first = quant_pack._quant_pack_kernel if sys.argv[1] == "quant" else decode_step._decode_append_kernel
+    first.cache_key
+    print(decode_step._decode_append_kernel.cache_key)
+""")
+
+
+def _run(code: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_every_helper_of_the_step_kernels_is_hashed_on_import():
+    """Failed before: nothing was hashed until a kernel's first launch, in that launch's order."""
+    assert int(_run(REACHABLE).split()[0]) > 10
+
+
+def test_the_append_kernel_has_one_key_whatever_launches_first():
+    assert _run(ORDER, "quant") == _run(ORDER, "append")
