@@ -40,7 +40,6 @@ compile. A new user's first compile of each cache is one process per cache (``be
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
 import json
 import os
@@ -176,10 +175,8 @@ def triton_binaries() -> set[str]:
     return {os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".cubin")}
 
 
-def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup, device, compiler: str,
-            profile_compile: str | None = None) -> dict:
-    """One (cache, workload) row: prefill (or set the lengths), compile the step, time it. ``profile_compile``: a
-    file for the cProfile statistics of the first compiled call."""
+def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup, device, compiler: str) -> dict:
+    """One (cache, workload) row: prefill (or set the lengths), compile the step, time it."""
     from transformers import StaticCache
 
     torch._dynamo.reset()
@@ -242,16 +239,10 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
 
         clear_compile_timers()
         before = triton_binaries()
-        profiler = cProfile.Profile() if profile_compile else None
         t0 = time.perf_counter()
-        if profiler:
-            profiler.enable()
         step()
         _sync(device)
         row["compile_s"] = time.perf_counter() - t0
-        if profiler:
-            profiler.disable()
-            profiler.dump_stats(profile_compile)
         row["jit_kernels"] = sorted(os.path.basename(f)[:-6] for f in triton_binaries() - before
                                     if not os.path.basename(f).startswith("triton_"))
         if kind != "oscar-graph":
@@ -391,8 +382,6 @@ def main(argv=None) -> int:
     ap.add_argument("--jit-only", action="store_true", help="only time the decode step's kernel JIT (kernel_jit)")
     ap.add_argument("--keep-caches", action="store_true", help="use the usual Triton / Inductor cache folders "
                     "(default: fresh empty ones, a new machine's compile)")
-    ap.add_argument("--profile-compile", default=None, metavar="FILE",
-                    help="cProfile statistics of the first row's first compiled call (pstats format)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--commit", default=None, help="the commit to record (default: git rev-parse here; a copy of the "
                     "working tree on another machine may carry stale git metadata)")
@@ -441,8 +430,7 @@ def main(argv=None) -> int:
             continue
         setup = enable_oscar(model, art) if kind.startswith("oscar") else None
         try:
-            prof = args.profile_compile if args.profile_compile and not rows else None
-            row = run_row(model, kind, b, ctx, args.steps, prefill, setup, device, args.compiler, prof)
+            row = run_row(model, kind, b, ctx, args.steps, prefill, setup, device, args.compiler)
         except torch.OutOfMemoryError as e:
             row = {"cache": kind, "B": b, "context": ctx, "error": f"out of memory: {str(e)[:160]}"}
         except Exception as e:  # noqa: BLE001 - the row says what failed, the run goes on

@@ -16,17 +16,7 @@
 #                    the TRT-LLM device ops and a 140-step serving sequence against the reference)
 # $OUT/kernels.txt   tests/gpu/test_kernels_gpu.py: the tests whose per-program-rotation comparisons became budget
 #                    checks of the once-a-step queries, and the decode step in a CUDA graph
-set -u
-OUT=${OUT:?set OUT to the output folder}
-mkdir -p "$OUT"
-start=$SECONDS
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.txt" 2>&1
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  date -u
-} > "$OUT/env.txt" 2>&1
+source benchmarks/gpu_env.sh
 
 BUNDLE=$(mktemp -d)/bundle
 timeout 100 python3 -c "

@@ -11,18 +11,7 @@
 # $OUT/tests.txt   the quantizer's GPU tests: tests/gpu/test_kernels_gpu.py -k quantize (bit-exact vs the reference,
 #                  real shapes, linear and mma16 pages, 2- and 4-bit keys, head_dim 256), then, with time left,
 #                  tests/gpu/test_aot_gpu.py -k quant_pack (the AOT bundle's quantizer)
-set -u
-OUT=${OUT:?set OUT to the output folder}
-mkdir -p "$OUT"
-start=$SECONDS
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.txt" 2>&1
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  date -u
-  echo "install: $((SECONDS - start)) s"
-} > "$OUT/env.txt" 2>&1
+source benchmarks/gpu_env.sh
 
 t=$SECONDS
 timeout 90 python3 benchmarks/bench_quant.py --packing linear,mma16 --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1

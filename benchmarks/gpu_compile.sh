@@ -9,16 +9,7 @@
 # $OUT/cold-{oscar,bf16}.json   bench_e2e.py rows: compile_s split (Dynamo / Inductor / first run), Inductor's own
 #                               timers (compile_timers), the kernels the first call compiled in-process (jit_kernels)
 # $OUT/tests.txt                tests/gpu/test_precompile_gpu.py
-set -u
-OUT=${OUT:?set OUT to the output folder}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.txt" 2>&1
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
-'transformers', transformers.__version__)"
-  date -u
-} > "$OUT/env.txt" 2>&1
+source benchmarks/gpu_env.sh
 for c in ${CACHES:-oscar bf16}; do
   timeout 240 python3 benchmarks/bench_e2e.py --model llama3-8b --workloads 1x32768 --caches "$c" --steps 10 \
       --json "$OUT/cold-$c.json" ${COMMIT:+--commit "$COMMIT"} > "$OUT/cold-$c.log" 2>&1

@@ -11,17 +11,7 @@
 # $OUT/tests.txt     tests/gpu/test_kernels_gpu.py: the decode step's tests (append, CUDA graph, custom ops: 10 tests, 7 of them in 75 s on 12-02)
 # $OUT/append.*      bench_decode.py --append 1,8: the append launch alone, plain and demoting steps
 # $OUT/decode.*      bench_decode.py --kernel hopper: 1x8K, 1x32K, 1x128K, 8x32K, 2- and 4-bit keys, beside SDPA
-set -u
-OUT=${OUT:?set OUT to the output folder}
-mkdir -p "$OUT"
-start=$SECONDS
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.txt" 2>&1
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  date -u
-} > "$OUT/env.txt" 2>&1
+source benchmarks/gpu_env.sh
 
 TRITON_CACHE_DIR=$(mktemp -d) timeout 60 python3 - > "$OUT/jit.json" 2> "$OUT/jit.err" <<'PY'
 import json

@@ -278,12 +278,7 @@ class KVCacheLayout:
         """
         if isinstance(length, int) and length < 0:
             raise ValueError(f"length: expected >= 0, got {length}")
-        over = length - self.sink
-        sink = length - over * (over > 0)  # min(length, S0)
-        rest = length - sink
-        excess = rest - self.recent_capacity
-        pages = -(-(excess * (excess > 0)) // self.page_size)  # max(0, ceil(excess / P))
-        return sink, pages, rest - pages * self.page_size
+        return split_length(length, self.sink, self.recent_capacity, self.page_size)
 
     def recent_slot(self, index):
         """Ring slot of recent index ``index`` (= token position - S0): ``index mod C``. Page ``n`` holds the
@@ -464,6 +459,17 @@ def check_pages_fit(layout: KVCacheLayout, num_pages: int, batch: int, max_lengt
         )
 
 
+def split_length(length, sink: int, recent_capacity: int, page_size: int):
+    """:meth:`KVCacheLayout.split` from the three numbers it needs (the page book's ``oscar::write_split`` op takes
+    them as its arguments)."""
+    over = length - sink
+    sink_len = length - over * (over > 0)  # min(length, S0)
+    rest = length - sink_len
+    excess = rest - recent_capacity
+    pages = -(-(excess * (excess > 0)) // page_size)  # max(0, ceil(excess / P))
+    return sink_len, pages, rest - pages * page_size
+
+
 __all__ = [
     "CODES_PER_BYTE",
     "CODE_BITS",
@@ -477,6 +483,7 @@ __all__ = [
     "PACK_MMA16_VALUE",
     "Packing",
     "PagedKV",
+    "split_length",
     "RowFormat",
     "check_packing",
     "packing_code",

@@ -76,6 +76,17 @@ def _trace_only(gm, example_inputs):
 _trace_only.graphs = []
 
 
+def traced_step(model, cache):
+    """The FX graph Dynamo traces of one decode step of ``model`` on ``cache`` (``fullgraph=True``; nothing runs)."""
+    _trace_only.graphs.clear()
+    step = torch.compile(model.forward, fullgraph=True, backend=_trace_only)
+    tok, pos = torch.ones(2, 1, dtype=torch.long), torch.full((2, 1), 150)
+    with torch.no_grad(), pytest.raises(_Traced):
+        step(tok, position_ids=pos, **cache_kwargs(model, cache))
+    (gm,) = _trace_only.graphs
+    return gm
+
+
 def test_hopper_decode_step_traces_in_one_graph():
     """Bug (issue 26): with mma16 pages the README loop failed, Dynamo could not trace the Gluon wrapper's
     ``data_ptr() % 16`` check. Now the hopper backend's checks run when the cache is made and the step traced with
@@ -95,12 +106,7 @@ def test_hopper_decode_step_traces_in_one_graph():
         cache = on_hopper.make_cache(2, 400)
         assert [layer.layout.packing for layer in cache.layers] == ["mma16", "mma16"]
         assert all(layer.decode_plan.hopper_kernel for layer in cache.layers)
-        _trace_only.graphs.clear()
-        step = torch.compile(model.forward, fullgraph=True, backend=_trace_only)
-        tok, pos = torch.ones(2, 1, dtype=torch.long), torch.full((2, 1), 150)
-        with torch.no_grad(), pytest.raises(_Traced):
-            step(tok, position_ids=pos, **cache_kwargs(model, cache))
-    (gm,) = _trace_only.graphs
+        gm = traced_step(model, cache)
     ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "oscar" in str(n.target)]
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and "decode" in str(n.target)]
     assert [str(n.target) for n in nodes] == ["oscar.decode_append", "oscar.decode_attention"] * 2, ops
@@ -189,17 +195,10 @@ def test_the_step_lengths_are_one_op_in_the_compiled_graph():
     Inductor every attention launch that read the step's lengths got its own small kernel recomputing them from
     ``seq_len`` (five a layer), and its fusion pass compared those kernels pairwise across the layers (H200, Llama-3-8B
     shape: the scheduler 16.1 s against BF16's 7.3). Now ``PageBook`` writes each set of lengths with one opaque
-    op, and the traced step holds no arithmetic on ``seq_len`` outside it: the begin's ``seq_len + T`` and the
-    commit's ``seq_len += T`` only."""
+    op, and the traced step writes none of the book's buffers with a ``copy_`` of its own."""
     model = tiny_llama(dtype=torch.bfloat16)
     with enable_oscar(model, random_artifact(model, seed=1, layout=LAYOUT, key_bits=(2, 2))) as oscar:
-        cache = oscar.make_cache(2, 400)
-        _trace_only.graphs.clear()
-        step = torch.compile(model.forward, fullgraph=True, backend=_trace_only)
-        tok, pos = torch.ones(2, 1, dtype=torch.long), torch.full((2, 1), 150)
-        with torch.no_grad(), pytest.raises(_Traced):
-            step(tok, position_ids=pos, **cache_kwargs(model, cache))
-    (gm,) = _trace_only.graphs
+        gm = traced_step(model, oscar.make_cache(2, 400))
     splits = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == "oscar.write_split"]
     assert len(splits) == 2, gm.code
     copies = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "copy_"]
