@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -79,7 +80,15 @@ def test_a_link_flipped_during_loads_is_never_read_from_outside(art_dir, tmp_pat
     flipper = subprocess.Popen([sys.executable, "-c", FLIP, str(art_dir), str(outside)])  # truly in parallel
     seen = {"inside": 0, "refused": 0}
     try:
-        for _ in range(100):  # the old check-then-open read from outside in about 1 load of 5
+        # On a loaded machine the flipper's interpreter can start after 100 loads have finished (CI saw
+        # 100 inside, 0 refused): wait until it has flipped once, then load until both outcomes were met.
+        deadline = time.monotonic() + 60
+        while os.readlink(art_dir / "oscar.json") != str(outside):
+            assert flipper.poll() is None and time.monotonic() < deadline, "the flipper never flipped the link"
+        loads = 0
+        while loads < 100 or min(seen.values()) == 0:  # the old check-then-open read from outside in 1 load of 5
+            assert time.monotonic() < deadline, seen
+            loads += 1
             try:
                 art = load_artifact(art_dir)
             except ArtifactError as e:
