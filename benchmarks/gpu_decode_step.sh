@@ -2,7 +2,7 @@
 # The decode step's own kernels on the H200 (issue 26): their cold JIT, their GPU tests, the append launch alone and
 # the decode kernel beside SDPA BF16. Run from the repository root; everything goes under $OUT; < 240 s.
 #
-#   OUT=/tmp/k bash benchmarks/gpu_k.sh
+#   OUT=/tmp/k bash benchmarks/gpu_decode_step.sh
 #
 # $OUT/jit.json      seconds of the first call (fresh Triton cache) minus the second, per kernel variant the README
 #                    loop compiles (Llama-3-8B heads, channel keys on mma16 pages: the append launch with the key

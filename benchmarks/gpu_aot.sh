@@ -2,10 +2,9 @@
 # The AOT bundle and the TensorRT-LLM device path with the query rotation once a step (issue 26 item 4: the bundle's
 # decode_append writes the step's fp32 stored-basis queries, its split kernels read them and rotate nothing), and
 # the decode kernels' GPU tests touched by the ROTATE_Q path's removal. Run from the repository root on the H200;
-# everything goes under $OUT; < 240 s. (Named gpu_K_aot.sh, not gpu_K.sh: gpu_k.sh exists, and the two names are
-# one file on a case-insensitive file system.)
+# everything goes under $OUT; < 240 s. Not yet run on a GPU.
 #
-#   OUT=/tmp/k_aot bash benchmarks/gpu_K_aot.sh
+#   OUT=/tmp/k_aot bash benchmarks/gpu_aot.sh
 #
 # $OUT/env.txt       GPU, versions, commit, each stage's return code and time
 # $OUT/bundle.txt    the test bundle (tests/gpu/test_aot_gpu.py's build, sm_90 only, PTX ISA 8.8) compiled here in the

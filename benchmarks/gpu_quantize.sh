@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The page quantizer (prefill write, demotion) on the H200 against the copy bandwidth (issue 29's quantize target).
-# Run from the repository root; everything goes under $OUT; < 200 s (each stage has its own timeout).
+# Run from the repository root; everything goes under $OUT; < 200 s (each stage has its own timeout). Not yet run on a GPU.
 #
-#   OUT=/tmp/p bash benchmarks/gpu_P.sh
+#   OUT=/tmp/p bash benchmarks/gpu_quantize.sh
 #
 # $OUT/env.txt     GPU, versions, git, and each stage's seconds and return code
 # $OUT/bench.*     benchmarks/bench_quant.py --packing linear,mma16: prefill write, token and channel keys, 64 and
