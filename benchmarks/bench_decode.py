@@ -1,6 +1,6 @@
 """Per-layer decode attention on the GPU: the INT2 mixed-precision kernel vs PyTorch SDPA BF16 vs the copy roofline.
 
-    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--sweep] [--json out.json]
+    python benchmarks/bench_decode.py [--shapes 1x8192,1x131072] [--json out.json]
     python benchmarks/bench_decode.py --heads gemma3-12b,gemma3-27b --shapes 1x8192,1x32768
     python benchmarks/bench_decode.py --key-bits 2,4 --shapes 1x8192,1x131072,8x32768
     python benchmarks/bench_decode.py --kernel hopper --gran channel --key-bits 2,4 --shapes 1x8192,8x32768
@@ -11,10 +11,11 @@ Gemma-3-27B (32 / 16) at head_dim 256, two groups of 128 per row.
 Bytes come from ``KVCacheLayout.sequence_bytes`` (+ the
 queries and outputs); times are medians of CUDA-event timings over input sets rotated to defeat the L2
 (enough copies to exceed 4x the L2). ``graph`` times replay a CUDA graph of the two launches (how a
-captured decode step runs), ``eager`` times plain launches. ``--sweep`` also runs the last of ``--variants`` at half and
-double its pages per split.
+captured decode step runs), ``eager`` times plain launches. The portable kernel runs at its wrapper's defaults (the
+launch plan's); the tuning variants measured on 2026-12-01 are in git history
+(``git log -- benchmarks/bench_decode.py``).
 
-``--key-bits 2,4`` times v1 on layouts with 2-bit and with 4-bit key pages (``layout.with_key_bits``; values
+``--key-bits 2,4`` times the kernel on layouts with 2-bit and with 4-bit key pages (``layout.with_key_bits``; values
 stay 2-bit) in the same run; each row's bytes are that layout's (4-bit keys read ``D / 2`` code bytes a row), so
 TB/s compare honestly. ``--kernel hopper`` times what ``oscar::decode_attention`` launches on a Hopper GPU instead:
 the default layout's pages in mma16 order, fp32 queries already in the stored key basis (what the append launch
@@ -35,42 +36,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from oscar_export.bench import graph_us, random_state
+from oscar_export.bench import HEADS, copy_tbps, env_line, graph_us, random_state
 from oscar_export.bench import input_sets as copies_for
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.decode import hopper
-from oscar_export.kernels.decode.portable import PAGE_SLOTS, decode_attention, default_pages_per_split
+from oscar_export.kernels.decode.portable import decode_attention, default_pages_per_split
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 
-#: (query heads, KV heads, head_dim) of the benchmarked attention layer (``--heads``).
-HEADS = {"llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256), "gemma3-27b": (32, 16, 256)}
 HQ, HKV, D = HEADS["llama3-8b"]
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768), (32, 32768), (64, 8192)]
-#: named kernel variants for A/B runs (``--variants``): "default" = the wrapper's defaults (``page_slots=2``,
-#: 2 warps, 2 stages); the others change one setting. Earlier variants (v3, transposed values, half-page
-#: slots, a fused merge) were measured and dropped: benchmarks/NOTES-kernels.md.
-VARIANTS = {
-    "default": dict(),
-    "slots4": dict(page_slots=4, num_warps=4),
-    "slots1": dict(page_slots=1, num_warps=1),
-    "stages3": dict(num_stages=3),
-}
-def env_line(commit: str | None = None) -> str:
-    """GPU, versions and the code's commit (``commit`` when given: a copied tree's ``.git`` can be stale)."""
-    import triton
-
-    sha = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip()
-    return (f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"git {sha or '?'}")
-
-
 def median_ms(fn, sets: int, iters: int) -> float:
     """Median of per-call CUDA-event times; ``fn(i)`` runs on input set ``i % sets``."""
     for i in range(min(sets, 10)):
@@ -87,20 +66,6 @@ def median_ms(fn, sets: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def graph_ms(fns, reps: int = 20) -> float:
-    """Per-call ms of a CUDA graph that calls every ``fns[i]`` once (``oscar_export.bench.graph_us``)."""
-    return graph_us(fns, reps) / 1e3
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (TB/s)."""
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = median_ms(lambda i: b.copy_(a), 1, 20)
-    return 2 * n / ms / 1e9
-
-
 def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]:
     """The same tokens with the pages repacked to mma16 (reference.pack_page_codes), and that layout."""
     mlay = replace(lay, key=replace(lay.key, packing="mma16"), value=replace(lay.value, packing="mma16"))
@@ -109,9 +74,8 @@ def mma16_copy(st: PagedKV, lay: KVCacheLayout) -> tuple[PagedKV, KVCacheLayout]
     return replace(st, k_codes=kc.contiguous(), v_codes=vc.contiguous()), mlay
 
 
-def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] = ("default",),
-                copy_tbps: float | None = None, heads: str = "llama3-8b", key_bits: int = 2,
-                kernel: str = "portable") -> list[dict]:
+def bench_shape(batch: int, seq: int, gran: str, copy: float | None = None, heads: str = "llama3-8b",
+                key_bits: int = 2, kernel: str = "portable") -> list[dict]:
     HQ, HKV, D = HEADS[heads]  # noqa: N806 (the module's letters)
     lay = KVCacheLayout.default(HKV, D, gran).with_key_bits(key_bits)
     if kernel == "hopper":
@@ -125,20 +89,11 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
     qs = [torch.randn(batch, HQ, D, device="cuda", dtype=q_dtype) for _ in range(sets)]
     max_pages = states[0].block_table.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    variants = []
     if kernel == "hopper":
-        names, sweep = (), False
-        variants.append(dict(variant="hopper", pages_per_split=hopper.pages_per_split(
-            batch, HKV, max_pages, torch.device("cuda"), D)))
-    for name in names:
-        v = dict(VARIANTS[name], variant=name)
-        v["pages_per_split"] = default_pages_per_split(batch, HKV, max_pages, sms, v.get("page_slots", PAGE_SLOTS))
-        variants.append(v)
-    if sweep:  # the last named variant at half and double its pages per split
-        base = variants[-1]
-        p = base["pages_per_split"]
-        for pps in sorted({max(1, p // 2), p * 2} - {p}):
-            variants.append(dict(base, pages_per_split=pps))
+        variants = [dict(variant="hopper", pages_per_split=hopper.pages_per_split(
+            batch, HKV, max_pages, torch.device("cuda"), D))]
+    else:
+        variants = [dict(variant="portable", pages_per_split=default_pages_per_split(batch, HKV, max_pages, sms))]
     rows = []
     for var in variants:
         kw = {k: v for k, v in var.items() if k != "variant"}
@@ -146,13 +101,13 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
         call = lambda i, kw=kw, fn=fn: fn(qs[i % sets], states[i % sets], lay, kl, kl, scale,  # noqa: E731
                                           out_dtype=torch.bfloat16, **kw)
         eager = median_ms(call, sets, 30)
-        graph = graph_ms([lambda i=i: call(i) for i in range(sets)])
+        graph = graph_us([lambda i=i: call(i) for i in range(sets)]) / 1e3
         rows.append(dict(kernel="oscar-hopper" if kernel == "hopper" else "oscar-int2", heads=heads, hq=HQ, hkv=HKV,
                          d=D, g=lay.key.group_size, gran=gran,
                          key_bits=key_bits, batch=batch, seq=seq, bytes=nbytes, eager_us=eager * 1e3,
                          graph_us=graph * 1e3, tbps=nbytes / (graph * 1e-3) / 1e12, **var))
-        if copy_tbps:
-            rows[-1]["roofline_us"] = nbytes / (copy_tbps * 1e12) * 1e6
+        if copy:
+            rows[-1]["roofline_us"] = nbytes / (copy * 1e12) * 1e6
             rows[-1]["pct_copy"] = 100 * rows[-1]["roofline_us"] / rows[-1]["graph_us"]
     states.clear()  # the graphs are done with them: free the memory before SDPA's cache
     # SDPA BF16 on the same shape: 32 q heads over 8 KV heads, one query token
@@ -163,7 +118,7 @@ def bench_shape(batch: int, seq: int, gran: str, sweep: bool, names: list[str] =
     qq = [torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(ssets)]
     sd = lambda i: F.scaled_dot_product_attention(qq[i % ssets], ks[i % ssets], vs[i % ssets], enable_gqa=True)  # noqa: E731
     eager = median_ms(sd, ssets, 50)
-    graph = graph_ms([lambda i=i: sd(i) for i in range(ssets)])
+    graph = graph_us([lambda i=i: sd(i) for i in range(ssets)]) / 1e3
     rows.append(dict(kernel="sdpa-bf16", heads=heads, hq=HQ, hkv=HKV, d=D, gran="-", batch=batch, seq=seq,
                      bytes=kv_bytes, eager_us=eager * 1e3,
                      graph_us=graph * 1e3, tbps=kv_bytes / (graph * 1e-3) / 1e12))
@@ -196,7 +151,7 @@ def bench_append(batch: int, key_bits: int, demote: bool, heads: str = "llama3-8
     plans = [triton_ops.plan_append(states[i], k, k, status, lay, trs[i], fused_transform=True, q=q)
              for i in range(sets)]  # made once, with the cache, as the HF cache does
     calls = [lambda i=i: triton_ops.run_append(plans[i], states[i], k, k, status, trs[i], q) for i in range(sets)]
-    graph = graph_ms(calls) * 1e3
+    graph = graph_us(calls)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             for c in calls:
@@ -229,13 +184,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{b}x{s}" for b, s in SHAPES))
     ap.add_argument("--gran", default="token,channel")
-    ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="default", help=f"comma list of {sorted(VARIANTS)}")
-    ap.add_argument("--channel-variants", default=None, help="variants for channel keys (default: --variants)")
     ap.add_argument("--commit", default=None, help="commit to report (default: git rev-parse in this tree)")
     ap.add_argument("--heads", default="llama3-8b", help=f"comma list of {sorted(HEADS)}")
-    ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4): v1 on each")
+    ap.add_argument("--key-bits", default="2", help="comma list of key code widths (2, 4)")
     ap.add_argument("--kernel", default="portable", choices=("portable", "hopper"),
                     help="the decode kernel timed (module doc)")
     ap.add_argument("--append", default=None, help="comma list of batches: time decode_append instead (module doc)")
@@ -251,7 +203,7 @@ def main(argv=None) -> int:
     if args.append:
         return main_append([int(b) for b in args.append.split(",")], key_bits, args.heads.split(",")[0], args.json,
                            args.commit)
-    bw = copy_bandwidth()
+    bw = copy_tbps()
     print(f"device copy: {bw:.2f} TB/s (read + write)")
     rows = []
     for heads in args.heads.split(","):
@@ -259,9 +211,8 @@ def main(argv=None) -> int:
             b, s = (int(x) for x in shape.split("x"))
             grans = args.gran.split(",")
             for gran, kb in ((g, k) for g in grans for k in key_bits):
-                names = args.variants if gran == "token" or not args.channel_variants else args.channel_variants
                 try:
-                    got = bench_shape(b, s, gran, args.sweep, names.split(","), bw, heads, kb, args.kernel)
+                    got = bench_shape(b, s, gran, bw, heads, kb, args.kernel)
                 except Exception as e:  # keep the other shapes' rows
                     print(f"FAILED {heads} {shape} {gran} key_bits={kb}: {type(e).__name__}: {e}", flush=True)
                     continue
@@ -273,18 +224,15 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(env=env_line(args.commit), copy_tbps=bw, rows=rows), f, indent=1)
-    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>13} {'var':>7} {'gran':>7} {'kb':>2} {'pps':>4} {'w':>2} {'st':>2} "
-          f"{'asm':>3} {'eager us':>9} {'graph us':>9} {'TB/s':>5} {'x SDPA':>6} {'%copy':>5}")
+    print(f"\n{'heads':>10} {'shape':>9} {'kernel':>13} {'gran':>7} {'kb':>2} {'pps':>4} "
+          f"{'eager us':>9} {'graph us':>9} {'TB/s':>5} {'x SDPA':>6} {'%copy':>5}")
     sdpa = {(r["heads"], r["batch"], r["seq"]): r["graph_us"] for r in rows if r["kernel"] == "sdpa-bf16"}
     for r in rows:
         x = sdpa.get((r["heads"], r["batch"], r["seq"]), float("nan")) / r["graph_us"]
         pct = f"{r['pct_copy']:5.1f}" if "pct_copy" in r else "    -"
-        asm = "n" if r.get("fast_unpack") is False else "y"
-        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>13} {r.get('variant', '-'):>7} "
-              f"{r['gran']:>7} {r.get('key_bits', '-'):>2} {r.get('pages_per_split', '-'):>4} "
-              f"{r.get('num_warps', '-'):>2} {r.get('num_stages', '-'):>2} {asm:>3} "
-              f"{r['eager_us']:9.1f} {r['graph_us']:9.1f} "
-              f"{r['tbps']:5.2f} {x:6.2f} {pct}")
+        print(f"{r['heads']:>10} {r['batch']}x{r['seq']:>6} {r['kernel']:>13} {r['gran']:>7} "
+              f"{r.get('key_bits', '-'):>2} {r.get('pages_per_split', '-'):>4} {r['eager_us']:9.1f} "
+              f"{r['graph_us']:9.1f} {r['tbps']:5.2f} {x:6.2f} {pct}")
     return 0
 
 

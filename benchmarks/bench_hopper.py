@@ -28,7 +28,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from oscar_export.bench import copy_tbps, env_line, graph_us, random_state
+from oscar_export.bench import HEADS, copy_tbps, env_line, graph_us, random_state
 from oscar_export.bench import input_sets as copies_for
 from oscar_export.kernels.decode import hopper
 from oscar_export.kernels.decode.portable import decode_attention as portable_decode
@@ -36,7 +36,6 @@ from oscar_export.kernels.decode_step import decode_append, rotate_queries
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-HEADS = {"llama3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256)}
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 32768)]
 
 

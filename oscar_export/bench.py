@@ -23,7 +23,8 @@ EPILOG = """examples:
 """
 
 #: query heads, KV heads, head_dim of the attention shapes the benchmark knows.
-HEADS = {"llama3-8b": (32, 8, 128), "qwen3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256)}
+#: (query heads, KV heads, head_dim) of the benchmarked attention layers, by the model they come from.
+HEADS = {"llama3-8b": (32, 8, 128), "qwen3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256), "gemma3-27b": (32, 16, 256)}
 SHAPES = "1x8192,1x32768,1x131072,8x32768"
 MAX_TOKENS = 1 << 24  # batch x length: 16M tokens of Llama-3-8B heads is ~40 GB of BF16 cache for SDPA
 
