@@ -51,7 +51,7 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.pages import PageBook
 from oscar_export.kernels.transform import LayerTransform
 
-from .cache_layer import LayerStep, OscarCacheLayer
+from .cache_layer import OscarCacheLayer
 from .ops import CacheOps, get_ops
 from .sliding import SlidingLayer
 
@@ -117,40 +117,13 @@ class OscarLayer(OscarCacheLayer):
             ops.prepare(self)
         self.is_initialized = True
 
-    # ---- transformers' CacheLayerMixin interface (the rest: cache_layer.OscarCacheLayer) ----------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Hand the new tokens to the attention function (nothing is written here).
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layout.num_kv_heads
 
-        Args:
-            key_states, value_states: ``[B, H_kv, T, D]`` post-RoPE keys and values, model dtype.
-        Returns:
-            ``(LayerStep, value_states)``: the ``"oscar"`` attention function expects the step as its key.
-        """
-        self.check_new(key_states, value_states)
-        return LayerStep(self, key_states, value_states), value_states
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise NotImplementedError("OscarCache cannot be cropped (INT2 pages cannot be un-demoted)")
-
-    # ---- checks ---------------------------------------------------------------------------------------------
-    def check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New keys/values must be ``[B', H_kv, T, D]`` float tensors on the cache's device, ``B'`` the number
-        of slots this forward writes (all ``B``, or those of :meth:`OscarCache.select`)."""
-        rows = len(self.cache.active_slots)
-        shape = (rows, self.layout.num_kv_heads, None, self.layout.head_dim)
-        for name, t in (("key_states", k), ("value_states", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.ndim != 4 or any(e is not None and e != g for e, g in zip(shape, t.shape)):
-                want = f"[{shape[0]}, {shape[1]}, T, {shape[3]}]"
-                raise ValueError(f"{name}: expected {want}, got {list(t.shape)} (batch = the cache's active slots)")
-            if not t.dtype.is_floating_point:
-                raise ValueError(f"{name}: expected a float dtype, got {t.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"value_states: expected {list(k.shape)} like the keys, got {list(v.shape)}")
+    @property
+    def head_dim(self) -> int:
+        return self.layout.head_dim
 
     # ---- reads ----------------------------------------------------------------------------------------------
     def read_sequence(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

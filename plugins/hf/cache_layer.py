@@ -3,7 +3,7 @@
 Both layer kinds (``cache.OscarLayer``, the OSCAR paged cache; ``sliding.SlidingLayer``, a model-dtype ring)
 belong to one ``OscarCache``: their length, mask sizes and reset are the cache's (its page book); both refuse
 what a fixed-batch cache cannot do (beam reordering, batch resizing), and both hand the attention function a
-:class:`LayerStep` from ``update``. Each layer keeps its own ``check_new``, ``update`` and ``crop``.
+:class:`LayerStep` from ``update``, after one check of the new tokens (``check_new``), the same for both.
 """
 
 from __future__ import annotations
@@ -38,7 +38,41 @@ class LayerStep:
 
 
 class OscarCacheLayer(CacheLayerMixin):
-    """The cache-wide part of a layer's ``CacheLayerMixin`` interface; ``self.cache`` is the ``OscarCache``."""
+    """The cache-wide part of a layer's ``CacheLayerMixin`` interface; ``self.cache`` is the ``OscarCache``, and a
+    layer has ``device``, ``num_kv_heads`` and ``head_dim``."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Hand the new tokens to the attention function (nothing is written here).
+
+        Args:
+            key_states, value_states: ``[B, H_kv, T, D]`` post-RoPE keys and values, model dtype.
+        Returns:
+            ``(LayerStep, value_states)``: the ``"oscar"`` attention function expects the step as its key.
+        """
+        self.check_new(key_states, value_states)
+        return LayerStep(self, key_states, value_states), value_states
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("OscarCache cannot be cropped (INT2 pages cannot be un-demoted)")
+
+    def check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """New keys/values must be ``[B', H_kv, T, D]`` float tensors on the cache's device, ``B'`` the number
+        of slots this forward writes (all ``B``, or those of ``OscarCache.select``)."""
+        rows = len(self.cache.active_slots)
+        shape = (rows, self.num_kv_heads, None, self.head_dim)
+        for name, t in (("key_states", k), ("value_states", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.ndim != 4 or any(e is not None and e != g for e, g in zip(shape, t.shape)):
+                want = f"[{shape[0]}, {shape[1]}, T, {shape[3]}]"
+                raise ValueError(f"{name}: expected {want}, got {list(t.shape)} (batch = the cache's active slots)")
+            if not t.dtype.is_floating_point:
+                raise ValueError(f"{name}: expected a float dtype, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"value_states: expected {list(k.shape)} like the keys, got {list(v.shape)}")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Buffers are allocated up front; only check what arrives."""

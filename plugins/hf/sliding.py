@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from oscar_export.kernels.pages import STATUS_NONFINITE
 
-from .cache_layer import LayerStep, OscarCacheLayer
+from .cache_layer import OscarCacheLayer
 
 
 class SlidingLayer(OscarCacheLayer):
@@ -58,27 +58,6 @@ class SlidingLayer(OscarCacheLayer):
         self.k = torch.zeros(shape, dtype=dtype, device=book.device)  # [B, H_kv, W, D]
         self.v = torch.zeros(shape, dtype=dtype, device=book.device)
         self.is_initialized = True
-
-    # ---- transformers' cache-layer interface (the rest: cache_layer.OscarCacheLayer) --------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Hand the new tokens to the attention function (nothing is written here), like ``OscarLayer.update``."""
-        self.check_new(key_states, value_states)
-        return LayerStep(self, key_states, value_states), value_states
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise NotImplementedError("OscarCache cannot be cropped")
-
-    def check_new(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        rows = len(self.cache.active_slots)
-        for name, t in (("key_states", k), ("value_states", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.ndim != 4 or t.shape[0] != rows or t.shape[1] != self.num_kv_heads or t.shape[3] != self.head_dim:
-                raise ValueError(f"{name}: expected [{rows}, {self.num_kv_heads}, T, {self.head_dim}], "
-                                 f"got {list(t.shape)} (sliding layer {self.index})")
-            if t.device != self.device:
-                raise ValueError(f"{name}: expected device {self.device}, got {t.device}")
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v]

@@ -126,3 +126,20 @@ def test_cache_refuses_a_model_with_another_window():
     with enable_oscar(other):
         with pytest.raises(ValueError, match=r"layer 0: the model slides over 9 tokens, its cache layer over 8"):
             forward(other, torch.randint(1, V, (1, 5)), cache)
+
+
+@pytest.mark.parametrize("kind", ["oscar", "sliding"])
+def test_every_layer_checks_new_tokens_alike(kind):
+    """Issue: the sliding layer's own copy of the new-token check let integer keys and values of another shape
+    through (only the OSCAR layer checked them): one check for both kinds of layer."""
+    model = gemma()
+    with enable_oscar(model) as oscar:
+        cache = oscar.make_cache(1, 32)
+    layer = next(la for la in cache.layers if (type(la).__name__ == "SlidingLayer") == (kind == "sliding"))
+    k = torch.zeros(1, 2, 3, 256)
+    with pytest.raises(ValueError, match="key_states: expected a float dtype"):
+        layer.update(k.long(), k)
+    with pytest.raises(ValueError, match=r"value_states: expected \[1, 2, 3, 256\] like the keys"):
+        layer.update(k, torch.zeros(1, 2, 4, 256))
+    with pytest.raises(ValueError, match=r"key_states: expected \[1, 2, T, 256\]"):
+        layer.update(torch.zeros(1, 3, 3, 256), k)
