@@ -140,6 +140,7 @@ _TRITON_WATCH = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Watch())
+    import oscar_export.kernels.reference  # noqa: F401
     import oscar_export.plugins.hf  # noqa: F401
     import oscar_export.plugins.hf.ops  # noqa: F401
     import oscar_export.plugins.hf.triton_backend  # noqa: F401
@@ -148,9 +149,10 @@ _TRITON_WATCH = textwrap.dedent("""
 
 
 def test_importing_the_hf_host_asks_for_no_triton():
-    """Triton is an optional extra: importing ``oscar_export.plugins.hf`` (its reference backend and the Triton
-    backend's module) asks for no Triton, not even in a guarded ``try: import triton`` (in a child process, with
-    Triton blocked; the kernels it launches import it when a Triton op is first called)."""
+    """Triton is an optional extra: importing the PyTorch reference (``oscar_export.kernels.reference``, every
+    submodule) and ``oscar_export.plugins.hf`` (its reference backend and the Triton backend's module) asks for no
+    Triton, not even in a guarded ``try: import triton`` (in a child process, with Triton blocked; the kernels it
+    launches import it when a Triton op is first called)."""
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", _TRITON_WATCH, str(repo)], capture_output=True, text=True,
                           timeout=300)

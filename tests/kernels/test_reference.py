@@ -1,4 +1,4 @@
-"""The PyTorch reference (kernels/reference.py) and the layout (kernels/layout.py): exact where math allows."""
+"""The PyTorch reference (kernels/reference/) and the layout (kernels/layout.py): exact where math allows."""
 
 from __future__ import annotations
 
