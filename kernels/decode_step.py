@@ -36,9 +36,10 @@ import triton.language as tl
 
 from .aot import launch_plan as _plan
 from .cache_keys import hash_bottom_up
+from .checks import check_decode_append_inputs
 from .layout import KVCacheLayout, PagedKV, packing_code
 from .pages import STATUS_NONFINITE
-from .quant_pack import _check, _quantize_page, _round_bf16, check_format, check_paged_state, removal_counts
+from .quant_pack import _quantize_page, _round_bf16, removal_counts
 from .transform import LayerTransform
 
 #: warps of the append kernel (one page-head of demotion per program): stated once, in the launch plan
@@ -251,47 +252,7 @@ def removals(layout: KVCacheLayout, transform: LayerTransform) -> tuple[torch.Te
     return removal_counts(transform.k_clip, k_group), removal_counts(transform.v_clip, layout.value.group_size)
 
 
-def check_decode_append_inputs(
-    state: PagedKV, k: torch.Tensor, v: torch.Tensor, status: torch.Tensor, layout: KVCacheLayout,
-    transform: LayerTransform, q: torch.Tensor | None = None,
-) -> None:
-    """Raise on anything :func:`decode_append` cannot launch on (shapes, dtypes, devices only)."""
-    h, d, p = layout.num_kv_heads, layout.head_dim, layout.page_size
-    check_format(layout.key, p, "decode_append key")
-    check_format(layout.value, p, "decode_append value")
-    if layout.value.bits != 2:
-        raise NotImplementedError(f"decode_append: values are 2-bit (only keys may be wider), got {layout.value.bits}")
-    if layout.window % p:
-        raise NotImplementedError(f"decode_append: the window ({layout.window}) must be a multiple of P={p}")
-    if k.dim() != 3:
-        raise ValueError(f"k: expected [B, H_kv, D], got {list(k.shape)}")
-    bsz = k.shape[0]
-    dev = k.device
-    for name, t in (("k", k), ("v", v)):
-        _check(name, t, (bsz, h, d), (torch.float32, torch.bfloat16, torch.float16), dev)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-    _check("status", status, (bsz,), torch.int32, dev)
-    if q is not None:
-        if q.dim() != 3 or q.shape[0] != bsz or q.shape[1] % h or q.shape[2] != d or not 0 < q.shape[1] // h <= 64:
-            raise ValueError(f"q: expected [{bsz}, H_kv * GQ (GQ <= 64), {d}] with H_kv={h}, got {list(q.shape)}")
-        _check("q", q, tuple(q.shape), (torch.float32, torch.bfloat16, torch.float16), dev)
-        if not q.is_contiguous():
-            raise ValueError("q: expected a contiguous tensor")
-    check_paged_state(state, layout, bsz, dev)
-    tr = transform
-    for name, t, shape in (("k_clip", tr.k_clip, (h,)), ("v_clip", tr.v_clip, (h,)),
-                           ("k_levels", tr.k_levels, (h, 4)), ("v_levels", tr.v_levels, (h, 4)),
-                           ("k_rotation", tr.k_rotation, (h, d, d)), ("k_scale", tr.k_scale, (h, d)),
-                           ("k_mean", tr.k_mean, (h, d)), ("v_mean", tr.v_mean, (h, d))):
-        _check(f"transform.{name}", t, shape, torch.float32, dev)
-        if not t.is_contiguous():
-            raise ValueError(f"transform.{name}: expected a contiguous tensor")
-    if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
-        raise NotImplementedError("decode_append: key and value token group sizes must match")
-
-
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
-__all__ = ["APPEND_WARPS", "check_decode_append_inputs", "decode_append", "launch", "removals", "rotate_queries"]
+__all__ = ["APPEND_WARPS", "decode_append", "launch", "removals", "rotate_queries"]

@@ -32,8 +32,9 @@ import triton.language as tl
 
 from .aot import launch_plan as _plan
 from .cache_keys import hash_bottom_up
+from .checks import check_format, check_tensor
 from .clip_threshold import _add8, _ins, _ins_chunks, _merge8, _resolve
-from .layout import ONE_THIRD_F32, PACK_MMA16_KEY, KVCacheLayout, PagedKV, RowFormat, packing_code
+from .layout import ONE_THIRD_F32, PACK_MMA16_KEY, KVCacheLayout, RowFormat, packing_code
 from .mma16 import repack_linear_to_mma16, store_mma16
 from .reference import span_inverse
 from .transform import clip_rank
@@ -528,65 +529,9 @@ def _quant_pack_kernel(
 # ---- wrapper ------------------------------------------------------------------------------------------------
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def check_format(fmt: RowFormat, page_size: int, what: str) -> None:
-    """Raise ``NotImplementedError`` for row formats the Triton quantizer does not handle."""
-    if not (_pow2(fmt.head_dim) and _pow2(fmt.group_size) and _pow2(page_size)):
-        raise NotImplementedError(
-            f"{what}: the Triton kernels need power-of-two head_dim, group_size and page_size, got "
-            f"{fmt.head_dim}, {fmt.group_size}, {page_size}"
-        )
-    if fmt.head_dim > 256 or page_size > 256:
-        raise NotImplementedError(f"{what}: head_dim and page_size <= 256 supported, got {fmt.head_dim}, {page_size}")
-    if fmt.packing == "mma16" and fmt.head_dim < 64:
-        raise NotImplementedError(f"{what}: the Triton kernels write 'mma16' pages for head_dim >= 64, "
-                                  f"got {fmt.head_dim}")
-    if fmt.bits not in (2, 4):
-        raise NotImplementedError(f"{what}: the Triton kernels write 2- and 4-bit codes, got {fmt.bits}-bit")
-
-
 def removal_counts(clip: torch.Tensor, group: int) -> torch.Tensor:
     """int32 ``[H_kv]``: ``group - 1 - clip_rank(clip, group)`` (values the kernel drops before the max)."""
     return (group - 1 - clip_rank(clip, group)).to(torch.int32)
-
-
-def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | tuple, device) -> None:
-    dts = dtype if isinstance(dtype, tuple) else (dtype,)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype not in dts:
-        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dts))}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-
-
-def check_paged_state(state: PagedKV, layout: KVCacheLayout, batch: int, device) -> None:
-    """Raise unless every buffer of ``state`` has the layout's shape and dtype for ``batch`` sequences, lives
-    on ``device`` and is contiguous (the pool size and block-table width are taken from the state)."""
-    pool = state.k_codes.shape[0]
-    max_pages = state.block_table.shape[1] if state.block_table.dim() == 2 else -1
-    for name, t, shape, dt in (
-        ("state.sink_k", state.sink_k, layout.sink_shape(batch), torch.bfloat16),
-        ("state.sink_v", state.sink_v, layout.sink_shape(batch), torch.bfloat16),
-        ("state.recent_k", state.recent_k, layout.recent_shape(batch), torch.bfloat16),
-        ("state.recent_v", state.recent_v, layout.recent_shape(batch), torch.bfloat16),
-        ("state.k_codes", state.k_codes, layout.key_codes_shape(pool), torch.uint8),
-        ("state.v_codes", state.v_codes, layout.value_codes_shape(pool), torch.uint8),
-        ("state.k_params", state.k_params, layout.key_params_shape(pool), torch.float16),
-        ("state.v_params", state.v_params, layout.value_params_shape(pool), torch.float16),
-        ("state.block_table", state.block_table, (batch, max_pages), torch.int32),
-        ("state.sink_len", state.sink_len, (batch,), torch.int32),
-        ("state.num_pages", state.num_pages, (batch,), torch.int32),
-        ("state.recent_len", state.recent_len, (batch,), torch.int32),
-    ):
-        _check(name, t, shape, dt, device)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
 
 
 def write_pages(
@@ -638,19 +583,19 @@ def write_pages(
     if x.stride(-1) != 1:
         raise ValueError(f"x: the last dim must be contiguous, got strides {x.stride()}")
     n = x.shape[0]
-    _check("page_ids", page_ids, (n,), torch.int32, dev)
+    check_tensor("page_ids", page_ids, (n,), torch.int32, dev)
     pool = codes.shape[0] if codes.dim() == 4 else -1
-    _check("codes", codes, layout.codes_shape(pool, fmt), torch.uint8, dev)
-    _check("params", params, layout.params_shape(fmt, pool), torch.float16, dev)
+    check_tensor("codes", codes, layout.codes_shape(pool, fmt), torch.uint8, dev)
+    check_tensor("params", params, layout.params_shape(fmt, pool), torch.float16, dev)
     if not (codes.is_contiguous() and params.is_contiguous()):
         raise ValueError("codes/params: the page pool must be contiguous")
-    _check("clip", clip, (h,), torch.float32, dev)
-    _check("levels", levels, (h, 4), torch.float32, dev)
+    check_tensor("clip", clip, (h,), torch.float32, dev)
+    check_tensor("levels", levels, (h, 4), torch.float32, dev)
     if rotation is not None:
         rot, ds, mu = rotation
-        _check("rotation", rot, (h, d, d), torch.float32, dev)
-        _check("rotation scale", ds, (h, d), torch.float32, dev)
-        _check("rotation mean", mu, (h, d), torch.float32, dev)
+        check_tensor("rotation", rot, (h, d, d), torch.float32, dev)
+        check_tensor("rotation scale", ds, (h, d), torch.float32, dev)
+        check_tensor("rotation mean", mu, (h, d), torch.float32, dev)
         rot, ds, mu = rot.contiguous(), ds.contiguous(), mu.contiguous()
     else:
         rot = ds = mu = levels  # never read
@@ -708,4 +653,4 @@ def quantize_pages(
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
-__all__ = ["check_format", "check_paged_state", "quantize_pages", "removal_counts", "write_pages"]
+__all__ = ["quantize_pages", "removal_counts", "write_pages"]

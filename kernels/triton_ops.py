@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from . import decode_step
+from .checks import check_decode_append_inputs
 from .decode import hopper, portable
-from .decode_step import check_decode_append_inputs, removals
+from .decode_step import removals
 from .layout import KVCacheLayout, PagedKV, packing_code
 from .transform import LayerTransform
 
@@ -93,11 +94,12 @@ def plan_decode(
     queries in the stored key basis). The kernel follows the page packing: mma16 -> hopper, linear -> portable
     (``decode.select_backend`` chose)."""
     if layout.packing == "mma16":
-        pps = hopper.check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
+        pps = hopper.checked_pages_per_split(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
         if q.device.type == "cuda":  # allocated now, outside any CUDA-graph pool (a compiled step's warm-up runs
             hopper.merge_counters(q.device, min(q.shape[0] * layout.num_kv_heads, hopper.MERGE_COUNTERS))
     else:
-        pps = portable.check_decode_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
+        pps = portable.checked_pages_per_split(q, state, layout, k_levels, v_levels, scale, out_dtype,
+                                               pages_per_split)
     codebook = bool(layout.key.codebook or layout.value.codebook)
     return DecodePlan(
         layout.packing == "mma16", layout.num_kv_heads, layout.page_size, layout.sink, layout.recent_slots,

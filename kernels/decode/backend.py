@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_hopper_layout
 from ..layout import KVCacheLayout
 
 #: backend name -> the page packing it reads.
@@ -80,7 +81,7 @@ def select_backend(layout: KVCacheLayout, device, num_heads: int) -> DecodeBacke
     if not hopper.HAVE_GLUON:
         return DecodeBackend("portable", "this Triton has no Gluon")
     try:
-        hopper.check_hopper_layout(layout.with_packing("mma16"), num_heads)
+        check_hopper_layout(layout.with_packing("mma16"), num_heads)
     except (NotImplementedError, ValueError) as e:
         return DecodeBackend("portable", str(e))
     return DecodeBackend("hopper")

@@ -1,11 +1,11 @@
 """The ``"hopper"`` decode backend: the Gluon kernel (``kernels/decode/hopper_kernel.py``) over mma16 pages.
 
-The wrapper around the kernel: what it reads (:func:`check_hopper_layout`, :func:`check_hopper_state`, checked
-when a cache or a setup is made, never inside a traced step), how it is launched (the launch plan's wave rule
-for the pages per split, :func:`pages_per_split`; the merge fused into the split kernel's last program of each
-(sequence, KV head), counted in :func:`merge_counters`), and :func:`decode_attention`, the eager entry point with
-``reference.decode_attention``'s signature. The split/merge partials layout and the BF16 window chunks are the
-portable kernel's (:mod:`.portable`).
+The wrapper around the kernel: what it reads (:func:`checked_pages_per_split`: ``checks.check_hopper_layout`` and
+the other checks, made when a cache or a setup is made, never inside a traced step), how it is launched (the launch
+plan's wave rule for the pages per split, :func:`pages_per_split`; the merge fused into the split kernel's last
+program of each (sequence, KV head), counted in :func:`merge_counters`), and :func:`decode_attention`, the eager
+entry point with ``reference.decode_attention``'s signature. The split/merge partials layout and the BF16 window
+chunks are the portable kernel's (:mod:`.portable`).
 """
 
 from __future__ import annotations
@@ -13,52 +13,21 @@ from __future__ import annotations
 import torch
 
 from ..aot import launch_plan as _plan
+from ..checks import check_decode_inputs, check_hopper_device, check_hopper_layout, check_hopper_state
 from ..layout import KVCacheLayout, PagedKV
 from . import hopper_kernel as _gl
-from .portable import check_decode_inputs, launch_split_merge
+from .portable import launch_split_merge, sm_count
 
 HAVE_GLUON = _gl.HAVE_GLUON
 BF16_CHUNK = _plan.BF16_CHUNK
-#: GQA ratios (query heads per KV head) the kernel is built for.
-GQ_SUPPORTED = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 #: (sequence, KV head) pairs one fused-merge launch can count (:func:`merge_counters`); beyond, the merge is launched.
 MERGE_COUNTERS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def check_hopper_layout(layout: KVCacheLayout, num_heads: int) -> None:
-    """Raise for what the Gluon kernel does not read: pages not mma16 (``ValueError``), and ``NotImplementedError``
-    for key codes it does not hold, a head_dim / page size / GQA ratio it is not built for, token groups smaller
-    than a row (but two groups of 128 at head_dim 256: Gemma 3, run on the H200 2026-12-02) or fitted (codebook)
-    levels (``hopper_kernel.check_gluon_layout``)."""
-    if layout.key.packing != "mma16" or layout.value.packing != "mma16":
-        raise ValueError(f"hopper decode: reads 'mma16' pages, the layout has key {layout.key.packing!r}, value "
-                         f"{layout.value.packing!r} (linear pages: the portable kernel)")
-    if layout.key.bits not in _gl.KEY_BITS or layout.value.bits != 2:
-        raise NotImplementedError(f"hopper decode: reads {list(_gl.KEY_BITS)}-bit key and 2-bit value pages, the "
-                                  f"layout has {layout.key.bits}-bit keys and {layout.value.bits}-bit values")
-    if num_heads % layout.num_kv_heads or num_heads // layout.num_kv_heads not in GQ_SUPPORTED:
-        raise NotImplementedError(f"hopper decode: {num_heads} query heads over {layout.num_kv_heads} KV heads; GQA "
-                                  f"ratios {list(GQ_SUPPORTED)} supported")
-    if not HAVE_GLUON:
-        raise NotImplementedError("hopper decode: this Triton has no Gluon")
-    _gl.check_gluon_layout(layout, num_heads, bool(layout.key.codebook or layout.value.codebook))
-
-
-def check_hopper_state(state: PagedKV) -> None:
-    """The kernel copies pages 16 bytes at a time (cp.async): every page pool must start 16-byte aligned. Reads
-    pointers: call it when the cache is made, not in a traced step."""
-    for name in ("k_codes", "v_codes", "k_params", "v_params"):
-        off = getattr(state, name).data_ptr() % 16
-        if off:
-            raise ValueError(f"state.{name}: the hopper kernel copies pages 16 bytes at a time; the buffer must start "
-                             f"16-byte aligned, it starts {off} bytes past a boundary (a sliced view?)")
-
-
 def pages_per_split(batch: int, num_kv_heads: int, max_pages: int, device: torch.device, head_dim: int) -> int:
     """The launch plan's wave rule (``gl_pages_per_split``) on ``device``'s SM count (132 off the GPU)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return _plan.gl_pages_per_split(batch, num_kv_heads, max_pages, sms, head_dim)
+    return _plan.gl_pages_per_split(batch, num_kv_heads, max_pages, sm_count(device), head_dim)
 
 
 def merge_counters(device: torch.device, pairs: int) -> torch.Tensor:
@@ -83,19 +52,23 @@ def merge_counters(device: torch.device, pairs: int) -> torch.Tensor:
     return buf
 
 
-def check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split_):
-    """Every check before a launch (layout, device, the portable kernel's packing-independent input checks,
-    alignment); returns ``pages_per_split`` as the launch takes it."""
+def checked_pages_per_split(
+    q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor,
+    scale: float, out_dtype: torch.dtype, pps: int | None,
+) -> int:
+    """Every check before a launch (Gluon in this Triton, ``checks.check_hopper_layout``, the packing-independent
+    ``checks.check_decode_inputs``, ``checks.check_hopper_device`` on a GPU, ``checks.check_hopper_state``); returns
+    the pages per split ``pps``, None filled in by :func:`pages_per_split`."""
+    if not HAVE_GLUON:
+        raise NotImplementedError("hopper decode: this Triton has no Gluon")
     if q.dim() == 3:  # (other shapes: the input checks below say what is wrong)
         check_hopper_layout(layout, q.shape[1])
-        if pages_per_split_ is None:
-            pages_per_split_ = pages_per_split(q.shape[0], layout.num_kv_heads, state.block_table.shape[-1],
-                                               q.device, layout.head_dim)
-    pps = check_decode_inputs(q, state, layout.with_packing("linear"), k_levels, v_levels, scale, out_dtype,
-                              pages_per_split_, 1)
+    check_decode_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pps)
     if q.device.type == "cuda":  # off the GPU the layout checks still run (tests); the launch needs sm_90
-        _gl.check_gluon_device(q.device)
+        check_hopper_device(q.device)
     check_hopper_state(state)
+    if pps is None:
+        pps = pages_per_split(q.shape[0], layout.num_kv_heads, state.block_table.shape[-1], q.device, layout.head_dim)
     return pps
 
 
@@ -151,7 +124,7 @@ def decode_attention(
     ``decode_attention``; ``stages``, ``maxnreg``, ``fused_merge``: :func:`launch`). Returns ``[B, H, D]`` in
     ``out_dtype``, stored value basis. Reads no device value on the host. ``q`` is in the stored key basis (the
     step's rotation, once a step: ``oscar::decode_append``)."""
-    pps = check_hopper_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
+    pps = checked_pages_per_split(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
     return launch(
         q, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
@@ -161,5 +134,5 @@ def decode_attention(
     )
 
 
-__all__ = ["GQ_SUPPORTED", "HAVE_GLUON", "MERGE_COUNTERS", "check_hopper_inputs", "check_hopper_layout",
-           "check_hopper_state", "decode_attention", "launch", "merge_counters", "pages_per_split"]
+__all__ = ["HAVE_GLUON", "MERGE_COUNTERS", "checked_pages_per_split", "decode_attention", "launch", "merge_counters",
+           "pages_per_split"]

@@ -39,7 +39,7 @@ sm_90 without spills and its arithmetic checked on the CPU (:func:`emulate`); **
 ``kernels/decode/hopper.py`` still refuses two groups a row.
 
 Limits: uniform codes (``K_CODEBOOK``/``V_CODEBOOK`` False; 2-bit values, 2- or 4-bit keys), token or channel keys,
-``P`` 64 or 128, ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; :func:`check_gluon_layout` refuses the
+``P`` 64 or 128, ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; ``checks.check_hopper_layout`` refuses the
 rest.
 ``FAST_UNPACK`` is accepted for v2's signature and ignored (the field masks are always PTX: CUDA only).
 
@@ -47,7 +47,7 @@ Status (4-bit key pages and queries rotated once a step: run on the H200 on 2026
 ``benchmarks/results/hopper-rotation-k4-h200-2026-12-02.md``): compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the
 H200's JIT) on the CPU, with every A-operand
 conversion proven trivial by the compiler (``tests/kernels/test_hopper_kernel.py``). Hopper only
-(:func:`check_gluon_device`). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
+(``checks.check_hopper_device``). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
 launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
 ``gl_pages_per_split``: whole waves; the merge fused), it is the fastest decode kernel at every measured shape
 (BENCHMARKS.md, "Decode v3, tuned" and "fused merge"). There is no CPU interpreter for Gluon:
@@ -80,47 +80,6 @@ from .portable import window_block
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
 NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps
 STAGES = _plan.GL_PAGE_STAGES
-HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (64, 128)
-GQ_PADS = (8, 16)
-KEY_BITS = (2, 4)
-
-
-def check_gluon_layout(layout: KVCacheLayout, num_heads: int, codebook: bool) -> None:
-    """Raise ``NotImplementedError`` (with the reason) for what the Gluon kernel does not handle."""
-    if codebook:
-        raise NotImplementedError("hopper kernel: fitted (codebook) levels are not supported; the portable "
-                                  "backend reads them")
-    if layout.head_dim not in HEAD_DIMS:
-        raise NotImplementedError(f"hopper kernel: head_dim {list(HEAD_DIMS)} supported, got {layout.head_dim}")
-    if layout.page_size not in PAGE_SIZES:
-        raise NotImplementedError(f"hopper kernel: page_size {list(PAGE_SIZES)} supported, "
-                                  f"got {layout.page_size}")
-    gq = num_heads // layout.num_kv_heads
-    if _plan.gq_pad_v2(gq) not in GQ_PADS:
-        raise NotImplementedError(f"hopper kernel: at most 16 query heads per KV head, got {gq}")
-    for name, fmt in (("key", layout.key), ("value", layout.value)):
-        if fmt.granularity == "token" and fmt.group_size != layout.head_dim and (layout.head_dim, fmt.group_size) != (
-                256, 128):
-            raise NotImplementedError(f"hopper kernel: {name} token groups of head_dim or, at head_dim 256, of "
-                                      f"128, got {fmt.group_size} at {layout.head_dim}")
-    if layout.key.granularity == "token" and layout.key.group_size != layout.value.group_size:
-        raise NotImplementedError("hopper kernel: key and value token groups must match")
-    if layout.key.bits not in KEY_BITS or layout.value.bits != 2:
-        raise NotImplementedError(f"hopper kernel: {list(KEY_BITS)}-bit key and 2-bit value pages, got "
-                                  f"{layout.key.bits}-bit keys and {layout.value.bits}-bit values")
-
-
-def check_gluon_device(device: torch.device) -> None:
-    """Raise ``NotImplementedError`` unless ``device`` is a Hopper GPU (sm_90: the warpgroup MMAs; neither Ampere /
-    Ada nor Blackwell have them)."""
-    if device.type != "cuda":
-        raise NotImplementedError("hopper kernel: CUDA only (Gluon has no CPU interpreter); "
-                                  "the portable backend reads them")
-    cap = torch.cuda.get_device_capability(device)
-    if tuple(cap) != (9, 0):
-        raise NotImplementedError(f"hopper kernel: warpgroup MMAs need a Hopper GPU (sm_90), this one is "
-                                  f"sm_{cap[0]}{cap[1]}; the portable backend reads them")
 
 
 if HAVE_GLUON:
@@ -552,7 +511,7 @@ if HAVE_GLUON:
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
         those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL): ``q_ptr`` the
         queries in the stored key basis. Uniform codes only
-        (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``check_gluon_layout``)."""
+        (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``checks.check_hopper_layout``)."""
         _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,
                        v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
                        part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
@@ -706,5 +665,4 @@ def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
             (state.recent_k[bi, hi][ring], state.recent_v[bi, hi][ring])]
 
 
-__all__ = ["FUSED_KERNEL", "HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "check_gluon_device", "check_gluon_layout",
-           "emulate", "emulate_a_operand"]
+__all__ = ["FUSED_KERNEL", "HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "emulate", "emulate_a_operand"]

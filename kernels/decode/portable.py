@@ -38,15 +38,13 @@ synchronisation), so a decode step is capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from ..aot import launch_plan as _plan
+from ..checks import check_decode_inputs, check_portable_layout
 from ..layout import KVCacheLayout, PagedKV
-from ..quant_pack import _check, check_format, check_paged_state
 
 LOG2E = 1.4426950408889634
 #: tokens per BF16 chunk, INT2 pages per loop iteration, warps/stages of the split kernel (one page per warp;
@@ -757,34 +755,6 @@ def gq_pad(gq: int) -> int:
     return max(4, 1 << max(0, (gq - 1).bit_length()))
 
 
-def check_decode_layout(layout: KVCacheLayout) -> None:
-    """Raise ``NotImplementedError`` for layouts the decode kernel does not handle.
-
-    Groups smaller than a row (``G < D``, at least 64 so a group's 16 code bytes per field feed a dot) are
-    supported with one ``G`` for keys (token or channel) and values.
-    """
-    d = layout.head_dim
-    if layout.value.bits != 2:
-        raise NotImplementedError(f"decode_attention: values are 2-bit (only keys may be wider), got "
-                                  f"{layout.value.bits}-bit")
-    if layout.packing != "linear":  # mma16 pages: the hopper backend (decode/hopper.py)
-        raise ValueError(f"decode_attention (v1): reads 'linear' pages, the layout's are {layout.packing!r} "
-                         f"(mma16 pages: the hopper backend)")
-    if d not in (64, 128, 256):
-        raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")
-    for name, fmt in (("key", layout.key), ("value", layout.value)):
-        check_format(fmt, layout.page_size, f"decode_attention {name}")
-        if fmt.group_size != d and fmt.group_size < 64:
-            raise NotImplementedError(
-                f"decode_attention: {name} group_size must equal head_dim ({d}) or be >= 64, got {fmt.group_size}"
-            )
-    if layout.key.group_size != layout.value.group_size:
-        raise NotImplementedError(
-            f"decode_attention: key and value group sizes must match, got {layout.key.group_size} and "
-            f"{layout.value.group_size}"
-        )
-
-
 def default_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int = 132,
                             page_slots: int = PAGE_SLOTS) -> int:
     """Pages per split so that ``B * H_kv * splits`` fills ``num_sms`` about four times over, rounded up to a
@@ -828,8 +798,8 @@ def decode_attention(
     """
     if page_slots <= 0 or page_slots & (page_slots - 1):
         raise ValueError(f"page_slots: expected a power of two, got {page_slots}")
-    pages_per_split = check_decode_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split,
-                                          page_slots)
+    pages_per_split = checked_pages_per_split(q, state, layout, k_levels, v_levels, scale, out_dtype,
+                                              pages_per_split, page_slots)
     dev = q.device
     if codebook is None:
         codebook = layout.key.codebook or layout.value.codebook
@@ -843,42 +813,24 @@ def decode_attention(
     )
 
 
-def check_decode_inputs(
+def checked_pages_per_split(
     q: torch.Tensor, state: PagedKV, layout: KVCacheLayout, k_levels: torch.Tensor, v_levels: torch.Tensor,
     scale: float, out_dtype: torch.dtype, pages_per_split: int | None, page_slots: int = PAGE_SLOTS,
 ) -> int:
-    """Raise on anything :func:`decode_attention` cannot launch on; returns ``pages_per_split`` (the default filled
-    in). Reads shapes only, never device values."""
-    check_decode_layout(layout)
-    if q.dim() != 3:
-        raise ValueError(f"q: expected [B, H, D], got {list(q.shape)}")
-    bsz, hq, d = q.shape
-    hkv = layout.num_kv_heads
-    if d != layout.head_dim:
-        raise ValueError(f"q: expected head_dim {layout.head_dim}, got {d}")
-    if hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of {hkv} KV heads")
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q: expected float32, bfloat16 or float16, got {q.dtype}")
-    if not q.is_contiguous():
-        raise ValueError("q: expected a contiguous tensor")
-    dev = q.device
-    check_paged_state(state, layout, bsz, dev)
-    max_pages = state.block_table.shape[1]
-    for name, t in (("k_levels", k_levels), ("v_levels", v_levels)):
-        _check(name, t, (hkv, 4), torch.float32, dev)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"out_dtype: expected float32, bfloat16 or float16, got {out_dtype}")
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale: expected a positive finite Python float, got {scale!r}")
-    if pages_per_split is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
-        pages_per_split = default_pages_per_split(bsz, hkv, max_pages, sms, page_slots)
-    if pages_per_split <= 0:
-        raise ValueError(f"pages_per_split: expected > 0, got {pages_per_split}")
-    return pages_per_split
+    """Every check of a launch of this kernel (``checks.check_portable_layout``, ``checks.check_decode_inputs``);
+    returns ``pages_per_split``, None filled in by :func:`default_pages_per_split` on ``q``'s GPU (132 SMs off the
+    GPU). Reads shapes only, never device values."""
+    check_portable_layout(layout)
+    check_decode_inputs(q, state, layout, k_levels, v_levels, scale, out_dtype, pages_per_split)
+    if pages_per_split is not None:
+        return pages_per_split
+    return default_pages_per_split(q.shape[0], layout.num_kv_heads, state.block_table.shape[1], sm_count(q.device),
+                                   page_slots)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 132 (the H100 / H200's) for any other device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def launch_decode(
@@ -943,6 +895,5 @@ def launch_split_merge(
     return out
 
 
-__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "check_decode_inputs", "check_decode_layout",
-           "decode_attention", "default_pages_per_split", "gq_pad", "launch_decode", "launch_split_merge",
-           "window_block"]
+__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "checked_pages_per_split", "decode_attention",
+           "default_pages_per_split", "gq_pad", "launch_decode", "launch_split_merge", "sm_count", "window_block"]

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_export.calibration.families import FAMILIES, ModelAttention, family_for
+from oscar_export.kernels.checks import check_portable_layout
 from oscar_export.kernels.decode import DecodeBackend, select_backend
 from oscar_export.kernels.decode.backend import have_triton
 from oscar_export.kernels.layout import KVCacheLayout
@@ -199,10 +200,8 @@ def _decode_backends(model: Any, ops: CacheOps, layout: KVCacheLayout, key_bits:
         if backend.name == "reference":
             backend = DecodeBackend("portable", backend.why)
         if backend.name == "portable":
-            from oscar_export.kernels.decode.portable import check_decode_layout
-
             try:
-                check_decode_layout(lay)
+                check_portable_layout(lay)
             except NotImplementedError as e:
                 layers = [i for i, x in enumerate(bits) if x == b]
                 raise NotImplementedError(f"backend 'triton': layers {layers} ({b}-bit keys) have a format the "

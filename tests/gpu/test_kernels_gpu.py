@@ -563,11 +563,11 @@ def test_decode_attention_gluon_two_groups_head_dim_256(gran, key_bits):
     kernel's ``NG = 2``: each key chunk scaled by its group, each half of the value dims by its group's ``p·s_v``):
     within budget and close to the portable kernel on the same pages in linear order. Launched through
     ``hopper.launch`` (``check_hopper_layout`` refuses two groups a row until this test has passed on a GPU)."""
-    from oscar_export.kernels.decode import hopper_kernel as gla
+    from oscar_export.kernels.checks import check_hopper_layout
 
     hopper = _hopper()
     lay = KVCacheLayout.default(8, 256, gran, page_size=128, packing="mma16").with_key_bits(key_bits)
-    gla.check_gluon_layout(lay, 16, codebook=False)
+    check_hopper_layout(lay, 16)
     tr = _fitted_rotated_transform_gpu(8, 256)
     lengths = [16500, 449, 17]
     torch.manual_seed(8)

@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 
+from oscar_export.kernels import checks
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.decode import hopper_kernel as gl_attn
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
@@ -96,7 +97,7 @@ def test_emulated_kernel_two_groups_a_row_within_budget(gran, key_bits):
     lay = KVCacheLayout.default(2, 256, gran, sink=16, window=32, page_size=64, packing="mma16")
     lay = lay.with_key_bits(key_bits)
     assert lay.value.group_size == 128 and (gran == "channel" or lay.key.group_size == 128)
-    gl_attn.check_gluon_layout(lay, 6, codebook=False)
+    checks.check_hopper_layout(lay, 6)
     tr = LayerTransform.identity(2, 256, k_clip=0.95, v_clip=0.9)
     lengths = [16 + 32 + 64 + 5, 16 + 32 + 3 * 64 + 17]
     torch.manual_seed(key_bits)
@@ -110,20 +111,30 @@ def test_emulated_kernel_two_groups_a_row_within_budget(gran, key_bits):
     assert (wrong - got).abs().max() > 1e-2, "the check must see a group mix-up"
 
 
-def test_check_gluon_layout_refusals():
+def test_check_hopper_layout_refusals():
+    """What the kernel does not read is refused when the cache is made (``checks.check_hopper_layout``); 4-bit keys,
+    token or channel, are read."""
+    from dataclasses import replace
+
     with pytest.raises(NotImplementedError, match="codebook"):
-        gl_attn.check_gluon_layout(_mma(2, 128, "token"), 8, codebook=True)
+        checks.check_hopper_layout(_mma(2, 128, "token", codebook=True), 8)
     with pytest.raises(NotImplementedError, match="head_dim"):
-        gl_attn.check_gluon_layout(_mma(2, 96, "token"), 8, codebook=False)
+        checks.check_hopper_layout(_mma(2, 96, "token"), 8)
     with pytest.raises(NotImplementedError, match="page_size"):
-        gl_attn.check_gluon_layout(_mma(2, 128, "token", page_size=32), 8, codebook=False)
-    with pytest.raises(NotImplementedError, match="at most 16"):
-        gl_attn.check_gluon_layout(_mma(1, 128, "token"), 32, codebook=False)
-    gl_attn.check_gluon_layout(_mma(8, 128, "token"), 32, codebook=False)
-    gl_attn.check_gluon_layout(_mma(8, 128, "channel").with_key_bits(4), 32, codebook=False)
+        checks.check_hopper_layout(_mma(2, 128, "token", page_size=32), 8)
+    with pytest.raises(NotImplementedError, match="GQA ratios"):
+        checks.check_hopper_layout(_mma(1, 128, "token"), 32)
+    checks.check_hopper_layout(_mma(8, 128, "token"), 32)
+    checks.check_hopper_layout(_mma(8, 128, "channel").with_key_bits(4), 32)
     with pytest.raises(NotImplementedError, match="token groups of head_dim or, at head_dim 256, of 128, got 64"):
-        gl_attn.check_gluon_layout(KVCacheLayout(2, 128, RowFormat(128, 64, packing="mma16"),
-                                                 RowFormat(128, 64, packing="mma16")), 8, codebook=False)
+        checks.check_hopper_layout(KVCacheLayout(2, 128, RowFormat(128, 64, packing="mma16"),
+                                                 RowFormat(128, 64, packing="mma16")), 8)
+    checks.check_hopper_layout(_mma(2, 128, "token").with_key_bits(4), 8)
+    lay = _mma(2, 128, "token")
+    with pytest.raises(NotImplementedError, match="2-bit value"):
+        checks.check_hopper_layout(replace(lay, value=replace(lay.value, bits=4)), 8)
+    with pytest.raises(ValueError, match="reads 'mma16' pages"):
+        checks.check_hopper_layout(lay.with_packing("linear"), 8)
 
 
 def _hopper():
@@ -134,32 +145,18 @@ def _hopper():
     return hopper
 
 
-def test_wrapper_layout_refusals():
-    """What the kernel does not read is refused when the cache is made, 4-bit keys are read."""
-    from dataclasses import replace
-
-    hopper = _hopper()
-    hopper.check_hopper_layout(_mma(2, 128, "token").with_key_bits(4), 8)
-    hopper.check_hopper_layout(_mma(2, 128, "channel").with_key_bits(4), 8)
-    with pytest.raises(NotImplementedError, match="codebook"):
-        hopper.check_hopper_layout(_mma(2, 128, "token", codebook=True), 8)
-    lay = _mma(2, 128, "token")
-    with pytest.raises(NotImplementedError, match="2-bit value"):
-        hopper.check_hopper_layout(replace(lay, value=replace(lay.value, bits=4)), 8)
-
-
 def test_head_dim_256_with_two_groups_a_row_selects_the_hopper_kernel():
     """Gemma 3's default (head_dim 256, token groups of 128) decodes on the hopper kernel on sm_90: its two-group
     path passed on the H200 (tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256,
     4 passed, lead's call of 2026-12-02); groups of 64 at head_dim 256 still go to the portable kernel."""
     from oscar_export.kernels.decode import select_backend
 
-    hopper = _hopper()
+    _hopper()
     for gran in ("token", "channel"):
         for bits in (2, 4):
             lay = KVCacheLayout.default(8, 256, gran).with_key_bits(bits)
             assert lay.value.group_size == 128
-            hopper.check_hopper_layout(lay.with_packing("mma16"), 16)
+            checks.check_hopper_layout(lay.with_packing("mma16"), 16)
             got = select_backend(lay, 90, 16)
             assert (got.name, got.why) == ("hopper", ""), (gran, bits, got)
     narrow = KVCacheLayout(8, 256, RowFormat(256, 64), RowFormat(256, 64), sink=64, window=256, page_size=128)
@@ -171,26 +168,25 @@ def test_wrapper_refuses_misaligned_page_buffers():
     """A contiguous but sliced pool (base address off a 16-byte boundary) is refused before any launch."""
     from dataclasses import replace
 
-    hopper = _hopper()
     st = PagedKV.allocate(_mma(2, 128, "token"), 1, 2, 2)
     shape = st.k_codes.shape
     sliced = torch.zeros(st.k_codes.numel() + 16, dtype=torch.uint8)[4:4 + st.k_codes.numel()].view(shape)
     assert sliced.is_contiguous() and sliced.data_ptr() % 16 == 4
     with pytest.raises(ValueError, match="state.k_codes: .* starts 4 bytes past a boundary"):
-        hopper.check_hopper_state(replace(st, k_codes=sliced))
+        checks.check_hopper_state(replace(st, k_codes=sliced))
 
 
-def test_gluon_device_check(monkeypatch):
+def test_hopper_device_check(monkeypatch):
     """The Gluon kernel runs on Hopper only: the CPU and other GPUs get one clear error (no compile failure)."""
     with pytest.raises(NotImplementedError, match="CUDA only"):
-        gl_attn.check_gluon_device(torch.device("cpu"))
+        checks.check_hopper_device(torch.device("cpu"))
     for cap, ok in (((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
         if ok:
-            gl_attn.check_gluon_device(torch.device("cuda"))
+            checks.check_hopper_device(torch.device("cuda"))
         else:
             with pytest.raises(NotImplementedError, match=f"Hopper GPU \\(sm_90\\), this one is sm_{cap[0]}{cap[1]}"):
-                gl_attn.check_gluon_device(torch.device("cuda"))
+                checks.check_hopper_device(torch.device("cuda"))
 
 
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------

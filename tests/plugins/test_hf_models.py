@@ -339,9 +339,9 @@ def test_packing_is_chosen_at_serve_time_and_an_artifact_packing_still_loads():
             assert [layer.layout.packing for layer in cache.layers] == ["linear", "linear"]
             assert [layer.layout.key.bits for layer in cache.layers] == [4, 2]
     with pytest.raises(NotImplementedError, match="GQA ratios"):
-        from oscar_export.kernels.decode import hopper
+        from oscar_export.kernels.checks import check_hopper_layout
 
-        hopper.check_hopper_layout(_mma(), 18)
+        check_hopper_layout(_mma(), 18)
 
 
 def test_select_backend_table(monkeypatch):
