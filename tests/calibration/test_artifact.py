@@ -3,53 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
-from oscar_export.calibration.artifact import OscarArtifact, load_artifact, write_files
-from oscar_export.calibration.artifact_format import META_FILE, ORTHO_TOL, TENSOR_FILE, ArtifactError
-from oscar_export.calibration.fingerprint import model_fingerprint
-from oscar_export.kernels.layout import KVCacheLayout, RowFormat
-from oscar_export.kernels.transform import LayerTransform, hadamard
+from oscar_export.calibration.artifact import OscarArtifact, load_artifact
+from oscar_export.calibration.artifact_format import META_FILE, TENSOR_FILE, ArtifactError
+from oscar_export.kernels.transform import LayerTransform
 
-
-def tiny_config(**kw) -> LlamaConfig:
-    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
-                intermediate_size=128, vocab_size=100, head_dim=16)
-    base.update(kw)
-    return LlamaConfig(**base)
-
-
-def random_artifact(config=None, key_granularity="token", codebook=False) -> OscarArtifact:
-    config = config or tiny_config()
-    fp = model_fingerprint(config)
-    h, d = fp["num_key_value_heads"], fp["head_dim"]
-    layout = KVCacheLayout.default(h, d, key_granularity=key_granularity)
-    if codebook:
-        layout = replace(layout, key=replace(layout.key, codebook=True))
-    ts = []
-    for _ in range(fp["num_hidden_layers"]):
-        rk = torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))[0].float()
-        rv = (hadamard(d).float() @ torch.linalg.qr(torch.randn(h, d, d, dtype=torch.float64))[0].float())
-        lv = torch.tensor([0.0, 0.9, 2.1, 3.0]) if codebook else torch.tensor([0.0, 1.0, 2.0, 3.0])
-        ts.append(LayerTransform(
-            k_rotation=rk, v_rotation=rv, k_scale=torch.rand(h, d) + 0.5, v_scale=torch.rand(h, d) + 0.5,
-            k_mean=torch.randn(h, d), v_mean=torch.randn(h, d), k_clip=torch.tensor([0.9, 1.0]),
-            v_clip=torch.tensor([0.8, 0.95]), k_levels=lv.expand(h, 4).contiguous(),
-            v_levels=torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(h, 4).contiguous(),
-        ))
-    return OscarArtifact(layout, ts, fp, {"method": "test", "seed": 0}, {"layer_error": [0.5, 0.25, 0.125]})
-
-
-def assert_same(a: OscarArtifact, b: OscarArtifact) -> None:
-    assert a.layout == b.layout and a.fingerprint == b.fingerprint and a.config == b.config and a.stats == b.stats
-    for i, (ta, tb) in enumerate(zip(a.transforms, b.transforms, strict=True)):
-        for name in ta.__dataclass_fields__:
-            x, y = getattr(ta, name), getattr(tb, name)
-            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f"layer {i} {name}"
+from helpers import artifact_config as tiny_config
+from helpers import assert_same_artifact as assert_same
+from helpers import config_artifact as random_artifact
+from helpers import refused, small_artifact, tamper
 
 
 @pytest.mark.parametrize("gran,codebook", [("token", False), ("channel", True)])
@@ -95,12 +63,6 @@ def test_identity_and_prerotated(tmp_path):
     assert all(t.values_prerotated for t in load_artifact(tmp_path).transforms)
 
 
-def test_fingerprint_of_smollm2_like_config():
-    fp = model_fingerprint(tiny_config(rope_theta=1e5))
-    assert fp["num_hidden_layers"] == 3 and fp["num_key_value_heads"] == 2 and fp["head_dim"] == 16
-    assert fp["rope"]["rope_theta"] == 1e5
-
-
 def test_bits_per_element():
     art = OscarArtifact.identity(tiny_config(head_dim=64, hidden_size=256))
     # G = P = 64: 16 code bytes + 4 param bytes per 64 elements -> 2.5 bits; windows add BF16 tokens.
@@ -111,81 +73,12 @@ def test_bits_per_element():
 # ---- tampering ------------------------------------------------------------------------------------------------
 
 
-def tamper(tmp_path, edit_tensors=None, edit_meta=None, art=None):
-    art = art or random_artifact()
-    tensors, meta = art.tensors(), art.metadata("")
-    if edit_tensors:
-        edit_tensors(tensors)
-    if edit_meta:
-        edit_meta(meta)
-    write_files(tmp_path, meta, tensors)
-    return tmp_path
-
-
-def test_wrong_layer_count_in_files(tmp_path):
-    def drop_layer(t):
-        for k in [k for k in t if k.startswith("layers.2.")]:
-            del t[k]
-    with pytest.raises(ValueError, match="tensor names do not match 3 layers: missing \\['layers.2"):
-        load_artifact(tamper(tmp_path, drop_layer))
-
-
-def test_wrong_layer_count_for_model(tmp_path):
-    random_artifact().save(tmp_path)
-    with pytest.raises(ValueError, match="num_hidden_layers: artifact 3, model 4"):
-        load_artifact(tmp_path, tiny_config(num_hidden_layers=4))
-
-
-def test_renamed_from_another_model(tmp_path):
-    """Same shapes, different RoPE and heads: the fingerprint names both."""
-    random_artifact(tiny_config(rope_theta=1e4)).save(tmp_path)
-    other = tiny_config(rope_theta=1e5)
-    with pytest.raises(ValueError, match="rope: artifact"):
-        load_artifact(tmp_path, other)
-    with pytest.raises(ValueError, match="num_attention_heads: artifact 4, model 2"):
-        load_artifact(tmp_path).check_model(tiny_config(num_attention_heads=2, hidden_size=32, rope_theta=1e4))
-    load_artifact(tmp_path).check_model(tiny_config(rope_theta=1e4))  # the right model passes
-
-
-def test_non_orthogonal_refused(tmp_path):
-    def skew(t):
-        t["layers.1.v_rotation"][1, 0, 3] += 1e-3
-    with pytest.raises(ValueError, match="layers.1.v_rotation: not orthogonal.*KV head 1.*tolerance 1e-05"):
-        load_artifact(tamper(tmp_path, skew))
-
-
-def test_fp32_rounding_of_orthogonal_accepted(tmp_path):
-    """The tolerance is not so tight that a genuinely orthogonal fp32 matrix fails (D=128)."""
-    cfg = tiny_config(head_dim=128, hidden_size=512, num_hidden_layers=1)
-    art = random_artifact(cfg)
-    r = art.transforms[0].k_rotation.double()
-    err = (r.transpose(-1, -2) @ r - torch.eye(128, dtype=torch.float64)).abs().max().item()
-    assert err < ORTHO_TOL / 5, err
-    art.save(tmp_path)
-    load_artifact(tmp_path, cfg)
-
-
 @pytest.mark.parametrize("name", ["k_rotation", "v_mean", "k_clip", "v_levels", "k_scale"])
 def test_nan_refused(tmp_path, name):
     def poison(t):
         t[f"layers.0.{name}"].view(-1)[0] = float("nan")
     with pytest.raises(ValueError, match=f"layers.0.{name}: 1 non-finite"):
         load_artifact(tamper(tmp_path, poison))
-
-
-def test_truncated_safetensors_refused(tmp_path):
-    random_artifact().save(tmp_path)
-    f = tmp_path / TENSOR_FILE
-    f.write_bytes(f.read_bytes()[:-100])
-    with pytest.raises(ValueError, match="checksum mismatch \\(file truncated or modified\\)"):
-        load_artifact(tmp_path)
-    # Even with a matching checksum (a hand-edited oscar.json), the truncated file is refused by the parser.
-    import hashlib
-    meta = json.loads((tmp_path / META_FILE).read_text())
-    meta["tensor_sha256"] = hashlib.sha256(f.read_bytes()).hexdigest()
-    (tmp_path / META_FILE).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="unreadable safetensors file"):
-        load_artifact(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -226,28 +119,6 @@ def test_bad_metadata_refused(tmp_path, edit, match):
         load_artifact(tamper(tmp_path, edit_meta=edit))
 
 
-def test_missing_files_and_bad_json(tmp_path):
-    with pytest.raises(FileNotFoundError, match="oscar.json is missing"):
-        load_artifact(tmp_path)
-    random_artifact().save(tmp_path)
-    (tmp_path / TENSOR_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match="rotations.safetensors is missing"):
-        load_artifact(tmp_path)
-    (tmp_path / META_FILE).write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
-        load_artifact(tmp_path)
-
-
-def test_constructor_validates():
-    art = random_artifact()
-    with pytest.raises(ValueError, match="expected one per layer \\(3 layers"):
-        OscarArtifact(art.layout, art.transforms[:2], art.fingerprint)
-    bad_layout = KVCacheLayout(2, 16, RowFormat(16, 16), RowFormat(16, 16))
-    OscarArtifact(bad_layout, art.transforms, art.fingerprint)  # same heads/dim: fine
-    with pytest.raises(ValueError, match="layout: expected 2 KV heads x head_dim 16"):
-        OscarArtifact(KVCacheLayout.default(3, 16), art.transforms, art.fingerprint)
-
-
 def test_layers_sharing_one_transform_save(tmp_path):
     """Layers may share one LayerTransform object (one set of tensors): safetensors refuses shared storage."""
     art = random_artifact()
@@ -273,14 +144,6 @@ def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
     old = tamper(tmp_path / "b",
                  edit_meta=lambda m: (m["layout"]["key"].pop("packing"), m["layout"]["value"].pop("packing")))
     assert load_artifact(old).layout.packing == "linear"
-
-
-def test_unknown_packing_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"layout.value.packing: unknown packing 'zigzag'; "
-                                         r"this version knows \['linear', 'mma16'\]"):
-        load_artifact(tamper(tmp_path, edit_meta=lambda m: m["layout"]["value"].__setitem__("packing", "zigzag")))
-    with pytest.raises(ValueError, match="unknown packing 3"):
-        load_artifact(tamper(tmp_path / "x", edit_meta=lambda m: m["layout"]["key"].__setitem__("packing", 3)))
 
 
 # ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
@@ -309,24 +172,6 @@ def test_artifacts_without_key_bits_are_all_two_bit(tmp_path):
     assert load_artifact(tmp_path / "a").key_bits == (2, 2, 2)
 
 
-@pytest.mark.parametrize("value, match", [
-    ([2, 4], r"key_bits: expected a list of 3 code widths .* got 2 entries"),
-    ([2, 4, 2, 2], r"key_bits: expected a list of 3 code widths .* got 4 entries"),
-    ("2,4,2", r"key_bits: expected a list of 3 code widths .* got a str"),
-    (None, r"key_bits: expected a list of 3 code widths .* got null"),
-    ([2, 3, 2], r"key_bits\[1\]: expected one of \[2, 4\], got 3"),
-    ([2, 4.0, 2], r"key_bits\[1\]: expected one of \[2, 4\], got 4.0"),
-    ([2, True, 2], r"key_bits\[1\]: expected one of \[2, 4\], got True"),
-    ([2, "4", 2], r"key_bits\[1\]: expected one of \[2, 4\], got '4'"),
-    ([8, 2, 2], r"key_bits\[0\]: expected one of \[2, 4\], got 8"),
-])
-def test_hostile_key_bits_refused(tmp_path, value, match):
-    with pytest.raises(ArtifactError, match=match):
-        load_artifact(tamper(tmp_path, edit_meta=lambda m: m.__setitem__("key_bits", value)))
-    with pytest.raises(ArtifactError, match=match.split(":")[0]):
-        random_artifact().with_key_bits(value)  # the constructor runs the same check
-
-
 def test_four_bit_keys_fit_fragment_ordered_pages_too(tmp_path):
     """mma16 (fragment-order) pages hold 4-bit keys since the hopper kernel reads them (they were refused before)."""
     cfg = tiny_config(head_dim=32, hidden_size=128)
@@ -338,7 +183,7 @@ def test_four_bit_keys_fit_fragment_ordered_pages_too(tmp_path):
 
 
 def test_four_bit_keys_on_a_sliding_layer_refused():
-    from test_families import tiny_config as family_config
+    from helpers import family_config
 
     cfg = family_config("gemma3_sliding")  # layers 0 and 2 slide
     art = OscarArtifact.identity(cfg)
@@ -346,3 +191,25 @@ def test_four_bit_keys_on_a_sliding_layer_refused():
     with pytest.raises(ArtifactError,
                        match=r"key_bits: layers \[2\] are sliding-window layers .* must be 2, got \[4\]"):
         art.with_key_bits([2, 4, 4]).check_model(cfg)
+
+
+def test_save_dying_half_way_never_leaves_a_loadable_mix(tmp_path, monkeypatch):
+    """Each file is replaced whole (temporary + fsync + rename), oscar.json last: a save killed before the last
+    rename leaves the old oscar.json beside the new tensors, which its checksum refuses, and no partial file."""
+    d = tmp_path / "art"
+    small_artifact().save(d)
+    real = os.replace
+
+    def killed_before_meta(src, dst):
+        if Path(dst).name == META_FILE:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_before_meta)
+    other = small_artifact()
+    other = OscarArtifact(other.layout, [LayerTransform.identity(2, 16, 0.5, 0.5)] * 2, other.fingerprint)
+    with pytest.raises(KeyboardInterrupt):
+        other.save(d)
+    monkeypatch.undo()
+    assert sorted(p.name for p in d.iterdir()) == [META_FILE, TENSOR_FILE]
+    refused(d, "checksum mismatch")

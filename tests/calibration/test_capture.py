@@ -1,4 +1,5 @@
-"""Capture through AttentionInterface: post-RoPE tensors, untouched outputs, GQA-aware fp64 sums, NaN errors."""
+"""Capture through AttentionInterface: post-RoPE tensors, untouched outputs, GQA-aware fp64 sums, NaN errors, and the
+attention scale and head counts read from the model-family table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_export.calibration.capture import Collector, run_batches
 from oscar_export.calibration.covariance import causal_probs
+
+from helpers import FAMILY_VOCAB as V
+from helpers import family_model as tiny_model
 
 L, H, HKV, D = 2, 6, 2, 16
 
@@ -103,3 +107,17 @@ def test_nan_in_one_position_is_caught(tiny, mode, where):
     v[0, 1, 2 if where == "early" else 6, 5] = float("inf")
     with pytest.raises(ValueError, match="layer 1 produced 1 non-finite \\(NaN/Inf\\) values"):
         col.observe(Fake(), q, k, v, None)
+
+
+def test_capture_reads_scale_and_heads_from_the_table():
+    model = tiny_model("gemma3")
+    col = Collector.for_model(model, skip=0, mode="heldout")
+    assert (col.num_layers, col.num_kv_heads, col.head_dim, col.model_scaling) == (2, 2, 256, 64**-0.5)
+    run_batches(model, col, [torch.randint(0, V, (1, 8))])
+    assert col.scaling == [64**-0.5] * 2
+    q, k = torch.randn(1, 4, 3, 256), torch.randn(1, 2, 3, 256)
+    col.observe(model.model.layers[0].self_attn, q, k, k, None)  # transformers passed no scale: the table's
+    assert col.scaling[0] == 64**-0.5
+    with pytest.raises(ValueError, match=r"capture layer 1: the model's attention scale 0.0625 is not the "
+                                         r"family table's 0.125"):
+        col.observe(model.model.layers[1].self_attn, q, k, k, 256**-0.5)

@@ -2,9 +2,10 @@
 
 For every family: the table reads the facts the transformers module really has; ``enable_oscar`` accepts it and,
 inside the windows, generates exactly what ``DynamicCache`` does; calibrate -> export -> ``from_pretrained`` with
-a plain cache reproduces the original logits; the fingerprint refuses a model of another family or shape. For
-every unsupported feature: one ``NotImplementedError`` naming it, the same at ``enable_oscar``, ``calibrate``,
-``export`` and ``build``.
+a plain cache reproduces the original logits. For every unsupported feature: one ``NotImplementedError`` naming
+it, the same at ``enable_oscar``, ``calibrate``, ``export`` and ``build``. (The fingerprint's refusal of another
+family or shape is in test_fingerprint.py, capture's reading of the table in test_capture.py; the tiny models of
+every family are ``helpers.TINY_FAMILIES``.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import transformers
 from transformers import DynamicCache
 
 from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint
-from oscar_export.calibration.capture import Collector, run_batches
 from oscar_export.calibration.families import FAMILIES, family_for
 from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
 from oscar_export.cli import main
@@ -28,37 +28,15 @@ from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
-from helpers import randomize_biases_and_norms
+from helpers import FAMILY_VOCAB as V
+from helpers import TINY_FAMILIES as TINY
+from helpers import ByteTokenizer as CharTokenizer
+from helpers import family_config as tiny_config
+from helpers import family_model as tiny_model
+from helpers import logits
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 
-V = 96
-COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, eos_token_id=None)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
-#: kind -> (config class, model class, config keywords): the smallest config that exercises the family's features.
-TINY = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True)),
-    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, **MOE)),
-    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=0)),  # its default pad id is outside V
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-                 dict(use_qk_norm=True, attention_bias=True, n_routed_experts=4, n_shared_experts=1,
-                      first_k_dense_replace=1, **MOE)),
-    # head_dim 256 (two 128-element groups per row), a query_pre_attn_scalar that is not head_dim
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(head_dim=256, query_pre_attn_scalar=64, layer_types=["full_attention"] * 2)),
-    # interleaved local layers (first and last layer slide, window 8 < the test prompts): a BF16 sliding cache
-    "gemma3_sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                       dict(head_dim=256, query_pre_attn_scalar=64, num_hidden_layers=3, sliding_window=8,
-                            layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-}
 KINDS = list(TINY)
 #: what the table must say about each tiny model (independent of the table: read off transformers' source).
 EXPECTED = {  # kind: (family name, scaling, rotary_dim, qk_norm, qkv_bias, o_bias)
@@ -74,29 +52,6 @@ EXPECTED = {  # kind: (family name, scaling, rotary_dim, qk_norm, qkv_bias, o_bi
     "gemma3": ("Gemma 3", 64**-0.5, 256, True, False, False),
     "gemma3_sliding": ("Gemma 3", 64**-0.5, 256, True, False, False),
 }
-
-
-def tiny_config(kind: str, **kw):
-    cfg_cls, model_cls, extra = TINY[kind]
-    return getattr(transformers, cfg_cls)(**{**COMMON, **extra, **kw, "architectures": [model_cls]})
-
-
-def tiny_model(kind: str, **kw):
-    torch.manual_seed(0)
-    model = getattr(transformers, TINY[kind][1])(tiny_config(kind, **kw)).float().eval()
-    return randomize_biases_and_norms(model)
-
-
-class CharTokenizer:
-    """Bytes as token ids (the calibration data path needs no vocabulary files)."""
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        return {"input_ids": torch.tensor([[b % V for b in text.encode()]])}
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.double()
 
 
 # ---- the table reads each model's own facts --------------------------------------------------------------------
@@ -300,49 +255,7 @@ def test_calibrate_export_reload_reproduces_logits(kind, tmp_path):
 # ---- the fingerprint refuses another family or shape -------------------------------------------------------------
 
 
-def test_fingerprint_refuses_another_family_or_shape(tmp_path):
-    llama = tiny_model("llama")
-    art = OscarArtifact.identity(llama, KVCacheLayout.default(2, 16, sink=4, window=16, page_size=16))
-    art.save(tmp_path / "art")
-    mistral = tiny_model("mistral")  # same shape, another family
-    with pytest.raises(ValueError, match=r"^OSCAR artifact does not match this model .*model_type: artifact 'llama', "
-                                         r"model 'mistral'$"):
-        enable_oscar(mistral, artifact=tmp_path / "art")
-    wide = tiny_model("llama", num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"num_key_value_heads: artifact 2, model 4"):
-        load_artifact(tmp_path / "art", wide.config)
-    with pytest.raises(ValueError, match=r"model_type: artifact 'llama', model 'qwen3'; num_hidden_layers: "
-                                         r"artifact 2, model 3"):
-        export_checkpoint(tiny_model("qwen3", num_hidden_layers=3), None, art, tmp_path / "ckpt")
-    gemma = tiny_model("gemma3")
-    scaled = tiny_model("gemma3", query_pre_attn_scalar=128)  # same shape, another attention scale
-    with pytest.raises(ValueError, match=r"attention_scaling: artifact 0.125, model 0.0883"):
-        OscarArtifact.identity(gemma).check_model(scaled)
-    assert not (tmp_path / "ckpt").exists()
-
-
-def test_fingerprint_of_an_older_artifact_without_the_scale_still_matches():
-    llama = tiny_model("llama")
-    art = OscarArtifact.identity(llama)
-    fp = {k: v for k, v in art.fingerprint.items() if k != "attention_scaling"}
-    OscarArtifact(art.layout, art.transforms, fp).check_model(llama)
-
-
 # ---- capture: the scale and head counts come from the table ---------------------------------------------------
-
-
-def test_capture_reads_scale_and_heads_from_the_table():
-    model = tiny_model("gemma3")
-    col = Collector.for_model(model, skip=0, mode="heldout")
-    assert (col.num_layers, col.num_kv_heads, col.head_dim, col.model_scaling) == (2, 2, 256, 64**-0.5)
-    run_batches(model, col, [torch.randint(0, V, (1, 8))])
-    assert col.scaling == [64**-0.5] * 2
-    q, k = torch.randn(1, 4, 3, 256), torch.randn(1, 2, 3, 256)
-    col.observe(model.model.layers[0].self_attn, q, k, k, None)  # transformers passed no scale: the table's
-    assert col.scaling[0] == 64**-0.5
-    with pytest.raises(ValueError, match=r"capture layer 1: the model's attention scale 0.0625 is not the "
-                                         r"family table's 0.125"):
-        col.observe(model.model.layers[1].self_attn, q, k, k, 256**-0.5)
 
 
 # ---- every stage refuses with enable_oscar's message --------------------------------------------------------------

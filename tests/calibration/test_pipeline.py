@@ -1,4 +1,7 @@
-"""End to end on a tiny random Llama (mechanics only: random weights prove nothing about accuracy)."""
+"""``calibration/pipeline.py``: end to end on a tiny random Llama (mechanics only: random weights prove nothing
+about accuracy), and one layer's fit on planted-structure attention data (``helpers.planted``): the calibrated
+transform beats identity and Hadamard on the attention-aware held-out error, per-head beats shared when the heads
+disagree, and value clips sit one grid step milder than their fit."""
 
 from __future__ import annotations
 
@@ -9,18 +12,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_export.calibration.artifact import load_artifact
-from oscar_export.calibration.data import pydoc_text, read_text_file, token_sequences
-from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+from oscar_export.calibration.clipping import clip_grid, fit_clip
+from oscar_export.calibration.pipeline import CalibrationConfig, calibrate, fit_layer
+from oscar_export.calibration.rotation import rotation
+from oscar_export.kernels.layout import RowFormat
 
+from helpers import PLANTED_SHAPE, stats_and_objective
+from helpers import ByteTokenizer as CharTokenizer
 
-class CharTokenizer:
-    """Bytes as token ids (enough for the data path; no vocabulary files needed)."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        return {"input_ids": torch.tensor([[b % self.vocab for b in text.encode()]])}
+H_KV, _, D, T, P = PLANTED_SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,12 @@ def tiny():
 
 def small_cfg(**kw) -> CalibrationConfig:
     base = dict(tokens=8 * 96, seq_len=96, heldout=2, batch_size=3, sink=16, window=32, page_size=16)
+    base.update(kw)
+    return CalibrationConfig(**base)
+
+
+def cfg(**kw) -> CalibrationConfig:
+    base = dict(tokens=10 * T, seq_len=T, heldout=1, sink=0, window=0, page_size=P, key_granularity="token")
     base.update(kw)
     return CalibrationConfig(**base)
 
@@ -75,26 +81,6 @@ def test_config_validation():
     with pytest.raises(ValueError, match="value_weighting: expected one of"):
         small_cfg(value_weighting="softmax")
     assert small_cfg().objective_window == 32 and small_cfg(seq_len=48).objective_window == 0
-
-
-def test_data_sources(tmp_path):
-    cal, ev = pydoc_text("calibration"), pydoc_text("evaluation")
-    assert abs(len(cal) / (len(cal) + len(ev)) - 0.7) < 1e-3 and cal[-50:] not in ev
-    with pytest.raises(ValueError, match="part: expected"):
-        pydoc_text("test")
-    j = tmp_path / "d.jsonl"
-    j.write_text('{"text": "hello"}\n\n{"id": 1, "body": "world"}\n"plain"\n')
-    assert read_text_file(j) == "hello\n\nworld\n\nplain"
-    j.write_text('{"text": "ok"}\n{broken\n')
-    with pytest.raises(ValueError, match="d.jsonl:2: not valid JSON"):
-        read_text_file(j)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        read_text_file(tmp_path / "missing.txt")
-    tok = CharTokenizer(256)
-    seqs = token_sequences("abcdefgh" * 10, tok, 8, 5, seed=1)
-    assert seqs.shape == (5, 8) and len({tuple(s.tolist()) for s in seqs}) == 1  # periodic text
-    with pytest.raises(ValueError, match="calibration data too short: 80 tokens hold 10 sequences of 8, 11 needed"):
-        token_sequences("abcdefgh" * 10, tok, 8, 11)
 
 
 def test_non_power_of_two_head_dim_falls_back(tmp_path):
@@ -171,3 +157,62 @@ def test_key_bits_config_validation():
             small_cfg(key_bits_budget=bad)
     with pytest.raises(ValueError, match=r"read no page unless seq_len > sink \+ window \+ page_size = 64, got 64"):
         small_cfg(seq_len=64, key_bits_budget=3.0)
+
+
+@pytest.mark.parametrize("granularity", ["token", "channel"])
+def test_calibrated_beats_identity_and_hadamard(granularity):
+    st, obj = stats_and_objective()
+    c = cfg(key_granularity=granularity)
+    layout = c.layout(H_KV, D)
+    k, v = fit_layer(0, st, obj, layout, c)
+    # Reference points fitted the same way (fitted clips) with a fixed rotation.
+    k_had, v_had = fit_layer(0, st, obj, layout, cfg(key_granularity=granularity, rotation="hadamard"))
+    k_id, v_id = fit_layer(0, st, obj, layout, cfg(key_granularity=granularity, rotation="identity"))
+    print(granularity, "K", k.error.tolist(), k_had.error.tolist(), k_id.error.tolist(), k.chosen)
+    print(granularity, "V", v.error.tolist(), v_had.error.tolist(), v_id.error.tolist(), v.chosen)
+    for fit, had, ident in ((k, k_had, k_id), (v, v_had, v_id)):
+        assert bool((fit.error <= had.error).all()) and bool((fit.error <= ident.error).all())
+        assert float(fit.error.sum()) < 0.9 * float(had.error.sum())
+        assert float(fit.error.sum()) < 0.5 * float(ident.error.sum())
+        assert float(fit.error.sum()) < 0.5 * float(fit.baselines["identity"].sum())
+
+
+def test_per_head_beats_shared_when_heads_disagree():
+    st, obj = stats_and_objective(disagree=True)
+    layout = cfg().layout(H_KV, D)
+    per = fit_layer(0, st, obj, layout, cfg(rotation="eig", scale="whiten"))
+    shared = fit_layer(0, st, obj, layout, cfg(rotation="eig", scale="whiten", per_head=False))
+    # Keys: the queries' subspace differs per head, so one basis cannot serve both.
+    print(per[0].error.tolist(), shared[0].error.tolist())
+    assert float(per[0].error.sum()) < 0.6 * float(shared[0].error.sum())
+    auto_per = fit_layer(0, st, obj, layout, cfg())
+    auto_shared = fit_layer(0, st, obj, layout, cfg(per_head=False))
+    assert float(auto_per[0].error.sum()) < 0.6 * float(auto_shared[0].error.sum())
+    # Sanity of the control: when the heads agree, sharing loses (almost) nothing.
+    st2, obj2 = stats_and_objective(disagree=False)
+    per2 = fit_layer(0, st2, obj2, layout, cfg(rotation="eig", scale="whiten"))
+    sh2 = fit_layer(0, st2, obj2, layout, cfg(rotation="eig", scale="whiten", per_head=False))
+    assert float(sh2[0].error.sum()) < 1.1 * float(per2[0].error.sum())
+
+
+def test_value_clips_are_one_grid_step_milder_than_the_fit_and_their_error_is_measured_there():
+    """``fit_side`` of values keeps the fitted rotation but moves each head's clip ``VALUE_CLIP_STEPS`` grid steps
+    toward 1.0 and reports the held-out error at that clip; keys keep the fitted clip."""
+    from oscar_export.calibration.clipping import VALUE_CLIP_STEPS, milder
+    from oscar_export.calibration.pipeline import fit_side
+
+    assert VALUE_CLIP_STEPS == 1
+    st, obj = stats_and_objective()
+    fmt = RowFormat(D, D)
+    c = cfg(rotation="hadamard", value_mean=False, key_mean=False)
+    lv = torch.tensor([0.0, 1.0, 2.0, 3.0]).expand(H_KV, 4)
+    one, zero = torch.ones(H_KV, D, dtype=torch.float64), torch.zeros(H_KV, D, dtype=torch.float64)
+    for side, target, err in (("v", st.value_target("prob"), obj.value_errors), ("k", st.key_target(), obj.key_errors)):
+        fn = lambda r, s, mu, cs, lv, err=err: err(r, s, mu, cs, lv, fmt)  # noqa: E731
+        got = fit_side(side, target, target, torch.zeros(H_KV, D), fn, None, fmt, D, c, seed=0)
+        r = rotation("hadamard", target, D, 0)
+        fit = fit_clip(lambda cs: fn(r, one, zero, cs, lv), H_KV, clip_grid(D))
+        want = milder(fit.clip, clip_grid(D), 1) if side == "v" else fit.clip
+        assert torch.equal(got.clip, want), (side, got.clip, fit.clip)
+        assert torch.allclose(got.error, fn(r, one, zero, [want], lv)[0].double(), rtol=1e-12)
+        assert side == "k" or not torch.equal(got.clip, fit.clip)  # the planted values' fit clips: some move

@@ -1,15 +1,5 @@
-"""Fixtures of the command-line and output tests."""
+"""Fixtures of the command-line and output tests (``art_dir`` is defined once, in ``helpers.py``)."""
 
 from __future__ import annotations
 
-import pytest
-
-from helpers import random_artifact, tiny_model
-
-
-@pytest.fixture
-def art_dir(tmp_path):
-    """A random artifact of :func:`helpers.tiny_model`, saved to ``tmp_path / "art"``."""
-    d = tmp_path / "art"
-    random_artifact(tiny_model()).save(d)
-    return d
+from helpers import art_dir  # noqa: F401 - a fixture, found by pytest in this module's names

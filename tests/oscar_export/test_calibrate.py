@@ -1,4 +1,6 @@
-"""`oscar-export calibrate` / `inspect` argument and input errors: one line, exit code 2, before any model load."""
+"""``oscar_export/calibrate.py`` (``oscar-export calibrate``): argument and input errors (one line, exit code 2, before
+any model load), the atomic output, ``--device-map``, the key-width budget, and at the end the real thing on
+SmolLM2-135M-Instruct (marked ``model`` and ``slow``)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from oscar_export.calibration.artifact import load_artifact
+from oscar_export.calibration.data import pydoc_text
 from oscar_export.cli import main
+
+from helpers import identity_artifact_with_stats as _tiny_artifact
 
 
 @pytest.mark.parametrize(
@@ -32,32 +39,7 @@ def test_calibrate_bad_choice(tmp_path):
         main(["calibrate", "--out", str(tmp_path), "--key-granularity", "row"])
 
 
-def test_inspect_bad_inputs(tmp_path, capsys):
-    assert main(["inspect", str(tmp_path)]) == 2
-    assert "oscar.json is missing" in capsys.readouterr().err
-    (tmp_path / "oscar.json").write_text("[]")
-    assert main(["inspect", str(tmp_path)]) == 2
-    assert "expected format 'oscar-kv-artifact'" in capsys.readouterr().err
-
-
-def test_inspect_identity_artifact(tmp_path, capsys):
-    from transformers import LlamaConfig
-
-    from oscar_export.calibration.artifact import OscarArtifact
-
-    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                             num_hidden_layers=2, head_dim=16, vocab_size=10))
-    art.save(tmp_path)
-    assert main(["inspect", str(tmp_path), "--layers"]) == 0
-    out = capsys.readouterr().out
-    assert "2 layers" in out and f"INT2 part {art.bits_per_element():.3f}" in out, out
-    assert out.count("\n    1 |") == 1  # the per-layer table
-    assert main(["inspect", str(tmp_path), "--json"]) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["bits_per_element"]["int2"] == round(art.bits_per_element(), 4) and len(info["layers"]) == 2
-
-
-# ---- issue 16: every option and --out checked before the model loads; atomic output; safe inspect --------------
+# ---- issue 16: every option and --out checked before the model loads; atomic output ----------------------------
 
 
 @pytest.fixture
@@ -103,18 +85,6 @@ def test_calibrate_refuses_non_empty_out_before_model_load(tmp_path, capsys, no_
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def _tiny_artifact():
-    from transformers import LlamaConfig
-
-    from oscar_export.calibration.artifact import OscarArtifact
-
-    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                             num_hidden_layers=2, head_dim=16, vocab_size=10))
-    side = {"vs_identity": 0.5, "vs_hadamard": 0.9}
-    art.stats["layers"] = [{"k": side, "v": side}] * 2
-    return art
-
-
 @pytest.fixture
 def fake_calibration(monkeypatch):
     """calibrate without a model: load_model returns nothing, the pipeline returns a tiny artifact."""
@@ -151,47 +121,6 @@ def test_calibrate_replaces_an_artifact_atomically(tmp_path, capsys, monkeypatch
     assert main(["calibrate", "--out", str(out), "--quiet", "--force", "--seed", "3"]) == 0
     load_artifact(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
-
-
-def _inspect_artifact(tmp_path, **edits):
-    art = _tiny_artifact()
-    for k, v in edits.items():
-        getattr(art, k).clear()
-        getattr(art, k).update(v)
-    art.save(tmp_path)
-    return tmp_path
-
-
-def test_inspect_escapes_terminal_sequences(tmp_path, capsys):
-    evil = "\x1b[2J\x1b]0;owned\x07"
-    d = _inspect_artifact(tmp_path, config={"method": evil, evil: 1})
-    assert main(["inspect", str(d)]) == 0
-    out = capsys.readouterr().out
-    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out, out
-
-
-@pytest.mark.parametrize(
-    "stats",
-    [{"layers": [1, "x"]}, {"layers": [{"k": [], "v": None}, {"k": {"rotation": 5, "clip": "x"}}]},
-     {"layers": "all"}, {"layers": [{"k": {"vs_identity": "0.5", "vs_hadamard": [1]}, "v": {}}] * 2}],
-    ids=["ints", "wrong-sides", "string", "wrong-ratios"],
-)
-def test_inspect_survives_wrong_types(tmp_path, capsys, stats):
-    d = _inspect_artifact(tmp_path, stats=stats)
-    for flags in ([], ["--layers"], ["--json"]):
-        rc = main(["inspect", str(d), *flags])
-        captured = capsys.readouterr()
-        assert rc == 0, captured.err
-        assert "Traceback" not in captured.err
-
-
-def test_inspect_deep_nesting_is_one_line(tmp_path, capsys):
-    d = _inspect_artifact(tmp_path)
-    meta = (d / "oscar.json").read_text().replace('"config": {', '"config": {"x": ' + "[" * 5000 + "]" * 5000 + ",", 1)
-    (d / "oscar.json").write_text(meta)
-    assert main(["inspect", str(d)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "nested deeper than" in err, err
 
 
 # ---- issue 15: --device-map (models larger than one GPU); on the CPU, the same artifact as a plain run ----------
@@ -244,22 +173,6 @@ def test_calibrate_with_a_device_map_equals_the_plain_run(tiny_model_dir, tmp_pa
     for name in ("cpu", "json"):
         different = [k for k in arts["plain"] if not torch.equal(arts["plain"][k], arts[name][k])]
         assert not different, (name, different[:4])
-
-
-def test_inspect_shows_per_layer_key_bits(tmp_path, capsys):
-    from transformers import LlamaConfig
-
-    from oscar_export.calibration.artifact import OscarArtifact
-
-    art = OscarArtifact.identity(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                             num_hidden_layers=3, head_dim=16, vocab_size=10)).with_key_bits([2, 4, 4])
-    art.save(tmp_path)
-    assert main(["inspect", str(tmp_path), "--layers"]) == 0
-    out = capsys.readouterr().out
-    assert "key bits   2-bit keys except 2 of 3 layers at [4] bits: layers [1, 2]" in out, out
-    assert f"INT2 part {art.bits_per_element():.3f}" in out and out.count(" K4\n") == 2, out
-    assert main(["inspect", str(tmp_path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["key_bits"] == [2, 4, 4]
 
 
 def test_calibrate_key_bits_options_checked_before_the_model_loads(tmp_path, capsys):
@@ -417,3 +330,50 @@ def test_an_all_2_bit_artifact_of_the_old_default_still_loads_and_serves(tiny_mo
         nxt = model(ids[:, -1:], use_cache=True, **cache_kwargs(model, cache))
     assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [art.layout.pages_for(151)] * 2
     assert art.layout.pages_for(151) > 0 and bool(torch.isfinite(out.logits).all() & torch.isfinite(nxt.logits).all())
+
+
+# ---- end to end: the real thing on SmolLM2-135M-Instruct ----------------------------------------------------------
+# `oscar-export calibrate` + `inspect`, then the artifact drives the HF OSCAR cache (enable_oscar) on a prompt long
+# enough to have INT2 pages, from text calibration never saw. Slow (model load, capture of 30 layers, fit, a
+# generation on the reference ops): one test, because each step needs the previous one's artifact.
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_calibrate_inspect_and_generate(smollm2, tmp_path, capsys):
+    model, tok = smollm2
+    out = tmp_path / "art"
+    rc = main(["calibrate", "--model", "default", "--out", str(out), "--tokens", "2560", "--heldout", "1", "--quiet",
+               "--key-bits-budget", "none"])  # the 2-bit format on 512-token sequences: a minute
+    assert rc == 0
+    summary = capsys.readouterr().out
+    assert "wrote" in summary and "bits/element" in summary
+    art = load_artifact(out, model.config)
+    assert art.num_layers == 30 and art.layout.num_kv_heads == 3 and art.layout.head_dim == 64
+    layers = art.stats["layers"]
+    k_id = sum(x["k"]["vs_identity"] for x in layers) / 30
+    v_id = sum(x["v"]["vs_identity"] for x in layers) / 30
+    k_had = sum(x["k"]["vs_hadamard"] for x in layers) / 30
+    print(f"held-out error vs identity K {k_id:.3f} V {v_id:.3f}; keys vs Hadamard+global clip {k_had:.3f}")
+    assert k_id < 0.85 and v_id < 0.85 and k_had < 1.0
+
+    assert main(["inspect", str(out), "--layers"]) == 0
+    shown = capsys.readouterr().out
+    assert "30 layers" in shown and "bits/elem" in shown and "max |R^T R - I|" in shown
+
+    from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+
+    ids = tok(pydoc_text("evaluation")[:3000], return_tensors="pt").input_ids[:, :600]  # 600 tokens: 3 INT2 pages
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)[:, 600:]
+    with enable_oscar(model, str(out)) as oscar:
+        cache = oscar.make_cache(1, 640)
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+        got = got[:, 600:]
+    assert int(cache.layers[0].state.num_pages[0]) > 0, "the prompt must reach the INT2 pages"
+    agree = int((got == want).cumprod(-1).sum())
+    print(f"greedy tokens identical to the full-precision cache before the first divergence: {agree}/24")
+    print("oscar:", tok.decode(got[0]))
+    assert got.shape == (1, 24) and agree >= 4
