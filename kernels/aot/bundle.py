@@ -98,7 +98,7 @@ def serving_layout(layout: KVCacheLayout, archs: Sequence[str | int], num_heads:
 
 
 def decode_merge_spec(layout: KVCacheLayout, tag: str) -> KernelSpec:
-    return KernelSpec.from_plan(lp.DECODE_MERGE, f"decode_merge_{tag}", lp.decode_merge_constexprs(layout))
+    return KernelSpec.from_plan(lp.DECODE_MERGE, f"decode_merge_{tag}", lp.decode_merge_constexprs(layout.head_dim))
 
 
 def decode_step_specs(layout: KVCacheLayout, num_heads: int, tag: str) -> list[KernelSpec]:
@@ -117,7 +117,8 @@ def trt_specs(layout: KVCacheLayout, num_heads: int, sm_scale: float, tag: str) 
     return [
         KernelSpec.from_plan(lp.TRT_DECODE_SPLIT, f"trt_decode_split_{tag}",
                              lp.decode_split_constexprs(layout, num_heads, sm_scale)),
-        KernelSpec.from_plan(lp.TRT_DECODE_MERGE, f"trt_decode_merge_{tag}", lp.decode_merge_constexprs(layout)),
+        KernelSpec.from_plan(lp.TRT_DECODE_MERGE, f"trt_decode_merge_{tag}",
+                             lp.decode_merge_constexprs(layout.head_dim)),
     ]
 
 

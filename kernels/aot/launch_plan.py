@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 #: tokens per BF16 split of the sink / recent window (decode split kernel ``BN``).
@@ -148,10 +149,6 @@ DECODE_SPLIT = KernelPlan(
     num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention, one split of sink/INT2 pages/recent per program, over stored-basis fp32 queries",
 )
-#: constexprs of the split kernel over mma16 pages (the Gluon one's, before its own): the portable kernel's without
-#: NB, G and KEY_BITS; its parameters are the portable kernel's, in the same order.
-_SPLIT_V2_CONSTEXPRS = ("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK",
-                        "V_CODEBOOK", "FAST_UNPACK")
 #: cp.async page stages of the Gluon split kernel (``STAGES``: STAGES - 1 pages in flight while one is computed).
 GL_PAGE_STAGES = 3
 #: the Gluon split kernel's register cap per thread at head_dim <= 128: 4 CTAs (16 warps) share an SM's 64K
@@ -172,7 +169,8 @@ GL_FUSED_MERGE = True
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
     params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS,
-    constexprs=_SPLIT_V2_CONSTEXPRS + ("STAGES", "KEY_BITS", "NG"),
+    constexprs=("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK", "V_CODEBOOK",
+                "FAST_UNPACK", "STAGES", "KEY_BITS", "NG"),
     num_warps=4, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
         "cp.async page stages); uniform codes, 2- or 4-bit key pages, sm_90 only; merged by decode_merge (bundles "
@@ -256,47 +254,49 @@ def trt_io(plan: KernelPlan) -> tuple[list[str], list[str], list[str]]:
 # ---- constexpr values (from the layout) ---------------------------------------------------------------------
 
 
-def gq_pad(gq: int) -> int:
-    """Query heads per KV head padded for the dots: a power of two, at least 4."""
+def gq_pad_dot(gq: int) -> int:
+    """Query heads per KV head padded for the portable split kernel's ``tl.dot`` s (their N, ``GQ_PAD``): a power of
+    two, at least 4."""
     return max(4, 1 << max(0, (gq - 1).bit_length()))
 
 
-def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
-    """Constexprs of the split kernel for ``layout`` (queries in the stored key basis: no rotation in its programs);
-    ``fast_unpack`` is the wrapper's choice on a GPU (uniform levels only)."""
-    hkv = layout.num_kv_heads
-    if num_heads % hkv:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
-    gq = num_heads // hkv
-    codebook = bool(layout.key.codebook or layout.value.codebook)
-    return {
-        "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad(gq), "D": layout.head_dim, "G": layout.value.group_size,
-        "P": layout.page_size, "S0": layout.sink,
-        "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
-        "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "FAST_UNPACK": fast_unpack and not codebook, "NB": PAGE_SLOTS, "KEY_BITS": layout.key.bits,
-    }
-
-
-def gq_pad_v2(gq: int) -> int:
-    """v2's padding of the query heads per KV head (the dots' N): a power of two, at least 8."""
+def gq_pad_wgmma(gq: int) -> int:
+    """Query heads per KV head padded for the hopper split kernel's warpgroup MMAs (their N, ``GQ_PAD``): a power of
+    two, at least 8."""
     return max(8, 1 << max(0, (gq - 1).bit_length()))
 
 
-def decode_split_v2_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
-    """Constexprs of the v2 split kernel for ``layout`` (mma16 pages), queries in the stored key basis;
-    ``fast_unpack``: the inline-PTX field masks (uniform levels only), what the wrapper uses on a GPU."""
+def _split_shape(layout, num_heads: int) -> dict[str, Any]:
+    """The arguments both split kernels' constexprs take from ``layout`` and ``num_heads``."""
     hkv = layout.num_kv_heads
     if num_heads % hkv:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {hkv}")
-    gq = num_heads // hkv
-    codebook = bool(layout.key.codebook or layout.value.codebook)
+    return {"num_kv_heads": hkv, "gq": num_heads // hkv, "head_dim": layout.head_dim, "page_size": layout.page_size,
+            "sink": layout.sink, "recent_slots": layout.recent_slots,
+            "k_channel": layout.key.granularity == "channel", "key_bits": layout.key.bits}
+
+
+def portable_split_constexprs(num_kv_heads: int, gq: int, head_dim: int, page_size: int, sink: int, recent_slots: int,
+                              k_channel: bool, key_bits: int, *, group_size: int, sm_scale: float, codebook: bool,
+                              fast_unpack: bool, page_slots: int = PAGE_SLOTS) -> dict[str, Any]:
+    """Constexprs of the portable split kernel (``decode/portable.py``), from the layout's numbers as the JIT launch
+    has them (queries in the stored key basis: no rotation in its programs). ``fast_unpack``: the PTX field
+    extraction, the wrapper's choice (on a GPU; off under the CPU interpreter), never with fitted levels
+    (``codebook``); ``page_slots``: the pages one loop iteration takes (``NB``, a tuning knob of the JIT wrapper)."""
     return {
-        "H_KV": hkv, "GQ": gq, "GQ_PAD": gq_pad_v2(gq), "D": layout.head_dim, "P": layout.page_size,
-        "S0": layout.sink, "RC": layout.recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale),
-        "K_CHANNEL": layout.key.granularity == "channel", "K_CODEBOOK": codebook, "V_CODEBOOK": codebook,
-        "FAST_UNPACK": fast_unpack and not codebook,
+        "H_KV": num_kv_heads, "GQ": gq, "GQ_PAD": gq_pad_dot(gq), "D": head_dim, "G": group_size, "P": page_size,
+        "S0": sink, "RC": recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale), "K_CHANNEL": bool(k_channel),
+        "K_CODEBOOK": bool(codebook), "V_CODEBOOK": bool(codebook), "FAST_UNPACK": bool(fast_unpack and not codebook),
+        "NB": page_slots, "KEY_BITS": key_bits,
     }
+
+
+def decode_split_constexprs(layout, num_heads: int, sm_scale: float, fast_unpack: bool = True) -> dict[str, Any]:
+    """:func:`portable_split_constexprs` for ``layout`` and ``num_heads`` query heads (what the bundle compiles;
+    ``fast_unpack``: on, as on a GPU)."""
+    return portable_split_constexprs(
+        **_split_shape(layout, num_heads), group_size=layout.value.group_size, sm_scale=sm_scale,
+        codebook=bool(layout.key.codebook or layout.value.codebook), fast_unpack=fast_unpack)
 
 
 def gl_occupancy(head_dim: int) -> tuple[int, int]:
@@ -323,20 +323,32 @@ def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: i
     return -(-max_pages // best)
 
 
+def hopper_split_constexprs(num_kv_heads: int, gq: int, head_dim: int, page_size: int, sink: int, recent_slots: int,
+                            k_channel: bool, key_bits: int, *, groups: int, sm_scale: float,
+                            stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
+    """Constexprs of the hopper (Gluon) split kernel (``decode/hopper_kernel.py``; uniform codes only, its field
+    masks always PTX), from the layout's numbers as the JIT launch has them: ``STAGES`` its cp.async page stages,
+    ``KEY_BITS`` the key pages' code width (2 or 4), ``NG`` the token groups a row (``groups``: 1, or 2 at head_dim
+    256)."""
+    return {
+        "H_KV": num_kv_heads, "GQ": gq, "GQ_PAD": gq_pad_wgmma(gq), "D": head_dim, "P": page_size, "S0": sink,
+        "RC": recent_slots, "BN": BF16_CHUNK, "SM_SCALE": float(sm_scale), "K_CHANNEL": bool(k_channel),
+        "K_CODEBOOK": False, "V_CODEBOOK": False, "FAST_UNPACK": True, "STAGES": int(stages), "KEY_BITS": key_bits,
+        "NG": groups,
+    }
+
+
 def decode_split_gl_constexprs(layout, num_heads: int, sm_scale: float,
                                stages: int = GL_PAGE_STAGES) -> dict[str, Any]:
-    """Constexprs of the Gluon split kernel (``decode/hopper_kernel``; uniform codes only): v2's plus ``STAGES``,
-    its cp.async page stages, ``KEY_BITS``, the key pages' code width (2 or 4), and ``NG``, the token groups a row
-    (``head_dim // value.group_size``: 1, or 2 at head_dim 256)."""
-    cx = decode_split_v2_constexprs(layout, num_heads, sm_scale)
-    if cx["K_CODEBOOK"]:
-        raise NotImplementedError("decode_split_gl: uniform codes only (fitted levels: decode_split_v2)")
-    return {**cx, "STAGES": int(stages), "KEY_BITS": layout.key.bits,
-            "NG": layout.head_dim // layout.value.group_size}
+    """:func:`hopper_split_constexprs` for ``layout`` and ``num_heads`` query heads (what the bundle compiles)."""
+    if layout.key.codebook or layout.value.codebook:
+        raise NotImplementedError("decode_split_gl: uniform codes only (fitted levels: the portable kernel)")
+    return hopper_split_constexprs(**_split_shape(layout, num_heads),
+                                   groups=layout.head_dim // layout.value.group_size, sm_scale=sm_scale, stages=stages)
 
 
-def decode_merge_constexprs(layout) -> dict[str, Any]:
-    return {"D": layout.head_dim, "CH": MERGE_CHUNK}
+def decode_merge_constexprs(head_dim: int) -> dict[str, Any]:
+    return {"D": head_dim, "CH": MERGE_CHUNK}
 
 
 def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> dict[str, Any]:
@@ -403,8 +415,14 @@ def parse_rule(expr: str, names: set[str] | None, owner: str) -> ast.Expression:
 
 def evaluate(rule: str | ast.Expression, env: Mapping[str, Any], owner: str = "rule") -> Any:
     """Evaluate a rule over ``env``; ints fold, symbolic values keep an int on the right of ``+ *``."""
-    tree = parse_rule(rule, None, owner) if isinstance(rule, str) else rule
+    tree = _parsed(rule, owner) if isinstance(rule, str) else rule
     return _eval(tree.body, env, owner)
+
+
+@lru_cache(maxsize=256)
+def _parsed(rule: str, owner: str) -> ast.Expression:
+    """:func:`parse_rule` once a rule (the JIT wrappers evaluate the split rules at every launch)."""
+    return parse_rule(rule, None, owner)
 
 
 def _eval(node: ast.AST, env: Mapping[str, Any], owner: str) -> Any:
@@ -442,6 +460,7 @@ __all__ = [
     "GL_PAGE_STAGES", "GL_PROGRAM_PAGES", "KernelPlan", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS", "QUANT_PACK",
     "QUANT_PACK_ROT", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT",
     "append_columns", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
-    "decode_split_gl_constexprs", "decode_split_v2_constexprs", "evaluate", "gl_occupancy", "gl_pages_per_split",
-    "gq_pad", "parse_rule", "quant_pack_constexprs", "tensor_name", "trt_io"
+    "decode_split_gl_constexprs", "evaluate", "gl_occupancy", "gl_pages_per_split", "gq_pad_dot", "gq_pad_wgmma",
+    "hopper_split_constexprs", "parse_rule", "portable_split_constexprs", "quant_pack_constexprs", "tensor_name",
+    "trt_io"
 ]

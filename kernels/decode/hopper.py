@@ -19,7 +19,6 @@ from . import hopper_kernel as _gl
 from .portable import launch_split_merge, sm_count
 
 HAVE_GLUON = _gl.HAVE_GLUON
-BF16_CHUNK = _plan.BF16_CHUNK
 #: (sequence, KV head) pairs one fused-merge launch can count (:func:`merge_counters`); beyond, the merge is launched.
 MERGE_COUNTERS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -83,25 +82,22 @@ def launch(
     (None: the plan's ``GL_PAGE_STAGES``); ``maxnreg``: registers a thread (None: the plan's ``gl_occupancy``,
     0: no cap); ``fused_merge`` (None: the plan's ``GL_FUSED_MERGE`` up to ``MERGE_COUNTERS`` pairs)."""
     _, hq, d = q.shape
-    gq = hq // num_kv_heads
     stages = _plan.GL_PAGE_STAGES if stages is None else stages
     if stages < 2:
         raise ValueError(f"hopper decode: stages (cp.async page stages) must be >= 2, got {stages}")
-    extra = dict(FAST_UNPACK=True, STAGES=stages)
+    constexprs = _plan.hopper_split_constexprs(
+        num_kv_heads, hq // num_kv_heads, d, page_size, sink, recent_slots, k_channel, k_codes.shape[-1] * 8 // d,
+        groups=v_params.shape[-2] if v_params.dim() == 5 else 1, sm_scale=scale, stages=stages)
     maxnreg = _plan.gl_occupancy(d)[0] if maxnreg is None else maxnreg
     if maxnreg:  # a launch option of the JIT, passed beside the constexprs
-        extra["maxnreg"] = int(maxnreg)
+        constexprs["maxnreg"] = int(maxnreg)
     if fused_merge is None:
         fused_merge = _plan.GL_FUSED_MERGE and q.shape[0] * num_kv_heads <= MERGE_COUNTERS
     counters = merge_counters(q.device, q.shape[0] * num_kv_heads) if fused_merge else None
     return launch_split_merge(
-        _gl.FUSED_KERNEL if fused_merge else _gl.KERNEL, q, sink_k, sink_v, recent_k, recent_v,
-        k_codes, k_params, v_codes, v_params, k_levels, v_levels, block_table, sink_len, num_pages, recent_len,
-        num_kv_heads, sink, recent_slots, pages_per_split_, out_dtype,
-        dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=_plan.gq_pad_v2(gq), D=d, P=page_size, S0=sink, RC=recent_slots,
-             BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=False, V_CODEBOOK=False,
-             KEY_BITS=k_codes.shape[-1] * 8 // d,
-             NG=v_params.shape[-2] if v_params.dim() == 5 else 1, **extra),
+        _gl.FUSED_KERNEL if fused_merge else _gl.KERNEL, _plan.DECODE_SPLIT_MERGE_GL if fused_merge else
+        _plan.DECODE_SPLIT_GL, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+        v_levels, block_table, sink_len, num_pages, recent_len, pages_per_split_, out_dtype, constexprs,
         _gl.NUM_WARPS, stages, counters=counters,
     )
 

@@ -47,14 +47,11 @@ from ..checks import check_decode_inputs, check_portable_layout
 from ..layout import KVCacheLayout, PagedKV
 
 LOG2E = 1.4426950408889634
-#: tokens per BF16 chunk, INT2 pages per loop iteration, warps/stages of the split kernel (one page per warp;
-#: fastest measured on the H200) and of the merge: stated once, in the launch plan (kernels/aot/launch_plan.py).
-BF16_CHUNK = _plan.BF16_CHUNK
+#: INT2 pages per loop iteration and warps/stages of the split kernel (one page per warp; fastest measured on the
+#: H200): the JIT wrapper's defaults, stated once, in the launch plan (kernels/aot/launch_plan.py).
 PAGE_SLOTS = _plan.PAGE_SLOTS
 SPLIT_WARPS = _plan.DECODE_SPLIT.num_warps
 SPLIT_STAGES = _plan.DECODE_SPLIT.num_stages
-MERGE_WARPS = _plan.DECODE_MERGE.num_warps
-MERGE_CHUNK = _plan.MERGE_CHUNK
 
 
 @triton.jit
@@ -750,11 +747,6 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, 
 # ---- wrapper ------------------------------------------------------------------------------------------------
 
 
-def gq_pad(gq: int) -> int:
-    """Query heads per KV head padded for the dots: a power of two, at least 4."""
-    return max(4, 1 << max(0, (gq - 1).bit_length()))
-
-
 def default_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: int = 132,
                             page_slots: int = PAGE_SLOTS) -> int:
     """Pages per split so that ``B * H_kv * splits`` fills ``num_sms`` about four times over, rounded up to a
@@ -803,7 +795,7 @@ def decode_attention(
     dev = q.device
     if codebook is None:
         codebook = layout.key.codebook or layout.value.codebook
-    fast = (dev.type == "cuda" if fast_unpack is None else fast_unpack) and not codebook
+    fast = dev.type == "cuda" if fast_unpack is None else fast_unpack  # the plan turns it off for a codebook
     return launch_decode(
         q, state.sink_k, state.sink_v, state.recent_k, state.recent_v, state.k_codes, state.k_params,
         state.v_codes, state.v_params, k_levels, v_levels, state.block_table, state.sink_len, state.num_pages,
@@ -849,51 +841,48 @@ def launch_decode(
     :func:`launch_split_merge`.
     """
     _, hq, d = q.shape
-    gq = hq // num_kv_heads
+    constexprs = _plan.portable_split_constexprs(
+        num_kv_heads, hq // num_kv_heads, d, page_size, sink, recent_slots, k_channel, key_bits,
+        group_size=group_size or d, sm_scale=scale, codebook=codebook, fast_unpack=fast_unpack, page_slots=page_slots)
     return launch_split_merge(
-        _decode_split_kernel, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-        v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads, sink, recent_slots, pages_per_split,
-        out_dtype,
-        dict(H_KV=num_kv_heads, GQ=gq, GQ_PAD=gq_pad(gq), D=d, G=group_size or d, P=page_size, S0=sink,
-             RC=recent_slots, BN=BF16_CHUNK, SM_SCALE=float(scale), K_CHANNEL=k_channel, K_CODEBOOK=codebook,
-             V_CODEBOOK=codebook, FAST_UNPACK=fast_unpack, NB=page_slots, KEY_BITS=key_bits),
-        num_warps, num_stages, wrap,
+        _decode_split_kernel, _plan.DECODE_SPLIT, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes,
+        v_params, k_levels, v_levels, block_table, sink_len, num_pages, recent_len, pages_per_split, out_dtype,
+        constexprs, num_warps, num_stages, wrap,
     )
 
 
 def launch_split_merge(
-    split_kernel, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-    v_levels, block_table, sink_len, num_pages, recent_len, num_kv_heads: int, sink: int, recent_slots: int,
-    pages_per_split: int, out_dtype: torch.dtype, constexprs: dict, num_warps: int, num_stages: int,
-    wrap=lambda k: k, counters: torch.Tensor | None = None,
+    split_kernel, plan, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
+    v_levels, block_table, sink_len, num_pages, recent_len, pages_per_split: int, out_dtype: torch.dtype,
+    constexprs: dict, num_warps: int, num_stages: int, wrap=lambda k: k, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Allocate the partials, launch ``split_kernel`` (this module's or the Gluon one: the same parameters in the same
     order, then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
 
-    Grids: split ``(B * H_kv, n_page_splits + n_bf16)`` with ``n_page_splits = cdiv(max_pages, pages_per_split)``,
-    ``n_bf16 = cdiv(S0, BN) + cdiv(C, BN)`` (``C = W + 2P``, the ring); merge ``(B * H,)``. ``wrap`` wraps each
-    kernel before launch. With ``counters`` (int32, zero, at least ``B * H_kv``) the split kernel merges in its
-    last programs (``out`` and ``counters`` follow the partials in its parameters) and no merge is launched.
+    ``plan``: the split kernel's launch plan (``launch_plan.DECODE_SPLIT`` or a Gluon one), whose rules give its int32
+    arguments (``n_page_splits = cdiv(max_pages, pages_per_split)``, ``n_splits = n_page_splits + n_bf16``, the BF16
+    sink and recent chunks) and its grid ``(B * H_kv, n_splits)``; merge ``(B * H,)``. ``wrap`` wraps each kernel
+    before launch. With ``counters`` (int32, zero, at least ``B * H_kv``) the split kernel merges in its last
+    programs (``out`` and ``counters`` follow the partials in its parameters) and no merge is launched.
     """
     bsz, hq, d = q.shape
-    max_pages = block_table.shape[1]
-    n_page_splits = -(-max_pages // pages_per_split)
-    n_bf16 = -(-sink // BF16_CHUNK) + -(-recent_slots // BF16_CHUNK)
-    n_splits = n_page_splits + n_bf16
+    scalars = plan.scalars({"max_pages": block_table.shape[1], "pages_per_split": pages_per_split}, constexprs)
+    n_splits = scalars["n_splits"]
     part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
     out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
     fused = () if counters is None else (out, counters)
-    wrap(split_kernel)[(bsz * num_kv_heads, n_splits)](
+    wrap(split_kernel)[plan.grid_for({"B": bsz, **scalars}, constexprs)](
         q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, part_o, part_lse, *fused,
-        max_pages, pages_per_split, n_page_splits, n_splits,
+        block_table, sink_len, num_pages, recent_len, part_o, part_lse, *fused, *scalars.values(),
         **constexprs, num_warps=num_warps, num_stages=num_stages,
     )
     if counters is None:
-        wrap(_merge_kernel)[(bsz * hq,)](part_o, part_lse, out, n_splits, D=d, CH=MERGE_CHUNK, num_warps=MERGE_WARPS)
+        merge = _plan.DECODE_MERGE
+        wrap(_merge_kernel)[merge.grid_for({"rows": bsz * hq}, {})](
+            part_o, part_lse, out, n_splits, **_plan.decode_merge_constexprs(d), num_warps=merge.num_warps)
     return out
 
 
-__all__ = ["BF16_CHUNK", "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "checked_pages_per_split", "decode_attention",
-           "default_pages_per_split", "gq_pad", "launch_decode", "launch_split_merge", "sm_count", "window_block"]
+__all__ = ["PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "checked_pages_per_split", "decode_attention",
+           "default_pages_per_split", "launch_decode", "launch_split_merge", "sm_count", "window_block"]

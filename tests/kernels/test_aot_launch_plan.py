@@ -120,7 +120,7 @@ def test_jit_decode_attention_launches_the_plan(monkeypatch):
     part_o, part_lse = (sargs[lp.DECODE_SPLIT.param_names.index(n)] for n in ("part_o_ptr", "part_lse_ptr"))
     n_splits = lp.DECODE_SPLIT.scalars({"max_pages": 4, "pages_per_split": 2}, cx)["n_splits"]
     assert tuple(part_o.shape) == (2, HEADS, n_splits, 64)
-    _check_launch(lp.DECODE_MERGE, merge.calls[0], lp.decode_merge_constexprs(LAYOUT), {"n_splits": n_splits},
+    _check_launch(lp.DECODE_MERGE, merge.calls[0], lp.decode_merge_constexprs(LAYOUT.head_dim), {"n_splits": n_splits},
                   {"rows": 2 * HEADS}, {"part_o_ptr": part_o, "part_lse_ptr": part_lse})
 
 
@@ -201,12 +201,16 @@ def test_append_columns(d, gq, want):
 
 
 def test_wrapper_constants_are_the_plan():
-    assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS, da.BF16_CHUNK) == (
-        lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS, lp.BF16_CHUNK)
-    assert (da.MERGE_WARPS, da.MERGE_CHUNK) == (lp.DECODE_MERGE.num_warps, lp.MERGE_CHUNK)
+    assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS) == (
+        lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS)
     assert (qp.QUANT_WARPS, qp.QUANT_ROT_WARPS) == (lp.QUANT_PACK.num_warps, lp.QUANT_PACK_ROT.num_warps)
     assert ds.APPEND_WARPS == lp.DECODE_APPEND.num_warps
-    assert da.gq_pad(3) == lp.gq_pad(3) and da.gq_pad(8) == lp.gq_pad(8) and da.gq_pad(1) == lp.gq_pad(1)
+
+
+def test_query_heads_are_padded_to_each_kernels_mma_n():
+    """The portable kernel's dots take N >= 4, the hopper kernel's warpgroup MMAs N >= 8, both powers of two."""
+    assert [lp.gq_pad_dot(g) for g in (1, 3, 4, 5, 8, 16)] == [4, 4, 4, 8, 8, 16]
+    assert [lp.gq_pad_wgmma(g) for g in (1, 3, 8, 9, 16)] == [8, 8, 8, 16, 16]
 
 
 @pytest.mark.parametrize("batch,max_pages,want", [
