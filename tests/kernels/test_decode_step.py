@@ -16,12 +16,7 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE, PageBook
 from oscar_export.kernels.transform import LayerTransform
 
-
-def _assert_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()[:5].tolist()
-        pairs = [(idx, got[tuple(idx)].item(), want[tuple(idx)].item()) for idx in bad]
-        raise AssertionError(f"{name}: {(got != want).sum().item()} mismatches, first (index, got, want): {pairs}")
+from helpers import assert_equal
 
 
 def _layout(gran: str) -> KVCacheLayout:
@@ -81,8 +76,8 @@ def test_reference_decode_append_equals_bulk_append(gran, bits):
     for b in range(bsz):
         ka, va = ref.read_sequence(committed, lay, b, tr.k_levels, tr.v_levels)
         kb, vb = ref.read_sequence(bulk, lay, b, tr.k_levels, tr.v_levels)
-        _assert_equal(f"{gran} keys of {b}", ka, kb)
-        _assert_equal(f"{gran} values of {b}", va, vb)
+        assert_equal(f"{gran} keys of {b}", ka, kb)
+        assert_equal(f"{gran} values of {b}", va, vb)
 
 
 def test_uncommitted_steps_leave_the_cache_as_it_was():
@@ -106,8 +101,8 @@ def test_uncommitted_steps_leave_the_cache_as_it_was():
     assert book.committed.num_pages.tolist() == [1, 0, 1]
     for b in (1, 2):
         now = ref.read_sequence(book.state_view(st, book.committed), lay, b, tr.k_levels, tr.v_levels)
-        _assert_equal(f"keys of slot {b}", now[0], before[b][0])
-        _assert_equal(f"values of slot {b}", now[1], before[b][1])
+        assert_equal(f"keys of slot {b}", now[0], before[b][0])
+        assert_equal(f"values of slot {b}", now[1], before[b][1])
 
 
 BUFFERS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
@@ -126,7 +121,7 @@ def _appends_equal_reference(ds, device, lay, tr, bsz, steps, max_length, seed, 
     if check is not None:
         check(book_r, st_r, st_g)
     for f in BUFFERS:
-        _assert_equal(f"{what} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+        assert_equal(f"{what} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
     return book_r, book_g
 
 
@@ -193,7 +188,7 @@ def test_triton_fused_transform_and_nonfinite_flag(ds, device):
         got, want = getattr(st_g, f).cpu().float(), getattr(st_r, f).float()
         ulp = want.abs().clamp(min=1e-3) * 2**-7
         assert ((got - want).abs() <= ulp).all(), f"{f}: {(got - want).abs().max()}"
-    _assert_equal("sink_v", st_g.sink_v.cpu(), st_r.sink_v)
+    assert_equal("sink_v", st_g.sink_v.cpu(), st_r.sink_v)
     before = st_g.sink_k.clone()
     k = torch.randn(2, 2, 64, device=device)
     k[0, 0, 0] = float("inf")
@@ -201,7 +196,7 @@ def test_triton_fused_transform_and_nonfinite_flag(ds, device):
     ds.decode_append(book_g.state_view(st_g, book_g.committed), k, k.clone(), book_g.status, lay, trd,
                      fused_transform=True)
     assert book_g.status.tolist() == [STATUS_NONFINITE, 0]
-    _assert_equal("sink_k of the flagged slot", st_g.sink_k[0].cpu(), before[0].cpu())
+    assert_equal("sink_k of the flagged slot", st_g.sink_k[0].cpu(), before[0].cpu())
 
 
 @pytest.mark.parametrize("gq,d", [(1, 64), (3, 64), (4, 128), (16, 64)])
@@ -233,7 +228,7 @@ def test_triton_query_rotation_once_a_step(ds, device, gq, d):
         bound = 1e-5 * (q.double().abs().view(3, 2, gq, d).sum(-1, keepdim=True) + 1).view(3, 2 * gq, 1)
         assert (err <= bound).all(), f"worst error {err.max().item():.3g} at {divmod(int(err.argmax()), d)}"
     for f in BUFFERS:
-        _assert_equal(f"{f} with and without q", getattr(states[0], f).cpu(), getattr(states[1], f).cpu())
+        assert_equal(f"{f} with and without q", getattr(states[0], f).cpu(), getattr(states[1], f).cpu())
 
 
 @pytest.mark.parametrize("rotated", [False, True])
@@ -271,7 +266,7 @@ def test_hf_triton_backend_rotates_the_queries_in_the_append_launch(ds, device, 
         else:
             assert q_s is q
     for f in BUFFERS:
-        _assert_equal(f"rotated={rotated} {f}", getattr(st_h, f).cpu(), getattr(st_w, f).cpu())
+        assert_equal(f"rotated={rotated} {f}", getattr(st_h, f).cpu(), getattr(st_w, f).cpu())
     assert int(book_h.committed.num_pages.min()) >= 1, "the steps must demote"
     step = book_h.state_view(st_h, book_h.committed)
     got = ops.decode_attention(layer, q_s, step, 0.125)
@@ -334,4 +329,4 @@ def test_triton_nonfinite_in_one_head_writes_no_head(ds, device, gran):
         fn(book.state_view(st, book.committed), k.to(dev), v.to(dev), book.status)
         assert book.status.tolist() == [STATUS_NONFINITE, 0]
     for f in BUFFERS:
-        _assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+        assert_equal(f"{gran} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))

@@ -17,8 +17,9 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
+from helpers import assert_equal, assert_quantizes_like_reference
 from test_decode_step import _appends_equal_reference
-from test_quant_pack import CLIPS, LEVELS, _assert_equal, _rows
+from test_quant_pack import CLIPS, LEVELS, _rows
 
 
 def _k4_mma16(d: int, gran: str, g: int | None = None, p: int = 64, h: int = 3) -> KVCacheLayout:
@@ -83,12 +84,8 @@ def test_page_codes_round_trip_and_refusals():
 def test_quantize_4bit_mma16_key_pages_bit_exact(qp, device, d, g, p, gran):
     """Prefill pages (the plain quantizer): codes and params equal to the reference's."""
     lay = _k4_mma16(d, gran, g, p)
-    x = _rows(2, 3, p, d)
-    want_c, want_p = ref.quantize_pages(x, lay.key, CLIPS, LEVELS, "key")
+    want_c, _ = assert_quantizes_like_reference(qp, device, _rows(2, 3, p, d), lay, lay.key, CLIPS, LEVELS, "key")
     assert int(ref.unpack_page_codes(want_c, lay.key, "key").max()) > 3, "the pages must use 4-bit codes"
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, CLIPS.to(device), LEVELS.to(device), operand="key")
-    _assert_equal("params", got_p.cpu(), want_p)
-    _assert_equal("codes", got_c.cpu(), want_c)
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
@@ -105,8 +102,8 @@ def test_fused_rotation_4bit_mma16_is_the_linear_result_reordered(qp, device, gr
     kw = dict(rotation=rotation, fused_rotation=True)
     cl, pl = qp.quantize_pages(x, lin, lin.key, CLIPS.to(device), LEVELS.to(device), **kw)
     cm, pm = qp.quantize_pages(x, mma, mma.key, CLIPS.to(device), LEVELS.to(device), operand="key", **kw)
-    _assert_equal("params", pm.cpu(), pl.cpu())
-    _assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d, 4), mma.key, "key"))
+    assert_equal("params", pm.cpu(), pl.cpu())
+    assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d, 4), mma.key, "key"))
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])

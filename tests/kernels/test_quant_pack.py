@@ -1,8 +1,8 @@
-"""Triton quantize/pack against ``kernels/reference.py`` (the decode-step update: test_decode_step.py).
+"""Triton quantize/pack against ``kernels/reference/`` (the decode-step update: test_decode_step.py).
 
-Codes and fp16 params must be ``torch.equal`` to the reference on the same stored-basis rows; the fused
-rotation path is allowed a stated, small fraction of boundary flips. On the CPU this runs through Triton's
-interpreter (tests/kernels/conftest.py), on the H200 compiled.
+Codes and fp16 params must be ``torch.equal`` to the reference on the same stored-basis rows
+(``helpers.assert_quantizes_like_reference``); the fused rotation path is allowed a stated, small fraction of
+boundary flips. On the CPU this runs through Triton's interpreter (tests/kernels/conftest.py), on the H200 compiled.
 """
 
 from __future__ import annotations
@@ -14,18 +14,13 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
+from helpers import assert_equal, assert_quantizes_like_reference
+
 
 def _layout(d: int, gran: str, g: int | None = None, p: int | None = None, h: int = 3) -> KVCacheLayout:
     g = g or d
     p = p or g
     return KVCacheLayout(h, d, RowFormat(d, g, gran), RowFormat(d, g), sink=64, window=256, page_size=p)
-
-
-def _assert_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()[:5].tolist()
-        pairs = [(idx, got[tuple(idx)].item(), want[tuple(idx)].item()) for idx in bad]
-        raise AssertionError(f"{name}: {(got != want).sum().item()} mismatches, first (index, got, want): {pairs}")
 
 
 def _rows(n: int, h: int, p: int, d: int) -> torch.Tensor:
@@ -47,11 +42,7 @@ LEVELS = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.8, 2.2, 3.0], [0.0, 1.3, 1.
 def test_quantize_pages_bit_exact(qp, device, d, g, gran):
     lay = _layout(d, gran, g)
     fmt = lay.key
-    x = _rows(3, 3, lay.page_size, d)
-    want_c, want_p = ref.quantize_pages(x, fmt, CLIPS, LEVELS)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, fmt, CLIPS.to(device), LEVELS.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    assert_quantizes_like_reference(qp, device, _rows(3, 3, lay.page_size, d), lay, fmt, CLIPS, LEVELS)
 
 
 def _mma16(lay: KVCacheLayout) -> KVCacheLayout:
@@ -70,11 +61,7 @@ def test_quantize_pages_mma16_bit_exact(qp, device, d, g, p, gran, operand):
     """mma16 pages (keys tokens-on-M, values dims-on-M) bit-exact with the reference, both granularities."""
     lay = _mma16(_layout(d, gran, g, p=p))
     fmt = lay.key if operand == "key" else lay.value
-    x = _rows(3, 3, p, d)
-    want_c, want_p = ref.quantize_pages(x, fmt, CLIPS, LEVELS, operand)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, fmt, CLIPS.to(device), LEVELS.to(device), operand=operand)
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    assert_quantizes_like_reference(qp, device, _rows(3, 3, p, d), lay, fmt, CLIPS, LEVELS, operand)
 
 
 @pytest.mark.parametrize("gran,operand", [("token", "key"), ("channel", "key"), ("token", "value")])
@@ -90,8 +77,8 @@ def test_fused_rotation_mma16_is_the_linear_result_reordered(qp, device, gran, o
     kw = dict(rotation=rotation, fused_rotation=True)
     cl, pl = qp.quantize_pages(x, lin, fl, CLIPS.to(device), LEVELS.to(device), **kw)
     cm, pm = qp.quantize_pages(x, mma, fm, CLIPS.to(device), LEVELS.to(device), operand=operand, **kw)
-    _assert_equal("params", pm.cpu(), pl.cpu())
-    _assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d), fm, operand))
+    assert_equal("params", pm.cpu(), pl.cpu())
+    assert_equal("codes", cm.cpu(), ref.pack_page_codes(ref.unpack_codes(cl.cpu(), d), fm, operand))
 
 
 # ---- 4-bit key pages (RowFormat.bits == 4, layout.with_key_bits(4)) --------------------------------------------
@@ -103,12 +90,8 @@ def test_fused_rotation_mma16_is_the_linear_result_reordered(qp, device, gran, o
 def test_quantize_4bit_key_pages_bit_exact(qp, device, d, g, p, gran):
     """4-bit key pages ``[N, H_kv, P, D / 2]``: codes and params equal to the reference's 16-level rule."""
     lay = _layout(d, gran, g, p=p).with_key_bits(4)
-    x = _rows(2, 3, p, d)
-    want_c, want_p = ref.quantize_pages(x, lay.key, CLIPS, LEVELS)
+    want_c, _ = assert_quantizes_like_reference(qp, device, _rows(2, 3, p, d), lay, lay.key, CLIPS, LEVELS)
     assert tuple(want_c.shape) == lay.key_codes_shape(2)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, CLIPS.to(device), LEVELS.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
     assert int(ref.unpack_codes(want_c, g, 4).max()) == 15  # the test reaches the top level
 
 
@@ -122,10 +105,7 @@ def test_4bit_threshold_ties_and_rank_edges_bit_exact(qp, device, gran):
     if gran == "channel":
         x = x.transpose(-1, -2).contiguous()
     levels = LEVELS[torch.arange(h) % 3]  # ignored by 4-bit pages (reference.format_levels)
-    want_c, want_p = ref.quantize_pages(x, lay.key, HARD_CLIPS, levels)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    assert_quantizes_like_reference(qp, device, x, lay, lay.key, HARD_CLIPS, levels)
 
 
 def test_4bit_pool_shape_checked(qp, device):
@@ -189,10 +169,7 @@ def test_threshold_ties_and_rank_edges_bit_exact(qp, device, gran):
     if gran == "channel":
         x = x.transpose(-1, -2).contiguous()  # a group is a channel over the page's tokens
     levels = LEVELS[torch.arange(h) % 3]
-    want_c, want_p = ref.quantize_pages(x, lay.key, HARD_CLIPS, levels)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    assert_quantizes_like_reference(qp, device, x, lay, lay.key, HARD_CLIPS, levels)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -210,10 +187,7 @@ def test_16bit_rows_hard_groups_bit_exact(qp, device, gran, dtype, bits):
         x = torch.cat([x[..., :n, :].transpose(-1, -2), x[..., n:, :].transpose(-1, -2)], dim=-2)
     x = x.to(dtype)
     levels = LEVELS[torch.arange(h) % 3]
-    want_c, want_p = ref.quantize_pages(x.float(), lay.key, HARD_CLIPS, levels)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    want_c, _ = assert_quantizes_like_reference(qp, device, x, lay, lay.key, HARD_CLIPS, levels)
 
 
 # levels whose clamped codes are not 0 at -thr and 3 at thr, so the clamp before the code decides codes: lv3 beyond
@@ -236,10 +210,7 @@ def test_clamp_at_the_code_thresholds_bit_exact(qp, device, gran, packing, g, dt
         x = x.transpose(-1, -2).contiguous()
     x = x.to(dtype)
     levels = ODD_LEVELS[torch.arange(h) % 3]
-    want_c, want_p = ref.quantize_pages(x.float(), lay.key, HARD_CLIPS, levels)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.key, HARD_CLIPS.to(device), levels.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    want_c, _ = assert_quantizes_like_reference(qp, device, x, lay, lay.key, HARD_CLIPS, levels)
     codes = ref.unpack_page_codes(want_c, lay.key, "key")
     assert int(codes.min()) == 0 and int(codes.max()) == 3  # not degenerate: the odd levels still use codes 0..3
 
@@ -254,19 +225,12 @@ def test_quantize_real_shape_every_width_bit_exact(qp, device, gran, warps):
     x = (torch.randn(64, 8, 128, 128, device=device) * torch.linspace(0.1, 3, 128, device=device)).bfloat16()
     clip = torch.tensor([1.0, 0.99, 0.96, 0.94, 0.92, 0.87, 0.75, 0.5], device=device)
     levels = LEVELS[torch.arange(8) % 3].to(device)
-    want_c, want_p = ref.quantize_pages(x.float(), lay.key, clip, levels)
-    got_c, got_p = qp.quantize_pages(x, lay, lay.key, clip, levels, num_warps=warps)
-    _assert_equal("codes", got_c, want_c)
-    _assert_equal("params", got_p, want_p)
+    assert_quantizes_like_reference(qp, device, x, lay, lay.key, clip, levels, num_warps=warps)
 
 
 def test_quantize_bf16_input_bit_exact(qp, device):
     lay = _layout(64, "token")
-    x = _rows(2, 3, 64, 64).bfloat16()
-    want_c, want_p = ref.quantize_pages(x.float(), lay.value, CLIPS, LEVELS)
-    got_c, got_p = qp.quantize_pages(x.to(device), lay, lay.value, CLIPS.to(device), LEVELS.to(device))
-    _assert_equal("codes", got_c.cpu(), want_c)
-    _assert_equal("params", got_p.cpu(), want_p)
+    assert_quantizes_like_reference(qp, device, _rows(2, 3, 64, 64).bfloat16(), lay, lay.value, CLIPS, LEVELS)
 
 
 def test_write_pages_into_pool_at_page_ids(qp, device):
@@ -277,9 +241,9 @@ def test_write_pages_into_pool_at_page_ids(qp, device):
     ids = torch.tensor([4, 1], dtype=torch.int32, device=device)
     qp.write_pages(x.to(device), ids, codes, params, lay, lay.key, CLIPS.to(device), LEVELS.to(device))
     want_c, want_p = ref.quantize_pages(x, lay.key, CLIPS, LEVELS)
-    _assert_equal("codes page 4", codes[4].cpu(), want_c[0])
-    _assert_equal("codes page 1", codes[1].cpu(), want_c[1])
-    _assert_equal("params page 1", params[1].cpu(), want_p[1])
+    assert_equal("codes page 4", codes[4].cpu(), want_c[0])
+    assert_equal("codes page 1", codes[1].cpu(), want_c[1])
+    assert_equal("params page 1", params[1].cpu(), want_p[1])
     for untouched in (0, 2, 3):  # pages not named are left alone
         assert bool((codes[untouched] == 0xAB).all()) and bool((params[untouched] == -7.0).all())
 
@@ -383,4 +347,4 @@ def test_hf_triton_backend_writes_equal_reference(qp, device):
             pos += n
         assert lay.pages_for(pos) >= 1
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        _assert_equal(f"backend {f}", getattr(g, f).cpu(), getattr(a, f))
+        assert_equal(f"backend {f}", getattr(g, f).cpu(), getattr(a, f))
