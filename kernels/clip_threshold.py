@@ -1,6 +1,6 @@
 """The clip threshold of the quantizer on the GPU: the K-th largest ``|x|`` of each group, exactly.
 
-The quantizer (``reference.py``) clips each group at ``sorted(|x|)[rank]``, i.e. its K-th largest ``|x|``
+The quantizer (``reference.groups``) clips each group at ``sorted(|x|)[rank]``, i.e. its K-th largest ``|x|``
 with ``K = group - rank``. These Triton helpers find it without sorting the group: each thread keeps the 8
 largest values it has seen as a descending list in registers, the threads sharing a group merge their lists,
 and more rounds below a cut handle K > 8 (:func:`_resolve`). Used by :mod:`.quant_pack`.

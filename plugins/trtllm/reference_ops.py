@@ -1,4 +1,4 @@
-"""The TensorRT-LLM adapter's cache operations on the PyTorch reference (``kernels/reference.py``), any device.
+"""The TensorRT-LLM adapter's cache operations on the PyTorch reference (``kernels/reference/``), any device.
 
 Same interface and same semantics as :class:`.device.AotCacheOps` (the bundle's kernels), so the adapter's
 contract tests run on a CPU: ``write`` is ``reference.write_tokens``, ``decode_step`` is
