@@ -38,13 +38,8 @@ from .aot import launch_plan as _plan
 from .cache_keys import hash_bottom_up
 from .checks import check_decode_append_inputs
 from .layout import KVCacheLayout, PagedKV, packing_code
-from .pages import STATUS_NONFINITE
 from .quant_pack import _quantize_page, _round_bf16, removal_counts
 from .transform import LayerTransform
-
-#: warps of the append kernel (one page-head of demotion per program): stated once, in the launch plan
-#: (kernels/aot/launch_plan.py), with its columns a program (``launch_plan.append_columns``).
-APPEND_WARPS = _plan.DECODE_APPEND.num_warps
 
 
 @triton.jit
@@ -223,18 +218,17 @@ def launch(
     with the same arguments): grid ``(B, H_kv, D // CB)``. ``q`` is read iff ``rotate_q`` (any tensor otherwise).
     Returns the fresh fp32 stored-basis queries if ``rotate_q``, else an empty tensor."""
     bsz, h, d = k.shape
-    gq = q.shape[1] // h if rotate_q else 1
-    cb = _plan.append_columns(d, gq)
+    cx = _plan.append_constexprs(h, d, group_size, page_size, sink, recent_slots, recent_capacity, k_channel, k_packing,
+                                 v_packing, key_bits, fused_transform=fused_transform,
+                                 gq=q.shape[1] // h if rotate_q else 1, rotate_q=rotate_q)
     q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device) if rotate_q else q.new_empty(0)
-    _decode_append_kernel[(bsz, h, d // cb)](
+    plan = _plan.DECODE_APPEND
+    _decode_append_kernel[plan.grid_for({"B": bsz}, cx)](
         k, v, q, q_rot if rotate_q else k,  # q_ptr, q_rot_ptr: read / written iff ROTATE_Q
         k_rotation, k_scale, k_mean, v_mean, sink_k, sink_v, recent_k, recent_v,
         k_codes, k_params, v_codes, v_params, k_removals, v_removals, k_levels, v_levels,
         block_table, sink_len, num_pages, recent_len, status, block_table.shape[1],
-        H_KV=h, P=page_size, D=d, G=group_size, S0=sink, C=recent_slots, RCAP=recent_capacity,
-        K_CHANNEL=k_channel, TRANSFORM=fused_transform, CB=cb, NONFINITE=STATUS_NONFINITE,
-        K_PACKING=k_packing, V_PACKING=v_packing, K_BITS=key_bits, GQ=gq, ROTATE_Q=rotate_q,
-        num_warps=APPEND_WARPS,
+        **cx, num_warps=plan.num_warps,
     )
     return q_rot
 
@@ -255,4 +249,4 @@ def removals(layout: KVCacheLayout, transform: LayerTransform) -> tuple[torch.Te
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
-__all__ = ["APPEND_WARPS", "decode_append", "launch", "removals", "rotate_queries"]
+__all__ = ["decode_append", "launch", "removals", "rotate_queries"]

@@ -47,9 +47,6 @@ _ONE_FIFTEENTH = tl.constexpr(span_inverse(16))
 ROT_K = tl.constexpr(32)
 #: the PACKING constexpr of mma16 keys (layout.packing_code), as a constexpr global.
 _MMA16_KEY = tl.constexpr(PACK_MMA16_KEY)
-#: warps of the page quantizer, plain and with the rotation fused: stated once, in kernels/aot/launch_plan.py.
-QUANT_WARPS = _plan.QUANT_PACK.num_warps
-QUANT_ROT_WARPS = _plan.QUANT_PACK_ROT.num_warps
 
 # ---- kernel -------------------------------------------------------------------------------------------------
 
@@ -534,6 +531,10 @@ def removal_counts(clip: torch.Tensor, group: int) -> torch.Tensor:
     return (group - 1 - clip_rank(clip, group)).to(torch.int32)
 
 
+#: ``round_dtype`` of :func:`write_pages` as the launch plan names it.
+_ROUND_TO = {None: None, torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 def write_pages(
     x: torch.Tensor,
     page_ids: torch.Tensor,
@@ -572,7 +573,7 @@ def write_pages(
     """
     h, p, d = layout.num_kv_heads, layout.page_size, layout.head_dim
     check_format(fmt, p, "write_pages")
-    packing = packing_code(fmt, operand)
+    packing_code(fmt, operand)  # an unknown operand is refused before the tensors are checked
     if fmt.head_dim != d:
         raise ValueError(f"fmt.head_dim: expected {d}, got {fmt.head_dim}")
     dev = x.device
@@ -606,21 +607,16 @@ def write_pages(
     group = p if fmt.granularity == "channel" else fmt.group_size
     removals = removal_counts(clip, group)
     fuse = rotation is not None and fused_rotation
-    # launch widths of the launch plan (QUANT_ROT_WARPS, QUANT_WARPS): the fused rotation's [P, D] fp32 tile
-    # spills far less on 8 warps
-    warps = dict(num_warps=QUANT_ROT_WARPS) if fuse else dict(num_warps=QUANT_WARPS)
-    if num_warps is not None:
-        warps = dict(num_warps=num_warps)
+    # the launch plan's (QUANT_PACK_ROT: the fused rotation's [P, D] fp32 tile spills far less on 8 warps)
+    plan = _plan.QUANT_PACK_ROT if fuse else _plan.QUANT_PACK
+    cx = _plan.quant_pack_constexprs(layout, fmt, fuse, operand, _ROUND_TO[round_dtype])
     if rotation is not None and not fused_rotation:
         x = torch.matmul(x.float(), rot) * ds[:, None, :] - mu[:, None, :]
         x = x if round_dtype is None else x.to(round_dtype)
-    _quant_pack_kernel[(n, h)](
+    _quant_pack_kernel[plan.grid_for({"N": n}, cx)](
         x, page_ids, removals, levels.contiguous(), rot, ds, mu, codes, params,
         x.stride(0), x.stride(1), x.stride(2),
-        H_KV=h, P=p, D=d, G=fmt.group_size, CHANNEL=fmt.granularity == "channel",
-        ROTATE=fuse, ROUND_BF16=fuse and round_dtype == torch.bfloat16,
-        ROUND_FP16=fuse and round_dtype == torch.float16,
-        PACKING=packing, BITS=fmt.bits, **warps,
+        **cx, num_warps=plan.num_warps if num_warps is None else num_warps,
     )
 
 

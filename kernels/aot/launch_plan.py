@@ -351,13 +351,19 @@ def decode_merge_constexprs(head_dim: int) -> dict[str, Any]:
     return {"D": head_dim, "CH": MERGE_CHUNK}
 
 
-def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key") -> dict[str, Any]:
-    """``operand``: the pool written, ``"key"`` or ``"value"`` (it decides the mma16 order)."""
+def quant_pack_constexprs(layout, fmt, rotate: bool, operand: str = "key",
+                          round_to: str | None = "bfloat16") -> dict[str, Any]:
+    """Constexprs of the quantizer writing ``fmt`` pages of ``layout``. ``rotate``: model-basis rows, the rotation
+    fused (the bundle's ``_rot`` kernels); ``operand``: the pool written, ``"key"`` or ``"value"`` (it decides the
+    mma16 order); ``round_to``: what the fused rotation's product is rounded through, ``"bfloat16"`` (as the
+    bundle compiles), ``"float16"`` or None."""
     from ..layout import packing_code
 
+    if round_to not in ("bfloat16", "float16", None):
+        raise ValueError(f"round_to: expected 'bfloat16', 'float16' or None, got {round_to!r}")
     return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": fmt.group_size,
-            "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate, "ROUND_FP16": False,
-            "PACKING": packing_code(fmt, operand), "BITS": fmt.bits}
+            "CHANNEL": fmt.granularity == "channel", "ROTATE": rotate, "ROUND_BF16": rotate and round_to == "bfloat16",
+            "ROUND_FP16": rotate and round_to == "float16", "PACKING": packing_code(fmt, operand), "BITS": fmt.bits}
 
 
 def append_columns(head_dim: int, gq: int = 1) -> int:
@@ -370,22 +376,35 @@ def append_columns(head_dim: int, gq: int = 1) -> int:
     return cb
 
 
+def append_constexprs(num_kv_heads: int, head_dim: int, group_size: int, page_size: int, sink: int,
+                      recent_slots: int, recent_capacity: int, k_channel: bool, k_packing: int, v_packing: int,
+                      key_bits: int, *, fused_transform: bool, gq: int, rotate_q: bool) -> dict[str, Any]:
+    """Constexprs of the decode-step writer, from the layout's numbers as the JIT launch has them: ``C`` the ring's
+    slots (``W + 2P``), ``RCAP`` the window's most recent tokens (``W + P``), ``K_PACKING`` / ``V_PACKING`` the pools'
+    ``layout.packing_code``; ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``); ``gq``
+    query heads per KV head, rotated into the stored key basis by the same launch with ``rotate_q`` (``gq`` 1 and
+    ``rotate_q`` False: no queries)."""
+    from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
+
+    return {"H_KV": num_kv_heads, "P": page_size, "D": head_dim, "G": group_size, "S0": sink, "C": recent_slots,
+            "RCAP": recent_capacity, "K_CHANNEL": bool(k_channel), "TRANSFORM": bool(fused_transform),
+            "CB": append_columns(head_dim, gq), "NONFINITE": STATUS_NONFINITE, "K_PACKING": k_packing,
+            "V_PACKING": v_packing, "K_BITS": key_bits, "GQ": gq, "ROTATE_Q": bool(rotate_q)}
+
+
 def decode_append_constexprs(layout, fused_transform: bool = False, num_heads: int | None = None) -> dict[str, Any]:
-    """Constexprs of the decode-step writer: ``C`` the ring's slots (``W + 2P``), ``RCAP`` the window's most
-    recent tokens (``W + P``); ``fused_transform``: keys arrive in the model basis (see ``decode_step.py``);
-    ``num_heads``: the launch also rotates the step's ``num_heads`` queries (``ROTATE_Q``), None: it does not."""
+    """:func:`append_constexprs` for ``layout``; ``num_heads``: the launch also rotates the step's ``num_heads``
+    queries (``ROTATE_Q``), None: it does not."""
     if num_heads is not None and (num_heads % layout.num_kv_heads or num_heads < layout.num_kv_heads):
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
     from ..layout import packing_code
-    from ..pages import STATUS_NONFINITE  # the status bit is stated by the page book
 
-    gq = 1 if num_heads is None else num_heads // layout.num_kv_heads
-    return {"H_KV": layout.num_kv_heads, "P": layout.page_size, "D": layout.head_dim, "G": layout.value.group_size,
-            "S0": layout.sink, "C": layout.recent_slots, "RCAP": layout.recent_capacity,
-            "K_CHANNEL": layout.key.granularity == "channel", "TRANSFORM": bool(fused_transform),
-            "CB": append_columns(layout.head_dim, gq), "NONFINITE": STATUS_NONFINITE,
-            "K_PACKING": packing_code(layout.key, "key"), "V_PACKING": packing_code(layout.value, "value"),
-            "K_BITS": layout.key.bits, "GQ": gq, "ROTATE_Q": num_heads is not None}
+    return append_constexprs(
+        layout.num_kv_heads, layout.head_dim, layout.value.group_size, layout.page_size, layout.sink,
+        layout.recent_slots, layout.recent_capacity, layout.key.granularity == "channel",
+        packing_code(layout.key, "key"), packing_code(layout.value, "value"), layout.key.bits,
+        fused_transform=fused_transform, gq=1 if num_heads is None else num_heads // layout.num_kv_heads,
+        rotate_q=num_heads is not None)
 
 
 # ---- the rule mini-language ---------------------------------------------------------------------------------
@@ -459,8 +478,8 @@ __all__ = [
     "DECODE_SPLIT_GL", "DECODE_SPLIT_MERGE_GL", "GL_FUSED_MERGE", "GL_MAXNREG", "GL_MIN_PAGES_PER_SPLIT",
     "GL_PAGE_STAGES", "GL_PROGRAM_PAGES", "KernelPlan", "MERGE_CHUNK", "PAGE_SLOTS", "PLANS", "QUANT_PACK",
     "QUANT_PACK_ROT", "TENSOR_NAMES", "TRITON_DEFAULT_STAGES", "TRT_DECODE_MERGE", "TRT_DECODE_SPLIT",
-    "append_columns", "decode_append_constexprs", "decode_merge_constexprs", "decode_split_constexprs",
-    "decode_split_gl_constexprs", "evaluate", "gl_occupancy", "gl_pages_per_split", "gq_pad_dot", "gq_pad_wgmma",
-    "hopper_split_constexprs", "parse_rule", "portable_split_constexprs", "quant_pack_constexprs", "tensor_name",
-    "trt_io"
+    "append_columns", "append_constexprs", "decode_append_constexprs", "decode_merge_constexprs",
+    "decode_split_constexprs", "decode_split_gl_constexprs", "evaluate", "gl_occupancy", "gl_pages_per_split",
+    "gq_pad_dot", "gq_pad_wgmma", "hopper_split_constexprs", "parse_rule", "portable_split_constexprs",
+    "quant_pack_constexprs", "tensor_name", "trt_io"
 ]

@@ -203,8 +203,6 @@ def test_append_columns(d, gq, want):
 def test_wrapper_constants_are_the_plan():
     assert (da.SPLIT_WARPS, da.SPLIT_STAGES, da.PAGE_SLOTS) == (
         lp.DECODE_SPLIT.num_warps, lp.DECODE_SPLIT.num_stages, lp.PAGE_SLOTS)
-    assert (qp.QUANT_WARPS, qp.QUANT_ROT_WARPS) == (lp.QUANT_PACK.num_warps, lp.QUANT_PACK_ROT.num_warps)
-    assert ds.APPEND_WARPS == lp.DECODE_APPEND.num_warps
 
 
 def test_query_heads_are_padded_to_each_kernels_mma_n():
