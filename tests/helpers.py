@@ -418,6 +418,26 @@ def identity_artifact_with_stats():
     return art
 
 
+def files(d):
+    """``{relative path: bytes}`` of every file under ``d``: what a test compares to prove nothing was touched."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def one_line(err: str, command: str) -> str:
+    """``err`` is one ``oscar-export COMMAND: error: ...`` line without a traceback; returns it."""
+    assert err.count("\n") == 1 and err.startswith(f"oscar-export {command}: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+def own_copy(src, dest):
+    """``shutil.copytree(src, dest)``; returns ``dest`` (a test's own copy of a module-scoped checkpoint)."""
+    import shutil
+
+    shutil.copytree(src, dest)
+    return dest
+
+
 @pytest.fixture
 def art_dir(tmp_path):
     """A random artifact of :func:`tiny_model`, saved to ``tmp_path / "art"`` (a fixture: the conftests of

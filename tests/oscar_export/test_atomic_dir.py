@@ -1,7 +1,11 @@
-"""The transactional output directory: all or nothing, signals, stale temporaries, --force."""
+"""``oscar_export/atomic_dir.py``: the transactional output directory: all or nothing, signals, stale temporaries,
+--force; and through the commands (issue 31): an --out that is, contains or lies inside an input refused, --force
+replacing only the tool's own output, an --out that appears or changes during the run kept, a second run to the
+same --out refused at once, an --out that cannot be created refused before the model loads."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from oscar_export.atomic_dir import atomic_dir, check_out_dir, is_temporary
+from oscar_export.atomic_dir import MARKER, OutputBusy, OutputChanged, atomic_dir, check_out_dir, is_temporary
+from oscar_export.cli import main
+
+from helpers import files, one_line, random_artifact, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,3 +191,182 @@ def test_interrupted_replace_is_recovered(tmp_path, exchange):
         with atomic_dir(out):
             pass
     assert (out / "oscar.json").read_text() == ("new" if exchange else "old") and siblings(out) == ["out"]
+
+
+# ---- issue 31, through the commands: outputs never destroy what the user did not ask to replace ----------------------
+
+
+@pytest.mark.parametrize("where", ["is", "inside", "around"])
+@pytest.mark.parametrize("force", [False, True], ids=["", "force"])
+def test_export_out_overlapping_the_model_is_refused(model_dir, art_dir, capsys, no_model_load, where, force):
+    out = {"is": model_dir, "inside": model_dir / "sub", "around": model_dir.parent}[where]
+    before = files(model_dir)
+    t0 = time.perf_counter()
+    argv = ["export", "--model", str(model_dir), "--artifact", str(art_dir), "--out", str(out)] + ["--force"] * force
+    rc = main(argv)
+    assert rc == 2 and time.perf_counter() - t0 < 5
+    err = one_line(capsys.readouterr().err, "export")
+    why = {"is": "is", "inside": "lies inside", "around": "contains"}[where]
+    assert f"{why} the input --model" in err or (where == "around" and "the input --artifact" in err), err
+    assert files(model_dir) == before
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["", "force"])
+def test_export_out_is_the_artifact_refused(art_dir, tmp_path, capsys, no_model_load, force):
+    before = files(art_dir)
+    assert main(["export", "--artifact", str(art_dir), "--out", str(art_dir)] + ["--force"] * force) == 2
+    assert "is the input --artifact" in one_line(capsys.readouterr().err, "export")
+    assert files(art_dir) == before
+
+
+def test_build_out_inside_the_export_refused(tmp_path, capsys):
+    exp = tmp_path / "ckpt"
+    exp.mkdir()
+    assert main(["build", "--export", str(exp), "--out", str(exp / "deploy")]) == 2
+    assert "lies inside the input --export" in one_line(capsys.readouterr().err, "build")
+    assert list(exp.iterdir()) == []
+
+
+def test_calibrate_force_replaces_only_its_own_output(tmp_path, capsys, no_model_load):
+    """An ``oscar.json`` beside the user's files is not enough for --force: only the tool's marker is."""
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / "oscar.json").write_text("{}")
+    (out / "thesis.tex").write_text("years of work")
+    before = files(out)
+    t0 = time.perf_counter()
+    assert main(["calibrate", "--out", str(out), "--force", "--quiet"]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = one_line(capsys.readouterr().err, "calibrate")
+    assert f"no {MARKER} marker" in err and "refusing to replace it even with --force" in err, err
+    assert files(out) == before
+
+
+def test_force_replaces_an_earlier_output_of_the_same_kind_only(tmp_path):
+    out = tmp_path / "ckpt"
+    with atomic_dir(out, looks_like="config.json") as tmp:
+        (tmp / "config.json").write_text("1")
+    assert json.loads((out / MARKER).read_text()) == {"tool": "oscar-export", "kind": "config.json"}
+    with pytest.raises(FileExistsError, match="no .oscar-output marker of a deploy.json output"):
+        check_out_dir(out, force=True, looks_like="deploy.json")  # a checkpoint is not a deployment
+    with atomic_dir(out, force=True, looks_like="config.json") as tmp:
+        (tmp / "config.json").write_text("2")
+    assert (out / "config.json").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_out_appearing_during_the_run_is_not_replaced(tmp_path):
+    """Issue: export without --force while something else creates --out/precious.txt: the file was deleted."""
+    out = tmp_path / "out"
+    with pytest.raises(OutputChanged, match=r"--out .*out: appeared while this run worked; it was not replaced, "
+                                            r"the new output is kept in .*out\.oscar-new-"):
+        with atomic_dir(out, looks_like="config.json") as tmp:
+            (tmp / "config.json").write_text("new")
+            out.mkdir()
+            (out / "precious.txt").write_text("mine")
+    assert files(out) == {"precious.txt": b"mine"}
+    (kept,) = [p for p in tmp_path.iterdir() if p.name.startswith("out.oscar-new-")]
+    assert (kept / "config.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", kept.name])
+
+
+def test_export_out_appearing_during_the_run_keeps_the_users_file(tmp_path, capsys):
+    class Tokenizer:  # writes its files while, elsewhere, the user's program creates --out
+        def save_pretrained(self, d):
+            out.mkdir()
+            (out / "precious.txt").write_text("mine")
+
+    from oscar_export.export import export_checkpoint
+
+    out = tmp_path / "ckpt"
+    model = tiny_model()
+    with pytest.raises(OutputChanged, match="appeared while this run worked"):
+        export_checkpoint(model, Tokenizer(), random_artifact(model), out)
+    assert files(out) == {"precious.txt": b"mine"}
+
+
+def test_force_out_changed_during_the_run_is_not_replaced(tmp_path):
+    out = tmp_path / "art"
+    with atomic_dir(out, looks_like="oscar.json") as tmp:
+        (tmp / "oscar.json").write_text("old")
+    with pytest.raises(OutputChanged, match="changed while this run worked"):
+        with atomic_dir(out, force=True, looks_like="oscar.json") as tmp:
+            (tmp / "oscar.json").write_text("new")
+            time.sleep(0.01)  # a coarse-timestamp filesystem still sees the directory change
+            (out / "added-meanwhile.txt").write_text("mine")
+    assert (out / "added-meanwhile.txt").read_text() == "mine" and (out / "oscar.json").read_text() == "old"
+
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from oscar_export.atomic_dir import atomic_dir
+    with atomic_dir(Path(sys.argv[1]), looks_like="config.json") as tmp:
+        (tmp / "config.json").write_text("first")
+        print("ready", flush=True)
+        sys.stdin.readline()
+""")
+
+
+def test_a_second_run_to_the_same_out_refuses_at_once(tmp_path, art_dir, capsys, no_model_load):
+    """Issue: two exports to one --out at once both exited 0, the second replacing the first's output."""
+    out = tmp_path / "ckpt"
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, cwd=ROOT)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        with pytest.raises(OutputBusy, match=rf"--out .*ckpt: another oscar-export run \(pid {p.pid}\) is writing"):
+            check_out_dir(out, claim=True)
+        t0 = time.perf_counter()
+        assert main(["export", "--artifact", str(art_dir), "--out", str(out)]) == 2
+        assert time.perf_counter() - t0 < 5
+        assert "another oscar-export run" in one_line(capsys.readouterr().err, "export")
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(timeout=30) == 0
+    finally:
+        p.kill()
+    assert (out / "config.json").read_text() == "first"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["art", "ckpt"], "the lock file is removed at the end"
+
+
+RACER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from oscar_export.atomic_dir import atomic_dir
+    go = Path(sys.argv[2])
+    while not go.exists():
+        time.sleep(0.001)
+    try:
+        with atomic_dir(Path(sys.argv[1]), looks_like="config.json") as tmp:
+            (tmp / "config.json").write_text(sys.argv[3])
+            time.sleep(0.2)
+    except OSError as e:
+        print(type(e).__name__, e)
+        sys.exit(2)
+""")
+
+
+def test_concurrent_runs_leave_exactly_one_complete_output(tmp_path):
+    out, go = tmp_path / "ckpt", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(out), str(go), str(i)], stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT) for i in range(3)]
+    time.sleep(1.0)  # let them all import and wait at the barrier
+    go.touch()
+    results = [(p.wait(timeout=60), p.stdout.read()) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2, 2], results
+    winner = [i for i, (rc, _) in enumerate(results) if rc == 0][0]
+    assert (out / "config.json").read_text() == str(winner)
+    assert all("OutputBusy" in msg or "FileExistsError" in msg for rc, msg in results if rc), results
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt", "go"]
+
+
+@pytest.mark.parametrize("out", ["/sys/x", "/proc/x", "/dev/null/x"])
+def test_calibrate_unwritable_out_refused_before_the_model_loads(out, capsys, no_model_load):
+    if not Path(out).parent.exists():
+        pytest.skip(f"{Path(out).parent} does not exist here")
+    t0 = time.perf_counter()
+    assert main(["calibrate", "--out", out, "--quiet"]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = one_line(capsys.readouterr().err, "calibrate")
+    assert f"--out {out}: cannot create it" in err, err

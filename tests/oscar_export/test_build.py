@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
+
 from oscar_export.atomic_dir import MARKER  # noqa: E402
 from oscar_export.build import build_deployment  # noqa: E402
 from oscar_export.calibration.artifact import OscarArtifact  # noqa: E402
@@ -19,6 +20,7 @@ from oscar_export.export import export_checkpoint  # noqa: E402
 from oscar_export.kernels.aot.manifest import read_manifest  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 
+from helpers import own_copy as _own_copy  # noqa: E402
 from helpers import tiny_export  # noqa: E402
 
 
@@ -317,3 +319,14 @@ def test_build_has_no_decode_kernel_knob(capsys):
         main(["build", "--export", "ck", "--out", "d", "--decode-kernel", "gluon"])
     assert e.value.code == 2 and "unrecognized arguments: --decode-kernel" in capsys.readouterr().err
 
+
+def test_the_deploy_readme_limit_comes_from_the_model(exported_ckpt, tmp_path, fake_bundle):
+    """Issue: the generated README said --max_seq_len 8192 for a model of max_position_embeddings 4096."""
+    from oscar_export.build import build_deployment
+
+    d = _own_copy(exported_ckpt, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096
+    (d / "config.json").write_text(json.dumps(cfg))
+    readme = (build_deployment(d, tmp_path / "deploy", ["sm_90"]) / "README.md").read_text()
+    assert "--max_seq_len 4096" in readme and "8192" not in readme

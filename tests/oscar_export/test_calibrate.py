@@ -42,17 +42,6 @@ def test_calibrate_bad_choice(tmp_path):
 # ---- issue 16: every option and --out checked before the model loads; atomic output ----------------------------
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Loading a model means the checks came too late: fail the test if it happens."""
-    import oscar_export.models as models
-
-    def load_model(*a, **k):
-        raise AssertionError("the model was loaded before the command line was validated")
-
-    monkeypatch.setattr(models, "load_model", load_model)
-
-
 @pytest.mark.parametrize(
     "argv,msg",
     [

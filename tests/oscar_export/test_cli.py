@@ -1,16 +1,26 @@
-"""The command line: --help, --version, unknown input, and the package layout (editable and wheel)."""
+"""``oscar_export/cli.py``: --help, --version, unknown input, the package layout (editable and wheel), and (issue 31)
+options refused before the model loads, one line for every user, operating-system and library failure (a full
+disk, a file-size limit, undecodable arguments, a chat template the sandbox refuses, a safetensors error)."""
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
+import textwrap
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
+import transformers
 
 from oscar_export import __version__
+from oscar_export.atomic_dir import atomic_dir
 from oscar_export.cli import COMMANDS, main
+
+from helpers import files, one_line, random_artifact
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,3 +175,123 @@ def test_a_bug_is_not_hidden(monkeypatch):
     monkeypatch.setattr(mod, "run", lambda args: None.missing)
     with pytest.raises(AttributeError):
         main(["inspect", "x"])
+
+
+# ---- issue 31: refusals before the model loads; one line for every OS and library failure ----------------------------
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["generate", "--device", "cuda"], "--device cuda: no CUDA device is available here"),
+    (["generate", "--device", "cuda:3"], "--device cuda:3: no CUDA device is available here"),
+    (["generate", "--backend", "triton", "--device", "cpu"], "--backend triton: the Triton kernels run on a CUDA GPU"),
+    (["generate", "--backend", "tensorrt"], "--backend: expected one of"),
+    (["generate", "--prompt", ""], "--prompt: empty"),
+    (["calibrate", "--out", "OUT", "--device-map", "cuda:3"], "--device-map cuda:3: no CUDA device"),
+    (["calibrate", "--out", "OUT", "--device-map", '{"model": 3}'], "--device-map cuda:3: no CUDA device"),
+], ids=["device-cuda", "device-cuda3", "triton-on-cpu", "unknown-backend", "empty-prompt", "device-map",
+        "device-map-json"])
+def test_options_refused_before_the_model_loads(argv, msg, tmp_path, capsys, no_model_load):
+    import torch
+
+    if "cuda" in msg and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    t0 = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - t0 < 5
+    assert msg in one_line(capsys.readouterr().err, argv[0])
+
+
+def test_undecodable_arguments_are_one_line(tmp_path, capsys, no_model_load):
+    bad = os.fsdecode(b"caf\xe9")  # what Python makes of Latin-1 bytes in argv: a lone surrogate
+    for argv in (["generate", "--prompt", bad], ["calibrate", "--out", str(tmp_path / bad)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not valid UTF-8" in err and "caf\\xe9" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_chat_template_the_sandbox_refuses_is_one_line(monkeypatch, capsys):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    import oscar_export.generate as gen
+
+    def run(args):  # what transformers' apply_chat_template does with a template that escapes
+        ImmutableSandboxedEnvironment().from_string("{{ ''.__class__.__mro__[1].__subclasses__() }}").render()
+
+    monkeypatch.setattr(gen, "run", run)
+    assert main(["generate", "--chat"]) == 2
+    err = one_line(capsys.readouterr().err, "generate")
+    assert "the chat template failed (SecurityError)" in err, err
+
+
+def test_a_safetensors_error_is_one_line(monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    import oscar_export.inspect_artifact as mod
+
+    for text in ("Error while serializing: I/O error: No space left on device (os error 28)",  # safetensors 0.7
+                 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left" })'):
+        def run(args, text=text):
+            raise SafetensorError(text)
+
+        monkeypatch.setattr(mod, "run", run)
+        assert main(["inspect", "x"]) == 2
+        err = one_line(capsys.readouterr().err, "inspect")
+        assert "No space left on device [Errno 28 ENOSPC] (Error while serializing)" in err, err
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 256 KiB tmpfs (root with CAP_SYS_ADMIN only); unmounted afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_the_old_output(small_tmpfs, tmp_path, capsys, monkeypatch):
+    import oscar_export.models as models
+
+    out = small_tmpfs / "ckpt"
+    with atomic_dir(out, looks_like="config.json") as tmp:  # an earlier checkpoint, replaced with --force
+        (tmp / "config.json").write_text("{}")
+    before = files(out)
+    big = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=4000, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128))  # ~1.5 MB of embeddings: 256 KiB free
+    random_artifact(big).save(tmp_path / "art")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (big, None))
+    assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(out), "--force"]) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("oscar-export")]  # (and tqdm's bar)
+    assert len(err) == 1 and "No space left on device" in err[0], err
+    assert files(out) == before and sorted(p.name for p in small_tmpfs.iterdir()) == ["ckpt"]
+
+
+EXPORT_CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    import oscar_export.models as models
+    from helpers import tiny_model
+    models.load_model = lambda *a, **k: (tiny_model(), None)
+    from oscar_export.cli import main
+    sys.exit(main(["export", "--artifact", sys.argv[2], "--out", sys.argv[3]]))
+""")
+
+
+@pytest.mark.slow  # a child process imports torch and transformers: 10-30 s on the 2-core machine
+def test_export_over_the_file_size_limit_is_one_line(tmp_path, art_dir):
+    """``ulimit -f``: writes past the limit fail with EFBIG (Python ignores SIGXFSZ); nothing is left behind."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY))
+
+    out = tmp_path / "ckpt"
+    p = subprocess.run([sys.executable, "-c", EXPORT_CHILD, str(Path(__file__).parents[1]), str(art_dir), str(out)],
+                       preexec_fn=limit, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [x for x in p.stderr.splitlines() if x.startswith("oscar-export")]
+    assert len(lines) == 1 and "File too large" in lines[0] and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["art"]

@@ -161,7 +161,7 @@ def test_read_export_errors(tmp_path):
         read_export(out)
 
 
-# ---- command line (bad input only: the real model run is in test_export_smollm2.py) ----------------------------
+# ---- command line (bad input only: the real model run is at the end of this file) -------------------------------
 
 
 def test_cli_missing_artifact(tmp_path, capsys):
@@ -182,13 +182,6 @@ def test_cli_existing_output(tmp_path, capsys):
 
 
 # ---- issue 16: checks before the model loads, --force, stale temporaries ---------------------------------------
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import oscar_export.models as models
-
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("model loaded before the checks"))
 
 
 def test_cli_non_empty_out_refused_before_model_load(tmp_path, capsys, no_model_load):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -142,3 +144,24 @@ def test_cache_larger_than_memory_refused(tiny_dir, capsys, monkeypatch, no_cach
     # 2 layers x 2002 tokens x (K, V) x 2 KV heads x 16 x 4 bytes (fp32 on the CPU) = 1,025,024
     assert ("a KV cache of 2002 tokens needs 1,025,024 bytes at torch.float32 (2 layers, 2 KV heads x head_dim 16, "
             "K and V); 524,288 bytes available on cpu") in last, last
+
+
+def test_a_chat_template_that_runs_for_minutes_is_stopped(monkeypatch):
+    """Issue: a chat template with nested 1e5 x 1e5 loops ran 80 s and took 7.1 GB."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    import oscar_export.generate as gen
+
+    class Tokenizer:  # renders its template as transformers does: jinja2's immutable sandbox
+        chat_template = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+
+        def apply_chat_template(self, messages, **kw):
+            return ImmutableSandboxedEnvironment().from_string(self.chat_template).render(messages=messages)
+
+    monkeypatch.setattr(gen, "CHAT_TEMPLATE_SECONDS", 1)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="--chat: the model's chat template ran past 1 s"):
+        gen.render_chat(Tokenizer(), "hello")
+    assert time.perf_counter() - t0 < 5
+    Tokenizer.chat_template = "<user>{{ messages[0]['content'] }}</user>"
+    assert gen.render_chat(Tokenizer(), "hello") == "<user>hello</user>"

@@ -1,6 +1,6 @@
-"""The cache models behind the fake-quantized attention: BF16 identities, the per-position rule against the
-real reference cache fed token by token, the HF QuantizedCache replay against the real layer, decode reuse
-across demotions and flushes, bits, bad input."""
+"""``oscar_export/eval/cache_models.py``: the cache models behind the fake-quantized attention: BF16 identities, the
+per-position rule against the real reference cache fed token by token, the HF QuantizedCache replay against the
+real layer, bits, bad input (decode reuse across demotions and flushes: test_attention.py)."""
 
 from __future__ import annotations
 
@@ -179,49 +179,6 @@ def test_hf_replay_matches_real_quantized_layer(backend, nbits):
         o = ref.masked_attention(q[None, :, a : a + 1], kk, vv, torch.ones(1, 1, a + 1, dtype=torch.bool), D ** -0.5)
         worst = max(worst, (o[0, :, 0] - got[:, a]).abs().max().item())
     assert worst < 2e-5, f"worst |replay - real QuantizedLayer| = {worst:.3e}"
-
-
-def test_decode_mode_matches_score_mode_across_demotions_and_flushes():
-    """The NIAH decode path (shared prefix, memoised quantization reused until ``valid_until``) gives the
-    one-pass rows, through a page demotion (pages), a key-group flush (KIVI) and a requantization (HF)."""
-    t = eval_transform()
-    ms = [PagedInt2("p", layout=EVAL_LAYOUT, transforms=(t,)), Kivi2("k", group=16, residual=32),
-          HFQuantized("h", backend="hqq", residual=16)]
-    T, n0 = 180, 140  # pages: demotion at a = 143, 159, 175; KIVI keys flush at a = 159; HF flush at 156
-    q = torch.randn(4, T, D)
-    k = torch.randn(2, T, D)
-    v = torch.randn(2, T, D)
-    for m in ms:
-        ctx = EvalContext([m], "decode", torch.bfloat16, prefill_len=n0)
-        ctx.prefix_k, ctx.prefix_v = {0: k[None, :, :n0]}, {0: v[None, :, :n0]}
-        one = EvalContext([m], "score", torch.bfloat16, prefill_len=n0)
-        full = _one_row(one, m, 0, 0, q, k, v, D ** -0.5)
-        recomputed = 0
-        for a in range(n0, T):
-            before = ctx.memo[(0, 0)].segs if (0, 0) in ctx.memo else None
-            o = _one_row(ctx, m, 0, 0, q[:, a : a + 1], k[:, n0 : a + 1], v[:, n0 : a + 1], D ** -0.5)
-            recomputed += before is not None and ctx.memo[(0, 0)].segs is not before
-            err = (o[:, 0] - full[:, a]).abs().max().item()
-            assert err < 1e-5, f"{m.name} position {a}: {err:.3e}"
-        assert recomputed >= 1, f"{m.name}: the decode path never re-quantized (valid_until unused)"
-
-
-def test_fp32_params_equal_the_reference_where_fp16_is_exact():
-    """Groups spanning exactly 3 with integer minimum: fp16 and fp32 params are the same numbers, so the fp32
-    variant must give the reference's output bit for bit; on generic data they differ."""
-    from oscar_export.eval.quantizers import page_roundtrip
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 4, (2, 32, D), generator=g).float()
-    x[..., 0], x[..., 1] = 0.0, 3.0  # every 64-group spans 0..3
-    x = x + torch.randint(-5, 5, (2, 32, 1), generator=g).float()
-    t = LayerTransform.identity(2, D)
-    a = page_roundtrip(x, EVAL_LAYOUT, t, "k", "float16")
-    b = page_roundtrip(x, EVAL_LAYOUT, t, "k", "float32")
-    assert torch.equal(a, b) and torch.equal(a, x)
-    y = torch.randn(2, 32, D, generator=g)
-    lay = EVAL_LAYOUT
-    assert not torch.equal(page_roundtrip(y, lay, t, "k", "float16"), page_roundtrip(y, lay, t, "k", "float32"))
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------

@@ -1,21 +1,23 @@
-"""The evaluation end to end: agreement with the real OSCAR HF cache fed token by token, the research recipe,
-the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
+"""``oscar_export/eval/driver.py``: the evaluation end to end: agreement with the real OSCAR HF cache fed token by
+token, the presets, the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
+from oscar_export.cli import main
 from oscar_export.eval.cache_models import BF16Cache, PagedInt2
 from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths
-from oscar_export.eval.recipes import attention_shape, research_recipe
+from oscar_export.eval.recipes import attention_shape
 from oscar_export.eval.text import evaluation_text, final_hidden, text_windows
 from oscar_export.kernels.layout import KVCacheLayout
 
-from helpers import D, eval_transform, tiny_llama
+from helpers import D, eval_transform, one_line, tiny_llama
 
 
 @pytest.mark.parametrize("granularity", ["token", pytest.param("channel", marks=pytest.mark.slow)])
@@ -43,18 +45,6 @@ def test_fake_quant_agrees_with_real_hf_cache_token_by_token(granularity):
     assert (base[-1] - fake[-1]).abs().max() > 100 * err.max(), "the quantized history must matter"
     pos = torch.arange(T - 1)
     assert torch.equal(quantized, PagedInt2("oscar", layout=lay, transforms=ts).reads_quantized(pos))
-
-
-def test_research_recipe_is_shared_u_h_with_global_clips():
-    model = tiny_llama()
-    m = research_recipe(model, torch.randint(0, 96, (2, 80)))
-    t = m.transforms[0]
-    assert m.param_dtype == "float32" and m.layout.key.granularity == "token"
-    assert torch.equal(t.k_rotation[0], t.k_rotation[1]), "one rotation per layer, shared by the KV heads"
-    eye = torch.eye(D)
-    assert (t.k_rotation[0] @ t.k_rotation[0].T - eye).abs().max() < 1e-5
-    assert t.k_clip.tolist() == pytest.approx([0.96, 0.96]) and t.v_clip.tolist() == pytest.approx([0.92, 0.92])
-    assert m.bits_per_element(10_000) > m.layout.effective_bits_per_element(10_000)  # fp32 params cost more
 
 
 def test_run_eval_on_a_tiny_model_scores_every_length_and_task(monkeypatch):
@@ -283,3 +273,21 @@ def test_mixed_key_bits_fake_quant_agrees_with_real_hf_cache_token_by_token():
     assert err.max() < 1e-3 * fake.abs().max(), f"worst position {worst}: {err[worst]:.3e}"
     two = model.get_output_embeddings()(final_hidden(model, ids, ours_method(art.with_key_bits((2, 2))), torch.float32))
     assert (two[-1] - fake[-1]).abs().max() > 100 * err.max(), "the 4-bit layer must matter"
+
+
+def test_eval_unwritable_out_and_a_list_to_merge_refused_before_the_model_loads(tmp_path, capsys, no_model_load):
+    import oscar_export.eval.driver as driver
+
+    t0 = time.perf_counter()
+    assert main(["eval", "--quick", "--out", "/dev/null/x"]) == 2
+    assert "--out /dev/null/x: cannot create it" in one_line(capsys.readouterr().err, "eval")
+    merge = tmp_path / "old.json"
+    merge.write_text("[1, 2]")
+    assert main(["eval", "--quick", "--out", str(tmp_path / "o"), "--merge", str(merge)]) == 2
+    err = one_line(capsys.readouterr().err, "eval")
+    assert "expected the JSON object of an earlier results.json" in err and "got list" in err, err
+    merge.write_text("{")
+    assert main(["eval", "--quick", "--out", str(tmp_path / "o"), "--merge", str(merge)]) == 2
+    assert "not valid JSON" in one_line(capsys.readouterr().err, "eval")
+    assert time.perf_counter() - t0 < 5
+    assert driver.check_outputs is not None
