@@ -75,7 +75,7 @@ except (ImportError, AttributeError):  # pragma: no cover - exercised only on ot
 
 from ..aot import launch_plan as _plan
 from ..layout import KVCacheLayout
-from .portable import window_block
+from .portable_pages import window_block
 
 #: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
 NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps

@@ -18,10 +18,12 @@ import pytest
 pytest.importorskip("triton")
 
 REACHABLE = textwrap.dedent("""
-    from oscar_export.kernels import decode_step, quant_pack
+    import sys
+    from importlib import import_module
     from oscar_export.kernels.cache_keys import _callees
 
-    seen, todo = set(), [decode_step._decode_append_kernel, quant_pack._quant_pack_kernel]
+    module = import_module("oscar_export.kernels." + sys.argv[1])
+    seen, todo = set(), [getattr(module, name) for name in sys.argv[2:]]
     while todo:
         fn = todo.pop()
         if fn.__name__ in seen:
@@ -49,7 +51,14 @@ def _run(code: str, *args: str) -> str:
 
 def test_every_helper_of_the_step_kernels_is_hashed_on_import():
     """Failed before: nothing was hashed until a kernel's first launch, in that launch's order."""
-    assert int(_run(REACHABLE).split()[0]) > 10
+    assert int(_run(REACHABLE, "decode_step", "_decode_append_kernel").split()[0]) > 10
+    assert int(_run(REACHABLE, "quant_pack", "_quant_pack_kernel").split()[0]) > 5
+
+
+def test_every_helper_of_the_portable_decode_kernels_is_hashed_on_import():
+    """The split kernel and its page helpers (``decode/portable_pages.py``, ``window_block`` shared with the hopper
+    kernel): failed before portable.py hashed its kernels on import."""
+    assert int(_run(REACHABLE, "decode.portable", "_decode_split_kernel", "_merge_kernel").split()[0]) > 10
 
 
 def test_the_append_kernel_has_one_key_whatever_launches_first():
