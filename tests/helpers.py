@@ -359,6 +359,21 @@ class ByteTokenizer:
         return {"input_ids": torch.tensor([[b % self.vocab for b in text.encode()]])}
 
 
+#: (layers, query heads, KV heads, head_dim) of :func:`capture_llama`.
+CAPTURE_SHAPE = (2, 6, 2, 16)
+
+
+def capture_llama():
+    """A random-weight Llama of :data:`CAPTURE_SHAPE` (vocabulary 50, RoPE theta 100) for the capture tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    L, H, HKV, D = CAPTURE_SHAPE
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=HKV, num_hidden_layers=L,
+                      intermediate_size=64, vocab_size=50, head_dim=D, rope_theta=100.0)
+    return LlamaForCausalLM(cfg).eval()
+
+
 #: (H_kv, G, D, T, P) of :func:`planted`: KV heads, queries per KV head, head_dim, tokens, page size.
 PLANTED_SHAPE = (2, 3, 32, 96, 16)
 

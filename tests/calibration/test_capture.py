@@ -1,27 +1,25 @@
-"""Capture through AttentionInterface: post-RoPE tensors, untouched outputs, GQA-aware fp64 sums, NaN errors, and the
-attention scale and head counts read from the model-family table."""
+"""``calibration/capture.py``: capture through AttentionInterface: post-RoPE tensors, untouched outputs, NaN errors,
+and the attention scale and head counts read from the model-family table (the streamed sums: test_covariance.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from oscar_export.calibration.capture import Collector, run_batches
-from oscar_export.calibration.covariance import causal_probs
 
+from helpers import CAPTURE_SHAPE, capture_llama
 from helpers import FAMILY_VOCAB as V
 from helpers import family_model as tiny_model
 
-L, H, HKV, D = 2, 6, 2, 16
+L, H, HKV, D = CAPTURE_SHAPE
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=H * D, num_attention_heads=H, num_key_value_heads=HKV, num_hidden_layers=L,
-                      intermediate_size=64, vocab_size=50, head_dim=D, rope_theta=100.0)
-    return LlamaForCausalLM(cfg).eval()
+    """:func:`helpers.capture_llama`, built once for this module."""
+    return capture_llama()
 
 
 def test_outputs_unchanged_and_implementation_restored(tiny):
@@ -50,29 +48,6 @@ def test_keys_are_post_rope(tiny):
     assert torch.allclose(pair_norm, pair_norm[:1].expand_as(pair_norm), rtol=1e-4, atol=1e-6)
     s = q[0, 0] @ k[0, 0].T  # query head 0 reads KV head 0
     assert torch.allclose(s[5, 2], s[8, 5], rtol=1e-4) and torch.allclose(s[9, 9], s[3, 3], rtol=1e-4)
-
-
-def test_stats_match_direct_sums(tiny):
-    """Streaming fp64 sums over two batches equal sums over the raw tensors, with GQA grouping."""
-    ids = torch.randint(0, 50, (4, 20))
-    raw = Collector(L, HKV, D, skip=3, mode="heldout")
-    run_batches(tiny, raw, [ids])
-    col = Collector(L, HKV, D, skip=3)
-    run_batches(tiny, col, ids.split(2))
-    q, k, v = raw.heldout[1][0]
-    st = col.stats[1]
-    g = H // HKV
-    for h in range(HKV):
-        qs = q[:, h * g : (h + 1) * g, 3:].double().reshape(-1, D)
-        ks = k[:, h, 3:].double().reshape(-1, D)
-        vs = v[:, h, 3:].double().reshape(-1, D)
-        assert torch.allclose(st.key_target()[h], qs.T @ qs / len(qs), rtol=1e-5, atol=1e-7)
-        assert torch.allclose(st.key_mean()[h], ks.mean(0), rtol=1e-5, atol=1e-7)
-        assert torch.allclose(st.value_target("plain")[h], vs.T @ vs / len(vs), rtol=1e-5, atol=1e-7)
-        mass = causal_probs(q, k, D**-0.5, 8)[:, h].sum(dim=(1, 2))[:, 3:].double().reshape(-1)  # [B*(T-3)]
-        want = (vs * mass[:, None]).T @ vs / mass.sum()
-        assert torch.allclose(st.value_target("prob")[h], want, rtol=1e-4, atol=1e-7)
-    assert st.tokens == 4 * 17
 
 
 def test_nan_activation_names_the_layer(tiny):
