@@ -34,9 +34,9 @@ so the query rows carry no power of two), twice the code bytes a page in the cp.
 head_dim 256 with two token groups of 128 a row (the default layout there, Gemma 3; ``NG`` 2): each 128-column key
 chunk's scores are scaled by its own group's ``(scale, lo)`` (two MMAs, two accumulators) and the value MMA is split
 into the two halves of the dims, each with its group's ``p·s_v`` in its own shared-memory B operand. Compiled for
-sm_90 without spills and its arithmetic checked on the CPU (:func:`emulate`); **not yet run on a GPU**
-(``tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256``), so
-``kernels/decode/hopper.py`` still refuses two groups a row.
+sm_90 without spills, its arithmetic checked on the CPU (:func:`emulate`) and run on the H200 on 2026-12-02
+(``tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256``): ``checks.check_hopper_layout``
+accepts two groups a row.
 
 Limits: uniform codes (``K_CODEBOOK``/``V_CODEBOOK`` False; 2-bit values, 2- or 4-bit keys), token or channel keys,
 ``P`` 64 or 128, ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; ``checks.check_hopper_layout`` refuses the

@@ -562,7 +562,7 @@ def test_decode_attention_gluon_two_groups_head_dim_256(gran, key_bits):
     """Gemma-3-12B's heads (16 / 8, head_dim 256) on the default layout, two token groups of 128 a row (the
     kernel's ``NG = 2``: each key chunk scaled by its group, each half of the value dims by its group's ``p·s_v``):
     within budget and close to the portable kernel on the same pages in linear order. Launched through
-    ``hopper.launch`` (``check_hopper_layout`` refuses two groups a row until this test has passed on a GPU)."""
+    ``hopper.launch`` (its pass on the H200 let ``checks.check_hopper_layout`` accept two groups a row)."""
     from oscar_export.kernels.checks import check_hopper_layout
 
     hopper = _hopper()

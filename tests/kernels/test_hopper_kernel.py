@@ -9,7 +9,7 @@ Gluon has no interpreter, so the kernel itself runs only on a GPU (tests/gpu/tes
 * its compilation for sm_90 by this Triton (the AOT builder's), across the shapes it claims: every
   ``convert_layout(..., assert_trivial=True)`` of a page operand is proven a no-op by the compiler, and the
   loop holds no spills;
-* the refusals of the wrapper for what it does not handle.
+* which layouts select it (its refusals: ``tests/kernels/test_checks.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from oscar_export.kernels import checks
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.decode import hopper_kernel as gl_attn
-from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
 from test_decode_attention import _cache, _check_budget
@@ -111,32 +111,6 @@ def test_emulated_kernel_two_groups_a_row_within_budget(gran, key_bits):
     assert (wrong - got).abs().max() > 1e-2, "the check must see a group mix-up"
 
 
-def test_check_hopper_layout_refusals():
-    """What the kernel does not read is refused when the cache is made (``checks.check_hopper_layout``); 4-bit keys,
-    token or channel, are read."""
-    from dataclasses import replace
-
-    with pytest.raises(NotImplementedError, match="codebook"):
-        checks.check_hopper_layout(_mma(2, 128, "token", codebook=True), 8)
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        checks.check_hopper_layout(_mma(2, 96, "token"), 8)
-    with pytest.raises(NotImplementedError, match="page_size"):
-        checks.check_hopper_layout(_mma(2, 128, "token", page_size=32), 8)
-    with pytest.raises(NotImplementedError, match="GQA ratios"):
-        checks.check_hopper_layout(_mma(1, 128, "token"), 32)
-    checks.check_hopper_layout(_mma(8, 128, "token"), 32)
-    checks.check_hopper_layout(_mma(8, 128, "channel").with_key_bits(4), 32)
-    with pytest.raises(NotImplementedError, match="token groups of head_dim or, at head_dim 256, of 128, got 64"):
-        checks.check_hopper_layout(KVCacheLayout(2, 128, RowFormat(128, 64, packing="mma16"),
-                                                 RowFormat(128, 64, packing="mma16")), 8)
-    checks.check_hopper_layout(_mma(2, 128, "token").with_key_bits(4), 8)
-    lay = _mma(2, 128, "token")
-    with pytest.raises(NotImplementedError, match="2-bit value"):
-        checks.check_hopper_layout(replace(lay, value=replace(lay.value, bits=4)), 8)
-    with pytest.raises(ValueError, match="reads 'mma16' pages"):
-        checks.check_hopper_layout(lay.with_packing("linear"), 8)
-
-
 def _hopper():
     """The kernel's wrapper (``kernels/decode/hopper.py``), skipped without Gluon."""
     hopper = pytest.importorskip("oscar_export.kernels.decode.hopper")
@@ -162,31 +136,6 @@ def test_head_dim_256_with_two_groups_a_row_selects_the_hopper_kernel():
     narrow = KVCacheLayout(8, 256, RowFormat(256, 64), RowFormat(256, 64), sink=64, window=256, page_size=128)
     got = select_backend(narrow, 90, 16)
     assert got.name == "portable" and "128" in got.why, got
-
-
-def test_wrapper_refuses_misaligned_page_buffers():
-    """A contiguous but sliced pool (base address off a 16-byte boundary) is refused before any launch."""
-    from dataclasses import replace
-
-    st = PagedKV.allocate(_mma(2, 128, "token"), 1, 2, 2)
-    shape = st.k_codes.shape
-    sliced = torch.zeros(st.k_codes.numel() + 16, dtype=torch.uint8)[4:4 + st.k_codes.numel()].view(shape)
-    assert sliced.is_contiguous() and sliced.data_ptr() % 16 == 4
-    with pytest.raises(ValueError, match="state.k_codes: .* starts 4 bytes past a boundary"):
-        checks.check_hopper_state(replace(st, k_codes=sliced))
-
-
-def test_hopper_device_check(monkeypatch):
-    """The Gluon kernel runs on Hopper only: the CPU and other GPUs get one clear error (no compile failure)."""
-    with pytest.raises(NotImplementedError, match="CUDA only"):
-        checks.check_hopper_device(torch.device("cpu"))
-    for cap, ok in (((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
-        if ok:
-            checks.check_hopper_device(torch.device("cuda"))
-        else:
-            with pytest.raises(NotImplementedError, match=f"Hopper GPU \\(sm_90\\), this one is sm_{cap[0]}{cap[1]}"):
-                checks.check_hopper_device(torch.device("cuda"))
 
 
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
