@@ -82,7 +82,7 @@ class ArtifactLimits:
       (``rotation.whitening_scale``'s energy floor), i.e. within [1/716, 716] for D <= 512.
     * then a row whose rotated coordinates are within ``row_abs`` = 8 model units at the largest scale maps
       to ``|x d - mu| <= 8 * 2^12 + 2^14 = 49152 < 65504``: ``lo`` and ``scale`` are finite
-      (``tests/calibration/test_artifact_hostile.py::test_limits_keep_fp16_params_finite``); at ``d = 1`` the
+      (``tests/calibration/test_artifact_format.py::test_limits_keep_fp16_params_finite``); at ``d = 1`` the
       same holds for coordinates up to 49,120.
     """
 

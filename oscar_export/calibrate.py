@@ -13,7 +13,7 @@ Capture then runs where each layer lives: a layer's float64 statistics are accum
 the CPU as they are captured (they are bounded by ``--heldout``). Fitting runs on the CPU. At the end the peak
 memory torch allocated on each GPU is printed and recorded in the artifact's stats (``peak_gpu_memory_bytes``).
 On the CPU, a device map (accelerate hooks on every layer) gives the same artifact as a plain run
-(``tests/calibration/test_capture.py``, ``tests/oscar_export/test_calibrate_cli.py``). The multi-GPU run itself
+(``tests/calibration/test_capture.py``, ``tests/oscar_export/test_calibrate.py``). The multi-GPU run itself
 is untested here (no multi-GPU machine): ``benchmarks/calibrate_tp.py`` is the script that measures it.
 """
 
