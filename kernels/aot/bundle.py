@@ -38,10 +38,6 @@ from . import launch_plan as lp
 from .probe import probe_specs
 from .spec import KernelSpec
 
-#: re-exported for callers of the bundle; stated in the launch plan.
-BF16_CHUNK = lp.BF16_CHUNK
-MERGE_CHUNK = lp.MERGE_CHUNK
-
 
 def layout_tag(layout: KVCacheLayout, num_heads: int) -> str:
     """Short variant tag, e.g. ``h9kv3d64p64s64w256_ktok``; ``g128`` after ``d`` when groups are shorter than a
@@ -183,7 +179,7 @@ def decode_plan(layout: KVCacheLayout, batch: int, num_heads: int, max_pages: in
 
 
 __all__ = [
-    "BF16_CHUNK", "MERGE_CHUNK", "DecodePlan", "decode_merge_spec", "decode_plan", "decode_split_spec",
+    "DecodePlan", "decode_merge_spec", "decode_plan", "decode_split_spec",
     "decode_step_specs", "layout_tag",
     "quant_pack_spec", "serving_layout", "serving_specs", "trt_specs",
 ]
