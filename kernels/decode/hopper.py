@@ -94,11 +94,12 @@ def launch(
     if fused_merge is None:
         fused_merge = _plan.GL_FUSED_MERGE and q.shape[0] * num_kv_heads <= MERGE_COUNTERS
     counters = merge_counters(q.device, q.shape[0] * num_kv_heads) if fused_merge else None
+    kernel, plan = ((_gl.FUSED_KERNEL, _plan.DECODE_SPLIT_MERGE_GL) if fused_merge
+                    else (_gl.KERNEL, _plan.DECODE_SPLIT_GL))
     return launch_split_merge(
-        _gl.FUSED_KERNEL if fused_merge else _gl.KERNEL, _plan.DECODE_SPLIT_MERGE_GL if fused_merge else
-        _plan.DECODE_SPLIT_GL, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-        v_levels, block_table, sink_len, num_pages, recent_len, pages_per_split_, out_dtype, constexprs,
-        _gl.NUM_WARPS, stages, counters=counters,
+        kernel, plan, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
+        block_table, sink_len, num_pages, recent_len, pages_per_split_, out_dtype, constexprs, plan.num_warps,
+        plan.num_stages, counters=counters,
     )
 
 

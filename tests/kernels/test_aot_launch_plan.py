@@ -125,6 +125,30 @@ def test_jit_decode_attention_launches_the_plan(monkeypatch):
 
 
 @pytest.mark.parametrize("fused", [False, True])
+def test_jit_hopper_decode_launches_the_plan(monkeypatch, fused):
+    """The Gluon split kernel's JIT launch (recorded on the CPU: Gluon has no interpreter, nothing runs) is the plan's:
+    DECODE_SPLIT_GL or, merge fused, DECODE_SPLIT_MERGE_GL, with the bundle's constexprs and the register cap beside
+    them. Failed before: the JIT passed its cp.async stages (3) as num_stages, the plan 2 (no effect on the PTX)."""
+    from oscar_export.kernels.decode import hopper, hopper_kernel
+
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    rec, merge = _record(monkeypatch, hopper_kernel.FUSED_KERNEL if fused else hopper_kernel.KERNEL, da._merge_kernel)
+    lay = KVCacheLayout.default(2, 128, packing="mma16").with_key_bits(4)
+    st = PagedKV.allocate(lay, 2, 6, 4)
+    t = LayerTransform.identity(2, 128)
+    q = torch.randn(2, 8, 128)
+    hopper.launch(q, st.sink_k, st.sink_v, st.recent_k, st.recent_v, st.k_codes, st.k_params, st.v_codes, st.v_params,
+                  t.k_levels, t.v_levels, st.block_table, st.sink_len, st.num_pages, st.recent_len, 2, lay.page_size,
+                  lay.sink, lay.recent_slots, 0.125, False, 2, torch.float32, fused_merge=fused)
+    plan = lp.DECODE_SPLIT_MERGE_GL if fused else lp.DECODE_SPLIT_GL
+    cx = {**lp.decode_split_gl_constexprs(lay, 8, 0.125), "maxnreg": lp.gl_occupancy(128)[0]}
+    known = {f"{n}_ptr": getattr(st, n) for n in ("k_codes", "k_params", "v_codes", "v_params", "block_table")}
+    _check_launch(plan, rec.calls[0], cx, {"max_pages": 4, "pages_per_split": 2}, {"B": 2}, {"q_ptr": q, **known})
+    assert len(merge.calls) == (0 if fused else 1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
 def test_jit_write_pages_launches_the_plan(monkeypatch, fused):
     (rec,) = _record(monkeypatch, qp._quant_pack_kernel)
     st, t = _state()
