@@ -77,8 +77,7 @@ from ..aot import launch_plan as _plan
 from ..layout import KVCacheLayout
 from .portable_pages import window_block
 
-#: the one warpgroup a program is (the launch plan's DECODE_SPLIT_GL), and its cp.async page stages.
-NUM_WARPS = _plan.DECODE_SPLIT_GL.num_warps
+#: the split kernel's cp.async page stages (the launch plan's; its one warpgroup a program: DECODE_SPLIT_GL.num_warps).
 STAGES = _plan.GL_PAGE_STAGES
 
 
@@ -665,4 +664,4 @@ def _windows(state, layout: KVCacheLayout, bi: int, hi: int):
             (state.recent_k[bi, hi][ring], state.recent_v[bi, hi][ring])]
 
 
-__all__ = ["FUSED_KERNEL", "HAVE_GLUON", "KERNEL", "NUM_WARPS", "STAGES", "emulate", "emulate_a_operand"]
+__all__ = ["FUSED_KERNEL", "HAVE_GLUON", "KERNEL", "STAGES", "emulate", "emulate_a_operand"]
