@@ -460,3 +460,316 @@ def art_dir(tmp_path):
     d = tmp_path / "art"
     random_artifact(tiny_model()).save(d)
     return d
+
+
+# ---- tests/kernels: shared inputs and checks of the Triton writer and decode-attention tests ----------------------
+# Moved here from the test files that shared them (issue 30: no test module imports another).
+
+#: the quantizer tests' clip per KV head (the third cuts half the group) and fitted 2-bit levels per KV head.
+CLIPS = torch.tensor([1.0, 0.96, 0.5])
+LEVELS = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.8, 2.2, 3.0], [0.0, 1.3, 1.7, 3.0]])
+
+
+def quant_rows(n: int, h: int, p: int, d: int) -> torch.Tensor:
+    """Gaussian rows with outliers, ties (coarse grid) and one constant group: the quantizer's hard cases."""
+    x = torch.randn(n, h, p, d) * torch.linspace(0.1, 3.0, d)
+    x[..., ::7] = torch.round(x[..., ::7] * 4) / 4  # ties in |x| (the clip rank) and on code boundaries
+    x[0, 0, 0] = 0.5  # a constant row: scale 0
+    x[:, :, 1, 3] = 40.0  # an outlier the clip must cut
+    return x
+
+
+def book_state(lay: KVCacheLayout, bsz: int, max_length: int, device, dtype=torch.bfloat16):
+    """A page book of ``bsz`` slots of ``max_length`` tokens and its empty pool on ``device``: ``(book, state)``."""
+    from oscar_export.kernels.layout import PagedKV
+    from oscar_export.kernels.pages import PageBook
+
+    book = PageBook(lay, bsz, max_length, device)
+    st = PagedKV.allocate(lay, bsz, book.num_pool_pages, book.max_pages, device=device, dtype=dtype)
+    return book, st
+
+
+def decode_steps(append, lay, tr, book, st, steps, bsz, seed, transform_in_kernel=False):
+    """``steps`` decode steps through ``append(state, k, v, status)``; returns the stored-basis rows fed."""
+    g = torch.Generator().manual_seed(seed)
+    fed_k, fed_v = [], []
+    for _ in range(steps):
+        shape = (bsz, lay.num_kv_heads, lay.head_dim)
+        k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+        book.begin(1)
+        committed = book.state_view(st, book.committed)
+        append(committed, k.to(book.device), v.to(book.device), book.status)
+        book.commit(1)
+        if transform_in_kernel:
+            k = tr.transform_keys(k.unsqueeze(2)).squeeze(2)
+            v = v - tr.v_mean
+        fed_k.append(k)
+        fed_v.append(v)
+    return torch.stack(fed_k, 2), torch.stack(fed_v, 2)  # [B, H_kv, steps, D]
+
+
+#: the buffers of a ``PagedKV`` that a cache write fills.
+BUFFERS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
+
+
+def appends_equal_reference(ds, device, lay, tr, bsz, steps, max_length, seed, what, check=None):
+    """``steps`` decode appends through the reference (CPU) and the Triton writer ``ds.decode_append``
+    (``device``) from the same tokens; ``check(book_r, st_r, st_g)`` runs before every buffer is compared (equal,
+    named by ``what``). Returns both books."""
+    from oscar_export.kernels import reference as ref
+
+    book_r, st_r = book_state(lay, bsz, max_length, "cpu")
+    book_g, st_g = book_state(lay, bsz, max_length, device)
+    decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+                 steps, bsz, seed=seed)
+    trd = tr.to(device)
+    decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+                 steps, bsz, seed=seed)
+    if check is not None:
+        check(book_r, st_r, st_g)
+    for f in BUFFERS:
+        assert_equal(f"{what} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
+    return book_r, book_g
+
+
+def ragged_cache(lay: KVCacheLayout, lengths: list[int], tr, spare_pages: int = 1):
+    """A ragged batch (``PagedKV``) written through the reference (page ids shuffled so the block table matters)."""
+    from oscar_export.kernels import reference as ref
+    from oscar_export.kernels.layout import PagedKV
+
+    h, d = lay.num_kv_heads, lay.head_dim
+    max_pages = max(1, max(lay.pages_for(t) for t in lengths)) + spare_pages
+    pool = len(lengths) * max_pages
+    st = PagedKV.allocate(lay, len(lengths), pool, max_pages)
+    free = torch.randperm(pool).tolist()
+    scale = torch.linspace(0.3, 2.0, d)  # uneven channels, like real keys
+    for b, t in enumerate(lengths):
+        if t:
+            k = torch.randn(h, t, d) * scale + 0.3
+            v = torch.randn(h, t, d)
+            ref.append_tokens(st, b, k, v, lay, tr, free.pop)
+    return st
+
+
+def attention_errors(got: torch.Tensor, q: torch.Tensor, st, lay: KVCacheLayout, tr, scale: float):
+    """(kernel error, BF16 PyTorch error) against fp64, max abs over all outputs; plus the fp64 output."""
+    from oscar_export.kernels import reference as ref
+
+    k, v, valid = ref.gather_context(st, lay, tr.k_levels, tr.v_levels)  # [B, H_kv, T, D] fp32, [B, T]
+    b, hq, d = q.shape
+    hkv = lay.num_kv_heads
+    mask = valid[:, None, None, :]
+
+    def attend(qq, kk, vv, dt):
+        qg = qq.to(dt).reshape(b, hkv, hq // hkv, d)
+        s = torch.matmul(qg, kk.to(dt).transpose(-1, -2)).double() * scale
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+        o = torch.matmul(p.to(dt), vv.to(dt))
+        return o.reshape(b, hq, d).double()
+
+    want = attend(q, k, v, torch.float64)
+    bf16 = attend(q, k, v, torch.bfloat16)
+    return (got.double().cpu() - want).abs(), (bf16 - want).abs().max().item(), want
+
+
+def check_attention_budget(got, q, st, lay, tr, scale, what=""):
+    """The decode-attention error budget (flash-attention's rule, STYLE.md): ``got``'s max error against fp64 at
+    most 2x a BF16 PyTorch computation's of the same attention over the same cache, plus 1e-5; on failure the
+    five worst outputs. Returns ``(kernel error, BF16 error)``."""
+    err, err_bf16, want = attention_errors(got, q, st, lay, tr, scale)
+    budget = 2 * err_bf16 + 1e-5
+    if not err.max().item() <= budget:
+        flat = err.flatten().topk(5)
+        idx = [torch.unravel_index(i, err.shape) for i in flat.indices]
+        rows = [(tuple(int(j) for j in ix), float(got.cpu()[ix]), float(want[ix])) for ix in idx]
+        raise AssertionError(f"{what}: max error {err.max().item():.3e} > budget {budget:.3e} "
+                             f"(BF16 error {err_bf16:.3e}); worst (index, got, fp64): {rows}")
+    return err.max().item(), err_bf16
+
+
+def build_probe_bundle(out, cache, archs=None):
+    """``build_bundle`` of the probe kernels (kernels/aot/probe.py) into ``out`` for ``archs`` (default: every
+    target), with a private Triton cache ``cache`` so the compile really runs (not a cache hit). Returns ``out``."""
+    import os
+
+    from oscar_export.kernels.aot.compile import DEFAULT_ARCHS, build_bundle
+    from oscar_export.kernels.aot.probe import probe_specs
+
+    old = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(cache)
+    try:
+        return build_bundle(probe_specs(), out, archs=DEFAULT_ARCHS if archs is None else archs)
+    finally:
+        if old is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
+
+
+def hopper_wrapper():
+    """The hopper decode kernel's wrapper module (``kernels/decode/hopper.py``), skipped without Gluon."""
+    hopper = pytest.importorskip("oscar_export.kernels.decode.hopper")
+    if not hopper.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    return hopper
+
+
+def hopper_split_spec(gran, d, p, gq, key_bits=2):
+    """The ``KernelSpec`` of the hopper split kernel (launch plan ``DECODE_SPLIT_GL``) for 8 KV heads of ``d`` in
+    mma16 pages of ``p`` tokens, ``gq`` query heads per KV head, ``key_bits`` keys, with the plan's register cap."""
+    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs, gl_occupancy
+    from oscar_export.kernels.aot.spec import KernelSpec
+    from oscar_export.kernels.decode import hopper_kernel
+
+    lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p).with_key_bits(key_bits)
+    cx = decode_split_gl_constexprs(lay, 8 * gq, d**-0.5)
+    assert cx["KEY_BITS"] == key_bits
+    cx.update(STAGES=hopper_kernel.STAGES)
+    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}_k{key_bits}", cx,
+                                maxnreg=gl_occupancy(d)[0])
+
+
+def mma_layout(codebook=False):
+    """2 KV heads of 64 in mma16 pages of 64 (token keys, sink 16, window 64), fitted levels if ``codebook``."""
+    from oscar_export.kernels.layout import RowFormat
+
+    return KVCacheLayout(2, 64, RowFormat(64, 64, "token", codebook=codebook, packing="mma16"),
+                         RowFormat(64, 64, codebook=codebook, packing="mma16"), sink=16, window=64, page_size=64)
+
+
+# ---- tests/plugins: the HF cache without a model (its tests and the attention tests) -----------------------------
+
+#: windows small enough that a few dozen tokens reach INT2 pages (the HF cache and attention tests).
+SMALL_WINDOWS = dict(sink=4, window=16, page_size=16)
+
+
+def small_layout(h_kv: int = 2, d: int = 32, granularity: str = "token") -> KVCacheLayout:
+    """The default layout of ``h_kv`` KV heads of ``d`` with :data:`SMALL_WINDOWS`."""
+    return KVCacheLayout.default(h_kv, d, granularity, **SMALL_WINDOWS)
+
+
+def expected_contents(layout: KVCacheLayout, tr, k: torch.Tensor, v: torch.Tensor):
+    """What a sequence that was written ``k, v [H_kv, L, D]`` (stored basis) must read back, built independently:
+    sink and recent rows as written, history rows quantized page by page and dequantized."""
+    from oscar_export.kernels import reference
+
+    n = k.shape[1]
+    s0, pages, _ = layout.split(n)
+    p = layout.page_size
+    hist = slice(s0, s0 + pages * p)
+
+    def roundtrip(x, fmt, clip, levels):
+        if pages == 0:
+            return x[:, hist]
+        xp = x[:, hist].reshape(x.shape[0], pages, p, x.shape[2]).transpose(0, 1)  # [N, H_kv, P, D]
+        codes, params = reference.quantize_pages(xp, fmt, clip, levels)
+        back = reference.dequantize_pages(codes, params, fmt, levels)
+        return back.transpose(0, 1).reshape(x.shape[0], pages * p, x.shape[2])
+
+    kk = torch.cat([k[:, :s0], roundtrip(k, layout.key, tr.k_clip, tr.k_levels), k[:, hist.stop :]], 1)
+    vv = torch.cat([v[:, :s0], roundtrip(v, layout.value, tr.v_clip, tr.v_levels), v[:, hist.stop :]], 1)
+    return kk, vv
+
+
+def one_layer(layout: KVCacheLayout, tr, batch: int, max_length: int, layers: int = 1):
+    """An ``OscarCache`` of ``layers`` layers sharing ``tr``; returns (cache, its first layer)."""
+    from oscar_export.plugins.hf.cache import OscarCache
+
+    cache = OscarCache(layout, [tr] * layers, batch, max_length)
+    return cache, cache.layers[0]
+
+
+def attention_oracle(q, k_ctx, v_ctx, tr, scale: float, causal_tail: int = 0) -> torch.Tensor:
+    """Attention of ``q [H, Tq, D]`` (model basis) over ``k_ctx, v_ctx [H_kv, Tk, D]`` (stored basis) in fp64;
+    the last ``causal_tail`` keys are the chunk itself (causal), returns ``[H, Tq, D]`` model basis."""
+    h, tq, d = q.shape
+    hkv = k_ctx.shape[0]
+    g = h // hkv
+    qs = tr.transform_queries(q[None])[0].double()
+    s = torch.einsum("hqd,hkd->hqk", qs, k_ctx.double().repeat_interleave(g, 0)) * scale
+    if causal_tail:
+        tk = k_ctx.shape[1]
+        pos_k = torch.arange(tk) - (tk - causal_tail)
+        s = s.masked_fill(pos_k[None, None, :] > torch.arange(tq)[None, :, None], float("-inf"))
+    o = torch.einsum("hqk,hkd->hqd", s.softmax(-1), v_ctx.double().repeat_interleave(g, 0))
+    return tr.restore_output(o.float()[None])[0]
+
+
+# ---- tests/plugins: the TensorRT-LLM adapter against the stand-ins (its fixtures: tests/plugins/conftest.py) --------
+
+#: the adapter tests' layout (S0 16, W+P 32, P 16), model shape and ``max_seq_len``.
+TRTLLM_LAYOUT = KVCacheLayout.default(2, 64, sink=16, window=16, page_size=16)
+TRTLLM_HEADS, TRTLLM_LAYERS, TRTLLM_MAX_SEQ = 4, 2, 128
+#: issue 17's per-layer key widths: 4-bit key pages in layer 0, 2-bit in layer 1
+MIXED_KEY_BITS = (4, 2)
+
+
+def trtllm_model_config(**over):
+    """The adapter tests' Llama ``config.json`` fields (``over`` replaces some)."""
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_attention_heads": TRTLLM_HEADS,
+            "num_key_value_heads": 2, "hidden_size": TRTLLM_HEADS * 64, "head_dim": 64,
+            "num_hidden_layers": TRTLLM_LAYERS, "intermediate_size": 64, "vocab_size": 32, **over}
+
+
+def trtllm_checkpoint(root, layout=TRTLLM_LAYOUT, key_bits=(), **over):
+    """A TensorRT-LLM checkpoint folder (``config.json`` with its ``oscar`` section and an identity artifact) at
+    ``root``; returns ``root``."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from oscar_export.calibration.artifact import OscarArtifact
+    from oscar_export.plugins.trtllm.deployment import trtllm_config
+
+    root.mkdir(parents=True)
+    cfg = trtllm_model_config(**over)
+    hf = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    art = OscarArtifact.identity(hf, layout).with_values_prerotated()
+    (art.with_key_bits(key_bits) if key_bits else art).save(root / "oscar")
+    cfg = {**cfg, "oscar": {"format_version": 1, "artifact": "oscar", "layout": layout.to_dict()}}
+    if cfg["model_type"] in ("llama",):
+        cfg = trtllm_config(cfg)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
+def trtllm_bundle(root, layout=TRTLLM_LAYOUT, heads=TRTLLM_HEADS, scale=64 ** -0.5, archs=("sm_80", "sm_90"),
+                  key_bits=None):
+    """A fake kernel bundle (tests/plugins/fake_bundle.py) of the serving kernels of ``layout`` at ``root``."""
+    from oscar_export.kernels.aot.bundle import serving_specs
+
+    from fake_bundle import fake_bundle
+
+    return fake_bundle(root, serving_specs(layout, heads, scale, probes=False, trt=False, key_bits=key_bits),
+                       archs=archs)
+
+
+def standins_only(ns):
+    """The executor replays drive the stand-in C++ block manager and configs; the real one needs a GPU."""
+    if getattr(ns, "real", False):
+        pytest.skip("replays the stand-in C++ block manager (the real package: run it under trtllm-serve)")
+
+
+def pretrained_config(dep):
+    """The deployment's model config without its ``oscar`` section, as the executor's pretrained config."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{k: v for k, v in dep.config.items() if k != "oscar"})
+
+
+def executor_driver(deploy, max_batch=3, **kw):
+    """The executor-loop replay (tests/plugins/trtllm_driver.py) of a ``deploy`` fixture ``(ns, deployment)``."""
+    from trtllm_driver import Driver
+
+    ns, dep = deploy
+    standins_only(ns)
+    return Driver(ns, dep, max_batch, TRTLLM_MAX_SEQ, pretrained_config(dep), **kw)
+
+
+def window_requests():
+    """Prompts around the windows (S0 16, W+P 32, P 16) and enough steps for demotions in every request; request 5
+    ends its prefill with a full recent window while others decode in the same step (it must not demote then)."""
+    from trtllm_driver import Req
+
+    return [Req(1, 5, 45), Req(2, 33, 35), Req(3, 49, 16), Req(4, 16, 40), Req(5, 48, 20)]
+

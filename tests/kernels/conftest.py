@@ -20,6 +20,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from helpers import build_probe_bundle
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -76,3 +78,12 @@ def ds(request) -> ModuleType:
 def da(request) -> ModuleType:
     """``kernels.decode.portable`` as it runs here (see the module doc)."""
     return _kernel_module(request, "decode.portable")
+
+
+@pytest.fixture(scope="session")
+def bundle(tmp_path_factory):
+    """The probe kernels' bundle (kernels/aot/probe.py) for every target, built once for the AOT tests
+    (test_aot_compile.py, test_aot_manifest.py, test_aot_launcher.py); skipped without Triton."""
+    pytest.importorskip("triton")
+    root = tmp_path_factory.mktemp("aot")
+    return build_probe_bundle(root / "bundle", root / "cache")

@@ -1,6 +1,6 @@
 """``kernels/checks.py``: each check refuses what it says, with the input's name, what was expected and what came.
 
-The wrappers' own bad-input tests (``test_decode_attention.py::test_bad_inputs_raise``,
+The wrappers' own bad-input tests (``test_decode_portable.py::test_bad_inputs_raise``,
 ``test_decode_step.py::test_decode_append_bad_inputs``, ``test_quant_pack.py``) reach these checks through the
 launches; here the checks are called directly, without Triton.
 """

@@ -13,20 +13,14 @@ import torch
 
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
-from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE, PageBook
+from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import assert_equal
+from helpers import BUFFERS, appends_equal_reference, assert_equal, book_state, decode_steps
 
 
 def _layout(gran: str) -> KVCacheLayout:
     return KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
-
-
-def _book_state(lay: KVCacheLayout, bsz: int, max_length: int, device, dtype=torch.bfloat16):
-    book = PageBook(lay, bsz, max_length, device)
-    st = PagedKV.allocate(lay, bsz, book.num_pool_pages, book.max_pages, device=device, dtype=dtype)
-    return book, st
 
 
 def _random_transform(h: int, d: int, seed: int = 0) -> LayerTransform:
@@ -39,36 +33,17 @@ def _random_transform(h: int, d: int, seed: int = 0) -> LayerTransform:
                    k_mean=0.1 * torch.randn(h, d, generator=g), v_mean=0.1 * torch.randn(h, d, generator=g))
 
 
-def _decode_steps(append, lay, tr, book, st, steps, bsz, seed, transform_in_kernel=False):
-    """``steps`` decode steps through ``append(state, k, v, status)``; returns the stored-basis rows fed."""
-    g = torch.Generator().manual_seed(seed)
-    fed_k, fed_v = [], []
-    for _ in range(steps):
-        shape = (bsz, lay.num_kv_heads, lay.head_dim)
-        k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
-        book.begin(1)
-        committed = book.state_view(st, book.committed)
-        append(committed, k.to(book.device), v.to(book.device), book.status)
-        book.commit(1)
-        if transform_in_kernel:
-            k = tr.transform_keys(k.unsqueeze(2)).squeeze(2)
-            v = v - tr.v_mean
-        fed_k.append(k)
-        fed_v.append(v)
-    return torch.stack(fed_k, 2), torch.stack(fed_v, 2)  # [B, H_kv, steps, D]
-
-
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_reference_decode_append_equals_bulk_append(gran, bits):
     """Token by token through the book == one bulk write of the same rows (ragged lengths, demotions)."""
     lay, tr = _layout(gran).with_key_bits(bits), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     bsz, steps = 3, 70  # 70 > S0 + W + P: several demotions per slot
-    book, st = _book_state(lay, bsz, 200, "cpu")
-    k, v = _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book, st,
+    book, st = book_state(lay, bsz, 200, "cpu")
+    k, v = decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book, st,
                          steps, bsz, seed=1)
     assert book.seq_len.tolist() == [steps] * bsz
-    _, bulk = _book_state(lay, bsz, 200, "cpu")
+    _, bulk = book_state(lay, bsz, 200, "cpu")
     bulk.block_table.copy_(book.block_table)
     for b in range(bsz):
         ref.append_tokens(bulk, b, k[b].bfloat16().float(), v[b].bfloat16().float(), lay, tr)
@@ -83,9 +58,9 @@ def test_reference_decode_append_equals_bulk_append(gran, bits):
 def test_uncommitted_steps_leave_the_cache_as_it_was():
     """A NaN in one slot, a full slot: those slots read back exactly as before; the others move on."""
     lay, tr = _layout("channel"), LayerTransform.identity(2, 64)
-    book, st = _book_state(lay, 3, 60, "cpu", dtype=torch.float32)
+    book, st = book_state(lay, 3, 60, "cpu", dtype=torch.float32)
     append = lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr)  # noqa: E731
-    _decode_steps(append, lay, tr, book, st, 47, 3, seed=2)  # 47 = S0 + W + P - 1: the second step demotes
+    decode_steps(append, lay, tr, book, st, 47, 3, seed=2)  # 47 = S0 + W + P - 1: the second step demotes
     book.seq_len[2] = 60  # slot 2 is full
     book.commit(0)
     before = [ref.read_sequence(book.state_view(st, book.committed), lay, b, tr.k_levels, tr.v_levels)
@@ -105,32 +80,12 @@ def test_uncommitted_steps_leave_the_cache_as_it_was():
         assert_equal(f"values of slot {b}", now[1], before[b][1])
 
 
-BUFFERS = ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params")
-
-
-def _appends_equal_reference(ds, device, lay, tr, bsz, steps, max_length, seed, what, check=None):
-    """``steps`` decode appends through the reference (CPU) and the Triton writer (``device``) from the same
-    tokens; ``check(book_r, st_r, st_g)`` runs before every buffer is compared (equal, named by ``what``)."""
-    book_r, st_r = _book_state(lay, bsz, max_length, "cpu")
-    book_g, st_g = _book_state(lay, bsz, max_length, device)
-    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
-                  steps, bsz, seed=seed)
-    trd = tr.to(device)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
-                  steps, bsz, seed=seed)
-    if check is not None:
-        check(book_r, st_r, st_g)
-    for f in BUFFERS:
-        assert_equal(f"{what} {f}", getattr(st_g, f).cpu(), getattr(st_r, f))
-    return book_r, book_g
-
-
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_triton_decode_append_matches_reference(ds, device, gran):
     """Every buffer of the Triton write equal to the reference's, over demotions and the sink boundary."""
     lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     steps = 52
-    book_r, book_g = _appends_equal_reference(ds, device, lay, tr, 2, steps, 100, 3, gran)
+    book_r, book_g = appends_equal_reference(ds, device, lay, tr, 2, steps, 100, 3, gran)
     assert book_g.seq_len.tolist() == book_r.seq_len.tolist() == [steps, steps]
 
 
@@ -140,7 +95,7 @@ def test_triton_decode_append_two_groups_per_row(ds, device, d, g):
     lay = KVCacheLayout(2, d, RowFormat(d, g), RowFormat(d, g), sink=16, window=16, page_size=16)
     tr = LayerTransform.identity(2, d, k_clip=0.9, v_clip=0.95)
     # 52 steps > S0 + W + P: demotions of both slots
-    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 52, 100, 5, f"d={d} g={g}")
+    book_r, _ = appends_equal_reference(ds, device, lay, tr, 2, 52, 100, 5, f"d={d} g={g}")
     assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"
 
 
@@ -151,7 +106,7 @@ def test_triton_decode_append_mma16_matches_reference(ds, device, gran):
                         sink=16, window=32, page_size=32)
     tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     # 150 steps > S0 + W + P + P: two demotions per slot
-    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 150, 200, 4, f"mma16 {gran}")
+    book_r, _ = appends_equal_reference(ds, device, lay, tr, 2, 150, 200, 4, f"mma16 {gran}")
     assert int(book_r.committed.num_pages.min()) >= 2
 
 
@@ -168,7 +123,7 @@ def test_triton_decode_append_4bit_keys_matches_reference(ds, device, gran, d, g
         assert int(ref.unpack_codes(st_r.k_codes, g, 4).max()) > 3, "the key pages must use 4-bit codes"
 
     # 52 steps > S0 + W + P: demotions of both slots
-    _appends_equal_reference(ds, device, lay, tr, 2, 52, 100, 6, f"4-bit keys {gran} d={d}", check)
+    appends_equal_reference(ds, device, lay, tr, 2, 52, 100, 6, f"4-bit keys {gran} d={d}", check)
 
 
 def test_triton_fused_transform_and_nonfinite_flag(ds, device):
@@ -176,13 +131,13 @@ def test_triton_fused_transform_and_nonfinite_flag(ds, device):
     of the reference's (fp32 FMA order differs from torch.matmul), and a NaN/Inf row flags and writes nothing."""
     lay = _layout("token")
     tr = _random_transform(2, 64)
-    book_r, st_r = _book_state(lay, 2, 100, "cpu")
-    book_g, st_g = _book_state(lay, 2, 100, device)
-    k_r, _ = _decode_steps(lambda s, k, v, status: ref.decode_append(
+    book_r, st_r = book_state(lay, 2, 100, "cpu")
+    book_g, st_g = book_state(lay, 2, 100, device)
+    k_r, _ = decode_steps(lambda s, k, v, status: ref.decode_append(
         s, tr.transform_keys(k.unsqueeze(2)).squeeze(2), v - tr.v_mean, status, lay, tr), lay, tr, book_r, st_r,
         20, 2, seed=4)
     trd = tr.to(device)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd, fused_transform=True), lay, tr,
+    decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd, fused_transform=True), lay, tr,
                   book_g, st_g, 20, 2, seed=4)
     for f in ("sink_k", "recent_k"):
         got, want = getattr(st_g, f).cpu().float(), getattr(st_r, f).float()
@@ -215,7 +170,7 @@ def test_triton_query_rotation_once_a_step(ds, device, gq, d):
     assert torch.allclose(ds.rotate_queries(q, tr).double(), want, rtol=1e-5, atol=1e-5)
     states = []
     for with_q in (True, False):
-        book, st = _book_state(lay, 3, 64, device)
+        book, st = book_state(lay, 3, 64, device)
         book.status[1] = STATUS_NONFINITE  # a row that writes nothing still gets its query rotated
         out = ds.decode_append(st, k.to(device), v.to(device), book.status, lay, trd, fused_transform=True,
                                q=q.to(device) if with_q else None)
@@ -248,8 +203,8 @@ def test_hf_triton_backend_rotates_the_queries_in_the_append_launch(ds, device, 
     tr = (_random_transform(2, 64, seed=7) if rotated else LayerTransform.identity(2, 64, 0.9, 0.95)).to(device)
     layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr))
     assert layer.flags.keys_identity is not rotated
-    book_h, st_h = _book_state(lay, 2, 100, device)
-    book_w, st_w = _book_state(lay, 2, 100, device)
+    book_h, st_h = book_state(lay, 2, 100, device)
+    book_w, st_w = book_state(lay, 2, 100, device)
     g = torch.Generator().manual_seed(8)
     for t in range(52):  # past a demotion
         q = torch.randn(2, 8, 64, generator=g).bfloat16().to(device)
@@ -276,7 +231,7 @@ def test_hf_triton_backend_rotates_the_queries_in_the_append_launch(ds, device, 
 
 def test_decode_append_bad_inputs(ds, device):
     lay = _layout("token")
-    book, st = _book_state(lay, 2, 64, device)
+    book, st = book_state(lay, 2, 64, device)
     tr = LayerTransform.identity(2, 64).to(device)
     k = torch.randn(2, 2, 64, device=device)
     with pytest.raises(ValueError, match=r"k: expected shape \[2, 2, 64\]"):
@@ -312,13 +267,13 @@ def test_triton_nonfinite_in_one_head_writes_no_head(ds, device, gran):
     heads may run first), exactly as the reference; the sequence beside it is written. Steps chosen so that
     the flagged step is due to demote a page (recent ring full)."""
     lay, tr = _layout(gran), LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-    book_r, st_r = _book_state(lay, 2, 100, "cpu")
-    book_g, st_g = _book_state(lay, 2, 100, device)
+    book_r, st_r = book_state(lay, 2, 100, "cpu")
+    book_g, st_g = book_state(lay, 2, 100, device)
     trd = tr.to(device)
     steps = lay.sink + lay.recent_capacity  # the next token demotes
-    _decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
+    decode_steps(lambda s, k, v, status: ref.decode_append(s, k, v, status, lay, tr), lay, tr, book_r, st_r,
                   steps, 2, seed=5)
-    _decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
+    decode_steps(lambda s, k, v, status: ds.decode_append(s, k, v, status, lay, trd), lay, tr, book_g, st_g,
                   steps, 2, seed=5)
     k = torch.randn(2, 2, 64)
     v = torch.randn(2, 2, 64)

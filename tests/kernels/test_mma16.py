@@ -1,7 +1,8 @@
-"""The mma16 page order of 4-bit key codes (``reference.pack_mma16(..., bits=4)``) and its Triton writers.
+"""The Triton writers of 4-bit key codes in the mma16 page order (kernels/mma16.py's ``store_mma16`` and
+``repack_linear_to_mma16``, as the quantizer and the decode step call them).
 
-The reference defines the order (worked example, round trip, the word/field rule the Hopper kernel reads); the
-Triton writers (prefill pages, the in-kernel rotation path, the decode step's demotion) must leave every code and
+The reference defines the order (``reference.pack_mma16(..., bits=4)``: test_reference.py); the Triton writers
+(prefill pages, the in-kernel rotation path, the decode step's demotion) must leave every code and
 param ``torch.equal`` to the reference's. On the CPU the writers run through Triton's interpreter
 (tests/kernels/conftest.py), on the H200 compiled.
 """
@@ -17,9 +18,7 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import assert_equal, assert_quantizes_like_reference
-from test_decode_step import _appends_equal_reference
-from test_quant_pack import CLIPS, LEVELS, _rows
+from helpers import CLIPS, LEVELS, appends_equal_reference, assert_equal, assert_quantizes_like_reference, quant_rows
 
 
 def _k4_mma16(d: int, gran: str, g: int | None = None, p: int = 64, h: int = 3) -> KVCacheLayout:
@@ -27,52 +26,6 @@ def _k4_mma16(d: int, gran: str, g: int | None = None, p: int = 64, h: int = 3) 
     g = g or d
     return KVCacheLayout(h, d, RowFormat(d, g, gran, bits=4, packing="mma16"), RowFormat(d, g, packing="mma16"),
                          sink=16, window=64, page_size=p)
-
-
-def test_4bit_worked_example():
-    """R = C = 16 (128 bytes), the docstring's bytes code by code."""
-    for (r, c), (byte, value) in {(0, 0): (0, 0x0F), (8, 0): (0, 0xF0), (0, 8): (1, 0x0F), (0, 1): (2, 0x0F),
-                                  (0, 2): (4, 0x0F), (1, 0): (16, 0x0F)}.items():
-        codes = torch.zeros(16, 16, dtype=torch.uint8)
-        codes[r, c] = 15
-        packed = ref.pack_mma16(codes, 4)
-        assert packed.shape == (128,) and packed.nonzero().flatten().tolist() == [byte], (r, c)
-        assert int(packed[byte]) == value, (r, c)
-
-
-@pytest.mark.parametrize("rows,cols", [(16, 16), (64, 64), (128, 128), (64, 256), (32, 16), (16, 48)])
-def test_4bit_round_trip_and_word_rule(rows, cols):
-    """Round trip, and every code where the word rule says: word ``((mo 32 + lane) MB + mi) (C / 16) + w``,
-    bits ``4 (2 hc + hr) + 16 e``."""
-    torch.manual_seed(rows * cols)
-    codes = torch.randint(0, 16, (2, rows, cols), dtype=torch.uint8)
-    packed = ref.pack_mma16(codes, 4)
-    assert packed.shape == (2, rows * cols // 2)
-    assert torch.equal(ref.unpack_mma16(packed, rows, cols, 4), codes)
-    words = packed[1].view(torch.int32).long() & 0xFFFFFFFF
-    mb = ref.mma16_group(rows, cols, 4)
-    r = torch.arange(rows)[:, None].expand(rows, cols)
-    c = torch.arange(cols)[None, :].expand(rows, cols)
-    blk, hr, g = r // 16, (r // 8) % 2, r % 8
-    w, hc, tq, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
-    word = (((blk // mb) * 32 + 4 * g + tq) * mb + blk % mb) * (cols // 16) + w
-    got = (words[word] >> (4 * (2 * hc + hr) + 16 * e)) & 15
-    assert torch.equal(got, codes[1].long())
-
-
-def test_page_codes_round_trip_and_refusals():
-    fmt = RowFormat(128, 128, bits=4, packing="mma16")
-    codes = torch.randint(0, 16, (3, 2, 64, 128), dtype=torch.uint8)
-    packed = ref.pack_page_codes(codes, fmt, "key")
-    assert packed.shape == (3, 2, 64, 64)
-    assert torch.equal(ref.unpack_page_codes(packed, fmt, "key"), codes)
-    assert ref.mma16_group(64, 32, 4) == 2 and ref.mma16_group(64, 64, 4) == 1 and ref.mma16_group(64, 32) == 4
-    with pytest.raises(ValueError, match="4-bit codes need"):
-        ref.pack_mma16(torch.zeros(16, 24, dtype=torch.uint8), 4)
-    with pytest.raises(ValueError, match="cannot hold"):
-        ref.unpack_mma16(torch.zeros(100, dtype=torch.uint8), 16, 16, 4)
-    with pytest.raises(ValueError, match="bits 2 or 4"):
-        ref.pack_mma16(torch.zeros(16, 32, dtype=torch.uint8), 3)
 
 
 # ---- the Triton writers ---------------------------------------------------------------------------------------
@@ -84,7 +37,7 @@ def test_page_codes_round_trip_and_refusals():
 def test_quantize_4bit_mma16_key_pages_bit_exact(qp, device, d, g, p, gran):
     """Prefill pages (the plain quantizer): codes and params equal to the reference's."""
     lay = _k4_mma16(d, gran, g, p)
-    want_c, _ = assert_quantizes_like_reference(qp, device, _rows(2, 3, p, d), lay, lay.key, CLIPS, LEVELS, "key")
+    want_c, _ = assert_quantizes_like_reference(qp, device, quant_rows(2, 3, p, d), lay, lay.key, CLIPS, LEVELS, "key")
     assert int(ref.unpack_page_codes(want_c, lay.key, "key").max()) > 3, "the pages must use 4-bit codes"
 
 
@@ -113,5 +66,5 @@ def test_decode_append_4bit_mma16_keys_matches_reference(ds, device, gran):
                         sink=16, window=32, page_size=32)
     tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
     # 90 steps > S0 + W + P: a demotion of each slot
-    book_r, _ = _appends_equal_reference(ds, device, lay, tr, 2, 90, 200, 8, f"4-bit mma16 keys {gran}")
+    book_r, _ = appends_equal_reference(ds, device, lay, tr, 2, 90, 200, 8, f"4-bit mma16 keys {gran}")
     assert int(book_r.committed.num_pages.min()) >= 1, "the test must demote"

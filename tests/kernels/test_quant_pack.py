@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from oscar_export.kernels import checks
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import assert_equal, assert_quantizes_like_reference
+from helpers import CLIPS, LEVELS, assert_equal, assert_quantizes_like_reference, quant_rows
 
 
 def _layout(d: int, gran: str, g: int | None = None, p: int | None = None, h: int = 3) -> KVCacheLayout:
@@ -23,26 +24,13 @@ def _layout(d: int, gran: str, g: int | None = None, p: int | None = None, h: in
     return KVCacheLayout(h, d, RowFormat(d, g, gran), RowFormat(d, g), sink=64, window=256, page_size=p)
 
 
-def _rows(n: int, h: int, p: int, d: int) -> torch.Tensor:
-    """Gaussian rows with outliers, ties (coarse grid) and one constant group: the quantizer's hard cases."""
-    x = torch.randn(n, h, p, d) * torch.linspace(0.1, 3.0, d)
-    x[..., ::7] = torch.round(x[..., ::7] * 4) / 4  # ties in |x| (the clip rank) and on code boundaries
-    x[0, 0, 0] = 0.5  # a constant row: scale 0
-    x[:, :, 1, 3] = 40.0  # an outlier the clip must cut
-    return x
-
-
-CLIPS = torch.tensor([1.0, 0.96, 0.5])
-LEVELS = torch.tensor([[0.0, 1.0, 2.0, 3.0], [0.0, 0.8, 2.2, 3.0], [0.0, 1.3, 1.7, 3.0]])
-
-
 @pytest.mark.parametrize("d,g,gran", [(64, 64, "token"), (128, 128, "token"), (128, 64, "token"),
                                       (256, 128, "token"), (64, 64, "channel"), (128, 128, "channel"),
                                       (256, 128, "channel")])
 def test_quantize_pages_bit_exact(qp, device, d, g, gran):
     lay = _layout(d, gran, g)
     fmt = lay.key
-    assert_quantizes_like_reference(qp, device, _rows(3, 3, lay.page_size, d), lay, fmt, CLIPS, LEVELS)
+    assert_quantizes_like_reference(qp, device, quant_rows(3, 3, lay.page_size, d), lay, fmt, CLIPS, LEVELS)
 
 
 def _mma16(lay: KVCacheLayout) -> KVCacheLayout:
@@ -61,7 +49,7 @@ def test_quantize_pages_mma16_bit_exact(qp, device, d, g, p, gran, operand):
     """mma16 pages (keys tokens-on-M, values dims-on-M) bit-exact with the reference, both granularities."""
     lay = _mma16(_layout(d, gran, g, p=p))
     fmt = lay.key if operand == "key" else lay.value
-    assert_quantizes_like_reference(qp, device, _rows(3, 3, p, d), lay, fmt, CLIPS, LEVELS, operand)
+    assert_quantizes_like_reference(qp, device, quant_rows(3, 3, p, d), lay, fmt, CLIPS, LEVELS, operand)
 
 
 @pytest.mark.parametrize("gran,operand", [("token", "key"), ("channel", "key"), ("token", "value")])
@@ -90,7 +78,7 @@ def test_fused_rotation_mma16_is_the_linear_result_reordered(qp, device, gran, o
 def test_quantize_4bit_key_pages_bit_exact(qp, device, d, g, p, gran):
     """4-bit key pages ``[N, H_kv, P, D / 2]``: codes and params equal to the reference's 16-level rule."""
     lay = _layout(d, gran, g, p=p).with_key_bits(4)
-    want_c, _ = assert_quantizes_like_reference(qp, device, _rows(2, 3, p, d), lay, lay.key, CLIPS, LEVELS)
+    want_c, _ = assert_quantizes_like_reference(qp, device, quant_rows(2, 3, p, d), lay, lay.key, CLIPS, LEVELS)
     assert tuple(want_c.shape) == lay.key_codes_shape(2)
     assert int(ref.unpack_codes(want_c, g, 4).max()) == 15  # the test reaches the top level
 
@@ -127,7 +115,7 @@ def test_unknown_code_width_raises(qp, device):
     fmt = replace(lay.key)
     object.__setattr__(fmt, "bits", 8)
     with pytest.raises(NotImplementedError, match="2- and 4-bit codes, got 8-bit"):
-        qp.check_format(fmt, 64, "quantize_pages")
+        checks.check_format(fmt, 64, "quantize_pages")
 
 
 def test_mma16_unsupported_head_dim_raises(qp, device):
@@ -230,12 +218,12 @@ def test_quantize_real_shape_every_width_bit_exact(qp, device, gran, warps):
 
 def test_quantize_bf16_input_bit_exact(qp, device):
     lay = _layout(64, "token")
-    assert_quantizes_like_reference(qp, device, _rows(2, 3, 64, 64).bfloat16(), lay, lay.value, CLIPS, LEVELS)
+    assert_quantizes_like_reference(qp, device, quant_rows(2, 3, 64, 64).bfloat16(), lay, lay.value, CLIPS, LEVELS)
 
 
 def test_write_pages_into_pool_at_page_ids(qp, device):
     lay = _layout(64, "channel")
-    x = _rows(2, 3, 64, 64)
+    x = quant_rows(2, 3, 64, 64)
     codes = torch.full(lay.codes_shape(5), 0xAB, dtype=torch.uint8, device=device)
     params = torch.full(lay.key_params_shape(5), -7.0, dtype=torch.float16, device=device)
     ids = torch.tensor([4, 1], dtype=torch.int32, device=device)

@@ -1,8 +1,6 @@
-"""The PyTorch reference (kernels/reference/) and the layout (kernels/layout.py): exact where math allows."""
+"""The PyTorch reference (kernels/reference/): exact where math allows. The layout itself: test_layout.py."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -216,51 +214,6 @@ def test_nan_keys_are_rejected():
     assert int(state.sink_len[0]) == 0
 
 
-# ---- layout -------------------------------------------------------------------------------------------------------
-
-
-def test_layout_dict_round_trip():
-    for lay in (KVCacheLayout.default(3, 64), KVCacheLayout.default(8, 128, "channel", sink=32, window=128)):
-        d = json.loads(json.dumps(lay.to_dict()))
-        assert KVCacheLayout.from_dict(d) == lay
-        assert RowFormat.from_dict(lay.key.to_dict()) == lay.key
-
-
-def test_split_examples_and_invariants():
-    lay = KVCacheLayout.default(3, 64)
-    assert lay.split(1000) == (64, 10, 296)  # the worked example of the layout docstring
-    expected = {0: (0, 0, 0), 1: (1, 0, 0), 63: (63, 0, 0), 64: (64, 0, 0), 65: (64, 0, 1), 320: (64, 0, 256),
-                321: (64, 0, 257), 384: (64, 0, 320), 385: (64, 1, 257), 448: (64, 1, 320), 449: (64, 2, 257)}
-    for n, want in expected.items():
-        assert lay.split(n) == want, n
-    for n in BOUNDARY_LENGTHS + list(range(0, 700, 7)):
-        s, p, r = lay.split(n)
-        assert s + p * lay.page_size + r == n and r <= lay.recent_capacity
-        assert p == 0 or r >= lay.window + 1
-    with pytest.raises(ValueError, match="length: expected >= 0, got -1"):
-        lay.split(-1)
-
-
-def test_bytes_match_the_worked_example():
-    lay = KVCacheLayout.default(3, 64)
-    assert lay.bf16_token_bytes() == 768
-    assert lay.page_bytes() == 3 * 64 * (16 + 4 + 16 + 4)
-    assert lay.sequence_bytes(1000) == 276_480 + 76_800 == 353_280  # (64 + 296) BF16 tokens + 10 pages
-    assert lay.int2_bits_per_element() == 2.5  # G = 64: 2 bits + fp16 (scale, lo) per 64 elements
-    assert lay.effective_bits_per_element(1000) == 8 * 353_280 / (1000 * 2 * 3 * 64)
-
-
-def test_layout_rejects_bad_values():
-    with pytest.raises(ValueError, match="group_size"):
-        RowFormat(64, 24)
-    with pytest.raises(NotImplementedError, match=r"\[2, 4\] are implemented, got 3"):
-        RowFormat(64, 64, bits=3)
-    with pytest.raises(ValueError, match="page_size"):
-        KVCacheLayout.default(3, 64, page_size=40)
-    with pytest.raises(NotImplementedError, match="values"):
-        KVCacheLayout(3, 64, RowFormat(64, 64), RowFormat(64, 64, "channel"))
-
-
 # ---- writers: prefill == token by token -------------------------------------------------------------------------
 
 
@@ -380,22 +333,6 @@ def test_four_bit_codes_golden_bytes_and_round_trip():
         assert torch.equal(ref.unpack_codes(ref.pack_codes(c, g, 4), g, 4), c)
 
 
-def test_four_bit_row_format_bytes_and_refusals():
-    lay = KVCacheLayout.default(3, 64, "channel").with_key_bits(4)
-    assert lay.key.bits == 4 and lay.value.bits == 2 and lay.key.levels == 16
-    assert lay.key_codes_shape(7) == (7, 3, 64, 32) and lay.value_codes_shape(7) == (7, 3, 64, 16)
-    with pytest.raises(ValueError, match="key_codes_shape"):
-        lay.codes_shape(7)
-    # K: 64 * 32 codes + 2 * 64 * 2 params, V: 64 * 16 + 64 * 2 * 2 bytes per head and page
-    assert lay.page_bytes() == 3 * (64 * 32 + 256 + 64 * 16 + 256)
-    assert lay.key.bits_per_element(64) == 4.5 and lay.int2_bits_per_element() == 3.5
-    assert KVCacheLayout.from_dict(lay.to_dict()) == lay
-    for bad in (dict(bits=3), dict(bits=4, codebook=True)):
-        with pytest.raises(NotImplementedError):
-            RowFormat(64, 64, "token", **bad)
-    assert RowFormat(64, 64, "token", bits=4, packing="mma16").codes_per_byte == 2  # the Hopper kernel's 4-bit keys
-
-
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_four_bit_pages_are_the_16_level_rule(gran):
     """quantize/dequantize_pages of a 4-bit format = the b-bit group rule with uniform levels 0..15 (what the
@@ -474,3 +411,52 @@ def test_clip_threshold_is_the_sorted_element_at_the_rank():
         want = torch.gather(a.sort(dim=-1).values, -1, rank.expand(*a.shape[:-1], 1))
         got = ref.clip_threshold(a, rank)
         assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), worst(got, want)
+
+
+# ---- 4-bit key codes in the mma16 order (``pack_mma16(..., bits=4)``; its Triton writers: test_mma16.py) ------
+
+
+def test_4bit_worked_example():
+    """R = C = 16 (128 bytes), the docstring's bytes code by code."""
+    for (r, c), (byte, value) in {(0, 0): (0, 0x0F), (8, 0): (0, 0xF0), (0, 8): (1, 0x0F), (0, 1): (2, 0x0F),
+                                  (0, 2): (4, 0x0F), (1, 0): (16, 0x0F)}.items():
+        codes = torch.zeros(16, 16, dtype=torch.uint8)
+        codes[r, c] = 15
+        packed = ref.pack_mma16(codes, 4)
+        assert packed.shape == (128,) and packed.nonzero().flatten().tolist() == [byte], (r, c)
+        assert int(packed[byte]) == value, (r, c)
+
+
+@pytest.mark.parametrize("rows,cols", [(16, 16), (64, 64), (128, 128), (64, 256), (32, 16), (16, 48)])
+def test_4bit_round_trip_and_word_rule(rows, cols):
+    """Round trip, and every code where the word rule says: word ``((mo 32 + lane) MB + mi) (C / 16) + w``,
+    bits ``4 (2 hc + hr) + 16 e``."""
+    torch.manual_seed(rows * cols)
+    codes = torch.randint(0, 16, (2, rows, cols), dtype=torch.uint8)
+    packed = ref.pack_mma16(codes, 4)
+    assert packed.shape == (2, rows * cols // 2)
+    assert torch.equal(ref.unpack_mma16(packed, rows, cols, 4), codes)
+    words = packed[1].view(torch.int32).long() & 0xFFFFFFFF
+    mb = ref.mma16_group(rows, cols, 4)
+    r = torch.arange(rows)[:, None].expand(rows, cols)
+    c = torch.arange(cols)[None, :].expand(rows, cols)
+    blk, hr, g = r // 16, (r // 8) % 2, r % 8
+    w, hc, tq, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
+    word = (((blk // mb) * 32 + 4 * g + tq) * mb + blk % mb) * (cols // 16) + w
+    got = (words[word] >> (4 * (2 * hc + hr) + 16 * e)) & 15
+    assert torch.equal(got, codes[1].long())
+
+
+def test_page_codes_round_trip_and_refusals():
+    fmt = RowFormat(128, 128, bits=4, packing="mma16")
+    codes = torch.randint(0, 16, (3, 2, 64, 128), dtype=torch.uint8)
+    packed = ref.pack_page_codes(codes, fmt, "key")
+    assert packed.shape == (3, 2, 64, 64)
+    assert torch.equal(ref.unpack_page_codes(packed, fmt, "key"), codes)
+    assert ref.mma16_group(64, 32, 4) == 2 and ref.mma16_group(64, 64, 4) == 1 and ref.mma16_group(64, 32) == 4
+    with pytest.raises(ValueError, match="4-bit codes need"):
+        ref.pack_mma16(torch.zeros(16, 24, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ref.unpack_mma16(torch.zeros(100, dtype=torch.uint8), 16, 16, 4)
+    with pytest.raises(ValueError, match="bits 2 or 4"):
+        ref.pack_mma16(torch.zeros(16, 32, dtype=torch.uint8), 3)

@@ -1,8 +1,10 @@
-"""Triton mixed-precision paged decode attention against an fp64 evaluation of ``reference.gather_context``.
+"""The portable decode backend (kernels/decode/portable.py): Triton mixed-precision paged decode attention against
+an fp64 evaluation of ``reference.gather_context``.
 
-Error budget (flash-attention's rule, STYLE.md): on the same packed cache, the kernel's max error against
-fp64 must be at most 2x the max error of a BF16 PyTorch computation of the same attention, plus 1e-5.
-Shapes: the boundary lengths of tests/conftest.py in one ragged batch, GQA ratios 1/3/4/8, head_dim 64/128,
+Error budget (flash-attention's rule, STYLE.md; ``helpers.check_attention_budget``): on the same packed cache,
+the kernel's max error against fp64 must be at most 2x the max error of a BF16 PyTorch computation of the same
+attention, plus 1e-5.
+Shapes: the boundary lengths of tests/helpers.py in one ragged batch, GQA ratios 1/3/4/8, head_dim 64/128,
 both key granularities, fitted codebooks, the fused query rotation, split counts; two token groups per row
 (head_dim 128 with G 64, head_dim 256 with G 128: Gemma 3).
 """
@@ -16,54 +18,7 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS
-
-
-def _cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, spare_pages: int = 1) -> PagedKV:
-    """A ragged batch written through the reference (page ids shuffled so the block table matters)."""
-    h, d = lay.num_kv_heads, lay.head_dim
-    max_pages = max(1, max(lay.pages_for(t) for t in lengths)) + spare_pages
-    pool = len(lengths) * max_pages
-    st = PagedKV.allocate(lay, len(lengths), pool, max_pages)
-    free = torch.randperm(pool).tolist()
-    scale = torch.linspace(0.3, 2.0, d)  # uneven channels, like real keys
-    for b, t in enumerate(lengths):
-        if t:
-            k = torch.randn(h, t, d) * scale + 0.3
-            v = torch.randn(h, t, d)
-            ref.append_tokens(st, b, k, v, lay, tr, free.pop)
-    return st
-
-
-def _errors(got: torch.Tensor, q: torch.Tensor, st: PagedKV, lay: KVCacheLayout, tr: LayerTransform, scale: float):
-    """(kernel error, BF16 PyTorch error) against fp64, max abs over all outputs; plus the fp64 output."""
-    k, v, valid = ref.gather_context(st, lay, tr.k_levels, tr.v_levels)  # [B, H_kv, T, D] fp32, [B, T]
-    b, hq, d = q.shape
-    hkv = lay.num_kv_heads
-    mask = valid[:, None, None, :]
-
-    def attend(qq, kk, vv, dt):
-        qg = qq.to(dt).reshape(b, hkv, hq // hkv, d)
-        s = torch.matmul(qg, kk.to(dt).transpose(-1, -2)).double() * scale
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
-        o = torch.matmul(p.to(dt), vv.to(dt))
-        return o.reshape(b, hq, d).double()
-
-    want = attend(q, k, v, torch.float64)
-    bf16 = attend(q, k, v, torch.bfloat16)
-    return (got.double().cpu() - want).abs(), (bf16 - want).abs().max().item(), want
-
-
-def _check_budget(got, q, st, lay, tr, scale, what=""):
-    err, err_bf16, want = _errors(got, q, st, lay, tr, scale)
-    budget = 2 * err_bf16 + 1e-5
-    if not err.max().item() <= budget:
-        flat = err.flatten().topk(5)
-        idx = [torch.unravel_index(i, err.shape) for i in flat.indices]
-        rows = [(tuple(int(j) for j in ix), float(got.cpu()[ix]), float(want[ix])) for ix in idx]
-        raise AssertionError(f"{what}: max error {err.max().item():.3e} > budget {budget:.3e} "
-                             f"(BF16 error {err_bf16:.3e}); worst (index, got, fp64): {rows}")
-    return err.max().item(), err_bf16
+from helpers import BOUNDARY_LENGTHS, GQA_SHAPES, HEAD_DIMS, check_attention_budget, ragged_cache
 
 
 def _fitted_rotated_transform(hkv: int, d: int) -> LayerTransform:
@@ -83,13 +38,13 @@ def _check_rotated(da, device, lay: KVCacheLayout, tr: LayerTransform, hq: int, 
     written with a rotated, scaled key basis, within budget of the stored-basis reference; returns ``(q_stored,
     st, dev_st, levels)`` for further launches on the same cache."""
     d = lay.head_dim
-    st = _cache(lay, [200, 500], tr)
+    st = ragged_cache(lay, [200, 500], tr)
     q_model = torch.randn(2, hq, d)
     q_stored = tr.transform_queries(q_model[:, :, None]).squeeze(2)
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
     got = da.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=2)
-    _check_budget(got, q_stored, st, lay, tr, d**-0.5, what)
+    check_attention_budget(got, q_stored, st, lay, tr, d**-0.5, what)
     return q_stored, st, dev_st, lv
 
 
@@ -103,13 +58,13 @@ def test_boundary_lengths_ragged_batch(da, device, gran):
     lay = _layout(1, 64, gran)  # S0 64, W 256, P 64: the grid BOUNDARY_LENGTHS is built around
     tr = LayerTransform.identity(1, 64, k_clip=0.96, v_clip=0.92)
     lengths = [0] + BOUNDARY_LENGTHS[gran == "channel"::2]  # an empty sequence too: zeros, like the reference
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), 3, 64)
     scale = 64**-0.5
     got = da.decode_attention(q.to(device), PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__}),
                               lay, tr.k_levels.to(device), tr.v_levels.to(device), scale, pages_per_split=4)
     assert torch.equal(got[0].cpu(), torch.zeros(3, 64)), "an empty sequence must give zeros"
-    _check_budget(got, q, st, lay, tr, scale, f"boundary {gran}")
+    check_attention_budget(got, q, st, lay, tr, scale, f"boundary {gran}")
 
 
 @pytest.mark.parametrize("hq,hkv", GQA_SHAPES)
@@ -122,13 +77,13 @@ def test_gqa_and_head_dims(da, device, hq, hkv, d):
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
     p = lay.page_size
     lengths = [3, 16 + 32 + p + 1, 16 + 32 + 3 * p + 17]
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), hq, d) * 2
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     got = da.decode_attention(q.to(device), dev_st, lay, tr.k_levels.to(device), tr.v_levels.to(device), d**-0.5,
                               pages_per_split=1, out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
-    _check_budget(got.float(), q, st, lay, tr, d**-0.5, f"gqa {hq}/{hkv} d={d} {gran}")
+    check_attention_budget(got.float(), q, st, lay, tr, d**-0.5, f"gqa {hq}/{hkv} d={d} {gran}")
 
 
 @pytest.mark.slow  # ~20 s each in the interpreter: codebooks and rotated keys are the less common paths
@@ -142,7 +97,7 @@ def test_codebook_rotation_and_splits(da, device, gran):
     q_stored, st, dev_st, lv = _check_rotated(da, device, lay, tr, hq, f"codebook+rotation {gran}")
     outs = [da.decode_attention(q_stored.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=n) for n in (1, 64)]
     for n, o in zip((1, 64), outs):  # the split count moves the softmax max, so fp16 roundings of p differ
-        _check_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
+        check_attention_budget(o, q_stored, st, lay, tr, d**-0.5, f"codebook {gran} pages_per_split={n}")
 
 
 @pytest.mark.parametrize("gran,codebook,hq", [("token", False, 6), ("channel", False, 2),
@@ -159,14 +114,14 @@ def test_page_slots_kernel(da, device, gran, codebook, hq):
                                "k_levels": torch.tensor([[0.0, 0.7, 2.1, 3.0], [0.0, 1.2, 1.9, 3.0]]),
                                "v_levels": torch.tensor([[0.0, 0.9, 2.2, 3.0], [0.0, 1.0, 2.0, 3.0]])})
     lengths = [0, 16 + 32 + 64 * 7 + 5, 16 + 32 + 64 + 1]
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), hq, d) * 2
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
     for kw in (dict(page_slots=1, num_warps=1), dict(page_slots=2, num_warps=2), dict(page_slots=4, num_warps=4)):
         got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, pages_per_split=5, **kw)
         assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
-        _check_budget(got, q, st, lay, tr, d**-0.5, f"{kw} {gran} codebook={codebook}")
+        check_attention_budget(got, q, st, lay, tr, d**-0.5, f"{kw} {gran} codebook={codebook}")
 
 
 @pytest.mark.parametrize("d,g,hq,hkv,gran", [(128, 64, 8, 2, "token"), (256, 128, 4, 2, "token"),
@@ -180,7 +135,7 @@ def test_two_groups_per_row(da, device, d, g, hq, hkv, gran):
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
     p = lay.page_size
     lengths = [0, 1, 64 + 256 + p + 1, 64 + 256 + 4 * p + 17]
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), hq, d) * 2
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))
@@ -188,7 +143,7 @@ def test_two_groups_per_row(da, device, d, g, hq, hkv, gran):
                dict(pages_per_split=1, page_slots=1, num_warps=1)):
         got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, **kw)
         assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
-        _check_budget(got, q, st, lay, tr, d**-0.5, f"d={d} g={g} {hq}/{hkv} {gran} {kw}")
+        check_attention_budget(got, q, st, lay, tr, d**-0.5, f"d={d} g={g} {hq}/{hkv} {gran} {kw}")
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
@@ -214,7 +169,7 @@ def test_4bit_keys_within_budget(da, device, gran, hq, hkv, d, g):
     lay = lay.with_key_bits(4)
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
     lengths = [0, 3, 16 + 32 + 64 + 1, 16 + 32 + 5 * 64 + 17]
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     assert st.k_codes.shape[-1] == d // 2 and int(ref.unpack_codes(st.k_codes, g, 4).max()) > 3
     q = torch.randn(len(lengths), hq, d) * 2
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
@@ -222,7 +177,7 @@ def test_4bit_keys_within_budget(da, device, gran, hq, hkv, d, g):
     for kw in (dict(pages_per_split=3), dict(pages_per_split=1, page_slots=1, num_warps=1)):
         got = da.decode_attention(q.to(device), dev_st, lay, *lv, d**-0.5, **kw)
         assert torch.equal(got[0].cpu(), torch.zeros(hq, d)), "an empty sequence must give zeros"
-        _check_budget(got, q, st, lay, tr, d**-0.5, f"4-bit keys {gran} d={d} g={g} {hq}/{hkv} {kw}")
+        check_attention_budget(got, q, st, lay, tr, d**-0.5, f"4-bit keys {gran} d={d} g={g} {hq}/{hkv} {kw}")
 
 
 @pytest.mark.parametrize("gran,d,g", [("token", 64, 64), ("channel", 128, 64)])
@@ -300,7 +255,7 @@ def test_custom_op_matches_wrapper(da, device, bits):
 
     lay = _layout(2, 64, "channel", sink=16, window=32).with_key_bits(bits)
     tr = LayerTransform.identity(2, 64, 0.95, 0.9)
-    st = _cache(lay, [7, 300], tr)
+    st = ragged_cache(lay, [7, 300], tr)
     dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
     q = torch.randn(2, 8, 64, device=device)
     lv = (tr.k_levels.to(device), tr.v_levels.to(device))

@@ -5,11 +5,12 @@ Gluon has no interpreter, so the kernel itself runs only on a GPU (tests/gpu/tes
 * its A operands: ``emulate_a_operand`` (the kernel's loads, field masks, joins, permute and reshape, step by
   step in PyTorch) equals the mma16 codes times the powers of two the kernel folds out;
 * its arithmetic: ``emulate`` (those operands, the kernel's scale folding and fp16 roundings) is within the
-  decode-attention error budget of test_decode_attention.py against the fp64 oracle;
+  decode-attention error budget (``helpers.check_attention_budget``) against the fp64 oracle;
 * its compilation for sm_90 by this Triton (the AOT builder's), across the shapes it claims: every
   ``convert_layout(..., assert_trivial=True)`` of a page operand is proven a no-op by the compiler, and the
   loop holds no spills;
-* which layouts select it (its refusals: ``tests/kernels/test_checks.py``).
+* which layouts select it: test_decode_backend.py (its refusals: test_checks.py); its wrapper
+  (``kernels/decode/hopper.py``): test_decode_hopper.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from oscar_export.kernels.decode import hopper_kernel as gl_attn
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from test_decode_attention import _cache, _check_budget
+from helpers import check_attention_budget, hopper_split_spec, ragged_cache
 
 
 def _mma(h_kv: int, d: int, gran: str, codebook: bool = False, **kw) -> KVCacheLayout:
@@ -79,11 +80,11 @@ def test_emulated_kernel_within_budget(gran, hq, hkv, d, p, key_bits):
     tr = LayerTransform.identity(hkv, d, k_clip=0.95, v_clip=0.9)
     lengths = [0, 3, 16 + 32 + p + 1, 16 + 32 + 3 * p + 17]
     torch.manual_seed(hq * d + p)
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), hq, d) * 2
     got = gl_attn.emulate(q, st, lay, d**-0.5)
     assert torch.equal(got[0], torch.zeros(hq, d)), "an empty sequence must give zeros"
-    _check_budget(got, q, st, lay, tr, d**-0.5, f"gluon emulation {gran} {hq}/{hkv} d={d} p={p} k{key_bits}")
+    check_attention_budget(got, q, st, lay, tr, d**-0.5, f"gluon emulation {gran} {hq}/{hkv} d={d} p={p} k{key_bits}")
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])
@@ -101,41 +102,14 @@ def test_emulated_kernel_two_groups_a_row_within_budget(gran, key_bits):
     tr = LayerTransform.identity(2, 256, k_clip=0.95, v_clip=0.9)
     lengths = [16 + 32 + 64 + 5, 16 + 32 + 3 * 64 + 17]
     torch.manual_seed(key_bits)
-    st = _cache(lay, lengths, tr)
+    st = ragged_cache(lay, lengths, tr)
     q = torch.randn(len(lengths), 6, 256) * 2
     got = gl_attn.emulate(q, st, lay, 256**-0.5)
-    _check_budget(got, q, st, lay, tr, 256**-0.5, f"gluon emulation two groups {gran} k{key_bits}")
+    check_attention_budget(got, q, st, lay, tr, 256**-0.5, f"gluon emulation two groups {gran} k{key_bits}")
     vp = st.v_params.clone()
     vp[..., 1, :] = vp[..., 0, :]
     wrong = gl_attn.emulate(q, replace(st, v_params=vp), lay, 256**-0.5)
     assert (wrong - got).abs().max() > 1e-2, "the check must see a group mix-up"
-
-
-def _hopper():
-    """The kernel's wrapper (``kernels/decode/hopper.py``), skipped without Gluon."""
-    hopper = pytest.importorskip("oscar_export.kernels.decode.hopper")
-    if not hopper.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    return hopper
-
-
-def test_head_dim_256_with_two_groups_a_row_selects_the_hopper_kernel():
-    """Gemma 3's default (head_dim 256, token groups of 128) decodes on the hopper kernel on sm_90: its two-group
-    path passed on the H200 (tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256,
-    4 passed, lead's call of 2026-12-02); groups of 64 at head_dim 256 still go to the portable kernel."""
-    from oscar_export.kernels.decode import select_backend
-
-    _hopper()
-    for gran in ("token", "channel"):
-        for bits in (2, 4):
-            lay = KVCacheLayout.default(8, 256, gran).with_key_bits(bits)
-            assert lay.value.group_size == 128
-            checks.check_hopper_layout(lay.with_packing("mma16"), 16)
-            got = select_backend(lay, 90, 16)
-            assert (got.name, got.why) == ("hopper", ""), (gran, bits, got)
-    narrow = KVCacheLayout(8, 256, RowFormat(256, 64), RowFormat(256, 64), sink=64, window=256, page_size=128)
-    got = select_backend(narrow, 90, 16)
-    assert got.name == "portable" and "128" in got.why, got
 
 
 # ---- compilation for sm_90 (no GPU needed: triton.compile + ptxas) -------------------------------------------------
@@ -149,18 +123,6 @@ SHAPES = [  # (granularity, head_dim, page_size, query heads per KV head, key bi
 TWO_GROUP_SHAPES = [("token", 128, 2, 2), ("token", 64, 8, 4), ("channel", 128, 2, 2)]
 
 
-def _spec(gran, d, p, gq, stages=gl_attn.STAGES, key_bits=2):
-    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_GL, decode_split_gl_constexprs, gl_occupancy
-    from oscar_export.kernels.aot.spec import KernelSpec
-
-    lay = KVCacheLayout.default(8, d, key_granularity=gran, packing="mma16", page_size=p).with_key_bits(key_bits)
-    cx = decode_split_gl_constexprs(lay, 8 * gq, d**-0.5)
-    assert cx["KEY_BITS"] == key_bits
-    cx.update(STAGES=stages)
-    return KernelSpec.from_plan(DECODE_SPLIT_GL, f"decode_split_gl_{gran}_d{d}_p{p}_g{gq}_k{key_bits}", cx,
-                                maxnreg=gl_occupancy(d)[0])
-
-
 @pytest.mark.parametrize("gran,d,p,gq,key_bits", SHAPES)
 def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, key_bits):
     pytest.importorskip("triton")
@@ -168,7 +130,7 @@ def test_compiles_for_sm90_with_trivial_operand_layouts(gran, d, p, gq, key_bits
         pytest.skip("this Triton has no Gluon")
     from oscar_export.kernels.aot.compile import compile_kernel
 
-    spec = _spec(gran, d, p, gq, key_bits=key_bits)
+    spec = hopper_split_spec(gran, d, p, gq, key_bits=key_bits)
     ck = compile_kernel(spec, "sm_90")  # raises if an operand conversion is not trivial
     ptx = ck.ptx.decode()
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16 ", ptx), "the dots are warpgroup MMAs"
@@ -201,23 +163,6 @@ def test_two_groups_a_row_compile_for_sm90_without_spills(gran, p, gq, key_bits)
     usage = _res_usage(ck.cubin)
     if usage is not None:
         assert usage["STACK"] == 0, f"the kernel spills ({usage['STACK']} B of stack)"
-
-
-def test_the_register_cap_is_the_plans_and_travels_in_the_manifest():
-    """head_dim <= 128 is capped at GL_MAXNREG (4 CTAs an SM), 256 is not; the cap survives to_dict/from_dict and
-    a hostile value is refused."""
-    from dataclasses import replace
-
-    from oscar_export.kernels.aot.launch_plan import GL_MAXNREG
-    from oscar_export.kernels.aot.spec import KernelSpec
-
-    capped, free = _spec("token", 128, 128, 4), _spec("token", 256, 64, 16)
-    assert (capped.maxnreg, free.maxnreg) == (GL_MAXNREG, 0)
-    assert KernelSpec.from_dict(capped.to_dict()) == capped and "maxnreg" not in free.to_dict()
-    assert KernelSpec.from_dict(free.to_dict()) == free
-    for bad in (1, 300, -8):
-        with pytest.raises(ValueError, match="maxnreg"):
-            replace(capped, maxnreg=bad)
 
 
 def _res_usage(cubin: bytes) -> dict | None:
@@ -285,7 +230,7 @@ def test_fused_merge_compiles_with_the_grid_barrier_ordering(gran, d, p, gq):
     from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_MERGE_GL
     from oscar_export.kernels.aot.spec import KernelSpec
 
-    plain = _spec(gran, d, p, gq)
+    plain = hopper_split_spec(gran, d, p, gq)
     fused = KernelSpec.from_plan(DECODE_SPLIT_MERGE_GL, plain.name.replace("split", "split_merge"),
                                  dict(plain.constexprs), maxnreg=plain.maxnreg)
     ptx = compile_kernel(fused, "sm_90").ptx.decode()
@@ -296,41 +241,3 @@ def test_fused_merge_compiles_with_the_grid_barrier_ordering(gran, d, p, gq):
     assert before.rfind("bar.sync") > before.rfind("st.global"), "a CTA barrier between the partial stores and the add"
     assert "ld.global.cg" in ptx[atom.end():], "the partials are read from L2"
     assert "atom." not in compile_kernel(plain, "sm_90").ptx.decode()
-
-
-def test_fused_merge_counters_are_allocated_once_and_bounded():
-    hopper = _hopper()
-    with pytest.raises(ValueError, match="at most 65536"):
-        hopper.merge_counters(torch.device("cpu"), hopper.MERGE_COUNTERS + 1)
-    buf = hopper.merge_counters(torch.device("cpu"), 4)
-    assert buf.dtype == torch.int32 and buf.numel() == hopper.MERGE_COUNTERS and not buf.any()
-    assert hopper.merge_counters(torch.device("cpu"), 8) is buf, "allocated once: captured graphs keep its address"
-
-
-@pytest.mark.parametrize("key_bits", [2, 4])
-def test_fused_merge_is_the_plans_default_up_to_the_counters(monkeypatch, key_bits):
-    """The launch takes the fused kernel with the shared counters by default, and the launched merge beyond
-    MERGE_COUNTERS (sequence, KV head) pairs (no error at a large batch); ``KEY_BITS`` follows the key pool's row
-    bytes. The launch is stubbed (CPU), the decisions are the wrapper's."""
-    hopper = _hopper()
-    seen = []
-    monkeypatch.setattr(hopper, "launch_split_merge",
-                        lambda kernel, *a, counters=None: seen.append((kernel, counters, a[-3]["KEY_BITS"])))
-    t = torch.zeros(1)
-    k_codes = torch.zeros(1, 8, 64, 64 * key_bits // 8, dtype=torch.uint8)
-
-    def launch(batch, **kw):
-        q = torch.zeros(batch, 8, 64)
-        hopper.launch(q, t, t, t, t, k_codes, *[t] * 9, num_kv_heads=8, page_size=64, sink=64, recent_slots=384,
-                      scale=0.125, k_channel=False, pages_per_split_=4, out_dtype=torch.float32, **kw)
-        kernel, counters, bits = seen.pop()
-        assert bits == key_bits
-        return kernel, counters
-
-    kernel, counters = launch(2)
-    assert kernel is gl_attn.FUSED_KERNEL and counters is hopper.merge_counters(torch.device("cpu"), 16)
-    kernel, counters = launch(hopper.MERGE_COUNTERS // 8 + 1)
-    assert kernel is gl_attn.KERNEL and counters is None
-    assert launch(2, fused_merge=False) == (gl_attn.KERNEL, None)
-    with pytest.raises(ValueError, match="at most 65536"):
-        launch(hopper.MERGE_COUNTERS // 8 + 1, fused_merge=True)
