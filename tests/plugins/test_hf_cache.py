@@ -1,8 +1,10 @@
-"""The HF cache without a model: steps through ``attend`` per layer, reads back, all-or-nothing steps, bad input."""
+"""The HF cache (plugins/hf/cache.py): without a model, steps through ``attend`` per layer, reads back, all-or-nothing
+steps, bad input; with a tiny model, what it refuses to answer from (issue 31)."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -11,43 +13,19 @@ from oscar_export.kernels import reference
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE
 from oscar_export.kernels.transform import LayerTransform
+from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 from oscar_export.plugins.hf.attention import attend
 from oscar_export.plugins.hf.cache import OscarCache
 
-from helpers import GQA_SHAPES, HEAD_DIMS, rotated_transform
-
-SMALL = dict(sink=4, window=16, page_size=16)  # windows small enough that a few dozen tokens reach INT2
-
-
-def small_layout(h_kv: int = 2, d: int = 32, granularity: str = "token") -> KVCacheLayout:
-    return KVCacheLayout.default(h_kv, d, granularity, **SMALL)
-
-
-def expected_contents(layout: KVCacheLayout, tr: LayerTransform, k: torch.Tensor, v: torch.Tensor):
-    """What a sequence that was written ``k, v [H_kv, L, D]`` (stored basis) must read back, built independently:
-    sink and recent rows as written, history rows quantized page by page and dequantized."""
-    n = k.shape[1]
-    s0, pages, _ = layout.split(n)
-    p = layout.page_size
-    hist = slice(s0, s0 + pages * p)
-
-    def roundtrip(x, fmt, clip, levels):
-        if pages == 0:
-            return x[:, hist]
-        xp = x[:, hist].reshape(x.shape[0], pages, p, x.shape[2]).transpose(0, 1)  # [N, H_kv, P, D]
-        codes, params = reference.quantize_pages(xp, fmt, clip, levels)
-        back = reference.dequantize_pages(codes, params, fmt, levels)
-        return back.transpose(0, 1).reshape(x.shape[0], pages * p, x.shape[2])
-
-    kk = torch.cat([k[:, :s0], roundtrip(k, layout.key, tr.k_clip, tr.k_levels), k[:, hist.stop :]], 1)
-    vv = torch.cat([v[:, :s0], roundtrip(v, layout.value, tr.v_clip, tr.v_levels), v[:, hist.stop :]], 1)
-    return kk, vv
-
-
-def one_layer(layout: KVCacheLayout, tr: LayerTransform, batch: int, max_length: int, layers: int = 1):
-    """A cache of ``layers`` layers sharing ``tr``; returns (cache, its first layer)."""
-    cache = OscarCache(layout, [tr] * layers, batch, max_length)
-    return cache, cache.layers[0]
+from helpers import (
+    SMALL_LAYOUT,
+    attention_oracle,
+    expected_contents,
+    one_layer,
+    rotated_transform,
+    small_layout,
+    tiny_hf_model,
+)
 
 
 def step(cache: OscarCache, q, k, v, padding=None, scale=None, per_layer=None):
@@ -248,117 +226,6 @@ def test_constructor_rejects_bad_arguments():
         OscarCache(small_layout(), [LayerTransform.identity(3, 32)], 1, 10)
 
 
-# ---- attention against an independent oracle ------------------------------------------------------------------
-
-
-def oracle(q, k_ctx, v_ctx, tr: LayerTransform, scale: float, causal_tail: int = 0) -> torch.Tensor:
-    """Attention of ``q [H, Tq, D]`` (model basis) over ``k_ctx, v_ctx [H_kv, Tk, D]`` (stored basis) in fp64;
-    the last ``causal_tail`` keys are the chunk itself (causal), returns ``[H, Tq, D]`` model basis."""
-    h, tq, d = q.shape
-    hkv = k_ctx.shape[0]
-    g = h // hkv
-    qs = tr.transform_queries(q[None])[0].double()
-    s = torch.einsum("hqd,hkd->hqk", qs, k_ctx.double().repeat_interleave(g, 0)) * scale
-    if causal_tail:
-        tk = k_ctx.shape[1]
-        pos_k = torch.arange(tk) - (tk - causal_tail)
-        s = s.masked_fill(pos_k[None, None, :] > torch.arange(tq)[None, :, None], float("-inf"))
-    o = torch.einsum("hqk,hkd->hqd", s.softmax(-1), v_ctx.double().repeat_interleave(g, 0))
-    return tr.restore_output(o.float()[None])[0]
-
-
-@pytest.mark.parametrize("h, h_kv", GQA_SHAPES)
-@pytest.mark.parametrize("d", HEAD_DIMS)
-def test_decode_and_chunk_attention_match_oracle(h, h_kv, d):
-    """Prefill, then a chunk reading INT2 history, then decode steps past a demotion, all against fp64 oracles
-    built from independently quantized history."""
-    lay = KVCacheLayout.default(h_kv, d, **SMALL)
-    tr = rotated_transform(h_kv, d, seed=h + d)
-    cache, layer = one_layer(lay, tr, 2, 200)
-    scale = d**-0.5
-    n0, n1, steps = 45, 23, 3  # 45: one page; chunk of 23 reads it; the first decode step demotes
-    n = n0 + n1 + steps
-    q, k, v = torch.randn(2, h, n, d), torch.randn(2, h_kv, n, d), torch.randn(2, h_kv, n, d)
-    k_s, v_s = tr.transform_keys(k), tr.transform_values(v)
-
-    out = attend(layer, q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], None, scale)  # prefill: full precision
-    for b in range(2):
-        want = oracle(q[b, :, :n0], k_s[b, :, :n0], v_s[b, :, :n0], tr, scale, causal_tail=n0)
-        torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
-
-    out = attend(layer, q[:, :, n0 : n0 + n1], k[:, :, n0 : n0 + n1], v[:, :, n0 : n0 + n1], None, scale)
-    for b in range(2):
-        ek, ev = expected_contents(lay, tr, k_s[b, :, :n0], v_s[b, :, :n0])
-        ek = torch.cat([ek, k_s[b, :, n0 : n0 + n1]], 1)
-        ev = torch.cat([ev, v_s[b, :, n0 : n0 + n1]], 1)
-        want = oracle(q[b, :, n0 : n0 + n1], ek, ev, tr, scale, causal_tail=n1)
-        torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
-
-    for t in range(n0 + n1, n):
-        out = attend(layer, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], None, scale)
-        for b in range(2):
-            ek, ev = expected_contents(lay, tr, k_s[b, :, : t + 1], v_s[b, :, : t + 1])
-            want = oracle(q[b, :, t : t + 1], ek, ev, tr, scale)
-            torch.testing.assert_close(out[b], want, atol=2e-5, rtol=1e-4)
-    assert cache.sequence_lengths() == [n, n] and int(layer.state.num_pages[0]) == lay.pages_for(n) == 3
-
-
-def test_padded_chunk_strips_pads_per_sequence():
-    """A left-padded batch prefill and a chunk with pads give each sequence what it gets alone."""
-    lay = small_layout(2, 32)
-    tr = rotated_transform(2, 32, 5, prerotated=True)
-    scale = 32**-0.5
-    lens = [30, 41]
-    n = 41
-    q, k, v = torch.randn(2, 4, n, 32), torch.randn(2, 2, n, 32), torch.randn(2, 2, n, 32)
-    pad = torch.zeros(2, n, dtype=torch.bool)
-    for b, m in enumerate(lens):
-        pad[b, n - m :] = True
-    batch, bl = one_layer(lay, tr, 2, 100)
-    # prefill the first 25 columns, then a 16-column chunk; both carry pads for sequence 0
-    o1 = attend(bl, q[:, :, :25], k[:, :, :25], v[:, :, :25], pad[:, :25], scale)
-    o2 = attend(bl, q[:, :, 25:], k[:, :, 25:], v[:, :, 25:], pad, scale)
-    out = torch.cat([o1, o2], 2)
-    assert batch.sequence_lengths() == lens
-    for b, m in enumerate(lens):
-        alone, al = one_layer(lay, tr, 1, 100)
-        cut = 25 - (n - m)  # real tokens of sequence b in the first chunk
-        sl = slice(n - m, n)
-        rows = slice(n - m, 25)
-        a1 = attend(al, q[b : b + 1, :, rows], k[b : b + 1, :, rows], v[b : b + 1, :, rows], None, scale)
-        a2 = attend(al, q[b : b + 1, :, 25:], k[b : b + 1, :, 25:], v[b : b + 1, :, 25:], None, scale)
-        assert cut == a1.shape[2]
-        torch.testing.assert_close(out[b : b + 1, :, sl], torch.cat([a1, a2], 2), atol=1e-5, rtol=1e-5)
-        assert torch.equal(out[b, :, : n - m], torch.zeros_like(out[b, :, : n - m]))
-        for x, y in zip(bl.read_sequence(b), al.read_sequence(0)):
-            torch.testing.assert_close(x, y, atol=0, rtol=0)
-
-
-
-def test_attention_rejects_bad_queries_masks_and_indices():
-    from oscar_export.plugins.hf.attention import oscar_attention
-
-    cache, layer = one_layer(small_layout(), LayerTransform.identity(2, 32), 2, 50)
-    k = torch.randn(2, 2, 5, 32)
-    with pytest.raises(ValueError, match=r"query: expected \[2, a multiple of 2, T, 32\], got \[2, 3, 5, 32\]"):
-        attend(layer, torch.randn(2, 3, 5, 32), k, k, None, None)
-    with pytest.raises(ValueError, match=r"attention_mask: expected a 2D padding mask \[2, >= 5\], got \[2, 4\]"):
-        attend(layer, torch.randn(2, 4, 5, 32), k, k, torch.ones(2, 4, dtype=torch.bool), None)
-    assert cache.sequence_lengths() == [0, 0]
-    ls, _ = layer.update(k, k)
-    with pytest.raises(NotImplementedError, match="inference-only"):
-        oscar_attention(None, torch.randn(2, 4, 5, 32), ls, k, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        oscar_attention(None, torch.randn(2, 4, 5, 32), ls, k, None, sliding_window=8)
-    with pytest.raises(IndexError, match="expected an int in 0..1, got 2"):
-        cache.reset_sequence(2)
-    with pytest.raises(IndexError, match="expected an int in 0..1, got -1"):
-        cache.reset_sequence(-1)
-    with pytest.raises(ValueError, match="expected distinct slot indices"):
-        with cache.select([0, 0]):
-            pass
-
-
 # ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
 
 
@@ -390,7 +257,7 @@ def test_mixed_key_bits_layers_store_read_and_attend_in_their_own_layout():
                 for s in range(2):
                     ek, ev = expected_contents(layer.layout, trs[i], trs[i].transform_keys(k[i, s : s + 1, :, :b])[0],
                                                trs[i].transform_values(v[i, s : s + 1, :, :b])[0])
-                    want = oracle(q[i, s, :, a:b], ek, ev, trs[i], scale)
+                    want = attention_oracle(q[i, s, :, a:b], ek, ev, trs[i], scale)
                     torch.testing.assert_close(outs[i][s], want, atol=2e-5, rtol=1e-4)
     for i, layer in enumerate(cache.layers):
         for s in range(2):
@@ -452,3 +319,115 @@ def test_decode_append_returns_the_queries_in_the_stored_key_basis(rotated):
     got = ops.decode_attention(layer, q_s, layer.state, d**-0.5)
     want = reference.decode_attention(q_s.float(), layer.state, layer.layout, tr.k_levels, tr.v_levels, d**-0.5)
     assert torch.equal(got, want)
+
+
+# ---- issue 31: the cache never answers from what it did not store, or from a slot it was not asked for ----------
+# A cache too small for ``generate`` stops with one error (not 30 tokens decoded from a cache that stored none of
+# them); slot indices are ints, never bools; sizes are bounded before anything is allocated; a cache outliving its
+# setup fails with one clear error.
+
+
+def _generate(model, ids, cache, new):
+    return model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0, **cache_kwargs(model, cache))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_generate_with_too_small_a_cache_stops_with_one_error():
+    """Issue: make_cache(1, prompt + 10) and 40 new tokens: 40 came back, the last 30 from a cache that held none."""
+    model = tiny_hf_model("llama")
+    ids = torch.randint(1, 96, (1, 24))
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
+        with pytest.raises(ValueError, match=r"sequence slot 0: the cache is full \(max_length=34 tokens stored\)"):
+            _generate(model, ids, oscar.make_cache(1, 24 + 10), 40)
+        exact = _generate(model, ids, oscar.make_cache(1, 24 + 39), 40)  # the 40th token is never fed back
+    assert exact.shape[1] == 24 + 40
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_the_host_bound_follows_prompts_resets_and_decode_steps():
+    model = tiny_hf_model("llama")
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
+        cache = oscar.make_cache(2, 20)
+        with torch.no_grad():
+            model(torch.randint(1, 96, (2, 18)), **cache_kwargs(model, cache))
+            assert cache.host_lengths == [18, 18]
+            for _ in range(2):
+                model(torch.randint(1, 96, (2, 1)), **cache_kwargs(model, cache))
+            assert cache.host_lengths == cache.sequence_lengths() == [20, 20]
+            with pytest.raises(ValueError, match="sequence slot 0: the cache is full"):
+                model(torch.randint(1, 96, (2, 1)), **cache_kwargs(model, cache))
+            assert cache.sequence_lengths() == [20, 20]
+            cache.reset_sequence(0)
+            cache.reset_sequence(1)
+            with cache.select([1]):
+                model(torch.randint(1, 96, (1, 5)), **cache_kwargs(model, cache))
+            assert cache.host_lengths == cache.sequence_lengths() == [0, 5]
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("bad", [True, False, 1.0, torch.tensor(1)], ids=["True", "False", "float", "tensor"])
+def test_slot_indices_are_ints_not_bools(bad):
+    """Issue: reset_sequence(True) on a batch of 3 set every slot's length to 0."""
+    layout = KVCacheLayout.default(2, 16, sink=4, window=16, page_size=16)
+    cache = OscarCache(layout, [LayerTransform.identity(2, 16)], 3, 64)
+    cache.book.seq_len.copy_(torch.tensor([5, 6, 7]))
+    with pytest.raises(IndexError, match="sequence slot: expected an int in 0..2"):
+        cache.reset_sequence(bad)
+    with pytest.raises(IndexError, match="sequence slot: expected an int in 0..2"):
+        with cache.select([bad]):
+            pass
+    assert cache.sequence_lengths() == [5, 6, 7]
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_sizes_are_bounded_before_allocation():
+    """Issue: make_cache of 1e6 slots grew to 23 GB until the OOM killer stopped it."""
+    model = tiny_hf_model("llama")
+    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
+        t0 = time.perf_counter()
+        with pytest.raises(MemoryError, match=r"an OscarCache of 1,000,000 slots x 1,000,000 tokens needs about"):
+            oscar.make_cache(10**6, 10**6)
+        with pytest.raises(ValueError, match="expected at most 1,048,576 slots"):
+            oscar.make_cache(1 << 21, 16)
+        assert time.perf_counter() - t0 < 1
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_a_cache_used_after_restore_fails_with_one_clear_error():
+    """Issue: AttributeError: 'LayerStep' object has no attribute 'shape'."""
+    model = tiny_hf_model("llama")
+    oscar = enable_oscar(model, layout=SMALL_LAYOUT)
+    cache = oscar.make_cache(1, 64)
+    oscar.restore()
+    msg = r"an OscarCache reached attention that is not OSCAR's .*setup.restore\(\)"
+    with pytest.raises(AttributeError, match=msg):
+        with torch.no_grad():
+            model(torch.randint(1, 96, (1, 8)), **cache_kwargs(model, cache))
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_the_readme_refill_pattern_keeps_every_slots_positions():
+    """Issue: after ``cache.reset_sequence(1); with cache.select([1]): model(new_prompt)`` the next decode step was
+    off by up to 9.4 in the logits (7.95 for the untouched slot): positions came from the columns the cache had
+    seen, not from each slot's length. Now a forward without position_ids takes them from the slot lengths."""
+    model = tiny_hf_model("llama")
+    torch.manual_seed(1)
+    first = torch.randint(1, 96, (2, 20))
+    steps = torch.randint(1, 96, (3, 2, 1))
+    new_prompt = torch.randint(1, 96, (1, 7))
+    nxt = torch.randint(1, 96, (2, 1))
+    with torch.no_grad(), enable_oscar(model) as oscar:  # default windows: nothing quantized, exact comparison
+        cache = oscar.make_cache(2, 64)
+        kw = cache_kwargs(model, cache)
+        model(first, **kw)
+        for s in steps:
+            model(s, **kw)
+        cache.reset_sequence(1)
+        with cache.select([1]):
+            model(new_prompt, **kw)  # the README's line, as written: no position_ids
+        got = model(nxt, **kw).logits[:, -1]
+    with torch.no_grad():  # each sequence alone, no cache
+        want0 = model(torch.cat([first[:1], *[s[:1] for s in steps], nxt[:1]], 1)).logits[0, -1]
+        want1 = model(torch.cat([new_prompt, nxt[1:]], 1)).logits[0, -1]
+    torch.testing.assert_close(got[0], want0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want1, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
-"""plugins/trt checked by TensorRT's own Python plugin code (tensorrt-cu13-bindings, native layer stubbed).
+"""plugins/trt/plugin.py checked by TensorRT's own Python plugin code (tensorrt-cu13-bindings, native layer
+stubbed).
 
 Upstream's ``tensorrt.plugin`` validators run on our ``register_plugins()``; upstream's plugin classes then
 answer ``get_output_data_types`` / ``get_output_shapes`` / ``get_launch_params`` through a fake expression

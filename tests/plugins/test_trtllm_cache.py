@@ -1,0 +1,189 @@
+"""The OSCAR KV-cache manager for TensorRT-LLM (plugins/trtllm/cache.py) on the stand-ins (tests/plugins/conftest.py):
+the KV-cache estimation and rebuild, the budget and slot limits, padding (dummy) requests, and executor-loop replays
+(tests/plugins/trtllm_driver.py: plain loop, overlap loop, CUDA-graph warmup/capture/replay, per-layer key widths)
+whose cache after every step equals the reference cache writer's; a non-finite token fails its request only."""
+
+from __future__ import annotations
+
+import pytest
+
+import trtllm_standins
+from helpers import (
+    TRTLLM_LAYERS,
+    TRTLLM_LAYOUT,
+    TRTLLM_MAX_SEQ,
+    executor_driver,
+    window_requests,
+)
+from trtllm_driver import Req
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ---- startup on upstream's construction and estimation paths (issue 28) ------------------------------------
+
+
+def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
+    """Upstream builds the KV manager for the estimation, runs dummy context requests of max_num_tokens, sizes the
+    cache from get_cache_size_per_token, shuts the manager down and builds it again. The OSCAR pools of the first
+    build are released by shutdown (the engine may still hold that manager), the budget is counted in OSCAR
+    bytes per token, and the rebuilt manager serves."""
+    import gc
+    import weakref
+
+    ns, dep = deploy
+    d = executor_driver(deploy, estimate=True)
+    assert d.estimated and d.creator.dummy_requests == [TRTLLM_MAX_SEQ - 1, 1]
+    old = d.estimation_mgr
+    assert old is not None and old is not d.mgr and type(d.mgr) is dep.manager_cls
+    gc.collect()
+    assert old.book is None and not old.layers and not old.step_layers  # the pools went with shutdown()
+    pools = [weakref.ref(getattr(s, f)) for s in d.mgr.layers for f in ("k_codes", "v_codes")]
+    per_page = sum(getattr(s, f)[0].numel() * getattr(s, f).element_size() for s in d.mgr.layers
+                   for f in ("k_codes", "k_params", "v_codes", "v_params"))
+    per_token = dep.manager_cls.get_cache_size_per_token(d.model_config, trtllm_standins.Mapping())
+    lay = TRTLLM_LAYOUT
+    assert per_token == -(-per_page // lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
+    assert per_token < ns.resource_manager.KVCacheManager.get_cache_size_per_token(d.model_config, None)
+    assert d.kv_config.max_tokens == (1 << 34) // per_token  # the budget, in OSCAR tokens
+    assert d.mgr.layers[0].k_codes.shape[0] == d.mgr.get_max_resource_count()
+    reqs = window_requests()[:3]
+    d.run_plain(reqs)
+    assert all(r.done for r in reqs) and d.checked_outputs > 100
+    d.mgr.shutdown()
+    gc.collect()
+    assert all(r() is None for r in pools)
+
+
+def test_kv_cache_budget_below_the_slots_fails_at_startup(deploy):
+    """The memory left after the estimation must hold max_batch_size sequences of max_seq_len: else one clear
+    error at the rebuild (not an out-of-memory later)."""
+    ns, dep = deploy
+    per_token = dep.manager_cls.get_cache_size_per_token()
+    with pytest.raises(ValueError, match=r"max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache; "
+                                         r"the KV cache memory holds 100"):
+        executor_driver(deploy, estimate=True, available_bytes=100 * per_token)
+    # upstream versions that do not pass is_estimating_kv_cache: the estimation's max_tokens is no budget
+    kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=TRTLLM_MAX_SEQ,
+              max_batch_size=3, mapping=trtllm_standins.Mapping())
+    mgr = dep.manager_cls(trtllm_standins.KvCacheConfig(max_tokens=100), "SELF", **kw)
+    assert mgr.get_max_resource_count() == 3 * TRTLLM_MAX_SEQ // 16
+
+
+def test_add_dummy_requests_returning_none_is_passed_on(deploy):
+    """Upstream's add_dummy_requests returns None when no block is free (no padding); the override iterated it."""
+    ns, dep = deploy
+    d = executor_driver(deploy, max_batch=1)
+    req = ns.llm_request.LlmRequest(request_id=1, max_new_tokens=1, input_tokens=[1] * (TRTLLM_MAX_SEQ - 1))
+    d.mgr.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
+    assert d.mgr.get_num_free_blocks() == 0
+    assert d.mgr.add_dummy_requests([trtllm_standins.CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True) is None
+    assert not d.mgr.dummy_ids
+    d.mgr.free_resources(req)
+    (pad,) = d.mgr.add_dummy_requests([trtllm_standins.CUDA_GRAPH_DUMMY_REQUEST_ID], is_gen=True)
+    assert d.mgr.slots_for([pad.py_request_id]) == [d.mgr.scratch]
+
+
+# ---- executor loops vs the reference -----------------------------------------------------------------------
+
+
+
+def test_plain_executor_loop_matches_reference(deploy):
+    d = executor_driver(deploy)
+    reqs = window_requests()
+    d.run_plain(reqs)
+    assert all(r.done for r in reqs) and d.checked_outputs > 150
+
+
+def test_overlap_executor_loop_matches_reference(deploy):
+    """Bug: with forward(N+1) before update_resources(N), demotion in update_resources is one step late."""
+    d = executor_driver(deploy)
+    reqs = window_requests()
+    d.run_overlap(reqs)
+    assert all(r.done for r in reqs) and d.checked_outputs > 150
+
+
+def test_cuda_graph_warmup_capture_replay_with_dummy_requests(deploy, monkeypatch):
+    """Bug: warmup/capture use dummy requests the host-side book never saw (KeyError); anything decided on the
+    host at capture is frozen in the graph."""
+    d = executor_driver(deploy)
+    # request 6 comes first (C++ block 0 is its first INT2 page) and outlives the others: two padding rows per
+    # replay for ~60 steps, enough to fill a window. Padding rows must never be stored (they point at the
+    # scratch slot, which never takes a token), else its demotion would land in page 0.
+    reqs = [Req(6, 5, 110)] + window_requests()[:3]
+    d.run_graph(reqs, batch_size=3, monkeypatch=monkeypatch)
+    assert all(r.done for r in reqs) and d.checked_outputs > 150
+    assert not d.mgr.dummy_ids and not d.mgr.slots  # dummies and requests all released
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_mixed_key_bits_executor_loops_match_reference(deploy_mixed, loop):
+    """Issue 17: each layer's pages in its own width (layer 0: 4-bit keys, ``[N, H_kv, P, D / 2]`` codes), the
+    layer's own cache ops, every step's cache and outputs equal to the reference of that layer's layout."""
+    ns, dep = deploy_mixed
+    d = executor_driver(deploy_mixed)
+    assert dep.layer_layouts == (TRTLLM_LAYOUT.with_key_bits(4), TRTLLM_LAYOUT)
+    assert dep.made_ops == [TRTLLM_LAYOUT.with_key_bits(4), TRTLLM_LAYOUT]  # one ops object per distinct layout
+    assert [ops.layout.key.bits for ops in d.mgr.ops] == [4, 2]
+    assert [st.k_codes.shape[-1] for st in d.mgr.layers] == [32, 16] and d.mgr.layers[0].v_codes.shape[-1] == 16
+    reqs = window_requests()
+    d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
+    assert all(r.done for r in reqs) and d.checked_outputs > 150
+
+
+def test_finished_request_pages_are_reused(deploy):
+    d = executor_driver(deploy, max_batch=1)
+    reqs = [Req(1, 60, 20), Req(2, 70, 10)]
+    d.run_plain(reqs)
+    first, second = reqs[0].rows[-1], reqs[1].rows[-1]
+    assert set(first) & set(second), f"request 2 got blocks {second}, none of request 1's {first}"
+    assert all(r.done for r in reqs)
+
+
+# ---- bad input at startup ----------------------------------------------------------------------------------
+
+
+def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
+    ns, dep = deploy
+    kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_batch_size=2,
+              mapping=trtllm_standins.Mapping())
+    cfg = trtllm_standins.KvCacheConfig
+    too_long = 10**5
+    ok = dep.manager_cls(cfg(), "SELF", max_seq_len=256, **kw)
+    assert ok.book.max_length == 256 and ok.book.max_pages == TRTLLM_LAYOUT.pages_for(256)
+    with pytest.raises(ValueError, match="tokens_per_block 32: the OSCAR cache needs tokens_per_block = the page "
+                                         "size 16"):
+        dep.manager_cls(cfg(), "SELF", max_seq_len=256, **{**kw, "tokens_per_block": 32})
+    with pytest.raises(ValueError, match=r"model: 3 layers"):
+        dep.manager_cls(cfg(), "SELF", max_seq_len=256, **{**kw, "num_layers": 3})
+    # the stand-in C++ manager gives max_seq_len / P blocks per sequence; a shrunk pool must be refused
+    class Small(dep.manager_cls):
+        def get_max_resource_count(self):
+            return 5
+
+    with pytest.raises(ValueError, match=r"max_batch_size 2 x max_seq_len 256 needs 26 INT2 pages; 5 are reserved"):
+        Small(cfg(), "SELF", max_seq_len=256, **kw)
+    # a request longer than the pages reserved per slot: refused on admission, before anything is written
+    req = ns.llm_request.LlmRequest(request_id=7, max_new_tokens=too_long, input_tokens=[1] * 8)
+    with pytest.raises(ValueError, match=f"request 7: prompt \\+ max_new_tokens = {too_long + 8} tokens; the OSCAR "
+                                         "cache reserved 256 per sequence"):
+        ok.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
+    assert not ok.slots
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_nonfinite_decode_token_fails_its_request_and_keeps_the_cache(deploy, loop):
+    """A NaN key in one request's decode step: that request's cache stays at its last finite token (no later
+    step writes it), the others go on exactly as the reference, and within two steps ``prepare_resources``
+    raises ``NonFiniteKV`` naming the request (before: the executor counted the token the cache refused, so
+    every later position of the request was off by one, silently)."""
+    from oscar_export.plugins.trtllm.cache import NonFiniteKV
+
+    d = executor_driver(deploy)
+    reqs = [Req(1, 20, 40), Req(2, 40, 30, nan_at=45)]
+    with pytest.raises(NonFiniteKV, match="request 2"):
+        d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
+    assert reqs[1].poisoned and reqs[1].written == 45
+    nan_step = 1 + (45 - 40 + 1)  # one prefill step, then one token per step: position 45 is fed in step 7
+    assert d.steps <= nan_step + 1, d.steps  # the plain loop stops before step 8's forward, overlap runs it
+    d.check_cache(reqs)  # request 2 at 45 tokens, request 1 as the reference
