@@ -3,7 +3,7 @@
 #
 # UNTESTED: the machines this project was built on have no Docker engine and cannot install TensorRT or
 # TensorRT-LLM, so neither this image nor the TensorRT-LLM module it serves was ever built or run. What was run:
-# the module against stand-ins of TensorRT-LLM's classes (tests/plugins/test_trtllm_contract.py), the deployment
+# the module against stand-ins of TensorRT-LLM's classes (tests/plugins/test_trtllm_*.py), the deployment
 # directory's wheel installed into a fresh virtualenv (tests/plugins/test_trtllm_deploy.py), and the AOT kernel
 # bundle through the CUDA driver API on an H200 (tests/gpu/test_aot_gpu.py). docs/deploy.md lists what is unverified.
 #

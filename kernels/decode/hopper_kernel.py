@@ -46,7 +46,7 @@ rest.
 Status (4-bit key pages and queries rotated once a step: run on the H200 on 2026-12-02,
 ``benchmarks/results/hopper-rotation-k4-h200-2026-12-02.md``): compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the
 H200's JIT) on the CPU, with every A-operand
-conversion proven trivial by the compiler (``tests/kernels/test_hopper_kernel.py``). Hopper only
+conversion proven trivial by the compiler (``tests/kernels/test_decode_hopper_kernel.py``). Hopper only
 (``checks.check_hopper_device``). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
 launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
 ``gl_pages_per_split``: whole waves; the merge fused), it is the fastest decode kernel at every measured shape

@@ -3,7 +3,7 @@
 NOT EXECUTED with a real TensorRT (its native library cannot be installed on the machines this project was
 built on). ``shapes.py`` (shape rules, int32 extras, grids, all read from the launch plan) is plain Python and
 tested; ``plugin.py`` is checked by TensorRT's own pure-Python ``tensorrt.plugin`` validators with only the
-native module stubbed (tests/plugins/test_trt_validators.py); it imports ``tensorrt.plugin`` lazily and raises
+native module stubbed (tests/plugins/test_trt_plugin.py); it imports ``tensorrt.plugin`` lazily and raises
 an ``ImportError`` naming what to install when it is missing.
 """
 

@@ -1,7 +1,7 @@
 """TensorRT (>= 10.9) AOT Quick-Deployable-Plugin definitions for the OSCAR decode layer.
 
 NOT EXECUTED with a real TensorRT: TensorRT's native library cannot be installed on the machines this project
-was built on. What IS executed (tests/plugins/test_trt_validators.py): TensorRT's own pure-Python
+was built on. What IS executed (tests/plugins/test_trt_plugin.py): TensorRT's own pure-Python
 ``tensorrt.plugin`` sources from the ``tensorrt-cu13-bindings`` wheel, with only the native ``tensorrt``
 module replaced by a stub, run ``register_plugins()`` through their validators and drive
 ``get_output_shapes`` / ``get_launch_params`` with a fake expression builder. The PTX comes from the kernel

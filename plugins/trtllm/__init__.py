@@ -13,7 +13,7 @@ NOT EXECUTED in TensorRT-LLM: it cannot be installed on the machines this projec
 Tested against stand-ins of the upstream classes under their real module names, written from upstream's source
 on the paths that decide whether serving starts (``from_config``'s frozen config, ``Attention.__init__`` /
 ``forward``, ``KvCacheCreator``'s estimation and rebuild, a worker in a spawned process: tests/plugins/
-test_trtllm_contract.py); the deployment's wheel installed into a fresh virtualenv (tests/plugins/
+test_trtllm_*.py); the deployment's wheel installed into a fresh virtualenv (tests/plugins/
 test_trtllm_deploy.py); the device ops on an H200 (tests/gpu/test_trtllm_gpu.py). docs/deploy.md lists each
 upstream fact with its file and commit, and what is unverified.
 """

@@ -43,7 +43,7 @@ book owns no free list here. The subclass
   :class:`NonFiniteKV` naming the request. UNTESTED in TensorRT-LLM: the executor's error handling then fails
   the batch's requests (upstream has no per-request failure a resource manager can signal).
 
-Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_contract.py, both layouts).
+Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_cache.py, both layouts).
 """
 
 from __future__ import annotations

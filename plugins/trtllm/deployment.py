@@ -11,7 +11,7 @@ section and artifact) and the kernel bundle's manifest, and raises one clear err
 * ``max_seq_len`` / ``max_batch_size`` beyond the block table or the reserved INT2 pages
   (:meth:`OscarDeployment.check_limits`) -> ``ValueError``.
 
-No TensorRT-LLM and no GPU needed: tested in tests/plugins/test_trtllm_contract.py.
+No TensorRT-LLM and no GPU needed: tested in tests/plugins/test_trtllm_deployment.py.
 """
 
 from __future__ import annotations

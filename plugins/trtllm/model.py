@@ -29,7 +29,7 @@ The worker finds the module on ``sys.path``: ``MpiPoolSession`` starts workers w
 (``llmapi/mpi_session.py``); pre-spawned workers (``TLLM_SPAWN_PROXY_PROCESS=1``) do not get it, so
 :func:`check_worker_path` refuses that case unless the module's directory is on ``PYTHONPATH``.
 UNTESTED in TensorRT-LLM: all of it ran against stand-ins of the upstream classes only
-(tests/plugins/test_trtllm_contract.py, the worker in a separate spawned process).
+(tests/plugins/test_trtllm_model.py, the worker in a separate spawned process).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def test_tensorrt_form_matches_plugin_shape_rules(tmp_path):
     assert rotation and all(n.domain == "" for n in rotation)
     assert [i.name for i in m.graph.input] == list(INPUTS)
     assert split.input[0] == "q_s" and set(split.input[1:]) <= set(INPUTS) - {"q"}
-    for node in (split, merge):  # TensorRT's node rules (checked against the registry in test_trt_validators.py)
+    for node in (split, merge):  # TensorRT's node rules (checked against the registry in test_trt_plugin.py)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs == {"plugin_namespace": b"oscar", "aot": 1}, attrs
     elem = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output, *m.graph.value_info]}
