@@ -291,11 +291,12 @@ def build_deployment(
     ``out`` (absent, empty, or with ``force`` an earlier deployment). The decode kernel follows the targets
     (``kernels.aot.bundle.serving_layout``): nothing to choose.
     """
-    from oscar_export.atomic_dir import atomic_dir, check_out_dir
+    from oscar_export.atomic_dir import atomic_dir
     from oscar_export.export import read_export
     from oscar_export.kernels.aot.bundle import serving_layout, serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
+    from oscar_export.out_dir import check_out_dir
     from oscar_export.outputs import checkpoint_files, copy_checkpoint
 
     export_dir = Path(export_dir)
@@ -368,8 +369,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from oscar_export.atomic_dir import check_out_dir
     from oscar_export.kernels.aot.compile import DEFAULT_ARCHS
+    from oscar_export.out_dir import check_out_dir
 
     check_out_dir(args.out, args.force, looks_like="deploy.json", inputs=[("--export", args.export)], claim=True)
     archs = args.arch or list(DEFAULT_ARCHS)

@@ -153,9 +153,9 @@ def format_peak_memory(peaks: dict[str, int]) -> str:
 
 def check_args(args: argparse.Namespace) -> None:
     """Every option and ``--out``, checked before the model loads (minutes before the artifact is written)."""
-    from oscar_export.atomic_dir import check_out_dir
     from oscar_export.calibration.artifact import LIMITS, META_FILE
     from oscar_export.cli import UserError, check_int
+    from oscar_export.out_dir import check_out_dir
 
     check_int(args.tokens, "--tokens", 1, MAX_TOKENS)
     if args.seq_len is not None:

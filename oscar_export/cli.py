@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .atomic_dir import release
+    from .out_dir import release
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()

@@ -179,9 +179,10 @@ def export_checkpoint(
     is replaced: moved aside, the new one renamed in, the old one removed (``oscar_export.atomic_dir``).
     With ``tp`` the per-rank view ``out/tp{tp}/rank{r}/`` is written in the same transaction
     (``tensor_parallel.write_ranks``; a ``tp`` that does not fit the heads is refused before folding).
-    ``inputs``: ``(option, path)`` pairs ``out`` must stay apart from (``atomic_dir.check_inputs``).
+    ``inputs``: ``(option, path)`` pairs ``out`` must stay apart from (``out_dir.check_inputs``).
     """
-    from oscar_export.atomic_dir import atomic_dir, check_out_dir
+    from oscar_export.atomic_dir import atomic_dir
+    from oscar_export.out_dir import check_out_dir
     from oscar_export.tensor_parallel import rank_heads, write_ranks
 
     if getattr(model.config, "oscar", None):
@@ -326,9 +327,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from oscar_export.atomic_dir import check_out_dir
     from oscar_export.calibration.artifact import load_artifact
     from oscar_export.models import load_model
+    from oscar_export.out_dir import check_out_dir
     from oscar_export.tensor_parallel import rank_heads
 
     inputs = [("--model", None if args.model == "default" else args.model), ("--artifact", args.artifact)]

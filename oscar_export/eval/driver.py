@@ -332,9 +332,9 @@ def check_outputs(args) -> dict | None:
     import json
     from pathlib import Path
 
-    from oscar_export.atomic_dir import check_writable
     from oscar_export.calibration.artifact import printable
     from oscar_export.cli import UserError
+    from oscar_export.out_dir import check_writable
 
     check_writable(args.out, "--out", [("--model", None if args.model == "default" else args.model),
                                        ("--artifact", args.artifact), ("--merge", args.merge)])
@@ -357,8 +357,8 @@ def run(args) -> int:
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
     calibrating = not args.artifact and (names is None or "oscar" in names)
     if calibrating:  # --save-artifact: absent, empty or an earlier artifact (replaced), checked before the work
-        from oscar_export.atomic_dir import check_out_dir
         from oscar_export.calibration.artifact import META_FILE
+        from oscar_export.out_dir import check_out_dir
 
         check_out_dir(args.save_artifact, True, META_FILE, "--save-artifact", save_inputs(args), claim=True)
     from oscar_export.threads import cpu_run_threads

@@ -12,13 +12,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 
 
-from oscar_export.atomic_dir import MARKER  # noqa: E402
 from oscar_export.build import build_deployment  # noqa: E402
 from oscar_export.calibration.artifact import OscarArtifact  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export import export_checkpoint  # noqa: E402
 from oscar_export.kernels.aot.manifest import read_manifest  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
+from oscar_export.out_dir import MARKER  # noqa: E402
 
 from helpers import own_copy as _own_copy  # noqa: E402
 from helpers import tiny_export  # noqa: E402
