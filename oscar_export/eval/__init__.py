@@ -3,5 +3,6 @@
 One module per concern: ``cache_models`` (one class per cache method, one protocol), ``quantizers`` (their
 INT2 rules, through ``kernels.reference``), ``attention`` (the fake-quantized attention), ``recipes`` (the
 methods built for one model), ``text`` (PPL, KL, top-1), ``niah`` (needle tasks), ``deployed`` (the real
-cache on the GPU), ``report`` (tables, JSON, plots) and ``driver`` (``oscar-export eval``).
+cache on the GPU), ``report`` (tables, JSON, plots), ``presets`` (what a run measures) and ``driver``
+(``oscar-export eval``).
 """

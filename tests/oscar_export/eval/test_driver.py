@@ -1,5 +1,5 @@
 """``oscar_export/eval/driver.py``: the evaluation end to end: agreement with the real OSCAR HF cache fed token by
-token, the presets, the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
+token, the CLI and its bad-input errors (tiny random models; SmolLM2 runs are marked model/slow)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import transformers
 
 from oscar_export.cli import main
 from oscar_export.eval.cache_models import BF16Cache, PagedInt2
-from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths
+from oscar_export.eval.driver import check_device, check_lengths
+from oscar_export.eval.presets import Preset
 from oscar_export.eval.recipes import attention_shape
 from oscar_export.eval.text import evaluation_text, final_hidden, text_windows
 from oscar_export.kernels.layout import KVCacheLayout
@@ -156,38 +157,6 @@ def test_cli_rejects_bad_preset(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--preset", "huge"])
     assert "invalid choice" in capsys.readouterr().err
-
-
-def test_presets_meet_the_protocol():
-    full = PRESETS["full"]
-    assert full.text_lengths == (2048, 4096, 8192) and full.niah_lengths == (1024, 2048, 4096, 8192)
-    assert full.needles >= 20 and len(full.hf) == 4
-
-
-def test_main_job_measures_where_the_method_matters():
-    """Issue 27: the README's main job scores 2,048 tokens (most of the cache INT2), >= 10 needles per task and
-    length, BF16 and ours (calibrated as `oscar-export calibrate` does) against KIVI-2, the research recipe and
-    HF QuantizedCache 2-bit."""
-    from oscar_export.calibration.key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN
-    from oscar_export.kernels.layout import KVCacheLayout
-
-    main = PRESETS["default"]
-    assert min(main.text_lengths) >= 2048 and min(main.niah_lengths) >= 2048 and main.needles >= 10
-    lay = KVCacheLayout.default(3, 64)
-    _, pages, _ = lay.split(min(main.text_lengths))
-    assert pages * lay.page_size > 0.8 * min(main.text_lengths)  # most of the cache INT2
-    assert {"bf16", "oscar", "kivi2", "oscar-research", "hf-quanto-int2"} <= set(main.methods)
-    assert {"single", "multikey"} <= set(main.tasks)
-    cfg = main.calibration_config()
-    assert (cfg.key_bits_budget, cfg.seq_len) == (DEFAULT_BUDGET, MIN_SEQ_LEN)
-    assert PRESETS["quick"].calibration_config().key_bits_budget is None
-
-
-def test_quick_with_another_preset_is_refused(capsys):
-    from oscar_export.cli import main
-
-    assert main(["eval", "--quick", "--preset", "full"]) == 2
-    assert "--quick is --preset quick; it cannot go with --preset full" in capsys.readouterr().err
 
 
 def test_save_artifact_that_is_not_an_artifact_refused_before_the_model_loads(capsys, tmp_path, monkeypatch):
