@@ -473,10 +473,10 @@ def test_decode_attention_gluon_head_dims_and_gqa(hq, d, p, key_bits):
 
 @pytest.mark.parametrize("key_bits", [2, 4])
 def test_decode_attention_gluon_matches_its_emulation(key_bits):
-    """The kernel against hopper_kernel.emulate (its own arithmetic in float64 on the CPU, one softmax
+    """The kernel against hopper_emulation.emulate (its own arithmetic in float64 on the CPU, one softmax
     instead of split + merge): a wrong operand bit or scale folding moves outputs of magnitude ~1 by O(0.1);
     the different fp16 roundings of ``p·s_v`` (running vs global max) by ~1e-3."""
-    from oscar_export.kernels.decode import hopper_kernel as gla
+    from oscar_export.kernels.decode import hopper_emulation as gla
 
     lay = _mma16_layout("token", 128).with_key_bits(key_bits)
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
