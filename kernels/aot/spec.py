@@ -24,7 +24,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .launch_plan import KernelPlan, evaluate, parse_rule
+from .launch_plan import KernelPlan
+from .rules import evaluate, parse_rule
 
 #: Triton pointer element types a bundle kernel may take.
 POINTER_TYPES = ("*fp32", "*fp16", "*bf16", "*u8", "*i8", "*i32", "*i64")

@@ -56,10 +56,6 @@ def test_rules_evaluate_on_ints_and_reject_bad_rules():
     assert lp.DECODE_SPLIT.grid_for({"B": 2, **a}, cx) == (6, 10, 1)
     with pytest.raises(ValueError, match="needs a value for .pages_per_split."):
         lp.DECODE_SPLIT.scalars({"max_pages": 10}, cx)
-    with pytest.raises(ValueError, match="is not allowed"):
-        lp.parse_rule("B ** 2", {"B"}, "t")
-    with pytest.raises(ValueError, match="int on the left"):
-        lp.evaluate("1 - x", {"x": object()})
     with pytest.raises(ValueError, match="are not plan"):
         KernelSpec.from_plan(lp.DECODE_MERGE, "m", {"D": 64})
 
