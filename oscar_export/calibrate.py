@@ -34,10 +34,10 @@ EPILOG = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from oscar_export.calibration.config import CalibrationConfig
     from oscar_export.calibration.covariance import VALUE_WEIGHTINGS
     from oscar_export.calibration.key_bits import DEFAULT_BUDGET, METRICS
     from oscar_export.calibration.key_bits import MIN_SEQ_LEN as KEY_BITS_SEQ_LEN
-    from oscar_export.calibration.pipeline import CalibrationConfig
     from oscar_export.calibration.rotation import ROTATION_KINDS
 
     d = CalibrationConfig()
@@ -177,8 +177,8 @@ def check_args(args: argparse.Namespace) -> None:
 def config_from_args(args: argparse.Namespace):
     """The ``CalibrationConfig`` of the options; ``--seq-len`` unset is the config's default, or
     ``key_bits.MIN_SEQ_LEN`` with ``--key-bits-budget`` (the recipe measured in EVALUATION.md)."""
+    from oscar_export.calibration.config import CalibrationConfig
     from oscar_export.calibration.key_bits import MIN_SEQ_LEN
-    from oscar_export.calibration.pipeline import CalibrationConfig
 
     seq_len = args.seq_len
     if seq_len is None:

@@ -433,6 +433,16 @@ def identity_artifact_with_stats():
     return art
 
 
+def small_cfg(**kw):
+    """A ``CalibrationConfig`` small enough to calibrate :func:`capture_llama`-sized models in seconds: 8 sequences of
+    96 tokens (2 held out), sink 16, window 32, pages of 16 (``kw`` overrides)."""
+    from oscar_export.calibration.config import CalibrationConfig
+
+    base = dict(tokens=8 * 96, seq_len=96, heldout=2, batch_size=3, sink=16, window=32, page_size=16)
+    base.update(kw)
+    return CalibrationConfig(**base)
+
+
 def files(d):
     """``{relative path: bytes}`` of every file under ``d``: what a test compares to prove nothing was touched."""
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}

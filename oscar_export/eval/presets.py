@@ -40,8 +40,8 @@ class Preset:
 
     def calibration_config(self):
         """The ``CalibrationConfig`` eval calibrates ours with (``recipe``)."""
+        from oscar_export.calibration.config import CalibrationConfig
         from oscar_export.calibration.key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN
-        from oscar_export.calibration.pipeline import CalibrationConfig
 
         if self.recipe == "2bit":
             return CalibrationConfig(tokens=self.calib_tokens)

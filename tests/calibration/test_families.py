@@ -20,8 +20,9 @@ import transformers
 from transformers import DynamicCache
 
 from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint
+from oscar_export.calibration.config import CalibrationConfig
 from oscar_export.calibration.families import FAMILIES, family_for
-from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+from oscar_export.calibration.pipeline import calibrate
 from oscar_export.cli import main
 from oscar_export.export import export_checkpoint, fold_value_transforms
 from oscar_export.kernels.layout import KVCacheLayout

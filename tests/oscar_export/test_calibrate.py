@@ -179,6 +179,7 @@ def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_
     naming the least budget and ``none``; the embedded model is checked by ``calibrate`` before its capture."""
     import oscar_export.calibration.pipeline as pipeline
     import oscar_export.models as models
+    from oscar_export.calibration.config import CalibrationConfig
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the budget check"))
     rc = main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "a"), "--key-bits-budget", "2.4"])
@@ -189,7 +190,7 @@ def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_
             "(head_dim 16, page 64)") in err and "or none for 2-bit keys in every layer" in err, err
     monkeypatch.setattr(pipeline, "capture", lambda *a, **k: pytest.fail("captured before the budget check"))
     with pytest.raises(ValueError, match="2.4 bits per element is below the 3.25"):
-        pipeline.calibrate(_load(tiny_model_dir), None, pipeline.CalibrationConfig(key_bits_budget=2.4, seq_len=2048))
+        pipeline.calibrate(_load(tiny_model_dir), None, CalibrationConfig(key_bits_budget=2.4, seq_len=2048))
 
 
 def test_budget_below_the_embedded_models_pages_refused_before_it_loads(tmp_path, capsys, monkeypatch):
