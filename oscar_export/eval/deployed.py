@@ -27,7 +27,9 @@ import torch
 
 from oscar_export.calibration.families import family_for
 
-from .niah import NiahConfig, NiahPrompt, judge, last_logits_only, result_row, summarize
+from .niah import last_logits_only
+from .niah_prompts import NiahConfig, NiahPrompt
+from .niah_scoring import judge, result_row, summarize
 from .text import TextScore, score_prefixes
 
 #: bytes the OSCAR prefill's fp32 score matrix may take (the reference prefill attention is dense).

@@ -115,7 +115,9 @@ def build_methods(model, tok, preset: Preset, artifact, names: list[str] | None,
 def run_eval(model, tok, preset: Preset, artifact=None, names: list[str] | None = None, niah: bool = True,
              text: bool = True, split: str = "report", log=print) -> dict:
     """Build every method, score them (fake-quantized caches), return the JSON-able result dict."""
-    from .niah import NiahConfig, build_prompts, run_niah, summarize
+    from .niah import run_niah
+    from .niah_prompts import NiahConfig, build_prompts
+    from .niah_scoring import summarize
     from .recipes import attention_shape
     from .text import TextScore, final_hidden, max_positions, score_methods, text_windows
 
@@ -204,7 +206,7 @@ def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool,
     import copy
 
     from .deployed import deployed_niah, deployed_text
-    from .niah import NiahConfig, build_prompts
+    from .niah_prompts import NiahConfig, build_prompts
     from .text import max_positions, text_windows
 
     if artifact is None:

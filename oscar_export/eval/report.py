@@ -250,7 +250,7 @@ def summary_plot(result: dict, out_dir: Path, plt) -> Path | None:
     """``summary.png``: per method, KL to BF16 at the longest text length (log scale, bits per element in the
     label) and the share of needles answered (every task and length together, 95 % Wilson interval), ours
     highlighted, BF16's needle share as a dashed line."""
-    from .niah import wilson
+    from .niah_scoring import wilson
 
     names = _order([m["name"] for m in result["methods"]])
     bits = {m["name"]: m["bits"] for m in result["methods"]}
@@ -343,7 +343,7 @@ def merge(old: dict, new: dict) -> dict:
             names = set(out["niah"]["methods"])
             out["niah"]["rows"] += [r for r in old["niah"]["rows"] if r["method"] not in names]
             out["niah"]["methods"] += [n for n in old["niah"]["methods"] if n not in names]
-            from .niah import summarize
+            from .niah_scoring import summarize
 
             out["niah"]["summary"] = summarize(out["niah"]["rows"])
     out["timings"] = {**old.get("timings", {}), **out.get("timings", {})}

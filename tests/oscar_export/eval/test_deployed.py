@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_export.eval.deployed import deployed_niah, deployed_text, greedy_answers, oscar_logits, plain_logits
-from oscar_export.eval.niah import NiahConfig, build_prompts
+from oscar_export.eval.niah_prompts import NiahConfig, build_prompts
 from oscar_export.kernels.layout import KVCacheLayout
 
 from helpers import CharTokenizer, D, eval_transform, tiny_llama

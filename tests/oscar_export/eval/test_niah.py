@@ -1,4 +1,4 @@
-"""NIAH: the task builder (lengths, depths, splits), the scorer, Wilson intervals, and that the whole chain
+"""``oscar_export/eval/niah.py``: the run: batching changes no answer, the length limit, and that the whole chain
 can tell methods apart on the real model (BF16-covering windows score like BF16, noise scores near zero)."""
 
 from __future__ import annotations
@@ -7,87 +7,13 @@ import pytest
 import torch
 
 from oscar_export.eval.cache_models import BF16Cache, HFQuantized, Kivi2, PagedInt2
-from oscar_export.eval.niah import (
-    NEEDLE,
-    NiahConfig,
-    NiahPrompt,
-    build_prompts,
-    judge,
-    numbers,
-    run_niah,
-    summarize,
-    values_found,
-    wilson,
-)
+from oscar_export.eval.niah import run_niah
+from oscar_export.eval.niah_prompts import NiahConfig, build_prompts
+from oscar_export.eval.niah_scoring import summarize
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
 from helpers import EVAL_LAYOUT, CharTokenizer, eval_transform, tiny_llama
-
-
-def prompt(task="single", values=("2531545",)):
-    return NiahPrompt(task, 1024, 0, 0.5, "apple", list(values), [], [])
-
-
-def test_judge_single_exact_leading_number():
-    p = prompt()
-    assert judge(p, " 2531545.") == (True, True)
-    assert judge(p, " 253.") == (True, False)  # truncated (issue 17's failure)
-    assert judge(p, " 2531546") == (True, False)
-    assert judge(p, " 253", finished=False) == (False, False)  # still a prefix: keep decoding
-    assert judge(p, " 254", finished=False) == (True, False)  # no longer a prefix: stop
-    assert judge(p, " The number is 2531545.") == (True, False)  # must answer with the number
-    assert judge(p, " 25315450") == (True, False)
-
-
-def test_judge_multivalue_needs_every_value():
-    p = prompt("multivalue", ("1111111", "2222222", "3333333"))
-    assert judge(p, " 1111111, 3333333, 2222222.") == (True, True)
-    assert judge(p, " 1111111, 3333333 and", finished=False) == (False, False)
-    assert judge(p, " 1111111, 3333333.") == (True, False)
-    assert judge(p, " 1111111, 3333333, 4444444, ", finished=False)[0]  # as many numbers as values: stop
-    assert values_found(p, " 1111111, 3333333, 4444444.") == 2
-    assert numbers(" 12, 345") == (["12"], "345")
-
-
-def test_wilson_interval_known_values():
-    lo, hi = wilson(10, 20)
-    assert lo == pytest.approx(0.2993, abs=1e-4) and hi == pytest.approx(0.7007, abs=1e-4)
-    assert wilson(0, 20)[0] == 0 and wilson(0, 20)[1] == pytest.approx(0.1611, abs=1e-4)
-    assert wilson(20, 20)[1] == 1 and wilson(20, 20)[0] == pytest.approx(0.8389, abs=1e-4)
-    s = summarize([{"method": "m", "task": "single", "length": 1024, "ok": i < 10} for i in range(20)])
-    c = s["m"]["single"]["1024"]
-    assert (c["ok"], c["n"], c["acc"]) == (10, 20, 0.5) and c["lo"] == pytest.approx(lo)
-
-
-@pytest.mark.model
-def test_prompts_have_the_length_depth_and_needles_asked_for():
-    from oscar_export.models import load_tokenizer
-
-    tok = load_tokenizer()
-    cfg = NiahConfig(lengths=(512, 1024), needles=5, split="report")
-    prompts = build_prompts(tok, cfg)
-    assert len(prompts) == 3 * 2 * 5
-    for p in prompts:
-        assert len(p.ids) == p.length - cfg.answer_budget(p.task), (p.task, p.length, len(p.ids))
-        assert len(p.needle_at) == len(p.values) == (cfg.values if p.task == "multivalue" else 1)
-        assert len(p.value_at) == len(p.values)
-        for at, v, vat in zip(p.needle_at, p.values, p.value_at):
-            text = tok.decode(p.ids[at : at + 30])
-            assert text.startswith(NEEDLE.format(key=p.key, value=v)), text
-            assert tok.decode([p.ids[j] for j in vat]).strip() == v, (v, vat, tok.decode([p.ids[j] for j in vat]))
-            assert vat == list(range(vat[0], vat[-1] + 1)) and vat[0] > at
-        body = len(p.ids) - 40  # the question is ~40 tokens; depth is relative to the haystack
-        assert abs(p.needle_at[0] / body - p.depth) < 0.15, (p.task, p.index, p.needle_at[0], body, p.depth)
-        if p.task == "multikey":
-            assert tok.decode(p.ids).count("One of the special magic numbers for") == 1 + cfg.distractors
-    depths = sorted({p.depth for p in prompts})
-    assert depths == pytest.approx([0.1, 0.3, 0.5, 0.7, 0.9])
-    dev = build_prompts(tok, NiahConfig(lengths=(512,), needles=5, split="dev", tasks=("single",)))
-    rep = [p for p in prompts if p.task == "single" and p.length == 512]
-    assert all(a.values != b.values and a.ids != b.ids for a, b in zip(dev, rep)), "dev and report must differ"
-    again = build_prompts(tok, NiahConfig(lengths=(512,), needles=5, split="dev", tasks=("single",)))
-    assert [p.ids for p in again] == [p.ids for p in dev], "the sets are seeded"
 
 
 def test_niah_runs_bf16_equals_disabled_quantization_and_batching_changes_nothing():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from oscar_export.eval.niah import summarize
+from oscar_export.eval.niah_scoring import summarize
 from oscar_export.eval.report import headline, markdown, merge, write_all
 
 
