@@ -31,7 +31,7 @@ def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -
     """
     import torch
 
-    from oscar_export.plugins.hf.cache import available_bytes
+    from oscar_export.plugins.hf.cache_size import available_bytes
 
     from .cli import UserError
     from .export import head_counts

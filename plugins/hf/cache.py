@@ -52,6 +52,7 @@ from oscar_export.kernels.pages import PageBook
 from oscar_export.kernels.transform import LayerTransform
 
 from .cache_layer import OscarCacheLayer
+from .cache_size import check_cache_size
 from .ops import CacheOps, get_ops
 from .sliding import SlidingLayer
 
@@ -387,41 +388,6 @@ class OscarCache(Cache):
             "oscar_kv": sum(layer.layout.sequence_bytes(n) for layer in oscar for n in lengths),
             "sliding_kv": sum(layer.token_bytes() * min(n, layer.window) for layer in sliding for n in lengths),
         }
-
-
-#: the most slots and tokens a slot a cache may be made with (int32 lengths and page ids on the device).
-MAX_BATCH, MAX_LENGTH = 1 << 20, 1 << 28
-
-
-def available_bytes(device: torch.device | str) -> int:
-    """Bytes free for new tensors on ``device``: the CUDA free memory, or the host's MemAvailable."""
-    import os
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_cache_size(layout: KVCacheLayout, num_layers: int, batch_size: int, max_length: int,
-                     device: torch.device | str) -> None:
-    """Refuse, before anything is allocated, a cache beyond the int32 bounds or larger than the free memory
-    (estimate: every layer's windows and pages of ``batch_size`` slots of ``max_length`` tokens)."""
-    if batch_size > MAX_BATCH or max_length > MAX_LENGTH:
-        raise ValueError(f"batch_size and max_length: expected at most {MAX_BATCH:,} slots of {MAX_LENGTH:,} tokens, "
-                         f"got {batch_size:,} x {max_length:,}")
-    need = num_layers * batch_size * layout.sequence_bytes(max_length)
-    free = available_bytes(device)
-    if need > free:
-        raise MemoryError(f"an OscarCache of {batch_size:,} slots x {max_length:,} tokens needs about {need:,} bytes "
-                          f"({num_layers} layers); {free:,} bytes are free on {device}")
 
 
 def _layer_tensors(layer) -> list[torch.Tensor]:

@@ -134,9 +134,9 @@ def test_longer_than_the_model_refused(tiny_dir, capsys, no_cache):
 
 
 def test_cache_larger_than_memory_refused(tiny_dir, capsys, monkeypatch, no_cache):
-    import oscar_export.plugins.hf.cache as hf_cache
+    import oscar_export.plugins.hf.cache_size as cache_size
 
-    monkeypatch.setattr(hf_cache, "available_bytes", lambda device: 1 << 19)  # 512 KiB free
+    monkeypatch.setattr(cache_size, "available_bytes", lambda device: 1 << 19)  # 512 KiB free
     argv = ["generate", "--model", tiny_dir, "--device", "cpu", "--prompt", "w1 w2", "--max-new-tokens", "2000",
             "--skip-bf16"]
     assert main(argv) == 2

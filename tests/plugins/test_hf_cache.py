@@ -4,7 +4,6 @@ steps, bad input; with a tiny model, what it refuses to answer from (issue 31)."
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -377,19 +376,6 @@ def test_slot_indices_are_ints_not_bools(bad):
         with cache.select([bad]):
             pass
     assert cache.sequence_lengths() == [5, 6, 7]
-
-
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-def test_sizes_are_bounded_before_allocation():
-    """Issue: make_cache of 1e6 slots grew to 23 GB until the OOM killer stopped it."""
-    model = tiny_hf_model("llama")
-    with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
-        t0 = time.perf_counter()
-        with pytest.raises(MemoryError, match=r"an OscarCache of 1,000,000 slots x 1,000,000 tokens needs about"):
-            oscar.make_cache(10**6, 10**6)
-        with pytest.raises(ValueError, match="expected at most 1,048,576 slots"):
-            oscar.make_cache(1 << 21, 16)
-        assert time.perf_counter() - t0 < 1
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
