@@ -3,7 +3,8 @@
 The quantizer (``reference.groups``) clips each group at ``sorted(|x|)[rank]``, i.e. its K-th largest ``|x|``
 with ``K = group - rank``. These Triton helpers find it without sorting the group: each thread keeps the 8
 largest values it has seen as a descending list in registers, the threads sharing a group merge their lists,
-and more rounds below a cut handle K > 8 (:func:`_resolve`). Used by :mod:`.quant_pack`.
+and more rounds below a cut handle K > 8 (:func:`_resolve`; :func:`_prep` masks a round's values below its
+cut). Used by the quantizer's passes, :mod:`.quant_token` and :mod:`.quant_channel`.
 """
 
 from __future__ import annotations
@@ -164,6 +165,20 @@ def _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr):
     thr = tl.where(fin, pick, thr)
     done = tl.where(fin, 1, done)
     return kr, done, thr
+
+
+
+@triton.jit
+def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
+    """``|x|`` masked to ``< cut`` (FIRST: all) and the running min/max of x (FIRST) or the count in [cut, bound)."""
+    a = tl.abs(x)
+    if FIRST:
+        mn = tl.minimum(mn, x)
+        mx = tl.maximum(mx, x)
+    else:
+        cnt += ((a >= cut) & (a < bound)).to(tl.int32)
+        a = tl.where(a < cut, a, -1.0)
+    return a, mn, mx, cnt
 
 
 __all__: list[str] = []

@@ -34,6 +34,18 @@ REACHABLE = textwrap.dedent("""
     print(len(seen), "hashed on import")
 """)
 
+EVERY = textwrap.dedent("""
+    import sys
+    from importlib import import_module
+    from triton.runtime.jit import JITFunction
+
+    module = import_module("oscar_export.kernels." + sys.argv[1])
+    fns = [v for v in vars(module).values() if isinstance(v, JITFunction) and v.__module__ == module.__name__]
+    unhashed = [fn.__name__ for fn in fns if fn.hash is None or fn.hash.startswith("recursion")]
+    assert not unhashed, unhashed
+    print(len(fns), "hashed on import")
+""")
+
 ORDER = textwrap.dedent("""
     import sys
     from oscar_export.kernels import decode_step, quant_pack
@@ -59,6 +71,13 @@ def test_every_helper_of_the_portable_decode_kernels_is_hashed_on_import():
     """The split kernel and its page helpers (``decode/portable_pages.py``, ``window_block`` shared with the hopper
     kernel): failed before portable.py hashed its kernels on import."""
     assert int(_run(REACHABLE, "decode.portable", "_decode_split_kernel", "_merge_kernel").split()[0]) > 10
+
+
+def test_every_jit_function_of_the_quantizer_passes_is_hashed_on_import():
+    """The page quantizer's helper modules (split out of quant_pack.py) hash their JIT functions on their own import,
+    each after the helpers it calls, as the kernel modules do."""
+    for module, count in (("quant_codes", 3), ("quant_token", 2), ("quant_channel", 4)):
+        assert int(_run(EVERY, module).split()[0]) == count, module
 
 
 def test_the_append_kernel_has_one_key_whatever_launches_first():
