@@ -80,6 +80,12 @@ def da(request) -> ModuleType:
     return _kernel_module(request, "decode.portable")
 
 
+@pytest.fixture
+def ct_mod(request) -> ModuleType:
+    """``kernels.clip_threshold`` as it runs here (see the module doc): its helpers in a test file's own kernel."""
+    return _kernel_module(request, "clip_threshold")
+
+
 @pytest.fixture(scope="session")
 def bundle(tmp_path_factory):
     """The probe kernels' bundle (kernels/aot/probe.py) for every target, built once for the AOT tests
