@@ -45,6 +45,17 @@ def test_check_format_refusals():
         checks.check_format(RowFormat(32, 32, packing="mma16"), 64, "w")
 
 
+def test_unknown_code_width_raises():
+    """A row format with a code width the kernels do not write (only reachable past RowFormat's own check)."""
+    from dataclasses import replace
+
+    lay = KVCacheLayout(3, 64, RowFormat(64, 64, "token"), RowFormat(64, 64), sink=64, window=256, page_size=64)
+    fmt = replace(lay.key)
+    object.__setattr__(fmt, "bits", 8)
+    with pytest.raises(NotImplementedError, match="2- and 4-bit codes, got 8-bit"):
+        checks.check_format(fmt, 64, "quantize_pages")
+
+
 def test_check_portable_layout_refusals():
     checks.check_portable_layout(KVCacheLayout.default(2, 128).with_key_bits(4))
     with pytest.raises(ValueError, match="reads 'linear' pages"):

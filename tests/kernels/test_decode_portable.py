@@ -245,27 +245,3 @@ def test_bad_inputs_raise(da, device):
         call(layout=wide_v, state=PagedKV.allocate(wide_v, 2, 4, 2, device=device))
     with pytest.raises(ValueError, match=r"state.k_codes: expected shape \[4, 2, 64, 32\], got \[4, 2, 64, 16\]"):
         call(layout=lay.with_key_bits(4))  # a 2-bit pool handed to a 4-bit key layout
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-def test_custom_op_matches_wrapper(da, device, bits):
-    """``oscar::decode_attention`` (a torch.library custom op) launches the same kernels: bitwise equal."""
-    from oscar_export.kernels import triton_ops
-    from oscar_export.plugins.hf.ops import get_ops
-
-    lay = _layout(2, 64, "channel", sink=16, window=32).with_key_bits(bits)
-    tr = LayerTransform.identity(2, 64, 0.95, 0.9)
-    st = ragged_cache(lay, [7, 300], tr)
-    dev_st = PagedKV(**{f: getattr(st, f).to(device) for f in st.__dataclass_fields__})
-    q = torch.randn(2, 8, 64, device=device)
-    lv = (tr.k_levels.to(device), tr.v_levels.to(device))
-    want = da.decode_attention(q, dev_st, lay, *lv, 0.125)
-    got = triton_ops.decode_attention(q, dev_st, lay, *lv, 0.125)
-    assert torch.equal(got, want)
-    from types import SimpleNamespace
-
-    from oscar_export.plugins.hf.cache import TransformFlags
-
-    trd = tr.to(device)
-    layer = SimpleNamespace(layout=lay, transform=trd, flags=TransformFlags.of(trd))
-    assert torch.equal(get_ops("triton").decode_attention(layer, q, dev_st, 0.125), want)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_export.kernels import checks
 from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
@@ -105,17 +104,6 @@ def test_4bit_pool_shape_checked(qp, device):
     params = torch.zeros(lay.key_params_shape(4), dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match=r"codes: expected shape \[4, 3, 64, 32\], got \[4, 3, 64, 16\]"):
         qp.write_pages(x, ids, codes, params, lay, lay.key, CLIPS.to(device), LEVELS.to(device))
-
-
-def test_unknown_code_width_raises(qp, device):
-    """A row format with a code width the kernels do not write (only reachable past RowFormat's own check)."""
-    from dataclasses import replace
-
-    lay = _layout(64, "token")
-    fmt = replace(lay.key)
-    object.__setattr__(fmt, "bits", 8)
-    with pytest.raises(NotImplementedError, match="2- and 4-bit codes, got 8-bit"):
-        checks.check_format(fmt, 64, "quantize_pages")
 
 
 def test_mma16_unsupported_head_dim_raises(qp, device):
