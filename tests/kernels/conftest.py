@@ -86,6 +86,12 @@ def ct_mod(request) -> ModuleType:
     return _kernel_module(request, "clip_threshold")
 
 
+@pytest.fixture
+def pp_mod(request) -> ModuleType:
+    """``kernels.decode.portable_pages`` as it runs here (see the module doc): its helpers in a test file's kernel."""
+    return _kernel_module(request, "decode.portable_pages")
+
+
 @pytest.fixture(scope="session")
 def bundle(tmp_path_factory):
     """The probe kernels' bundle (kernels/aot/probe.py) for every target, built once for the AOT tests
