@@ -125,7 +125,7 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
         k = torch.cat([ctx.prefix_k[layer], key], 2) if layer in ctx.prefix_k else key
         v = torch.cat([ctx.prefix_v[layer], value], 2) if layer in ctx.prefix_v else value
         ctx.prefix_k[layer], ctx.prefix_v[layer] = k, v
-        outs.append(_one_row(ctx, FULL, -1, layer, query[0], k[0], v[0], scale))
+        outs.append(sequence_attention(ctx, FULL, -1, layer, query[0], k[0], v[0], scale))
     else:
         f = ctx.fold if ctx.mode == "decode" else 1
         if b != len(ctx.methods) * f:
@@ -138,17 +138,18 @@ def eval_attention(module, query, key, value, attention_mask=None, scaling=None,
             if ctx.mode == "decode":  # rows i*f .. i*f+f-1: this method's prompts, folded into the heads
                 rows = slice(i * f, (i + 1) * f)
                 fold = lambda x: x[rows].reshape(-1, *x.shape[2:])  # noqa: E731  [f, H, T, D] -> [f*H, T, D]
-                o = _one_row(ctx, m, i, layer, fold(query), fold(gk), fold(gv), scale)
+                o = sequence_attention(ctx, m, i, layer, fold(query), fold(gk), fold(gv), scale)
                 outs += list(o.view(f, -1, *o.shape[1:]))
             else:
-                outs.append(_one_row(ctx, m, i, layer, query[i], key[i], value[i], scale))
+                outs.append(sequence_attention(ctx, m, i, layer, query[i], key[i], value[i], scale))
     out = torch.stack(outs, 0).to(query.dtype)  # [B, H, Tq, D]
     return out.transpose(1, 2).contiguous(), None
 
 
-def _one_row(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
-    """One sequence: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis; in ``decode`` only the generated rows,
-    the prompt's are the context's prefix) -> ``[H, Tq, D]`` float32."""
+def sequence_attention(ctx: EvalContext, m: CacheModel, mi: int, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    """The attention of one sequence (batch row) as method ``m`` (index ``mi`` in ``ctx.methods``; -1: full precision)
+    caches it: ``q [H, Tq, D]``, ``k, v [H_kv, Tk, D]`` (model basis; in ``decode`` only the generated rows, the
+    prompt's are the context's prefix) -> ``[H, Tq, D]`` float32."""
     tq = q.shape[1]
     if ctx.mode == "decode" and mi >= 0:
         t, ks, vs, segs = _decode_rows(ctx, m, mi, layer, k, v)
@@ -251,4 +252,4 @@ def _attend(qs, ks, vs, seg: Segment, a0: int, a1: int, scale: float, watch: tor
     return o.view(hkv, g, n, d), mass
 
 
-__all__ = ["ATTENTION_NAME", "EvalContext", "MODES", "eval_attention", "evaluating", "register"]
+__all__ = ["ATTENTION_NAME", "EvalContext", "MODES", "eval_attention", "evaluating", "register", "sequence_attention"]

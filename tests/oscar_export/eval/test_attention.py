@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_export.eval.attention import EvalContext, _one_row
+from oscar_export.eval.attention import EvalContext, sequence_attention
 from oscar_export.eval.cache_models import HFQuantized, Kivi2, PagedInt2
 
 from helpers import EVAL_LAYOUT, D, eval_transform
@@ -25,11 +25,11 @@ def test_decode_mode_matches_score_mode_across_demotions_and_flushes():
         ctx = EvalContext([m], "decode", torch.bfloat16, prefill_len=n0)
         ctx.prefix_k, ctx.prefix_v = {0: k[None, :, :n0]}, {0: v[None, :, :n0]}
         one = EvalContext([m], "score", torch.bfloat16, prefill_len=n0)
-        full = _one_row(one, m, 0, 0, q, k, v, D ** -0.5)
+        full = sequence_attention(one, m, 0, 0, q, k, v, D ** -0.5)
         recomputed = 0
         for a in range(n0, T):
             before = ctx.memo[(0, 0)].segs if (0, 0) in ctx.memo else None
-            o = _one_row(ctx, m, 0, 0, q[:, a : a + 1], k[:, n0 : a + 1], v[:, n0 : a + 1], D ** -0.5)
+            o = sequence_attention(ctx, m, 0, 0, q[:, a : a + 1], k[:, n0 : a + 1], v[:, n0 : a + 1], D ** -0.5)
             recomputed += before is not None and ctx.memo[(0, 0)].segs is not before
             err = (o[:, 0] - full[:, a]).abs().max().item()
             assert err < 1e-5, f"{m.name} position {a}: {err:.3e}"

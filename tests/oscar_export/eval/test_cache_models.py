@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from oscar_export.eval.attention import EvalContext, _one_row
+from oscar_export.eval.attention import EvalContext, sequence_attention
 from oscar_export.eval.cache_models import (
     BF16Cache,
     CacheModel,
@@ -113,7 +113,7 @@ def test_fake_quant_rows_match_reference_cache_token_by_token(granularity):
     k = torch.randn(2, T, D)
     v = torch.randn(2, T, D)
     ctx = EvalContext([m], "score", torch.bfloat16)
-    got = _one_row(ctx, m, 0, 0, q, k, v, D ** -0.5)  # [H, T, D]
+    got = sequence_attention(ctx, m, 0, 0, q, k, v, D ** -0.5)  # [H, T, D]
     state = PagedKV.allocate(lay, 1, pool_pages=16, max_pages=16)
     pages = iter(range(16))
     ks = t.transform_keys(k.unsqueeze(0))[0]
@@ -171,7 +171,7 @@ def test_hf_replay_matches_real_quantized_layer(backend, nbits):
     q = torch.randn(4, T, D)
     k = torch.randn(2, T, D)
     v = torch.randn(2, T, D)
-    got = _one_row(EvalContext([m], "score", torch.float32), m, 0, 0, q, k, v, D ** -0.5)
+    got = sequence_attention(EvalContext([m], "score", torch.float32), m, 0, 0, q, k, v, D ** -0.5)
     real = cls(nbits=nbits, q_group_size=64, residual_length=8)
     worst = 0.0
     for a in range(T):
