@@ -178,9 +178,8 @@ def assert_quantizes_like_reference(qp, device, x: torch.Tensor, layout: KVCache
 
 
 # ---- tests/calibration and tests/oscar_export: artifacts, model families, planted attention data -----------------
-# Moved here from the test files that shared them (issue 30: no test module imports another). Where a test file
-# used a shorter name that another helper here already has, it imports these under its old name (``as``), so the
-# test bodies read as before.
+# Moved here from the test files that shared them (issue 30: no test module imports another); test files import
+# them under these names.
 
 
 def artifact_config(**kw):

@@ -14,18 +14,15 @@ from oscar_export.calibration.artifact import OscarArtifact, load_artifact
 from oscar_export.calibration.artifact_format import META_FILE, TENSOR_FILE, ArtifactError
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import artifact_config as tiny_config
-from helpers import assert_same_artifact as assert_same
-from helpers import config_artifact as random_artifact
-from helpers import refused, small_artifact, tamper
+from helpers import artifact_config, assert_same_artifact, config_artifact, refused, small_artifact, tamper
 
 
 @pytest.mark.parametrize("gran,codebook", [("token", False), ("channel", True)])
 def test_round_trip_exact(tmp_path, gran, codebook):
-    art = random_artifact(key_granularity=gran, codebook=codebook)
+    art = config_artifact(key_granularity=gran, codebook=codebook)
     art.save(tmp_path)
-    back = load_artifact(tmp_path, tiny_config())
-    assert_same(art, back)
+    back = load_artifact(tmp_path, artifact_config())
+    assert_same_artifact(art, back)
     assert back.layout.key.granularity == gran
     meta = json.loads((tmp_path / META_FILE).read_text())
     assert meta["format_version"] == 1 and meta["num_layers"] == 3
@@ -38,7 +35,7 @@ def test_a_save_that_fails_leaves_the_previous_artifact(tmp_path, monkeypatch):
     the fsync of the new tensor file) leaves the old artifact loading as before and no temporary behind."""
     import os
 
-    old = random_artifact()
+    old = config_artifact()
     old.save(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
 
@@ -47,14 +44,14 @@ def test_a_save_that_fails_leaves_the_previous_artifact(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", no_space)
     with pytest.raises(OSError, match="No space left"):
-        random_artifact().save(tmp_path)
+        config_artifact().save(tmp_path)
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert torch.equal(load_artifact(tmp_path).transforms[0].k_rotation, old.transforms[0].k_rotation)
 
 
 def test_identity_and_prerotated(tmp_path):
-    art = OscarArtifact.identity(tiny_config(), k_clip=0.96, v_clip=0.92)
+    art = OscarArtifact.identity(artifact_config(), k_clip=0.96, v_clip=0.92)
     assert art.num_layers == 3 and art.layout.num_kv_heads == 2 and art.layout.head_dim == 16
     assert torch.equal(art.transforms[1].k_rotation, torch.eye(16).expand(2, 16, 16))
     assert torch.allclose(art.transforms[0].k_clip, torch.tensor([0.96, 0.96]))
@@ -64,7 +61,7 @@ def test_identity_and_prerotated(tmp_path):
 
 
 def test_bits_per_element():
-    art = OscarArtifact.identity(tiny_config(head_dim=64, hidden_size=256))
+    art = OscarArtifact.identity(artifact_config(head_dim=64, hidden_size=256))
     # G = P = 64: 16 code bytes + 4 param bytes per 64 elements -> 2.5 bits; windows add BF16 tokens.
     assert art.bits_per_element() == pytest.approx(2.5)
     assert art.bits_per_element(1000) == pytest.approx(art.layout.effective_bits_per_element(1000))
@@ -121,18 +118,18 @@ def test_bad_metadata_refused(tmp_path, edit, match):
 
 def test_layers_sharing_one_transform_save(tmp_path):
     """Layers may share one LayerTransform object (one set of tensors): safetensors refuses shared storage."""
-    art = random_artifact()
+    art = config_artifact()
     shared = OscarArtifact(art.layout, [art.transforms[0]] * 3, art.fingerprint, art.config, art.stats)
     shared.save(tmp_path)
-    assert_same(shared, load_artifact(tmp_path, tiny_config()))
+    assert_same_artifact(shared, load_artifact(tmp_path, artifact_config()))
 
 
 # ---- the page packing (RowFormat.packing) ----------------------------------------------------------------
 
 
 def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
-    cfg = tiny_config(head_dim=32, hidden_size=128)
-    art = random_artifact(cfg)
+    cfg = artifact_config(head_dim=32, hidden_size=128)
+    art = config_artifact(cfg)
     mma = replace(art.layout, key=replace(art.layout.key, packing="mma16"),
                   value=replace(art.layout.value, packing="mma16"))
     art = OscarArtifact(mma, art.transforms, art.fingerprint, art.config, art.stats)
@@ -150,22 +147,22 @@ def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
 
 
 def test_key_bits_round_trip_and_layer_layouts(tmp_path):
-    art = random_artifact().with_key_bits([2, 4, 2])
+    art = config_artifact().with_key_bits([2, 4, 2])
     assert art.key_bits == (2, 4, 2) and art.mixed_key_bits
     assert art.layout.key.bits == 2  # the base layout stays 2-bit
     assert art.layer_layout(1) == art.layout.with_key_bits(4) and art.layer_layout(0) == art.layout
     art.save(tmp_path / "a")
     assert json.loads((tmp_path / "a" / META_FILE).read_text())["key_bits"] == [2, 4, 2]
-    back = load_artifact(tmp_path / "a", tiny_config())
-    assert_same(art, back)
+    back = load_artifact(tmp_path / "a", artifact_config())
+    assert_same_artifact(art, back)
     assert back.key_bits == (2, 4, 2)
     lays = [art.layer_layout(i) for i in range(3)]
     assert art.bits_per_element() == pytest.approx(sum(x.int2_bits_per_element() for x in lays) / 3)
-    assert art.bits_per_element() > random_artifact().bits_per_element()
+    assert art.bits_per_element() > config_artifact().bits_per_element()
 
 
 def test_artifacts_without_key_bits_are_all_two_bit(tmp_path):
-    art = random_artifact()
+    art = config_artifact()
     assert art.key_bits == (2, 2, 2) and not art.mixed_key_bits
     art.save(tmp_path / "a")
     assert "key_bits" not in json.loads((tmp_path / "a" / META_FILE).read_text())  # the file is as before
@@ -174,8 +171,8 @@ def test_artifacts_without_key_bits_are_all_two_bit(tmp_path):
 
 def test_four_bit_keys_fit_fragment_ordered_pages_too(tmp_path):
     """mma16 (fragment-order) pages hold 4-bit keys since the hopper kernel reads them (they were refused before)."""
-    cfg = tiny_config(head_dim=32, hidden_size=128)
-    art = random_artifact(cfg)
+    cfg = artifact_config(head_dim=32, hidden_size=128)
+    art = config_artifact(cfg)
     mma = replace(art.layout, key=replace(art.layout.key, packing="mma16"))
     wide = OscarArtifact(mma, art.transforms, art.fingerprint, key_bits=(4, 2, 2))
     assert wide.key_bits == (4, 2, 2)

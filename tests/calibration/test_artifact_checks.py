@@ -12,13 +12,11 @@ from oscar_export.calibration.artifact import OscarArtifact, load_artifact
 from oscar_export.calibration.artifact_format import LIMITS, ORTHO_TOL, ArtifactError
 from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 
-from helpers import artifact_config as tiny_config
-from helpers import config_artifact as random_artifact
-from helpers import refused, tamper, written
+from helpers import artifact_config, config_artifact, refused, tamper, written
 
 
 def test_constructor_validates():
-    art = random_artifact()
+    art = config_artifact()
     with pytest.raises(ValueError, match="expected one per layer \\(3 layers"):
         OscarArtifact(art.layout, art.transforms[:2], art.fingerprint)
     bad_layout = KVCacheLayout(2, 16, RowFormat(16, 16), RowFormat(16, 16))
@@ -36,8 +34,8 @@ def test_non_orthogonal_refused(tmp_path):
 
 def test_fp32_rounding_of_orthogonal_accepted(tmp_path):
     """The tolerance is not so tight that a genuinely orthogonal fp32 matrix fails (D=128)."""
-    cfg = tiny_config(head_dim=128, hidden_size=512, num_hidden_layers=1)
-    art = random_artifact(cfg)
+    cfg = artifact_config(head_dim=128, hidden_size=512, num_hidden_layers=1)
+    art = config_artifact(cfg)
     r = art.transforms[0].k_rotation.double()
     err = (r.transpose(-1, -2) @ r - torch.eye(128, dtype=torch.float64)).abs().max().item()
     assert err < ORTHO_TOL / 5, err
@@ -68,7 +66,7 @@ def test_hostile_key_bits_refused(tmp_path, value, match):
     with pytest.raises(ArtifactError, match=match):
         load_artifact(tamper(tmp_path, edit_meta=lambda m: m.__setitem__("key_bits", value)))
     with pytest.raises(ArtifactError, match=match.split(":")[0]):
-        random_artifact().with_key_bits(value)  # the constructor runs the same check
+        config_artifact().with_key_bits(value)  # the constructor runs the same check
 
 
 @pytest.mark.parametrize(

@@ -41,8 +41,7 @@ from oscar_export.calibration.fingerprint import model_fingerprint
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import config_artifact as random_artifact
-from helpers import refused, tamper, written
+from helpers import config_artifact, refused, tamper, written
 
 SEED = 16
 CASES = 200
@@ -194,7 +193,7 @@ def test_unmutated_base_loads(tmp_path):
 def test_missing_files_and_bad_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="oscar.json is missing"):
         load_artifact(tmp_path)
-    random_artifact().save(tmp_path)
+    config_artifact().save(tmp_path)
     (tmp_path / TENSOR_FILE).unlink()
     with pytest.raises(FileNotFoundError, match="rotations.safetensors is missing"):
         load_artifact(tmp_path)
@@ -212,7 +211,7 @@ def test_wrong_layer_count_in_files(tmp_path):
 
 
 def test_truncated_safetensors_refused(tmp_path):
-    random_artifact().save(tmp_path)
+    config_artifact().save(tmp_path)
     f = tmp_path / TENSOR_FILE
     f.write_bytes(f.read_bytes()[:-100])
     with pytest.raises(ValueError, match="checksum mismatch \\(file truncated or modified\\)"):

@@ -9,9 +9,7 @@ from transformers import LlamaForCausalLM
 
 from oscar_export.calibration.capture import Collector, run_batches
 
-from helpers import CAPTURE_SHAPE, capture_llama
-from helpers import FAMILY_VOCAB as V
-from helpers import family_model as tiny_model
+from helpers import CAPTURE_SHAPE, FAMILY_VOCAB, capture_llama, family_model
 
 L, H, HKV, D = CAPTURE_SHAPE
 
@@ -85,10 +83,10 @@ def test_nan_in_one_position_is_caught(tiny, mode, where):
 
 
 def test_capture_reads_scale_and_heads_from_the_table():
-    model = tiny_model("gemma3")
+    model = family_model("gemma3")
     col = Collector.for_model(model, skip=0, mode="heldout")
     assert (col.num_layers, col.num_kv_heads, col.head_dim, col.model_scaling) == (2, 2, 256, 64**-0.5)
-    run_batches(model, col, [torch.randint(0, V, (1, 8))])
+    run_batches(model, col, [torch.randint(0, FAMILY_VOCAB, (1, 8))])
     assert col.scaling == [64**-0.5] * 2
     q, k = torch.randn(1, 4, 3, 256), torch.randn(1, 2, 3, 256)
     col.observe(model.model.layers[0].self_attn, q, k, k, None)  # transformers passed no scale: the table's

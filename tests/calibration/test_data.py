@@ -7,7 +7,7 @@ import pytest
 
 from oscar_export.calibration.data import pydoc_text, read_text_file, token_sequences
 
-from helpers import ByteTokenizer as CharTokenizer
+from helpers import ByteTokenizer
 
 
 def test_data_sources(tmp_path):
@@ -23,7 +23,7 @@ def test_data_sources(tmp_path):
         read_text_file(j)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_text_file(tmp_path / "missing.txt")
-    tok = CharTokenizer(256)
+    tok = ByteTokenizer(256)
     seqs = token_sequences("abcdefgh" * 10, tok, 8, 5, seed=1)
     assert seqs.shape == (5, 8) and len({tuple(s.tolist()) for s in seqs}) == 1  # periodic text
     with pytest.raises(ValueError, match="calibration data too short: 80 tokens hold 10 sequences of 8, 11 needed"):

@@ -29,16 +29,11 @@ from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 from oscar_export.plugins.hf import cache_kwargs, enable_oscar
 
-from helpers import FAMILY_VOCAB as V
-from helpers import TINY_FAMILIES as TINY
-from helpers import ByteTokenizer as CharTokenizer
-from helpers import family_config as tiny_config
-from helpers import family_model as tiny_model
-from helpers import logits
+from helpers import FAMILY_VOCAB, TINY_FAMILIES, ByteTokenizer, family_config, family_model, logits
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 
-KINDS = list(TINY)
+KINDS = list(TINY_FAMILIES)
 #: what the table must say about each tiny model (independent of the table: read off transformers' source).
 EXPECTED = {  # kind: (family name, scaling, rotary_dim, qk_norm, qkv_bias, o_bias)
     "llama": ("Llama", 16**-0.5, 16, False, True, True),
@@ -59,13 +54,13 @@ EXPECTED = {  # kind: (family name, scaling, rotary_dim, qk_norm, qkv_bias, o_bi
 
 
 def test_every_family_is_tested():
-    assert {tiny_config(k).model_type for k in KINDS} == set(FAMILIES)
+    assert {family_config(k).model_type for k in KINDS} == set(FAMILIES)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_table_reads_the_modules_facts(kind):
     """Compared with what transformers built: head_dim, scale, projections, biases, norms, RoPE pairing and width."""
-    model = tiny_model(kind)
+    model = family_model(kind)
     f = family_for(model)
     name, scaling, rotary, qk_norm, qkv_bias, o_bias = EXPECTED[kind]
     assert (f.family.name, f.qk_norm, f.qkv_bias, f.o_bias, f.rotary_dim) == (name, qk_norm, qkv_bias, o_bias, rotary)
@@ -73,7 +68,7 @@ def test_table_reads_the_modules_facts(kind):
     layers = model
     for part in f.family.fold.layers.split("."):
         layers = getattr(layers, part)
-    assert len(layers) == f.num_layers == TINY[kind][2].get("num_hidden_layers", 2)
+    assert len(layers) == f.num_layers == TINY_FAMILIES[kind][2].get("num_hidden_layers", 2)
     for i, layer in enumerate(layers):
         attn = getattr(layer, f.family.fold.attention)
         assert (i in f.sliding_layers) == bool(getattr(attn, "sliding_window", None)), f"layer {i}"
@@ -110,7 +105,7 @@ def rope_pairing(model) -> tuple[int, int]:
 
 
 def test_llama3_rope_and_gemma_head_dim_read_from_config():
-    assert family_for(tiny_config("llama3")).rope["rope_type"] == "llama3"
+    assert family_for(family_config("llama3")).rope["rope_type"] == "llama3"
     real_gemma = transformers.Gemma3TextConfig(layer_types=["full_attention"] * 26)  # the class defaults: 1B-like
     f = family_for(real_gemma)
     assert (f.head_dim, f.scaling, f.num_kv_heads) == (256, 256**-0.5, 4)
@@ -121,7 +116,7 @@ def test_config_dict_gets_its_class_defaults():
     reads it back from the config class, not from a hidden_size // heads rule."""
     from oscar_export.calibration.families import family_for_config_dict
 
-    d = {k: v for k, v in tiny_config("gemma3_sliding").to_dict().items() if k != "head_dim"}
+    d = {k: v for k, v in family_config("gemma3_sliding").to_dict().items() if k != "head_dim"}
     f = family_for_config_dict(d)
     assert (f.head_dim, f.scaling, f.sliding_layers, f.num_layers) == (256, 64**-0.5, (0, 2), 3)
     with pytest.raises(NotImplementedError, match=r"architecture 'GPT2LMHeadModel' \(model_type 'gpt2'\) is not"):
@@ -134,24 +129,24 @@ def test_config_dict_gets_its_class_defaults():
 def unsupported_configs():
     sliding = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     return {
-        "mistral-sliding": (tiny_config("mistral", sliding_window=8), r"sliding-window attention in 2 of 2 layers"),
+        "mistral-sliding": (family_config("mistral", sliding_window=8), r"sliding-window attention in 2 of 2 layers"),
         "mistral-default": (transformers.MistralConfig(), r"sliding-window attention in 32 of 32 layers .*4096"),
-        "mixtral-sliding": (tiny_config("mixtral", sliding_window=8), r"sliding-window attention in 2 of 2"),
-        "qwen2-sliding": (tiny_config("qwen2", **sliding), r"sliding-window attention in 1 of 2 layers \(1;"),
-        "qwen3-sliding": (tiny_config("qwen3", **sliding), r"sliding-window attention in 1 of 2 layers \(1;"),
-        "qwen3_moe-sliding": (tiny_config("qwen3_moe", use_sliding_window=True, sliding_window=8),
+        "mixtral-sliding": (family_config("mixtral", sliding_window=8), r"sliding-window attention in 2 of 2"),
+        "qwen2-sliding": (family_config("qwen2", **sliding), r"sliding-window attention in 1 of 2 layers \(1;"),
+        "qwen3-sliding": (family_config("qwen3", **sliding), r"sliding-window attention in 1 of 2 layers \(1;"),
+        "qwen3_moe-sliding": (family_config("qwen3_moe", use_sliding_window=True, sliding_window=8),
                               r"sliding-window attention in 2 of 2"),
-        "gemma3-all-sliding": (tiny_config("gemma3", layer_types=None),  # 2 layers of the 5:1 pattern: both slide
+        "gemma3-all-sliding": (family_config("gemma3", layer_types=None),  # 2 layers of the 5:1 pattern: both slide
                                r"sliding-window attention in every layer \(sliding_window=4096\); the OSCAR cache "
                                r"keeps the global layers, and there are none"),
-        "gemma3-softcap": (tiny_config("gemma3", attn_logit_softcapping=30.0),
+        "gemma3-softcap": (family_config("gemma3", attn_logit_softcapping=30.0),
                            r"soft-capping \(attn_logit_softcapping=30.0\)"),
         "gemma2": (transformers.Gemma2Config(),
                    r"'Gemma2Config' \(model_type 'gemma2'\) uses attention logit soft-capping"),
         "gpt2": (transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=50),
                  r"architecture 'GPT2Config' \(model_type 'gpt2'\) is not supported; supported model types: llama"),
         "deepseek-mla": (transformers.DeepseekV3Config(), r"multi-head latent attention \(MLA, kv_lora_rank=512\)"),
-        "qwen2-layer-types": (tiny_config("qwen2", layer_types=["full_attention", "chunked_attention"]),
+        "qwen2-layer-types": (family_config("qwen2", layer_types=["full_attention", "chunked_attention"]),
                               r"layer types \['chunked_attention'\]"),
     }
 
@@ -164,21 +159,21 @@ def test_unsupported_features_are_named(name):
 
 
 def test_unknown_rope_type_is_named():
-    cfg = tiny_config("llama")
+    cfg = family_config("llama")
     cfg.rope_parameters = {"rope_type": "mrope", "rope_theta": 1e4}
     with pytest.raises(NotImplementedError, match=r"RoPE type 'mrope'; supported RoPE types: default, linear"):
         family_for(cfg)
     with pytest.raises(NotImplementedError, match="bidirectional attention"):
-        family_for(tiny_config("gemma3", use_bidirectional_attention=True))
+        family_for(family_config("gemma3", use_bidirectional_attention=True))
 
 
 def test_qwen2_sliding_flag_without_sliding_layers_is_full_attention():
     """use_sliding_window with max_window_layers >= L slides no layer (layer_types say so; Qwen2 follows them):
     accepted, and served exactly like DynamicCache."""
-    f = family_for(tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2))
+    f = family_for(family_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2))
     assert f.sliding_layers == () and f.sliding_window is None
-    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2)
-    ids = torch.randint(1, V, (1, 20))  # longer than the window that no layer uses
+    model = family_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    ids = torch.randint(1, FAMILY_VOCAB, (1, 20))  # longer than the window that no layer uses
     want = generate(model, ids, DynamicCache(config=model.config))
     with enable_oscar(model) as oscar:
         got = generate(model, ids, oscar.make_cache(1, 64))
@@ -199,11 +194,11 @@ def generate(model, ids, cache, n=12):
 def test_oscar_generation_equals_dynamic_cache_inside_windows(kind):
     """Greedy tokens identical, scores equal to fp32 noise. Gemma 3 also checks the scale: its
     query_pre_attn_scalar (64) is not head_dim (256), and a hard-coded D ** -0.5 changes its tokens."""
-    model = tiny_model(kind)
-    ids = torch.randint(1, V, (1, 20))
+    model = family_model(kind)
+    ids = torch.randint(1, FAMILY_VOCAB, (1, 20))
     want_tokens, want_scores = generate(model, ids, DynamicCache(config=model.config))
     with enable_oscar(model) as oscar:
-        assert (oscar.shape.num_kv_heads, oscar.shape.head_dim) == (2, TINY[kind][2].get("head_dim", 16))
+        assert (oscar.shape.num_kv_heads, oscar.shape.head_dim) == (2, TINY_FAMILIES[kind][2].get("head_dim", 16))
         cache = oscar.make_cache(1, 64)
         tokens, scores = generate(model, ids, cache)
     assert cache.sequence_lengths() == [20 + 12 - 1]  # every step went through the OSCAR cache
@@ -216,12 +211,12 @@ def test_oscar_generation_equals_dynamic_cache_inside_windows(kind):
 def test_beyond_windows_runs_through_int2_pages(kind):
     """Mechanics past the windows (MoE, GLM's interleaved partial RoPE, Gemma's 2 groups per 256-wide row): 30
     tokens through INT2 pages, finite scores, one page per 16 demoted tokens in every layer."""
-    model = tiny_model(kind)
+    model = family_model(kind)
     d = family_for(model).head_dim
     layout = KVCacheLayout.default(2, d, "channel", sink=4, window=16, page_size=16)
     with enable_oscar(model, layout=layout) as oscar:
         cache = oscar.make_cache(1, 120)
-        tokens, scores = generate(model, torch.randint(1, V, (1, 50)), cache, n=30)
+        tokens, scores = generate(model, torch.randint(1, FAMILY_VOCAB, (1, 50)), cache, n=30)
     n = 50 + 30 - 1
     assert tokens.shape == (1, 30) and bool(torch.isfinite(scores).all())
     assert [int(layer.state.num_pages[0]) for layer in cache.layers] == [layout.pages_for(n)] * 2 == [3, 3]
@@ -238,16 +233,16 @@ def small_cfg(**kw) -> CalibrationConfig:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_calibrate_export_reload_reproduces_logits(kind, tmp_path):
-    model = tiny_model(kind)
-    ids = torch.randint(0, V, (2, 13))
+    model = family_model(kind)
+    ids = torch.randint(0, FAMILY_VOCAB, (2, 13))
     ref = logits(model, ids)
-    art = calibrate(model, CharTokenizer(), small_cfg(rotation="random", scale="whiten"))
+    art = calibrate(model, ByteTokenizer(), small_cfg(rotation="random", scale="whiten"))
     assert art.fingerprint["model_type"] == model.config.model_type
     v_before = model.model.layers[1].self_attn.v_proj.weight.clone()
     out = export_checkpoint(model, None, art, tmp_path / "ckpt")
     assert not torch.equal(v_before, model.model.layers[1].self_attn.v_proj.weight)  # the fold really ran
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(loaded).__name__ == TINY[kind][1]
+    assert type(loaded).__name__ == TINY_FAMILIES[kind][1]
     diff = (logits(loaded, ids) - ref).abs().max().item()
     assert diff < 1e-4, f"{kind}: max |logit diff| {diff:.3g} after export (logit scale {ref.abs().max().item():.3g})"
     load_artifact(out / "oscar_artifact", loaded.config)  # the bundled artifact matches the exported model
@@ -264,14 +259,14 @@ def test_calibrate_export_reload_reproduces_logits(kind, tmp_path):
 
 def test_every_stage_refuses_sliding_windows_with_one_message(tmp_path, capsys):
     """enable_oscar, calibrate, export (Python and CLI) and build give the same line, before loading weights."""
-    model = tiny_model("mistral", sliding_window=8)
+    model = family_model("mistral", sliding_window=8)
     with pytest.raises(NotImplementedError) as e:
         enable_oscar(model)
     msg = str(e.value)
     assert msg.startswith("OSCAR: architecture 'MistralForCausalLM' (model_type 'mistral') has sliding-window")
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(NotImplementedError) as e:
-        calibrate(model, CharTokenizer(), small_cfg())
+        calibrate(model, ByteTokenizer(), small_cfg())
     assert str(e.value) == msg
     with pytest.raises(NotImplementedError) as e:
         fold_value_transforms(model, [LayerTransform.identity(2, 16)] * 2)
@@ -285,7 +280,7 @@ def test_every_stage_refuses_sliding_windows_with_one_message(tmp_path, capsys):
         assert main(argv) == 2
         assert capsys.readouterr().err == f"oscar-export {argv[0]}: error: {msg}\n"
     # build: an export of the full-attention model whose config.json was then given a sliding window
-    full = tiny_model("mistral")
+    full = family_model("mistral")
     ckpt = export_checkpoint(full, None, OscarArtifact.identity(full), tmp_path / "ckpt")
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "sliding_window": 8}))
@@ -306,5 +301,5 @@ def test_every_stage_refuses_an_unknown_architecture(tmp_path, capsys):
     assert main(["calibrate", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "a")]) == 2
     assert capsys.readouterr().err == f"oscar-export calibrate: error: {msg}\n"
     with pytest.raises(NotImplementedError) as e:
-        calibrate(gpt2, CharTokenizer(), small_cfg())
+        calibrate(gpt2, ByteTokenizer(), small_cfg())
     assert str(e.value) == msg

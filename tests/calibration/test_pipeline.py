@@ -18,8 +18,7 @@ from oscar_export.calibration.pipeline import calibrate, fit_layer
 from oscar_export.calibration.rotation import rotation
 from oscar_export.kernels.layout import RowFormat
 
-from helpers import PLANTED_SHAPE, small_cfg, stats_and_objective
-from helpers import ByteTokenizer as CharTokenizer
+from helpers import PLANTED_SHAPE, ByteTokenizer, small_cfg, stats_and_objective
 
 H_KV, _, D, T, P = PLANTED_SHAPE
 
@@ -43,7 +42,7 @@ def cfg(**kw) -> CalibrationConfig:
 def test_calibrate_tiny_model(tiny, tmp_path, kw):
     cfg = small_cfg(**kw)
     seen = []
-    art = calibrate(tiny, CharTokenizer(256), cfg, on_layer=lambda i, s: seen.append(i))
+    art = calibrate(tiny, ByteTokenizer(256), cfg, on_layer=lambda i, s: seen.append(i))
     assert seen == [0, 1] and art.num_layers == 2
     assert art.layout.key.granularity == cfg.key_granularity and art.layout.sink == 16
     art.save(tmp_path)
@@ -68,14 +67,14 @@ def test_non_power_of_two_head_dim_falls_back(tmp_path):
     cfg = LlamaConfig(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
                       intermediate_size=64, vocab_size=256, head_dim=48)
     model = LlamaForCausalLM(cfg).eval()
-    art = calibrate(model, CharTokenizer(256), small_cfg())
+    art = calibrate(model, ByteTokenizer(256), small_cfg())
     s = art.stats["layers"][0]
     assert s["k"]["vs_hadamard"] is None and "hadamard+clip" not in s["k"]["baselines"]
     assert not any("hadamard" in c or "oscar" in c for c in s["k"]["rotation"] + s["v"]["rotation"])
     art.save(tmp_path)
     load_artifact(tmp_path, model.config)
     with pytest.raises(NotImplementedError, match="power of two, got 48"):
-        calibrate(model, CharTokenizer(256), small_cfg(rotation="hadamard"))
+        calibrate(model, ByteTokenizer(256), small_cfg(rotation="hadamard"))
 
 
 def test_device_map_with_hooks_gives_the_plain_artifact(tiny):
@@ -84,12 +83,12 @@ def test_device_map_with_hooks_gives_the_plain_artifact(tiny):
     import copy
 
     accelerate = pytest.importorskip("accelerate")
-    plain = calibrate(tiny, CharTokenizer(256), small_cfg())
+    plain = calibrate(tiny, ByteTokenizer(256), small_cfg())
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
                   "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
     hooked = accelerate.dispatch_model(copy.deepcopy(tiny), device_map, main_device="cpu", force_hooks=True)
     assert all(hasattr(layer, "_hf_hook") for layer in hooked.model.layers)  # the collector passes through hooks
-    mapped = calibrate(hooked, CharTokenizer(256), small_cfg())
+    mapped = calibrate(hooked, ByteTokenizer(256), small_cfg())
     a, b = plain.tensors(), mapped.tensors()
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
@@ -99,7 +98,7 @@ def test_device_map_with_hooks_gives_the_plain_artifact(tiny):
 def test_calibrate_gives_four_bit_keys_within_the_budget(tiny, tmp_path):
     base = small_cfg().layout(2, 16)
     one = (base.int2_bits_per_element() + base.with_key_bits(4).int2_bits_per_element()) / 2  # 1 of 2 layers
-    art = calibrate(tiny, CharTokenizer(256), small_cfg(key_bits_budget=one, key_bits_metric="top"))
+    art = calibrate(tiny, ByteTokenizer(256), small_cfg(key_bits_budget=one, key_bits_metric="top"))
     kb = art.stats["key_bits"]
     assert kb["budget"] == one and kb["metric"] == "top" and len(kb["errors"]) == 2
     gains = [e["2"]["top"] - e["4"]["top"] for e in kb["errors"]]
@@ -110,7 +109,7 @@ def test_calibrate_gives_four_bit_keys_within_the_budget(tiny, tmp_path):
     assert art.bits_per_element() == pytest.approx(one)
     art.save(tmp_path)
     assert load_artifact(tmp_path, tiny.config).key_bits == art.key_bits
-    assert calibrate(tiny, CharTokenizer(256), small_cfg()).key_bits == (2, 2)
+    assert calibrate(tiny, ByteTokenizer(256), small_cfg()).key_bits == (2, 2)
 
 
 def test_layers_fitted_side_by_side_give_the_artifact_of_one_at_a_time(tiny):
@@ -119,7 +118,7 @@ def test_layers_fitted_side_by_side_give_the_artifact_of_one_at_a_time(tiny):
     base = small_cfg().layout(2, 16)
     cfg = small_cfg(key_bits_budget=(base.int2_bits_per_element() + base.with_key_bits(4).int2_bits_per_element()) / 2)
     threads = torch.get_num_threads()
-    one, two = (calibrate(tiny, CharTokenizer(256), cfg, fit_threads=n) for n in (1, 2))
+    one, two = (calibrate(tiny, ByteTokenizer(256), cfg, fit_threads=n) for n in (1, 2))
     assert torch.get_num_threads() == threads
     assert one.key_bits == two.key_bits and len(one.key_bits) == 2
     for a, b in zip(one.transforms, two.transforms):

@@ -20,8 +20,7 @@ from oscar_export.kernels.aot.manifest import read_manifest  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 from oscar_export.out_dir import MARKER  # noqa: E402
 
-from helpers import own_copy as _own_copy  # noqa: E402
-from helpers import tiny_export  # noqa: E402
+from helpers import own_copy, tiny_export  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +323,7 @@ def test_the_deploy_readme_limit_comes_from_the_model(exported_ckpt, tmp_path, f
     """Issue: the generated README said --max_seq_len 8192 for a model of max_position_embeddings 4096."""
     from oscar_export.build import build_deployment
 
-    d = _own_copy(exported_ckpt, tmp_path / "ckpt")
+    d = own_copy(exported_ckpt, tmp_path / "ckpt")
     cfg = json.loads((d / "config.json").read_text())
     cfg["max_position_embeddings"] = 4096
     (d / "config.json").write_text(json.dumps(cfg))

@@ -15,7 +15,7 @@ from oscar_export.calibration.artifact import load_artifact
 from oscar_export.calibration.data import pydoc_text
 from oscar_export.cli import main
 
-from helpers import identity_artifact_with_stats as _tiny_artifact
+from helpers import identity_artifact_with_stats
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def fake_calibration(monkeypatch):
     import oscar_export.models as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: (None, None))
-    monkeypatch.setattr(pipeline, "calibrate", lambda *a, **k: _tiny_artifact())
+    monkeypatch.setattr(pipeline, "calibrate", lambda *a, **k: identity_artifact_with_stats())
 
 
 def test_calibrate_replaces_an_artifact_atomically(tmp_path, capsys, monkeypatch, fake_calibration):
@@ -227,7 +227,8 @@ def test_key_bits_budget_3_by_default_on_long_sequences_none_is_2_bit_and_short_
     import oscar_export.calibration.pipeline as pipeline
 
     seen = []
-    monkeypatch.setattr(pipeline, "calibrate", lambda model, tok, cfg, **k: seen.append(cfg) or _tiny_artifact())
+    monkeypatch.setattr(pipeline, "calibrate",
+                        lambda model, tok, cfg, **k: seen.append(cfg) or identity_artifact_with_stats())
     assert main(["calibrate", "--out", str(tmp_path / "a"), "--quiet"]) == 0
     assert (seen[-1].seq_len, seen[-1].key_bits_budget) == (2048, 3.0) and "warning" not in capsys.readouterr().err
     assert main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-budget", "none", "--quiet"]) == 0

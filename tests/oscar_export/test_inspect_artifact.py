@@ -10,7 +10,7 @@ import pytest
 
 from oscar_export.cli import main
 
-from helpers import identity_artifact_with_stats as _tiny_artifact
+from helpers import identity_artifact_with_stats
 
 
 def test_inspect_bad_inputs(tmp_path, capsys):
@@ -39,7 +39,7 @@ def test_inspect_identity_artifact(tmp_path, capsys):
 
 
 def _inspect_artifact(tmp_path, **edits):
-    art = _tiny_artifact()
+    art = identity_artifact_with_stats()
     for k, v in edits.items():
         getattr(art, k).clear()
         getattr(art, k).update(v)

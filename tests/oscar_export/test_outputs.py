@@ -10,8 +10,7 @@ import pytest
 
 from oscar_export.cli import main
 
-from helpers import one_line
-from helpers import own_copy as _own_copy
+from helpers import one_line, own_copy
 
 
 def test_build_refuses_a_symlink_loop_before_compiling(exported_ckpt, tmp_path, capsys, monkeypatch):
@@ -19,7 +18,7 @@ def test_build_refuses_a_symlink_loop_before_compiling(exported_ckpt, tmp_path, 
     import oscar_export.kernels.aot.compile as compile_mod
 
     monkeypatch.setattr(compile_mod, "build_bundle", lambda *a, **k: pytest.fail("compiled before the checks"))
-    d = _own_copy(exported_ckpt, tmp_path / "ckpt")
+    d = own_copy(exported_ckpt, tmp_path / "ckpt")
     (d / "loop").symlink_to(".")
     t0 = time.perf_counter()
     assert main(["build", "--export", str(d), "--out", str(tmp_path / "deploy"), "--arch", "sm_90"]) == 2
@@ -32,7 +31,7 @@ def test_build_refuses_a_symlink_loop_before_compiling(exported_ckpt, tmp_path, 
 def test_build_serves_only_the_checkpoint_and_no_remote_code(exported_ckpt, tmp_path, capsys, fake_bundle):
     """Issue: a config.json auto_map with its modeling_*.py stayed live in the served checkpoint, and a stray
     file was copied byte for byte."""
-    d = _own_copy(exported_ckpt, tmp_path / "ckpt")
+    d = own_copy(exported_ckpt, tmp_path / "ckpt")
     cfg = json.loads((d / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (d / "config.json").write_text(json.dumps(cfg))
