@@ -192,27 +192,6 @@ def test_slot_prefill_while_others_keep_their_sequences():
         torch.testing.assert_close(x, y, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "k_shape, dtype, match",
-    [
-        ((2, 2, 1, 32), torch.float32,
-         r"key_states: expected \[1, 2, T, 32\], got \[2, 2, 1, 32\] \(batch = the cache's active slots\)"),
-        ((1, 3, 1, 32), torch.float32, r"expected \[1, 2, T, 32\].*got \[1, 3, 1, 32\]"),
-        ((1, 2, 1, 16), torch.float32, r"got \[1, 2, 1, 16\]"),
-        ((1, 2, 32), torch.float32, r"got \[1, 2, 32\]"),
-        ((1, 2, 1, 32), torch.int64, "expected a float dtype, got torch.int64"),
-    ],
-)
-def test_update_rejects_bad_shapes_and_dtypes(k_shape, dtype, match):
-    cache, layer = one_layer(small_layout(), LayerTransform.identity(2, 32), 1, 50)
-    k = torch.zeros(k_shape, dtype=dtype)
-    with pytest.raises(ValueError, match=match):
-        layer.update(k, k)
-    with pytest.raises(ValueError, match="value_states: expected"):
-        layer.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 2, 32))
-    assert int(cache.seen) == 0
-
-
 def test_constructor_rejects_bad_arguments():
     tr = LayerTransform.identity(2, 32)
     with pytest.raises(ValueError, match="batch_size and max_length"):
@@ -376,19 +355,6 @@ def test_slot_indices_are_ints_not_bools(bad):
         with cache.select([bad]):
             pass
     assert cache.sequence_lengths() == [5, 6, 7]
-
-
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-def test_a_cache_used_after_restore_fails_with_one_clear_error():
-    """Issue: AttributeError: 'LayerStep' object has no attribute 'shape'."""
-    model = tiny_hf_model("llama")
-    oscar = enable_oscar(model, layout=SMALL_LAYOUT)
-    cache = oscar.make_cache(1, 64)
-    oscar.restore()
-    msg = r"an OscarCache reached attention that is not OSCAR's .*setup.restore\(\)"
-    with pytest.raises(AttributeError, match=msg):
-        with torch.no_grad():
-            model(torch.randint(1, 96, (1, 8)), **cache_kwargs(model, cache))
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
