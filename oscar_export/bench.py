@@ -22,7 +22,6 @@ EPILOG = """examples:
   oscar-export bench --heads gemma3-12b --shapes 1x32768 --json bench.json
 """
 
-#: query heads, KV heads, head_dim of the attention shapes the benchmark knows.
 #: (query heads, KV heads, head_dim) of the benchmarked attention layers, by the model they come from.
 HEADS = {"llama3-8b": (32, 8, 128), "qwen3-8b": (32, 8, 128), "gemma3-12b": (16, 8, 256), "gemma3-27b": (32, 16, 256)}
 SHAPES = "1x8192,1x32768,1x131072,8x32768"
