@@ -16,21 +16,11 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.pages import STATUS_FULL, STATUS_NONFINITE
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import BUFFERS, appends_equal_reference, assert_equal, book_state, decode_steps
+from helpers import BUFFERS, appends_equal_reference, assert_equal, book_state, decode_steps, random_transform
 
 
 def _layout(gran: str) -> KVCacheLayout:
     return KVCacheLayout(2, 64, RowFormat(64, 64, gran), RowFormat(64, 64), sink=16, window=16, page_size=16)
-
-
-def _random_transform(h: int, d: int, seed: int = 0) -> LayerTransform:
-    g = torch.Generator().manual_seed(seed)
-    rot = torch.linalg.qr(torch.randn(h, d, d, generator=g))[0].contiguous()
-    base = LayerTransform.identity(h, d, k_clip=0.9, v_clip=0.95)
-    from dataclasses import replace
-
-    return replace(base, k_rotation=rot, k_scale=0.5 + torch.rand(h, d, generator=g),
-                   k_mean=0.1 * torch.randn(h, d, generator=g), v_mean=0.1 * torch.randn(h, d, generator=g))
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -130,7 +120,7 @@ def test_triton_fused_transform_and_nonfinite_flag(ds, device):
     """Keys transformed in the kernel (R_K, d_K, mu_K) and mu_V removed: the windows within one BF16 rounding
     of the reference's (fp32 FMA order differs from torch.matmul), and a NaN/Inf row flags and writes nothing."""
     lay = _layout("token")
-    tr = _random_transform(2, 64)
+    tr = random_transform(2, 64)
     book_r, st_r = book_state(lay, 2, 100, "cpu")
     book_g, st_g = book_state(lay, 2, 100, device)
     k_r, _ = decode_steps(lambda s, k, v, status: ref.decode_append(
@@ -160,7 +150,7 @@ def test_triton_query_rotation_once_a_step(ds, device, gq, d):
     the float64 product, the FMA order differing from torch.matmul), for every row, a flagged one included; the
     cache writes are those of the launch without ``q``."""
     lay = KVCacheLayout(2, d, RowFormat(d, d), RowFormat(d, d), sink=16, window=16, page_size=16)
-    tr = _random_transform(2, d, seed=gq)
+    tr = random_transform(2, d, seed=gq)
     trd = tr.to(device)
     g = torch.Generator().manual_seed(gq)
     q = torch.randn(3, 2 * gq, d, generator=g).to(torch.bfloat16)
@@ -184,49 +174,6 @@ def test_triton_query_rotation_once_a_step(ds, device, gq, d):
         assert (err <= bound).all(), f"worst error {err.max().item():.3g} at {divmod(int(err.argmax()), d)}"
     for f in BUFFERS:
         assert_equal(f"{f} with and without q", getattr(states[0], f).cpu(), getattr(states[1], f).cpu())
-
-
-@pytest.mark.parametrize("rotated", [False, True])
-def test_hf_triton_backend_rotates_the_queries_in_the_append_launch(ds, device, rotated):
-    """The HF ``"triton"`` ops (``oscar::decode_append`` / ``oscar::decode_attention``): ``decode_append`` returns
-    what the append wrapper's own rotation returns (bitwise: the same launch) and writes what it writes, or ``q``
-    itself where the keys are the identity; ``decode_attention`` reads those stored-basis queries as given, bitwise
-    the portable kernel without a query rotation (no split program rotates)."""
-    from types import SimpleNamespace
-
-    from oscar_export.kernels.decode import portable
-    from oscar_export.plugins.hf.cache import TransformFlags
-    from oscar_export.plugins.hf.ops import get_ops
-
-    ops = get_ops("triton")
-    lay = _layout("channel")
-    tr = (_random_transform(2, 64, seed=7) if rotated else LayerTransform.identity(2, 64, 0.9, 0.95)).to(device)
-    layer = SimpleNamespace(layout=lay, transform=tr, flags=TransformFlags.of(tr))
-    assert layer.flags.keys_identity is not rotated
-    book_h, st_h = book_state(lay, 2, 100, device)
-    book_w, st_w = book_state(lay, 2, 100, device)
-    g = torch.Generator().manual_seed(8)
-    for t in range(52):  # past a demotion
-        q = torch.randn(2, 8, 64, generator=g).bfloat16().to(device)
-        k, v = (torch.randn(2, 2, 64, generator=g).to(device) for _ in range(2))
-        for book in (book_h, book_w):
-            book.begin(1)
-        q_s = ops.decode_append(layer, book_h.state_view(st_h, book_h.committed), k, v, q, book_h.status)
-        want = ds.decode_append(book_w.state_view(st_w, book_w.committed), k, v, book_w.status, lay, tr,
-                                fused_transform=True, q=q if rotated else None)
-        for book in (book_h, book_w):
-            book.commit(1)
-        if rotated:
-            assert q_s.dtype == torch.float32 and torch.equal(q_s, want)
-        else:
-            assert q_s is q
-    for f in BUFFERS:
-        assert_equal(f"rotated={rotated} {f}", getattr(st_h, f).cpu(), getattr(st_w, f).cpu())
-    assert int(book_h.committed.num_pages.min()) >= 1, "the steps must demote"
-    step = book_h.state_view(st_h, book_h.committed)
-    got = ops.decode_attention(layer, q_s, step, 0.125)
-    assert torch.equal(got, portable.decode_attention(q_s, step, lay, tr.k_levels, tr.v_levels, 0.125,
-                                                      out_dtype=q_s.dtype))
 
 
 def test_decode_append_bad_inputs(ds, device):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from oscar_export.kernels import reference as ref
-from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
+from oscar_export.kernels.layout import KVCacheLayout, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
 from helpers import CLIPS, LEVELS, assert_equal, assert_quantizes_like_reference, quant_rows
@@ -298,29 +298,3 @@ def test_bad_inputs_raise(qp, device):
     odd = KVCacheLayout(3, 96, RowFormat(96, 96), RowFormat(96, 96), page_size=32)
     with pytest.raises(NotImplementedError, match="power-of-two"):
         qp.quantize_pages(torch.randn(1, 3, 32, 96, device=device), odd, odd.key, clip, lev)
-
-
-def test_hf_triton_backend_writes_equal_reference(qp, device):
-    """``backend="triton"`` prompt writes (pages quantized by the kernel), a whole prompt and then chunks that
-    demote, leave the reference's cache bit for bit."""
-    from types import SimpleNamespace
-
-    from oscar_export.plugins.hf.ops import get_ops
-
-    ops = get_ops("triton")
-    lay = KVCacheLayout(2, 64, RowFormat(64, 64, "channel"), RowFormat(64, 64), sink=16, window=16, page_size=16)
-    tr = LayerTransform.identity(2, 64, k_clip=0.9, v_clip=0.95)
-    a = PagedKV.allocate(lay, 2, 12, 6)
-    a.block_table.copy_(torch.arange(12, dtype=torch.int32).view(2, 6))
-    g = PagedKV(**{f: getattr(a, f).clone().to(device) for f in a.__dataclass_fields__})
-    layer = SimpleNamespace(layout=lay, transform=tr.to(device))
-    for b, t in enumerate([100, 30]):
-        pos = 0
-        for n in [t] + [1] * 5 + [7, 9]:  # a prompt, then chunks of 1, 7 and 9 tokens (demotions on the way)
-            k, v = torch.randn(2, n, 64), torch.randn(2, n, 64)
-            ref.write_tokens(a, b, pos, k, v, lay, tr)
-            ops.write_tokens(layer, g, b, pos, k.to(device), v.to(device))
-            pos += n
-        assert lay.pages_for(pos) >= 1
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        assert_equal(f"backend {f}", getattr(g, f).cpu(), getattr(a, f))
