@@ -46,10 +46,10 @@ from ..aot import launch_plan as _plan
 from ..cache_keys import hash_bottom_up
 from ..checks import check_decode_inputs, check_portable_layout
 from ..layout import KVCacheLayout, PagedKV
-from .portable_pages import (  # the split kernel's own helpers, called by these names in its body
+from .portable_grouped import _grouped_pages  # the split kernel's own helpers, called by these names in its body
+from .portable_pages import (
     _field_cols,
     _field_scaled,
-    _grouped_pages,
     _key_scores,
     _nibble_scaled,
     _slot_row,
