@@ -86,7 +86,8 @@ def smollm2(a) -> int:
 def random_shape(a) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+    from oscar_export.calibration.config import CalibrationConfig
+    from oscar_export.calibration.pipeline import calibrate
 
     layers, hidden, heads, kv, hd, mlp, vocab = SHAPES[a.shape]
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
-    from oscar_export.calibration.pipeline import CalibrationConfig
+    from oscar_export.calibration.config import CalibrationConfig
 
     mode_name = "tiny" if a.tiny else "small" if a.small else "70b"
     given = [getattr(a, f) for f in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")]

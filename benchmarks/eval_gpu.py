@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from oscar_export.bench import git_commit
-from oscar_export.eval.driver import PRESETS, Preset, check_device, check_lengths, run_deployed, run_eval
+from oscar_export.eval.driver import check_device, check_lengths, run_deployed, run_eval
+from oscar_export.eval.presets import PRESETS, Preset
 from oscar_export.eval.report import markdown, merge, write_all
 
 QUICK = Preset((2048, 8192), 1, (1024, 8192), 4, 4096, 1024, hf=PRESETS["full"].hf)
@@ -100,7 +101,8 @@ def main(argv=None) -> int:
 
         artifact = load_artifact(args.artifact, model.config)
     else:
-        from oscar_export.calibration.pipeline import CalibrationConfig, calibrate
+        from oscar_export.calibration.config import CalibrationConfig
+        from oscar_export.calibration.pipeline import calibrate
 
         log(f"calibrating on {preset.calib_tokens} tokens ...")  # the CLI's default recipe (toy sizes: 2-bit keys)
         cfg = CalibrationConfig(tokens=preset.calib_tokens) if args.tiny else \

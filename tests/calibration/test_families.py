@@ -226,7 +226,9 @@ def test_beyond_windows_runs_through_int2_pages(kind):
 # ---- calibrate -> export -> from_pretrained ---------------------------------------------------------------------
 
 
-def small_cfg(**kw) -> CalibrationConfig:
+def family_cfg(**kw) -> CalibrationConfig:
+    """A ``CalibrationConfig`` for the tiny family models: 6 sequences of 48 tokens (2 held out), sink 16, window 16
+    (smaller than ``helpers.small_cfg``, which is sized for ``capture_llama``)."""
     base = dict(tokens=6 * 48, seq_len=48, heldout=2, batch_size=4, sink=16, window=16, page_size=16)
     return CalibrationConfig(**{**base, **kw})
 
@@ -236,7 +238,7 @@ def test_calibrate_export_reload_reproduces_logits(kind, tmp_path):
     model = family_model(kind)
     ids = torch.randint(0, FAMILY_VOCAB, (2, 13))
     ref = logits(model, ids)
-    art = calibrate(model, ByteTokenizer(), small_cfg(rotation="random", scale="whiten"))
+    art = calibrate(model, ByteTokenizer(), family_cfg(rotation="random", scale="whiten"))
     assert art.fingerprint["model_type"] == model.config.model_type
     v_before = model.model.layers[1].self_attn.v_proj.weight.clone()
     out = export_checkpoint(model, None, art, tmp_path / "ckpt")
@@ -266,7 +268,7 @@ def test_every_stage_refuses_sliding_windows_with_one_message(tmp_path, capsys):
     assert msg.startswith("OSCAR: architecture 'MistralForCausalLM' (model_type 'mistral') has sliding-window")
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(NotImplementedError) as e:
-        calibrate(model, ByteTokenizer(), small_cfg())
+        calibrate(model, ByteTokenizer(), family_cfg())
     assert str(e.value) == msg
     with pytest.raises(NotImplementedError) as e:
         fold_value_transforms(model, [LayerTransform.identity(2, 16)] * 2)
@@ -301,5 +303,5 @@ def test_every_stage_refuses_an_unknown_architecture(tmp_path, capsys):
     assert main(["calibrate", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "a")]) == 2
     assert capsys.readouterr().err == f"oscar-export calibrate: error: {msg}\n"
     with pytest.raises(NotImplementedError) as e:
-        calibrate(gpt2, ByteTokenizer(), small_cfg())
+        calibrate(gpt2, ByteTokenizer(), family_cfg())
     assert str(e.value) == msg
