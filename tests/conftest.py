@@ -1,9 +1,12 @@
-"""Shared fixtures (the boundary-heavy shape grid is in ``helpers.py``: a name every test file imports alike)."""
+"""Shared fixtures (the boundary-heavy shape grid is in ``helpers.py``: a name every test file imports alike), among
+them the Triton kernel modules two test folders launch (tests/kernels, tests/plugins; ``helpers.kernel_module``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from helpers import kernel_fixture
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +24,16 @@ def smollm2():
         return cached_default_model()
     except ImportError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernels run: CUDA when present, else the CPU through the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+qp = kernel_fixture("quant_pack")
+ds = kernel_fixture("decode_step")
 
 
 def pytest_configure(config):

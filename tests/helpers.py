@@ -201,6 +201,17 @@ def kernel_module(request: pytest.FixtureRequest, name: str) -> ModuleType:
     pytest.fail(f"{status or 'no result'} in the TRITON_INTERPRET=1 child process:\n{out[-6000:]}", pytrace=False)
 
 
+def kernel_fixture(name: str, what: str = ""):
+    """A pytest fixture (assign it to the fixture's name in a conftest) giving :func:`kernel_module` ``(request,
+    name)``: ``oscar_export.kernels.<name>`` as it runs here; ``what`` ends its docstring."""
+
+    def fixture(request: pytest.FixtureRequest) -> ModuleType:
+        return kernel_module(request, name)
+
+    fixture.__doc__ = f"``kernels.{name}`` as it runs here (``helpers.kernel_module``){what}."
+    return pytest.fixture(fixture)
+
+
 # ---- exact comparisons of a Triton writer with the PyTorch reference (tests/kernels) ---------------------------
 
 

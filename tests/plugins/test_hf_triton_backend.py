@@ -4,8 +4,6 @@ queries and the attention reads them as given. On the CPU through Triton's inter
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 import torch
 
@@ -13,25 +11,7 @@ from oscar_export.kernels import reference as ref
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV, RowFormat
 from oscar_export.kernels.transform import LayerTransform
 
-from helpers import BUFFERS, assert_equal, book_state, kernel_module, random_transform
-
-
-@pytest.fixture(scope="module")
-def device() -> torch.device:
-    """Where the kernels run: CUDA when present, else the CPU through the interpreter."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture
-def qp(request) -> ModuleType:
-    """``kernels.quant_pack`` as it runs here (``helpers.kernel_module``)."""
-    return kernel_module(request, "quant_pack")
-
-
-@pytest.fixture
-def ds(request) -> ModuleType:
-    """``kernels.decode_step`` as it runs here (``helpers.kernel_module``)."""
-    return kernel_module(request, "decode_step")
+from helpers import BUFFERS, assert_equal, book_state, random_transform
 
 
 def test_hf_triton_backend_writes_equal_reference(qp, device):
