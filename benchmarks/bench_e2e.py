@@ -45,10 +45,11 @@ import json
 import os
 import statistics
 import subprocess
-import tempfile
 import time
 
 import torch
+from e2e_compile import clear_compile_timers, compile_split, fresh_caches, triton_binaries
+from e2e_rows import add_ratios, add_roofline, bf16_cache_bytes, oscar_sequence_bytes, print_table
 
 from oscar_export.bench import random_artifact
 
@@ -144,37 +145,6 @@ def time_steps(step, n: int, device) -> list[float]:
     return out
 
 
-def compile_split(compile_s: float) -> dict:
-    """``compile_s`` of a first compiled call split by Dynamo's own timers (``torch._dynamo.utils``, cleared before
-    the call): ``dynamo_s``, ``inductor_s`` (the backend compiler) and ``first_run_s`` (the rest), and every timer
-    of 0.05 s or more (``compile_timers``: nested phases, seconds summed over calls); {} if this torch has no such
-    timers."""
-    try:
-        from torch._dynamo.utils import compilation_time_metrics as timers
-    except ImportError:
-        return {}
-    whole = sum(timers.get("_compile.compile_inner", ()))
-    backend = sum(timers.get("OutputGraph.call_user_compiler", ()))
-    if not whole:
-        return {}
-    return {"dynamo_s": whole - backend, "inductor_s": backend, "first_run_s": compile_s - whole,
-            "compile_timers": {k: round(sum(v), 3) for k, v in sorted(timers.items()) if sum(v) >= 0.05}}
-
-
-def clear_compile_timers() -> None:
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:
-        return
-    compilation_time_metrics.clear()
-
-
-def triton_binaries() -> set[str]:
-    """The compiled kernels (``.cubin``) in Triton's cache folder."""
-    folder = os.environ.get("TRITON_CACHE_DIR", os.path.expanduser("~/.triton/cache"))
-    return {os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if f.endswith(".cubin")}
-
-
 def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup, device, compiler: str) -> dict:
     """One (cache, workload) row: prefill (or set the lengths), compile the step, time it."""
     from transformers import StaticCache
@@ -262,17 +232,13 @@ def run_row(model, kind: str, b: int, ctx: int, steps: int, prefill: bool, setup
             row["cache_gib"] = cache.allocated_bytes() / 2**30
             row["backends"] = sorted({be.name for be in setup.decode_backends})
         else:
-            row["cache_gib"] = _bf16_cache_bytes(cfg, b, max_len) / 2**30
+            row["cache_gib"] = bf16_cache_bytes(cfg, b, max_len) / 2**30
     if graph is not None:
         graph.reset()
     del cache, step
     torch._dynamo.reset()
     gc.collect()
     return row
-
-
-def _bf16_cache_bytes(cfg, b, length):
-    return cfg.num_hidden_layers * b * length * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
 def fill_by_prefill(model, oscar: bool, cache, ids) -> None:
@@ -298,41 +264,6 @@ def _fill_without_prefill(model, oscar: bool, cache, ids, ctx):
             layer.cumulative_length.fill_(ctx)
 
 
-def oscar_sequence_bytes(layout, key_bits, ctx: int) -> int:
-    """Bytes one ``ctx``-token sequence occupies over all layers (each layer with its key code width)."""
-    return sum(layout.with_key_bits(bits).sequence_bytes(ctx) for bits in key_bits)
-
-
-def add_roofline(row, cfg, weight_bytes, bw, art) -> None:
-    b, ctx = row["B"], row["context"]
-    kv = b * (oscar_sequence_bytes(art.layout, art.key_bits, ctx) if row["cache"].startswith("oscar")
-              else _bf16_cache_bytes(cfg, 1, ctx))
-    row["roofline_ms"] = (weight_bytes + kv) / bw * 1e3
-    row["roofline_frac"] = row["roofline_ms"] / row["step_ms"]
-
-
-def add_ratios(rows) -> None:
-    """OSCAR rows: ``speedup`` (BF16 step / OSCAR step at the same workload; at equal KV budget, the throughput
-    ratio), ``compile_ratio``, ``prefill_ratio``, ``peak_ratio`` (OSCAR / BF16)."""
-    bf16 = {(r["B"], r["context"], r.get("equal_kv", False)): r
-            for r in rows if r["cache"] == "bf16" and "step_ms" in r}
-    for r in rows:
-        if not r["cache"].startswith("oscar") or "step_ms" not in r:
-            continue
-        if r.get("equal_kv"):
-            ref = next((x for (_, c, e), x in bf16.items() if e and c == r["context"]), None)
-            if ref is not None:
-                r["throughput_ratio"] = r["tokens_per_s"] / ref["tokens_per_s"]
-            continue
-        ref = bf16.get((r["B"], r["context"], False))
-        if ref is None:
-            continue
-        r["speedup"] = ref["step_ms"] / r["step_ms"]
-        for key, name in (("compile_s", "compile_ratio"), ("prefill_s", "prefill_ratio"), ("peak_gib", "peak_ratio")):
-            if key in r and key in ref:
-                r[name] = r[key] / ref[key]
-
-
 def kernel_jit(name: str, device: torch.device, ctx: int = 8192) -> dict:
     """Seconds the README loop's decode step spends compiling its kernels (Triton / Gluon JIT, this process's cache
     folders): ``name``'s attention shape with two layers (4-bit and 2-bit keys: every kernel variant the full model
@@ -355,14 +286,6 @@ def kernel_jit(name: str, device: torch.device, ctx: int = 8192) -> dict:
         backends = [b.name for b in setup.decode_backends]
     return {"cache": "oscar-jit", "model": name, "layers": 2, "key_bits": list(random_artifact(model).key_bits),
             "backends": backends, "jit_step_s": times[0], "step_s": times[1], "jit_s": times[0] - times[1]}
-
-
-def fresh_caches() -> None:
-    """Point Triton and Inductor at empty cache folders, before anything compiles (Inductor's compile workers
-    inherit the environment; Triton reads ``TRITON_CACHE_DIR`` at each compile)."""
-    fresh = tempfile.mkdtemp(prefix="bench_e2e_caches_")
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
 
 
 def main(argv=None) -> int:
@@ -418,7 +341,7 @@ def main(argv=None) -> int:
         plan += [(k, b, ctx, not direct, False) for k in kinds]
     if args.equal_kv_gib:
         budget = int(args.equal_kv_gib * 2**30)
-        plan.append(("bf16", max(1, budget // _bf16_cache_bytes(cfg, 1, args.equal_context)), args.equal_context,
+        plan.append(("bf16", max(1, budget // bf16_cache_bytes(cfg, 1, args.equal_context)), args.equal_context,
                      False, True))
         per = oscar_sequence_bytes(art.layout, art.key_bits, args.equal_context)
         plan.append(("oscar", max(1, budget // per), args.equal_context, False, True))
@@ -449,24 +372,6 @@ def main(argv=None) -> int:
                 json.dump(out, f, indent=1)
     print_table(rows)
     return 0 if all("error" not in r for r in rows) else 1
-
-
-def print_table(rows) -> None:
-    print("\n| cache | B x L | step ms | vs BF16 | roofline | compile s (Dynamo / Inductor / first run) | prefill s "
-          "| peak GiB | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    f = lambda r, k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
-    for r in rows:
-        lab = f"{r['B']}x{r['context']}" + (" (equal KV)" if r.get("equal_kv") else "")
-        if "error" in r:
-            print(f"| {r['cache']} | {lab} | {r['error']} |")
-            continue
-        ratio = f(r, "speedup", ".2f") if "speedup" in r else f(r, "throughput_ratio", ".1f")
-        split = (f" ({r['dynamo_s']:.1f} / {r['inductor_s']:.1f} / {r['first_run_s']:.1f})" if "dynamo_s" in r
-                 else "")
-        print(f"| {r['cache']} | {lab} | {r['step_ms']:.2f} | {ratio} | {f(r, 'roofline_frac', '.0%')} | "
-              f"{r['compile_s']:.1f}{split} | {f(r, 'prefill_s', '.2f')} | {f(r, 'peak_gib', '.1f')} | "
-              f"{r['tokens_per_s']:.0f} |")
 
 
 if __name__ == "__main__":
