@@ -50,6 +50,7 @@ TRITON_DEFAULT_STAGES = 3
 TENSOR_NAMES = {"q_ptr": "q_s"}
 
 _DA = "oscar_export.kernels.decode.portable"
+_SPL = "oscar_export.kernels.decode.splits"
 _DS = "oscar_export.kernels.decode_step"
 _DAG = "oscar_export.kernels.decode.hopper_kernel"
 _QP = "oscar_export.kernels.quant_pack"
@@ -184,7 +185,7 @@ DECODE_SPLIT_MERGE_GL = KernelPlan(
         "zero at launch and left zero); JIT only, not in bundles",
 )
 DECODE_MERGE = KernelPlan(
-    name="decode_merge", kernel=f"{_DA}:_merge_kernel",
+    name="decode_merge", kernel=f"{_SPL}:_merge_kernel",
     params=(("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"), ("out_ptr", "*bf16"), ("n_splits", "i32")),
     constexprs=("D", "CH"), num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("rows", "1", "1"), sizes=("rows",),
     doc="merge decode splits by log-sum-exp; rows = B * H",

@@ -1,10 +1,10 @@
 """The decode kernels with TensorRT's AOT-plugin calling convention: tensor inputs, int32 extras, outputs.
 
 TensorRT's ``@trtp.aot_impl`` launches one kernel whose parameters are the plugin's input tensors, then the
-int32 "extra args", then its output tensors. The decode kernels (``kernels/decode/portable.py``) put their
-outputs before their integer arguments, so these two thin kernels take the TensorRT order and call the
-originals (Triton inlines them): no math of their own, same binary arithmetic. Their parameter lists are
-``launch_plan.TRT_DECODE_SPLIT`` / ``TRT_DECODE_MERGE`` (checked against ``arg_names`` in
+int32 "extra args", then its output tensors. The decode kernels (``kernels/decode/portable.py``,
+``kernels/decode/splits.py``) put their outputs before their integer arguments, so these two thin kernels take the
+TensorRT order and call the originals (Triton inlines them): no math of their own, same binary arithmetic. Their
+parameter lists are ``launch_plan.TRT_DECODE_SPLIT`` / ``TRT_DECODE_MERGE`` (checked against ``arg_names`` in
 tests/kernels/test_aot_launch_plan.py).
 """
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..decode.portable import _decode_split_kernel, _merge_kernel
+from ..decode.portable import _decode_split_kernel
+from ..decode.splits import _merge_kernel
 
 
 @triton.jit

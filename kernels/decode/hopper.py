@@ -16,7 +16,7 @@ from ..aot import launch_plan as _plan
 from ..checks import check_decode_inputs, check_hopper_device, check_hopper_layout, check_hopper_state
 from ..layout import KVCacheLayout, PagedKV
 from . import hopper_kernel as _gl
-from .portable import launch_split_merge, sm_count
+from .splits import launch_split_merge, sm_count
 
 HAVE_GLUON = _gl.HAVE_GLUON
 #: (sequence, KV head) pairs one fused-merge launch can count (:func:`merge_counters`); beyond, the merge is launched.

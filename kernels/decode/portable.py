@@ -9,7 +9,7 @@ One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent w
    sum stay inside a warp), each page slot with its own online softmax, combined after the loop. The
    remaining splits take one ``BN``-token chunk of the sink or of the recent window each. It writes the
    normalised partial output and its log2-sum-exp.
-2. ``_merge_kernel``, grid ``(B * H,)``: combines the splits by their log-sum-exp.
+2. ``_merge_kernel`` (``decode/splits.py``), grid ``(B * H,)``: combines the splits by their log-sum-exp.
 
 The affine dequantization never touches the inner loop (docs/design.md §3.1): with ``k̂ = lo + s·lev[c]``,
 ``q·k̂ = s·(q·lev[c]) + lo·Σq`` per row (token keys) or ``Σ_i (q_i s_i)·lev[c_i] + Σ_i q_i lo_i`` (keys per
@@ -46,17 +46,12 @@ from ..aot import launch_plan as _plan
 from ..cache_keys import hash_bottom_up
 from ..checks import check_decode_inputs, check_portable_layout
 from ..layout import KVCacheLayout, PagedKV
-from .portable_grouped import _grouped_pages  # the split kernel's own helpers, called by these names in its body
-from .portable_pages import (
-    _field_cols,
-    _field_scaled,
-    _key_scores,
-    _nibble_scaled,
-    _slot_row,
-    _softmax_step,
-    _token_params,
-    window_block,
-)
+
+# the split kernel's own helpers, called by these names in its body
+from .portable_grouped import _grouped_pages
+from .portable_pages import _field_cols, _softmax_step, window_block
+from .portable_rows import _row_pages
+from .splits import launch_split_merge, sm_count
 
 LOG2E = 1.4426950408889634
 #: INT2 pages per loop iteration and warps/stages of the split kernel (one page per warp; fastest measured on the
@@ -99,12 +94,10 @@ def _decode_split_kernel(
         uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path), NB (pow2,
         INT2 pages per loop iteration; one per warp with ``num_warps == NB``), KEY_BITS (``layout.key.bits``: 2, or
         4 with uniform levels, ``k_levels_ptr`` then unread; values are 2-bit).
-    With ``G == D`` one (scale, lo) per token row; ``G < D`` (token keys) takes :func:`_grouped_pages`. Field
-    ``j`` of code byte ``c`` is row element :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads
-    and the output quarters use the same element map, so every part of the split agrees. Each page slot keeps
-    its own online
-    softmax (``m, den [NB, GQ_PAD]``, accumulators ``[NB, GQ_PAD, D/4]``); slots past the split's last page
-    load nothing (masked) and score ``-inf``.
+    A page split takes :func:`_row_pages` (``portable_rows.py``) with ``G == D``, one (scale, lo) per token row, and
+    :func:`_grouped_pages` (``portable_grouped.py``) with ``G < D``. Field ``j`` of code byte ``c`` is row element
+    :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads and the output quarters use the same element
+    map, so every part of the split agrees.
     """
     bh = tl.program_id(0)
     s = tl.program_id(1)
@@ -112,7 +105,6 @@ def _decode_split_kernel(
     h = bh % H_KV
     H: tl.constexpr = H_KV * GQ
     Q4: tl.constexpr = D // 4
-    KR: tl.constexpr = D * KEY_BITS // 8  # key code bytes per row
     g = tl.arange(0, GQ_PAD)
     gmask = g < GQ
     c4 = tl.arange(0, Q4)
@@ -148,146 +140,10 @@ def _decode_split_kernel(
                 block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
                 H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB, KEY_BITS)
         else:
-            kl0 = tl.load(k_levels_ptr + h * 4 + 0)
-            kl1 = tl.load(k_levels_ptr + h * 4 + 1)
-            kl2 = tl.load(k_levels_ptr + h * 4 + 2)
-            kl3 = tl.load(k_levels_ptr + h * 4 + 3)
-            vl0 = tl.load(v_levels_ptr + h * 4 + 0)
-            vl1 = tl.load(v_levels_ptr + h * 4 + 1)
-            vl2 = tl.load(v_levels_ptr + h * 4 + 2)
-            vl3 = tl.load(v_levels_ptr + h * 4 + 3)
-            qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
-            # every page slot sees the same queries: [NB, GQ_PAD, Q4]
-            # uniform codes arrive as c·4^j·2^-24 (_field_scaled): quarter j of q carries 4^-j (exact), the
-            # scores 2^24 (KU), the value quarters 2^24·4^-j (VU, after the loop)
-            if KEY_BITS == 4:  # nibbles arrive as c·16^n·2^-24 (_nibble_scaled): quarters 2, 3 are high nibbles
-                KU = 16777216.0
-                qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-                qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-                qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
-                qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
-            elif K_CODEBOOK:
-                KU = 1.0
-                qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-                qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-                qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-                qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-            else:
-                KU = 16777216.0
-                qb0 = tl.broadcast_to(q0.to(tl.float32)[None, :, :], (NB, GQ_PAD, Q4))
-                qb1 = tl.broadcast_to(q1.to(tl.float32)[None, :, :] * 0.25, (NB, GQ_PAD, Q4))
-                qb2 = tl.broadcast_to(q2.to(tl.float32)[None, :, :] * 0.0625, (NB, GQ_PAD, Q4))
-                qb3 = tl.broadcast_to(q3.to(tl.float32)[None, :, :] * 0.015625, (NB, GQ_PAD, Q4))
-            # B operands of the transposed scores
-            qt0 = tl.permute(qb0.to(tl.float16), (0, 2, 1))
-            qt1 = tl.permute(qb1.to(tl.float16), (0, 2, 1))
-            qt2 = tl.permute(qb2.to(tl.float16), (0, 2, 1))
-            qt3 = tl.permute(qb3.to(tl.float16), (0, 2, 1))
-            if V_CODEBOOK:
-                VU0 = 1.0
-                VU1 = 1.0
-                VU2 = 1.0
-                VU3 = 1.0
-            else:
-                VU0 = 16777216.0
-                VU1 = 4194304.0
-                VU2 = 1048576.0
-                VU3 = 262144.0
-            nb = tl.arange(0, NB)
-            t = tl.arange(0, P)
-            tile = (t[:, None] * Q4 + c4[None, :])[None, :, :]  # [1, P, Q4]
-            ktile4 = (t[:, None] * KR + c4[None, :])[None, :, :]  # 4-bit keys: quarters 0 | 2 (+ Q4: 1 | 3)
-            bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
-            bl = tl.zeros([NB, GQ_PAD], tl.float32)
-            b0 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            b1 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            b2 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            b3 = tl.zeros([NB, GQ_PAD, Q4], tl.float32)
-            blo = tl.zeros([NB, GQ_PAD], tl.float32)
-            start = s * pages_per_split
-            end = tl.minimum(start + pages_per_split, tl.load(num_pages_ptr + b))
-            for p0 in range(start, end, NB):
-                slot = p0 + nb
-                ok = slot < end
-                page = tl.load(block_table_ptr + b.to(tl.int64) * max_pages + slot, mask=ok, other=0).to(tl.int64)
-                ph = page * H_KV + h
-                code_off = tl.multiple_of(ph * (P * Q4), 16)
-                word_off = tl.multiple_of(ph * P, 16)  # token rows' (scale, lo) as one 32-bit word each
-                okc = ok[:, None, None]
-                if KEY_BITS == 4:
-                    koff = tl.multiple_of(ph * (P * KR), 16)
-                    ka = tl.load(k_codes_ptr + koff[:, None, None] + ktile4, mask=okc, other=0)  # [NB, P, Q4] uint8
-                    kb = tl.load(k_codes_ptr + koff[:, None, None] + ktile4 + Q4, mask=okc, other=0)
-                else:
-                    kc = tl.load(k_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)  # [NB, P, Q4] uint8
-                    ka = kc  # what _key_scores reads (its 2-bit path ignores kb)
-                    kb = kc
-                vc = tl.load(v_codes_ptr + code_off[:, None, None] + tile, mask=okc, other=0)
-                # scores transposed: [NB, P, GQ_PAD] = K_j [NB, P, Q4] · q_j^T [NB, Q4, GQ_PAD]
-                if K_CHANNEL:
-                    kw = tl.multiple_of(ph * D, 16)  # [2, D] fp16 (scales, then lows) = D words per page-head
-                    ks0 = _slot_row(k_params_ptr, kw + 0 * Q4 // 2, ok, Q4)
-                    ks1 = _slot_row(k_params_ptr, kw + 1 * Q4 // 2, ok, Q4)
-                    ks2 = _slot_row(k_params_ptr, kw + 2 * Q4 // 2, ok, Q4)
-                    ks3 = _slot_row(k_params_ptr, kw + 3 * Q4 // 2, ok, Q4)
-                    # q·lo over the page's channel lows: one reduction for the four quarters
-                    qlo = q0.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 0 * Q4) // 2, ok, Q4)
-                    qlo += q1.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 1 * Q4) // 2, ok, Q4)
-                    qlo += q2.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 2 * Q4) // 2, ok, Q4)
-                    qlo += q3.to(tl.float32)[None, :, :] * _slot_row(k_params_ptr, kw + (D + 3 * Q4) // 2, ok, Q4)
-                    const = tl.sum(qlo, axis=2)
-                    if KEY_BITS == 4:
-                        st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK),
-                                     tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
-                        st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK),
-                                     tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK),
-                                     tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK),
-                                     tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
-                    else:
-                        st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                                     tl.permute(qb0.to(tl.float16) * ks0.to(tl.float16), (0, 2, 1)))
-                        st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                                     tl.permute(qb1.to(tl.float16) * ks1.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                                     tl.permute(qb2.to(tl.float16) * ks2.to(tl.float16), (0, 2, 1)), st_)
-                        st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
-                                     tl.permute(qb3.to(tl.float16) * ks3.to(tl.float16), (0, 2, 1)), st_)
-                    st_ = st_ * KU + const[:, None, :]
-                else:
-                    ks, klo = _token_params(k_params_ptr, word_off, t, ok)
-                    st_ = _key_scores(ka, kb, qt0, qt1, qt2, qt3, kl0, kl1, kl2, kl3, KEY_BITS, K_CODEBOOK, FAST_UNPACK)
-                    st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[None, None, :]
-                st_ = tl.where(okc, st_, float("-inf"))
-                m_new = tl.maximum(bm, tl.max(st_, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(bm - m_use)
-                pt = tl.exp2(st_ - m_use[:, None, :])
-                bl = bl * alpha + tl.sum(pt, axis=1)
-                bm = m_new
-                vs, vlo = _token_params(v_params_ptr, word_off, t, ok)
-                ps = tl.permute((pt * vs[:, :, None]).to(tl.float16), (0, 2, 1))
-                plo = tl.sum(pt * vlo[:, :, None], axis=1)
-                b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
-                            b0 * alpha[:, :, None])
-                b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
-                            b1 * alpha[:, :, None])
-                b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
-                            b2 * alpha[:, :, None])
-                b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK),
-                            b3 * alpha[:, :, None])
-                blo = blo * alpha + plo
-            # ---- combine the page slots by their log-sum-exp -------------------------------------------------
-            m = tl.max(bm, axis=0)
-            m_use = tl.where(m == float("-inf"), 0.0, m)
-            w = tl.exp2(bm - m_use[None, :])  # [NB, GQ_PAD]; empty slots weigh 0
-            den = tl.sum(bl * w, axis=0)
-            acc0 = tl.sum(b0 * w[:, :, None], axis=0) * VU0
-            acc1 = tl.sum(b1 * w[:, :, None], axis=0) * VU1
-            acc2 = tl.sum(b2 * w[:, :, None], axis=0) * VU2
-            acc3 = tl.sum(b3 * w[:, :, None], axis=0) * VU3
-            acclo = tl.sum(blo * w, axis=0)[:, None]
+            m, den, acc0, acc1, acc2, acc3, acclo = _row_pages(
+                q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
+                block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
+                H_KV, GQ_PAD, D, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB, KEY_BITS)
     else:
         tb = tl.arange(0, BN)
         kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
@@ -316,38 +172,6 @@ def _decode_split_kernel(
     tl.store(po + e1[None, :], (acc1 + acclo) * inv[:, None], mask=gmask[:, None])
     tl.store(po + e2[None, :], (acc2 + acclo) * inv[:, None], mask=gmask[:, None])
     tl.store(po + e3[None, :], (acc3 + acclo) * inv[:, None], mask=gmask[:, None])
-
-
-
-@triton.jit
-def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, CH: tl.constexpr):
-    """Combine the splits of one query head. Grid ``(B * H,)``.
-
-    Parameters: part_o_ptr fp32 ``[B, H, n_splits, D]``, part_lse_ptr fp32 ``[B, H, n_splits]``, out_ptr
-    ``[B, H, D]`` (fp32/bf16/fp16), n_splits int32; constexpr D, CH (splits per step). A head with nothing
-    to attend writes zeros (as the reference does).
-    """
-    row = tl.program_id(0).to(tl.int64)
-    k = tl.arange(0, CH)
-    dd = tl.arange(0, D)
-    mx = tl.full([CH], float("-inf"), tl.float32)
-    for c0 in range(0, n_splits, CH):
-        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=c0 + k < n_splits, other=float("-inf"))
-        mx = tl.maximum(mx, lse)
-    mtot = tl.max(mx, axis=0)
-    muse = tl.where(mtot == float("-inf"), 0.0, mtot)
-    den = tl.zeros([CH], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    for c0 in range(0, n_splits, CH):
-        kmask = c0 + k < n_splits
-        lse = tl.load(part_lse_ptr + row * n_splits + c0 + k, mask=kmask, other=float("-inf"))
-        w = tl.exp2(lse - muse)
-        o = tl.load(part_o_ptr + (row * n_splits + c0 + k)[:, None] * D + dd[None, :], mask=kmask[:, None], other=0.0)
-        den += w
-        acc += tl.sum(w[:, None] * o, axis=0)
-    dtot = tl.sum(den, axis=0)
-    res = tl.where(dtot > 0.0, acc / tl.where(dtot > 0.0, dtot, 1.0), 0.0)
-    tl.store(out_ptr + row * D + dd, res.to(out_ptr.dtype.element_ty))
 
 
 # ---- wrapper ------------------------------------------------------------------------------------------------
@@ -426,11 +250,6 @@ def checked_pages_per_split(
                                    page_slots)
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA ``device``; 132 (the H100 / H200's) for any other device."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def launch_decode(
     q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
     block_table, sink_len, num_pages, recent_len, num_kv_heads: int, page_size: int, sink: int,
@@ -457,40 +276,8 @@ def launch_decode(
     )
 
 
-def launch_split_merge(
-    split_kernel, plan, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels,
-    v_levels, block_table, sink_len, num_pages, recent_len, pages_per_split: int, out_dtype: torch.dtype,
-    constexprs: dict, num_warps: int, num_stages: int, wrap=lambda k: k, counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Allocate the partials, launch ``split_kernel`` (this module's or the Gluon one: the same parameters in the same
-    order, then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
-
-    ``plan``: the split kernel's launch plan (``launch_plan.DECODE_SPLIT`` or a Gluon one), whose rules give its int32
-    arguments (``n_page_splits = cdiv(max_pages, pages_per_split)``, ``n_splits = n_page_splits + n_bf16``, the BF16
-    sink and recent chunks) and its grid ``(B * H_kv, n_splits)``; merge ``(B * H,)``. ``wrap`` wraps each kernel
-    before launch. With ``counters`` (int32, zero, at least ``B * H_kv``) the split kernel merges in its last
-    programs (``out`` and ``counters`` follow the partials in its parameters) and no merge is launched.
-    """
-    bsz, hq, d = q.shape
-    scalars = plan.scalars({"max_pages": block_table.shape[1], "pages_per_split": pages_per_split}, constexprs)
-    n_splits = scalars["n_splits"]
-    part_o = torch.empty((bsz, hq, n_splits, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((bsz, hq, n_splits), dtype=torch.float32, device=q.device)
-    out = torch.empty((bsz, hq, d), dtype=out_dtype, device=q.device)
-    fused = () if counters is None else (out, counters)
-    wrap(split_kernel)[plan.grid_for({"B": bsz, **scalars}, constexprs)](
-        q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes, v_params, k_levels, v_levels,
-        block_table, sink_len, num_pages, recent_len, part_o, part_lse, *fused, *scalars.values(),
-        **constexprs, num_warps=num_warps, num_stages=num_stages,
-    )
-    if counters is None:
-        merge = _plan.DECODE_MERGE
-        wrap(_merge_kernel)[merge.grid_for({"rows": bsz * hq}, {})](
-            part_o, part_lse, out, n_splits, **_plan.decode_merge_constexprs(d), num_warps=merge.num_warps)
-    return out
-
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
 __all__ = ["PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "checked_pages_per_split", "decode_attention",
-           "default_pages_per_split", "launch_decode", "launch_split_merge", "sm_count"]
+           "default_pages_per_split", "launch_decode"]

@@ -12,6 +12,7 @@ from helpers import build_probe_bundle, kernel_fixture
 da = kernel_fixture("decode.portable")
 ct_mod = kernel_fixture("clip_threshold", ": its helpers in a test file's own kernel")
 pp_mod = kernel_fixture("decode.portable_pages", ": its helpers in a test file's kernel")
+splits_mod = kernel_fixture("decode.splits")
 
 
 @pytest.fixture(scope="session")
