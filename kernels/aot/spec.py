@@ -24,7 +24,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .launch_plan import KernelPlan
+from .kernel_plan import KernelPlan
 from .rules import evaluate, parse_rule
 
 #: Triton pointer element types a bundle kernel may take.

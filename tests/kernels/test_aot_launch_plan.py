@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 from oscar_export.kernels import decode_step as ds  # noqa: E402
 from oscar_export.kernels import quant_pack as qp  # noqa: E402
 from oscar_export.kernels.aot import launch_plan as lp  # noqa: E402
-from oscar_export.kernels.aot.spec import KernelSpec  # noqa: E402
 from oscar_export.kernels.decode import portable as da  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout, PagedKV  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
@@ -46,18 +45,6 @@ def test_trt_plans_are_the_originals_reordered():
         assert extras == orig.scalar_params() and inputs and outputs
     with pytest.raises(ValueError, match="not in TensorRT order"):
         lp.trt_io(lp.DECODE_SPLIT)  # outputs before the int32 arguments
-
-
-def test_rules_evaluate_on_ints_and_reject_bad_rules():
-    cx = lp.decode_split_constexprs(LAYOUT, HEADS, 0.125)
-    a = lp.DECODE_SPLIT.scalars({"max_pages": 10, "pages_per_split": 4}, cx)
-    # BF16 splits: cdiv(S0 64, 64) + cdiv(C, 64) with C = the recent ring's W + 2P = 384 slots
-    assert a == {"max_pages": 10, "pages_per_split": 4, "n_page_splits": 3, "n_splits": 3 + 1 + 6}
-    assert lp.DECODE_SPLIT.grid_for({"B": 2, **a}, cx) == (6, 10, 1)
-    with pytest.raises(ValueError, match="needs a value for .pages_per_split."):
-        lp.DECODE_SPLIT.scalars({"max_pages": 10}, cx)
-    with pytest.raises(ValueError, match="are not plan"):
-        KernelSpec.from_plan(lp.DECODE_MERGE, "m", {"D": 64})
 
 
 class _Recorder:
@@ -177,19 +164,25 @@ def test_jit_decode_step_launches_the_plan(monkeypatch, fused):
                   {"B": 2}, known)
 
 
-def test_jit_decode_step_with_the_query_rotation_launches_the_plan(monkeypatch):
-    """``decode_append(q=...)``: the same launch rotating the step's queries (``ROTATE_Q``, ``GQ``) as the plan says."""
+def _step_with_queries(monkeypatch, append, heads: int):
+    """One recorded decode step of ``append`` (the JIT wrapper or the custom op) rotating ``heads`` queries:
+    ``(the launch, q_rot, the tensors it must be given)``."""
     (rec,) = _record(monkeypatch, ds._decode_append_kernel)
     st, t = _state()
     k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
-    q = torch.randn(2, 12, 64).bfloat16()
+    q = torch.randn(2, heads, 64).bfloat16()
     status = torch.zeros(2, dtype=torch.int32)
-    q_rot = ds.decode_append(st, k, v, status, LAYOUT, t, fused_transform=True, q=q)
+    q_rot = append(st, k, v, status, LAYOUT, t, fused_transform=True, q=q)
+    return rec.calls[0], q_rot, {"k_ptr": k, "v_ptr": v, "q_ptr": q, "q_rot_ptr": q_rot, "status_ptr": status}
+
+
+def test_jit_decode_step_with_the_query_rotation_launches_the_plan(monkeypatch):
+    """``decode_append(q=...)``: the same launch rotating the step's queries (``ROTATE_Q``, ``GQ``) as the plan says."""
+    call, q_rot, known = _step_with_queries(monkeypatch, ds.decode_append, 12)
     assert q_rot.shape == (2, 12, 64) and q_rot.dtype == torch.float32
     cx = lp.decode_append_constexprs(LAYOUT, True, num_heads=12)
     assert (cx["GQ"], cx["ROTATE_Q"]) == (4, True)
-    _check_launch(lp.DECODE_APPEND, rec.calls[0], cx, {"max_pages": 4}, {"B": 2},
-                  {"k_ptr": k, "v_ptr": v, "q_ptr": q, "q_rot_ptr": q_rot, "status_ptr": status})
+    _check_launch(lp.DECODE_APPEND, call, cx, {"max_pages": 4}, {"B": 2}, known)
     with pytest.raises(ValueError, match="not a multiple"):
         lp.decode_append_constexprs(LAYOUT, True, num_heads=13)
 
@@ -198,16 +191,10 @@ def test_custom_op_decode_step_launches_the_plan(monkeypatch):
     """``oscar::decode_append`` (what a compiled step runs) launches what the plan says, as the wrapper does."""
     from oscar_export.kernels import triton_ops
 
-    (rec,) = _record(monkeypatch, ds._decode_append_kernel)
-    st, t = _state()
-    k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
-    q = torch.randn(2, 24, 64).bfloat16()
-    status = torch.zeros(2, dtype=torch.int32)
-    q_rot = triton_ops.decode_append(st, k, v, status, LAYOUT, t, fused_transform=True, q=q)
+    call, _, known = _step_with_queries(monkeypatch, triton_ops.decode_append, 24)
     cx = lp.decode_append_constexprs(LAYOUT, True, num_heads=24)
     assert (cx["GQ"], cx["CB"]) == (8, 16)
-    _check_launch(lp.DECODE_APPEND, rec.calls[0], cx, {"max_pages": 4}, {"B": 2},
-                  {"k_ptr": k, "v_ptr": v, "q_ptr": q, "q_rot_ptr": q_rot, "status_ptr": status})
+    _check_launch(lp.DECODE_APPEND, call, cx, {"max_pages": 4}, {"B": 2}, known)
 
 
 @pytest.mark.parametrize("d,gq,want", [(128, 1, 16), (128, 4, 16), (128, 8, 8), (128, 5, 8), (64, 16, 8),
