@@ -1,9 +1,9 @@
 """Decode attention v3: the mma16 split kernel in Gluon, the unpacked codes as the register A operand of ``wgmma``.
 
 Same interface, semantics and partials as v2's split kernels (:mod:`.decode_attention_v2`), same mma16 pages, and
-two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by v1's ``_merge_kernel`` (the
+two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by ``splits._merge_kernel`` (the
 launch plan's DECODE_SPLIT_GL, what AOT bundles carry), and ``_decode_split_merge_gl_kernel``, whose last program of
-each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, :func:`_merge_if_last`: one launch; the JIT default,
+each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge._merge_if_last``: one launch; the JIT default,
 ``GL_FUSED_MERGE``). What changes from v2 is that the kernel owns its register layouts:
 
 * one warpgroup (4 warps) per (sequence, KV head, split); every page dot is a Hopper ``warpgroup_mma`` with
@@ -58,24 +58,13 @@ PyTorch, against ``reference.decode_attention``).
 
 from __future__ import annotations
 
-try:  # Gluon (Triton 3.6 and 3.9 checked); without it, or with another spelling, "gluon" is simply not offered
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
-
-    from .hopper_operands import _a_operand, _a_operand4, _word_offsets, _word_offsets4  # the page operands
-
-    #: cp.async global -> shared: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared`` in 3.6.
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    #: the CTA barrier: ``gl.barrier()`` in Triton 3.9, ``gl.thread_barrier()`` in 3.6.
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    HAVE_GLUON = True
-except (ImportError, AttributeError):  # pragma: no cover - exercised only on other Triton versions
-    HAVE_GLUON = False
-
 from ..aot import launch_plan as _plan
+from .gluon_names import HAVE_GLUON, _cp_async, _cta_barrier, async_copy, fence_async_shared, gl, gluon, warpgroup_mma
 from .portable_pages import window_block
+
+if HAVE_GLUON:
+    from .hopper_merge import _merge_if_last  # the fused merge of the last program
+    from .hopper_operands import _a_operand, _a_operand4, _word_offsets, _word_offsets4  # the page operands
 
 #: the split kernel's cp.async page stages (the launch plan's; its one warpgroup a program: DECODE_SPLIT_GL.num_warps).
 STAGES = _plan.GL_PAGE_STAGES
@@ -353,57 +342,6 @@ if HAVE_GLUON:
         prow = (b * H + h * GQ + g).to(gl.int64) * n_splits + s
         gl.store(part_lse_ptr + prow, lse, mask=g < GQ)
         gl.store(part_o_ptr + prow[None, :] * D + dd[:, None], out_t * inv[None, :], mask=(g < GQ)[None, :])
-
-    @gluon.jit
-    def _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV: gl.constexpr,
-                       GQ: gl.constexpr, D: gl.constexpr):
-        """The last of the ``n_splits`` programs of a (sequence, KV head) to finish merges their partials into
-        ``out [B, H, D]`` and sets the pair's counter back to zero for the next launch.
-
-        Ordering is the cooperative-groups grid barrier's: every thread's partial stores, a CTA barrier, then one
-        ``atom.acq_rel.gpu`` add (release: the stores are visible before the count; acquire: the last program
-        sees every other program's stores), whose result reaches all threads through the CTA; partials are read
-        from L2 (``.cg``). The merge is online over chunks of ``MCH`` splits (all query heads of the KV head at
-        once, 64 fp32 registers of partials a thread): the running log2-sum-exp max per head, the weights
-        ``2^(lse - max)``, a head with nothing attended gives zeros (as ``_merge_kernel``, whose arithmetic this is
-        up to the summation order)."""
-        bh = gl.program_id(0)
-        _cta_barrier()
-        arrived = gl.atomic_add(counters_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_splits - 1:
-            MH: gl.constexpr = 1 if GQ <= 1 else (2 if GQ <= 2 else (4 if GQ <= 4 else (8 if GQ <= 8 else 16)))
-            W0: gl.constexpr = MH if MH < 4 else 4
-            MCH: gl.constexpr = 8192 // (MH * D) if 8192 // (MH * D) >= 4 // W0 else 4 // W0
-            L3: gl.constexpr = gl.BlockedLayout([1, 1, D // 32], [1, 1, 32], [W0, 4 // W0, 1], [2, 1, 0])
-            LS: gl.constexpr = gl.SliceLayout(2, L3)  # [MH, MCH]
-            LO: gl.constexpr = gl.SliceLayout(1, L3)  # [MH, D]
-            g = gl.arange(0, MH, layout=gl.SliceLayout(1, LS))
-            k = gl.arange(0, MCH, layout=gl.SliceLayout(0, LS))
-            dd = gl.arange(0, D, layout=gl.SliceLayout(0, LO))
-            row = (bh * GQ + g).to(gl.int64) * n_splits  # partial rows of query heads b * H + h * GQ + g
-            m = gl.full([MH], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
-            den = gl.zeros([MH], gl.float32, gl.SliceLayout(1, LS))
-            acc = gl.zeros([MH, D], gl.float32, LO)
-            for c0 in range(0, n_splits, MCH):
-                ok = (g < GQ)[:, None] & (c0 + k < n_splits)[None, :]
-                prow = row[:, None] + c0 + k[None, :]
-                lse = gl.load(part_lse_ptr + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                o = gl.load(part_o_ptr + (prow * D)[:, :, None] + dd[None, None, :], mask=ok[:, :, None],
-                            other=0.0, cache_modifier=".cg")
-                m_new = gl.maximum(m, gl.max(lse, axis=1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m - m_use)
-                w = gl.exp2(lse - m_use[:, None])
-                den = den * alpha + gl.sum(w, axis=1)
-                alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, LO))
-                acc = acc * alpha_o[:, None] + gl.sum(w[:, :, None] * o, axis=1)
-                m = m_new
-            den_o = gl.convert_layout(den, gl.SliceLayout(1, LO))
-            res = gl.where((den_o > 0.0)[:, None], acc / gl.where(den_o > 0.0, den_o, 1.0)[:, None], 0.0)
-            go = gl.arange(0, MH, layout=gl.SliceLayout(1, LO))
-            orow = (bh * GQ + go).to(gl.int64) * D
-            gl.store(out_ptr + orow[:, None] + dd[None, :], res.to(out_ptr.dtype.element_ty), mask=(go < GQ)[:, None])
-            gl.store(counters_ptr + bh, 0)
 
     @gluon.jit
     def _decode_split_gl_kernel(

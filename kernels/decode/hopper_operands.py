@@ -14,14 +14,7 @@ test_decode_hopper_operands.py).
 
 from __future__ import annotations
 
-try:  # Gluon (Triton 3.6 and 3.9 checked); without it, or with another spelling, "gluon" is simply not offered
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    HAVE_GLUON = True
-except (ImportError, AttributeError):  # pragma: no cover - exercised only on other Triton versions
-    HAVE_GLUON = False
-
+from .gluon_names import HAVE_GLUON, gl, gluon  # the Gluon API as this Triton spells it
 
 if HAVE_GLUON:
 

@@ -92,31 +92,3 @@ def _res_usage(cubin: bytes) -> dict | None:
         out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     return {"REG": int(m.group(1)), "STACK": int(m.group(2))} if m else None
-
-
-# ---- the fused merge (the split kernel's last program of each (sequence, KV head) merges) ------------------------
-
-
-@pytest.mark.parametrize("gran,d,p,gq", [("token", 128, 128, 4), ("channel", 256, 128, 8), ("token", 64, 64, 1)])
-def test_fused_merge_compiles_with_the_grid_barrier_ordering(gran, d, p, gq):
-    """The fused kernel counts its programs the cooperative-groups way: the partial stores, a CTA barrier, one
-    thread's ``atom.acq_rel.gpu`` add (its result shared through the CTA), then the partials read from L2;
-    the plain split kernel has no atomic."""
-    pytest.importorskip("triton")
-    if not gl_attn.HAVE_GLUON:
-        pytest.skip("this Triton has no Gluon")
-    from oscar_export.kernels.aot.compile import compile_kernel
-    from oscar_export.kernels.aot.launch_plan import DECODE_SPLIT_MERGE_GL
-    from oscar_export.kernels.aot.spec import KernelSpec
-
-    plain = hopper_split_spec(gran, d, p, gq)
-    fused = KernelSpec.from_plan(DECODE_SPLIT_MERGE_GL, plain.name.replace("split", "split_merge"),
-                                 dict(plain.constexprs), maxnreg=plain.maxnreg)
-    ptx = compile_kernel(fused, "sm_90").ptx.decode()
-    atom = re.search(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
-    assert atom, "one predicated acq_rel add at gpu scope"
-    assert ptx.count("atom.global") == 1
-    before = ptx[:atom.start()]
-    assert before.rfind("bar.sync") > before.rfind("st.global"), "a CTA barrier between the partial stores and the add"
-    assert "ld.global.cg" in ptx[atom.end():], "the partials are read from L2"
-    assert "atom." not in compile_kernel(plain, "sm_90").ptx.decode()
