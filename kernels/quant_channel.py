@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .cache_keys import hash_bottom_up
 from .clip_threshold import _add8, _ins, _merge8, _prep, _resolve
-from .quant_codes import _ONE_FIFTEENTH, _ONE_THIRD, _code, _code16, _store_codes_mma16
+from .quant_codes import _code, _code16, _scale_lo, _store_codes_mma16
 
 
 @triton.jit
@@ -90,13 +90,7 @@ def _channel_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, l
             cut = t7
             t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _channel_round(x_base, stride_xp, cut, bound, P, D, T, False)
             kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
-    lo = tl.minimum(tl.maximum(mn, -thr), thr)
-    hi = tl.minimum(tl.maximum(mx, -thr), thr)
-    if BITS == 4:
-        scale16 = ((hi - lo) * _ONE_FIFTEENTH).to(tl.float16)
-    else:
-        scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
-    lo16 = lo.to(tl.float16)
+    scale16, lo16 = _scale_lo(mn, mx, thr, BITS)
     tl.store(params_base + i, scale16)
     tl.store(params_base + D + i, lo16)
     s = scale16.to(tl.float32)

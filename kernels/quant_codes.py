@@ -1,8 +1,9 @@
-"""The codes of the page quantizer (:mod:`.quant_pack`): a value's 2- or 4-bit code from its group's threshold, lo and
-scale, the store of a tile of codes in mma16 order, and the range factors as compile-time constants. Shared by the
-token-group pass (:mod:`.quant_token`), the channel-group pass (:mod:`.quant_channel`) and the rotated-input tile
-(``quant_pack._store_tile``); the arithmetic is ``reference.quantize_groups``'s, bit for bit. Tested through
-``quant_pack.quantize_pages`` (tests/kernels/test_quant_pack.py).
+"""The codes of the page quantizer (:mod:`.quant_pack`): a group's fp16 ``(scale, lo)`` from its clipped range, a
+value's 2- or 4-bit code from its group's threshold, lo and scale, the store of a tile of codes in mma16 order, and
+the range factors as compile-time constants. Shared by the token-group pass (:mod:`.quant_token`), the channel-group
+pass (:mod:`.quant_channel`) and the rotated-input tile (``quant_pack._store_tile``); the arithmetic is
+``reference.quantize_groups``'s, bit for bit. Tested through ``quant_pack.quantize_pages``
+(tests/kernels/test_quant_pack.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ _ONE_THIRD = tl.constexpr(ONE_THIRD_F32)
 _ONE_FIFTEENTH = tl.constexpr(span_inverse(16))
 #: the PACKING constexpr of mma16 keys (layout.packing_code), as a constexpr global.
 _MMA16_KEY = tl.constexpr(PACK_MMA16_KEY)
+
+
+@triton.jit
+def _scale_lo(mn, mx, thr, BITS: tl.constexpr):
+    """The fp16 ``(scale, lo)`` of a group spanning ``[mn, mx]`` clipped to ``[-thr, thr]``: ``scale = (hi - lo)`` times
+    the fp32 reciprocal of the top level (3, or 15 for 4-bit codes), as the reference rounds it."""
+    lo = tl.minimum(tl.maximum(mn, -thr), thr)
+    hi = tl.minimum(tl.maximum(mx, -thr), thr)
+    if BITS == 4:
+        scale16 = ((hi - lo) * _ONE_FIFTEENTH).to(tl.float16)
+    else:
+        scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
+    return scale16, lo.to(tl.float16)
 
 
 @triton.jit
