@@ -305,20 +305,28 @@ def _check_graph_replay(split, merge, q, out, tc, st, plan, cuda, what):
     print(f"  {what}: CUDA graph replay == eager launch")
 
 
+def _decode_inputs(layout, cuda):
+    """A decode step's inputs over ragged lengths (no pages, first page edge, several pages): ``(lengths, state,
+    transform, transform on the GPU, max_pages, q, q_s)``, ``q_s`` the step's stored-basis queries (what
+    ``decode_append`` writes)."""
+    from oscar_export.kernels.decode_step import rotate_queries
+
+    lengths = [1, 321, 777, 1500]
+    st, t, max_pages, _ = _state(layout, lengths, cuda)
+    tc = t.to(cuda)
+    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
+    return lengths, st, t, tc, max_pages, q, rotate_queries(q, tc).contiguous()
+
+
 @pytest.mark.parametrize("lay", ["ktok", "kch"])
 @pytest.mark.parametrize("where,source", SOURCES)
 def test_decode_attention(bundles, where, source, lay, cuda):
     from oscar_export.kernels.aot.bundle import decode_plan, layout_tag
     from oscar_export.kernels.decode import portable as jit_mod
-    from oscar_export.kernels.decode_step import rotate_queries
 
     layout = layouts()[lay]
     tag = layout_tag(layout, HEADS)
-    lengths = [1, 321, 777, 1500]  # no pages, first page edge, several pages (ragged)
-    st, t, max_pages, _ = _state(layout, lengths, cuda)
-    tc = t.to(cuda)
-    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
-    q_s = rotate_queries(q, tc).contiguous()  # the step's stored-basis queries (what decode_append writes)
+    lengths, st, t, tc, max_pages, q, q_s = _decode_inputs(layout, cuda)
     split = _kernel(bundles, where, source, f"decode_split_{tag}")
     merge = _kernel(bundles, where, source, f"decode_merge_{tag}")
     pps = 2
@@ -485,7 +493,6 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     from oscar_export.kernels.aot.launcher import AotKernel
     from oscar_export.kernels.aot.manifest import read_manifest
     from oscar_export.kernels.decode import hopper
-    from oscar_export.kernels.decode_step import rotate_queries
     from oscar_export.kernels.layout import KVCacheLayout
 
     layout = KVCacheLayout.default(3, 64, packing="mma16")
@@ -493,11 +500,7 @@ def test_gluon_decode_bundle_equals_jit(cuda, tmp_path, source):
     specs = [decode_split_spec(layout, HEADS, SCALE, tag), decode_merge_spec(layout, tag)]
     m = read_manifest(build_bundle(specs, tmp_path / "gl", archs=["sm_90"], ptx_version=None))
     split, merge = (AotKernel(m, s.name, source=source) for s in specs)
-    lengths = [1, 321, 777, 1500]
-    st, t, max_pages, _ = _state(layout, lengths, cuda)
-    tc = t.to(cuda)
-    q = torch.randn(len(lengths), HEADS, layout.head_dim, device=cuda).bfloat16()
-    q_s = rotate_queries(q, tc).contiguous()
+    lengths, st, t, tc, max_pages, q, q_s = _decode_inputs(layout, cuda)
     pps = 2
     plan = decode_plan(layout, len(lengths), HEADS, max_pages, pps)
     out = _aot_decode(split, merge, q_s, st, tc, plan, cuda)

@@ -590,8 +590,6 @@ def test_decode_attention_gluon_two_groups_head_dim_256(gran, key_bits):
 def test_decode_append_4bit_mma16_keys_on_gpu_equals_reference():
     """The decode-step demotion writes 4-bit mma16 key pages equal to the reference's on the GPU (real shape),
     both key granularities, and the prefill quantizer too."""
-    from oscar_export.kernels.decode_step import decode_append
-
     for gran in ("token", "channel"):
         lay = _mma16_layout(gran).with_key_bits(4)
         tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
@@ -599,30 +597,21 @@ def test_decode_append_4bit_mma16_keys_on_gpu_equals_reference():
         for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
                               ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
             assert torch.equal(g, w), f"quantize 4-bit mma16 {gran} keys {name}: {(g != w).sum().item()} mismatches"
-        lengths = [lay.sink + lay.recent_capacity, lay.sink + lay.recent_capacity - 1, 2000]  # slot 0 demotes
-        torch.manual_seed(2)
-        book_r, st_r = _book_cache(lay, lengths, tr, 2500)
-        book_g, st_g = _book_cache(lay, [0, 0, 0], tr, 2500)
-        for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-            getattr(st_g, f).copy_(getattr(st_r, f))
-        book_g.seq_len.copy_(book_r.seq_len)
-        book_g.commit(0)
-        k, v = torch.randn(3, 8, 128, device=DEV), torch.randn(3, 8, 128, device=DEV)
-        for book, st, fn in ((book_r, st_r, ref.decode_append), (book_g, st_g, decode_append)):
-            book.begin(1)
-            fn(book.state_view(st, book.committed), k, v, book.status, lay, tr)
-            book.commit(1)
-        assert int(book_r.committed.num_pages[0]) == 1
-        for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-            assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"4-bit mma16 {gran}: state.{f} differs"
+        _assert_demotion_equals_reference(lay, tr, f"4-bit mma16 {gran}: ")
 
 
 def test_decode_append_mma16_on_gpu_equals_reference():
     """The decode-step demotion writes mma16 pages equal to the reference's on the GPU (real shape)."""
-    from oscar_export.kernels.decode_step import decode_append
-
     lay = _mma16_layout("channel")
     tr = LayerTransform.identity(8, 128, 0.96, 0.92).to(DEV)
+    _assert_demotion_equals_reference(lay, tr)
+
+
+def _assert_demotion_equals_reference(lay: KVCacheLayout, tr: LayerTransform, label: str = "") -> None:
+    """One decode step in which slot 0 demotes a page, by ``reference.decode_append`` and by the kernel's on copies of
+    one booked cache: every cache tensor equal (``label`` starts the failure message)."""
+    from oscar_export.kernels.decode_step import decode_append
+
     lengths = [lay.sink + lay.recent_capacity, lay.sink + lay.recent_capacity - 1, 2000]  # slot 0 demotes
     torch.manual_seed(2)
     book_r, st_r = _book_cache(lay, lengths, tr, 2500)
@@ -638,7 +627,7 @@ def test_decode_append_mma16_on_gpu_equals_reference():
         book.commit(1)
     assert int(book_r.committed.num_pages[0]) == 1
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"state.{f} differs"
+        assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"{label}state.{f} differs"
 
 
 # ---- 4-bit key pages (layout.with_key_bits(4), issue 17): values stay 2-bit -------------------------------------
