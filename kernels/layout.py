@@ -337,23 +337,8 @@ def split_length(length, sink: int, recent_capacity: int, page_size: int):
     return sink_len, pages, rest - pages * page_size
 
 
-__all__ = [
-    "CODES_PER_BYTE",
-    "CODE_BITS",
-    "ONE_THIRD_F32",
-    "UNIFORM_LEVELS",
-    "Granularity",
-    "KVCacheLayout",
-    "PACKINGS",
-    "PACK_LINEAR",
-    "PACK_MMA16_KEY",
-    "PACK_MMA16_VALUE",
-    "Packing",
-    "PagedKV",
-    "split_length",
-    "RowFormat",
-    "check_packing",
-    "packing_code",
-    "check_pages_fit",
-    "default_group_size",
+__all__ = [  # the layout's own names, then the row format's it re-exports
+    "KVCacheLayout", "PagedKV", "check_pages_fit", "split_length",
+    "CODES_PER_BYTE", "CODE_BITS", "ONE_THIRD_F32", "UNIFORM_LEVELS", "Granularity", "PACKINGS", "PACK_LINEAR",
+    "PACK_MMA16_KEY", "PACK_MMA16_VALUE", "Packing", "RowFormat", "check_packing", "default_group_size", "packing_code",
 ]
