@@ -9,13 +9,15 @@ Usage::
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
     oscar.restore()                                   # back to the model's previous attention
 
-Files: ``support.py`` (model checks, ``enable_oscar``), ``cache.py`` (``OscarCache``: windows, pools, one page book),
-``attention.py`` (the attention and mask functions), ``ops.py`` (the backend seam).
+Files: ``support.py`` (model checks, ``enable_oscar``), ``cache.py`` (``OscarCache``: its layers, one page book),
+``oscar_layer.py`` (``OscarLayer``: one layer's windows and pools), ``attention.py`` (the attention and mask
+functions), ``ops.py`` (the backend seam).
 """
 
-from .cache import OscarCache, OscarLayer
+from .cache import OscarCache
 from .cache_layer import LayerStep
 from .ops import BACKENDS, CacheOps, get_ops
+from .oscar_layer import OscarLayer
 from .support import (
     SUPPORTED_MODEL_TYPES,
     OscarSetup,

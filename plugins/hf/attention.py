@@ -1,6 +1,6 @@
 """The ``"oscar"`` attention function and its mask function (registered by ``enable_oscar``).
 
-transformers calls, per layer: ``cache.update(k, v)`` (our :class:`~.cache.OscarLayer` returns a
+transformers calls, per layer: ``cache.update(k, v)`` (our :class:`~.oscar_layer.OscarLayer` returns a
 :class:`~.cache_layer.LayerStep`), then ``oscar_attention(module, q, step, v, mask)``. What happens depends on the
 forward:
 
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from oscar_export.kernels import reference
 
-from .cache import OscarLayer
 from .cache_layer import LayerStep
+from .oscar_layer import OscarLayer
 from .sliding import SlidingLayer, sliding_attend
 
 #: the name registered with transformers' AttentionInterface and AttentionMaskInterface.

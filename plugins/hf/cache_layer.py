@@ -1,6 +1,6 @@
 """What every layer of an ``OscarCache`` answers to transformers' ``CacheLayerMixin`` the same way.
 
-Both layer kinds (``cache.OscarLayer``, the OSCAR paged cache; ``sliding.SlidingLayer``, a model-dtype ring)
+Both layer kinds (``oscar_layer.OscarLayer``, the OSCAR paged cache; ``sliding.SlidingLayer``, a model-dtype ring)
 belong to one ``OscarCache``: their length, mask sizes and reset are the cache's (its page book); both refuse
 what a fixed-batch cache cannot do (beam reordering, batch resizing), and both hand the attention function a
 :class:`LayerStep` from ``update``, after one check of the new tokens (``check_new``), the same for both.
@@ -19,7 +19,7 @@ class LayerStep:
     """What a layer's ``update`` hands the attention function in place of the key tensor.
 
     Args:
-        layer: the cache layer of this attention layer (``cache.OscarLayer`` or ``sliding.SlidingLayer``).
+        layer: the cache layer of this attention layer (``oscar_layer.OscarLayer`` or ``sliding.SlidingLayer``).
         key, value: ``[B, H_kv, T, D]`` the new tokens, post-RoPE, model basis, model dtype.
     """
 
@@ -39,7 +39,20 @@ class LayerStep:
 
 class OscarCacheLayer(CacheLayerMixin):
     """The cache-wide part of a layer's ``CacheLayerMixin`` interface; ``self.cache`` is the ``OscarCache``, and a
-    layer has ``device``, ``num_kv_heads`` and ``head_dim``."""
+    layer has ``device``, ``num_kv_heads`` and ``head_dim``.
+
+    Args:
+        cache: the ``OscarCache`` the layer belongs to (its book, slots and layer count).
+        index: the layer's index.
+        dtype: the model's float dtype.
+    """
+
+    def __init__(self, cache, index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.dtype = dtype
+        self.device = cache.book.device
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hand the new tokens to the attention function (nothing is written here).

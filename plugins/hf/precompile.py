@@ -75,7 +75,7 @@ def formats(cache, scale: float) -> list[StepFormat]:
 
 
 def _key(fmt: StepFormat, device: torch.device) -> tuple:
-    from .cache import TransformFlags
+    from .oscar_layer import TransformFlags
 
     return (fmt.layout, TransformFlags.of(fmt.transform), fmt.batch, fmt.max_pages, fmt.num_heads, fmt.dtype,
             fmt.scale, device)
@@ -85,7 +85,7 @@ def run_step(fmt: StepFormat, device: torch.device | str) -> None:
     """One decode step of format ``fmt`` on scratch buffers of ``device``: every kernel it launches is compiled."""
     from . import triton_backend
     from .attention import rotate_values
-    from .cache import TransformFlags
+    from .oscar_layer import TransformFlags
 
     device = torch.device(device)
     lay = fmt.layout

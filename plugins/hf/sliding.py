@@ -45,15 +45,11 @@ class SlidingLayer(OscarCacheLayer):
     def __init__(self, cache, index: int, num_kv_heads: int, head_dim: int, window: int, dtype: torch.dtype) -> None:
         if window <= 0:
             raise ValueError(f"sliding window: expected > 0, got {window}")
-        super().__init__()
+        super().__init__(cache, index, dtype)
         book = cache.book
-        self.cache = cache
-        self.index = index
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.window = window
-        self.dtype = dtype
-        self.device = book.device
         shape = (book.batch, num_kv_heads, window, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=book.device)  # [B, H_kv, W, D]
         self.v = torch.zeros(shape, dtype=dtype, device=book.device)
