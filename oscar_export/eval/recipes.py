@@ -19,7 +19,8 @@ from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform, hadamard
 
 from .attention import EvalContext, evaluating
-from .cache_models import BF16Cache, CacheModel, HFQuantized, Kivi2, PagedInt2
+from .cache_models import BF16Cache, CacheModel, Kivi2, PagedInt2
+from .hf_quantized import HFQuantized
 
 RESEARCH_CLIPS = (0.96, 0.92)
 

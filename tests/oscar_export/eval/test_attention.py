@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from oscar_export.eval.attention import EvalContext, sequence_attention
-from oscar_export.eval.cache_models import HFQuantized, Kivi2, PagedInt2
+from oscar_export.eval.cache_models import Kivi2, PagedInt2
+from oscar_export.eval.hf_quantized import HFQuantized
 
 from helpers import EVAL_LAYOUT, D, eval_transform
 

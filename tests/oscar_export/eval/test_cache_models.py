@@ -1,6 +1,6 @@
 """``oscar_export/eval/cache_models.py``: the cache models behind the fake-quantized attention: BF16 identities, the
-per-position rule against the real reference cache fed token by token, the HF QuantizedCache replay against the
-real layer, bits, bad input (decode reuse across demotions and flushes: test_attention.py)."""
+per-position rule against the real reference cache fed token by token, bits, bad input (the HF QuantizedCache
+replay against the real layer: test_hf_quantized.py; decode reuse across demotions and flushes: test_attention.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,8 @@ import pytest
 import torch
 
 from oscar_export.eval.attention import EvalContext, sequence_attention
-from oscar_export.eval.cache_models import (
-    BF16Cache,
-    CacheModel,
-    HFQuantized,
-    Kivi2,
-    PagedInt2,
-    hf_flushes,
-    hf_quantized_count,
-)
+from oscar_export.eval.cache_models import BF16Cache, CacheModel, Kivi2, PagedInt2
+from oscar_export.eval.hf_quantized import HFQuantized, hf_quantized_count
 from oscar_export.eval.recipes import baseline_methods
 from oscar_export.eval.text import compare_hidden, final_hidden
 from oscar_export.kernels import reference as ref
@@ -149,36 +142,6 @@ def test_page_method_bits_follow_the_layout():
     q = hf_quantized_count(1, 1000, 128)
     assert ms["hf-quanto-int2"].bits_per_element(1000) == pytest.approx((q * 2.5 + (1000 - q) * 16) / 1000)
     assert ms["hf-hqq-int4"].bits_per_element(1000) == pytest.approx((q * 4.5 + (1000 - q) * 16) / 1000)
-
-
-# ---- the HF QuantizedCache replay against the real layer fed token by token ---------------------------------------
-
-
-def test_hf_flush_schedule():
-    # transformers flushes when residual + new >= R: tokens 1..3 wait, token 4 triggers (0..4 quantized)
-    assert hf_flushes(1, 10, 4) == [(1, 1), (5, 5), (9, 9)]
-    assert hf_quantized_count(1, 10, 4) == 9
-    assert hf_flushes(5, 6, 4) == [(5, 5)]
-
-
-@pytest.mark.parametrize("backend,nbits", [("hqq", 2), ("hqq", 4), pytest.param("quanto", 2, marks=pytest.mark.slow)])
-def test_hf_replay_matches_real_quantized_layer(backend, nbits):
-    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
-
-    cls = HQQQuantizedLayer if backend == "hqq" else QuantoQuantizedLayer
-    m = HFQuantized("hf", backend=backend, nbits=nbits, residual=8)
-    T = 40
-    q = torch.randn(4, T, D)
-    k = torch.randn(2, T, D)
-    v = torch.randn(2, T, D)
-    got = sequence_attention(EvalContext([m], "score", torch.float32), m, 0, 0, q, k, v, D ** -0.5)
-    real = cls(nbits=nbits, q_group_size=64, residual_length=8)
-    worst = 0.0
-    for a in range(T):
-        kk, vv = real.update(k[None, :, a : a + 1], v[None, :, a : a + 1])
-        o = ref.masked_attention(q[None, :, a : a + 1], kk, vv, torch.ones(1, 1, a + 1, dtype=torch.bool), D ** -0.5)
-        worst = max(worst, (o[0, :, 0] - got[:, a]).abs().max().item())
-    assert worst < 2e-5, f"worst |replay - real QuantizedLayer| = {worst:.3e}"
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------

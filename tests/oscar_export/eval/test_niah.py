@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_export.eval.cache_models import BF16Cache, HFQuantized, Kivi2, PagedInt2
+from oscar_export.eval.cache_models import BF16Cache, Kivi2, PagedInt2
+from oscar_export.eval.hf_quantized import HFQuantized
 from oscar_export.eval.niah import run_niah
 from oscar_export.eval.niah_prompts import NiahConfig, build_prompts
 from oscar_export.eval.niah_scoring import summarize
