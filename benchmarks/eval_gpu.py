@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from oscar_export.bench import git_commit
-from oscar_export.eval.driver import check_device, check_lengths, run_deployed, run_eval
+from oscar_export.eval.deployed import run_deployed
+from oscar_export.eval.driver import check_device, check_lengths, run_eval
 from oscar_export.eval.presets import PRESETS, Preset
 from oscar_export.eval.report import markdown, merge, write_all
 

@@ -15,7 +15,7 @@ Only the public API of the HF integration is used: ``enable_oscar(model, artifac
   from the cache, prompts of one task and length batched (they have the same token count).
 * **Runs.** ``triton``: the BF16 model with the Triton kernels, as deployed; ``reference``: the fp32 model
   with the PyTorch reference ops (the cross-check); each is compared with its own model's plain cache, and
-  the two OSCAR runs with each other.
+  the two OSCAR runs with each other. :func:`run_deployed` does the runs asked for and adds them to a result.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from oscar_export.calibration.families import family_for
 from .niah import last_logits_only
 from .niah_prompts import NiahConfig, NiahPrompt
 from .niah_scoring import judge, result_row, summarize
+from .presets import Preset
 from .text import TextScore, score_prefixes
 
 #: bytes the OSCAR prefill's fp32 score matrix may take (the reference prefill attention is dense).
@@ -202,4 +203,40 @@ def deployed_niah(models: dict, artifact, tokenizer, prompts: list[NiahPrompt], 
     return {"config": cfg.to_dict(), "summary": summarize(rows), "rows": rows, "timings": timings}
 
 
-__all__ = ["deployed_niah", "deployed_text", "greedy_answers", "oscar_logits", "plain_logits", "prompt_batches"]
+def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool, niah: bool, split: str,
+                 log=print, bf16_backend: str = "triton", runs=("triton", "reference")) -> dict:
+    """Ours through the real cache: the BF16 model with ``bf16_backend`` (Triton, as deployed on CUDA) and the
+    fp32 model with the reference ops (the cross-check); ``runs`` names the ones to do."""
+    import copy
+
+    from .niah_prompts import build_prompts
+    from .text import max_positions, text_windows
+
+    if artifact is None:
+        raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
+    if not set(runs) <= {"triton", "reference"} or not runs:
+        raise ValueError(f"runs: expected some of ('triton', 'reference'), got {tuple(runs)}")
+    models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), bf16_backend), "reference": (model, "torch")}
+    models = {run: models[run] for run in ("triton", "reference") if run in runs}
+    dep: dict = result.get("deployed") or {}  # a later call adds its part to an earlier one's
+    dep.setdefault("timings", {})
+    if text:
+        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model),
+                               split=split)
+        dep["text_windows"] = int(windows.shape[0])
+        part = deployed_text(models, artifact, windows, preset.text_lengths, preset.text_chunk, log)
+        dep.update(text=part["text"], cross=part["cross"], chunk=part["chunk"])
+        dep["timings"].update(part["timings"])
+    if niah:
+        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split, tasks=preset.tasks)
+        part = deployed_niah(models, artifact, tok, build_prompts(tok, cfg), cfg, log=log)
+        dep["niah"] = part
+        dep["timings"].update(part["timings"])
+    dep["backends"] = {run: backend for run, (_, backend) in models.items()}
+    models.pop("triton", None)
+    result["deployed"] = dep
+    return result
+
+
+__all__ = ["deployed_niah", "deployed_text", "greedy_answers", "oscar_logits", "plain_logits", "prompt_batches",
+           "run_deployed"]

@@ -199,42 +199,6 @@ def _bar(total: int, desc: str):
         b.close()
 
 
-def run_deployed(model, tok, preset: Preset, artifact, result: dict, text: bool, niah: bool, split: str,
-                 log=print, bf16_backend: str = "triton", runs=("triton", "reference")) -> dict:
-    """Ours through the real cache: the BF16 model with ``bf16_backend`` (Triton, as deployed on CUDA) and the
-    fp32 model with the reference ops (the cross-check); ``runs`` names the ones to do."""
-    import copy
-
-    from .deployed import deployed_niah, deployed_text
-    from .niah_prompts import NiahConfig, build_prompts
-    from .text import max_positions, text_windows
-
-    if artifact is None:
-        raise ValueError("the deployed runs need our artifact: pass --artifact or let eval calibrate")
-    if not set(runs) <= {"triton", "reference"} or not runs:
-        raise ValueError(f"runs: expected some of ('triton', 'reference'), got {tuple(runs)}")
-    models = {"triton": (copy.deepcopy(model).to(torch.bfloat16), bf16_backend), "reference": (model, "torch")}
-    models = {run: models[run] for run in ("triton", "reference") if run in runs}
-    dep: dict = result.get("deployed") or {}  # a later call adds its part to an earlier one's
-    dep.setdefault("timings", {})
-    if text:
-        windows = text_windows(tok, preset.text_lengths[-1], preset.text_windows, max_positions=max_positions(model),
-                               split=split)
-        dep["text_windows"] = int(windows.shape[0])
-        part = deployed_text(models, artifact, windows, preset.text_lengths, preset.text_chunk, log)
-        dep.update(text=part["text"], cross=part["cross"], chunk=part["chunk"])
-        dep["timings"].update(part["timings"])
-    if niah:
-        cfg = NiahConfig(lengths=preset.niah_lengths, needles=preset.needles, split=split, tasks=preset.tasks)
-        part = deployed_niah(models, artifact, tok, build_prompts(tok, cfg), cfg, log=log)
-        dep["niah"] = part
-        dep["timings"].update(part["timings"])
-    dep["backends"] = {run: backend for run, (_, backend) in models.items()}
-    models.pop("triton", None)
-    result["deployed"] = dep
-    return result
-
-
 def environment(model) -> dict:
     import transformers
 
@@ -325,6 +289,8 @@ def _run(args, preset: Preset, device: torch.device, merged: dict | None, names:
     result = run_eval(model, tok, preset, artifact, names, niah=not args.no_niah, text=not args.no_text,
                       split=args.split)
     if device.type == "cuda" and not args.no_deployed and artifact is not None:
+        from .deployed import run_deployed
+
         result = run_deployed(model, tok, preset, artifact, result, not args.no_text, not args.no_niah, args.split)
     result["command"] = "oscar-export eval " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in
                                                         sorted(vars(args).items()) if not k.startswith("_"))
@@ -398,4 +364,4 @@ def calibrate_and_save(model, tok, preset: Preset, out: str, inputs) -> object:
 
 
 __all__ = ["EPILOG", "add_arguments", "build_methods", "calibrate_and_save", "check_device", "check_lengths", "run",
-           "run_deployed", "run_eval"]
+           "run_eval"]
