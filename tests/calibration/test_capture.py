@@ -9,15 +9,9 @@ from transformers import LlamaForCausalLM
 
 from oscar_export.calibration.capture import Collector, run_batches
 
-from helpers import CAPTURE_SHAPE, FAMILY_VOCAB, capture_llama, family_model
+from helpers import CAPTURE_SHAPE, FAMILY_VOCAB, family_model
 
 L, H, HKV, D = CAPTURE_SHAPE
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """:func:`helpers.capture_llama`, built once for this module."""
-    return capture_llama()
 
 
 def test_outputs_unchanged_and_implementation_restored(tiny):

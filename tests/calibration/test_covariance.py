@@ -3,21 +3,14 @@ attention-weighted value target), GQA-grouped, over two batches equal the sums o
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from oscar_export.calibration.capture import Collector, run_batches
 from oscar_export.calibration.covariance import causal_probs
 
-from helpers import CAPTURE_SHAPE, capture_llama
+from helpers import CAPTURE_SHAPE
 
 L, H, HKV, D = CAPTURE_SHAPE
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """:func:`helpers.capture_llama`, built once for this module."""
-    return capture_llama()
 
 
 def test_stats_match_direct_sums(tiny):
