@@ -18,6 +18,14 @@ from oscar_export.cli import main
 from helpers import identity_artifact_with_stats
 
 
+def refused_line(tmp_path, capsys, argv) -> str:
+    """``oscar-export calibrate --out <tmp_path>/a *argv`` exits with code 2 and one line on stderr; returns it."""
+    rc = main(["calibrate", "--out", str(tmp_path / "a"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    return err
+
+
 @pytest.mark.parametrize(
     "argv,msg",
     [
@@ -28,9 +36,7 @@ from helpers import identity_artifact_with_stats
     ],
 )
 def test_calibrate_bad_inputs(tmp_path, capsys, argv, msg):
-    rc = main(["calibrate", "--out", str(tmp_path / "a"), *argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1, err
+    err = refused_line(tmp_path, capsys, argv)
     assert re.search(msg, err), err
 
 
@@ -60,9 +66,7 @@ def test_calibrate_bad_choice(tmp_path):
     ],
 )
 def test_calibrate_options_checked_before_model_load(tmp_path, capsys, no_model_load, argv, msg):
-    rc = main(["calibrate", "--out", str(tmp_path / "a"), *argv])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1, err
+    err = refused_line(tmp_path, capsys, argv)
     assert re.search(msg, err), err
 
 
@@ -165,9 +169,8 @@ def test_calibrate_with_a_device_map_equals_the_plain_run(tiny_model_dir, tmp_pa
 
 
 def test_calibrate_key_bits_options_checked_before_the_model_loads(tmp_path, capsys):
-    rc = main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", "-1"])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "key_bits_budget: expected None or bits per element > 0" in err, err
+    err = refused_line(tmp_path, capsys, ["--key-bits-budget", "-1"])
+    assert "key_bits_budget: expected None or bits per element > 0" in err, err
     with pytest.raises(SystemExit):
         main(["calibrate", "--out", str(tmp_path / "b"), "--key-bits-metric", "mse"])
     with pytest.raises(SystemExit):
@@ -182,9 +185,7 @@ def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_
     from oscar_export.calibration.config import CalibrationConfig
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the budget check"))
-    rc = main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "a"), "--key-bits-budget", "2.4"])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1, err
+    err = refused_line(tmp_path, capsys, ["--model", str(tiny_model_dir), "--key-bits-budget", "2.4"])
     # head_dim 16, G = P = 64 -> groups of 16: keys 2 + 32/64, values 2 + 32/16 = 4 -> 3.25 bits per element
     assert ("key_bits_budget: 2.4 bits per element is below the 3.25 of this model's 2-bit pages "
             "(head_dim 16, page 64)") in err and "or none for 2-bit keys in every layer" in err, err
@@ -206,9 +207,7 @@ def test_budget_below_the_embedded_models_pages_refused_before_it_loads(tmp_path
         pytest.skip(str(e))
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("the model loaded before the budget check"))
     for budget in ("1.0", "2.4"):
-        rc = main(["calibrate", "--out", str(tmp_path / "a"), "--key-bits-budget", budget])
-        err = capsys.readouterr().err
-        assert rc == 2 and err.count("\n") == 1, err
+        err = refused_line(tmp_path, capsys, ["--key-bits-budget", budget])
         # head_dim 64, page 64: keys 2 + 32/64, values 2 + 32/64 -> 2.5 bits per element
         assert f"key_bits_budget: {float(budget):g} bits per element is below the 2.5 of this model's 2-bit pages " \
                "(head_dim 64, page 64); 2.5 or more, or none" in err, err
