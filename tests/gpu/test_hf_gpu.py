@@ -58,24 +58,34 @@ def forced_logits(model, setup, prompt: torch.Tensor, tokens: torch.Tensor) -> t
     return torch.stack(out)
 
 
+def triton_against_reference(model, what: str, on_triton=lambda setup: setup, **enable) -> None:
+    """``enable_oscar(model, **enable)`` with the Triton backend (``on_triton(setup)``: checks it, returns the setup
+    to run) against the reference ops over the same forced tokens (:func:`assert_triton_matches_torch`): a 700-token
+    prompt (> 64 + 256 + 64: INT2 pages from the prompt), then 130 tokens (two demotions during decode)."""
+    prompt = torch.randint(0, 512, (1, 700), device="cuda")
+    tokens = torch.randint(0, 512, (130,), device="cuda")
+    with enable_oscar(model, **enable) as setup:
+        assert setup.ops.name == "triton"
+        got = forced_logits(model, on_triton(setup), prompt, tokens)
+    with enable_oscar(model, backend="torch", **enable) as setup:
+        want = forced_logits(model, setup, prompt, tokens)
+    assert_triton_matches_torch(got, want, what)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("kind", ["identity", "rotated"])
 def test_auto_backend_is_triton_and_matches_reference_ops(kind):
     """The Triton backend against the reference ops; with rotated keys (``"rotated"``) the queries are rotated once
     a step by the append launch and the decode kernels read them as they are (issue 26)."""
     model = model_of()
-    art = artifact_of(model, kind)
-    prompt = torch.randint(0, 512, (1, 700), device="cuda")  # 700 > 64 + 256 + 64: INT2 pages from the prompt
-    tokens = torch.randint(0, 512, (130,), device="cuda")  # crosses two demotions during decode
-    with enable_oscar(model, art) as setup:
-        assert setup.ops.name == "triton"
+
+    def check(setup):
         cache = setup.make_cache(1, 8)
         assert all(layer.flags.keys_identity == (kind == "identity") for layer in cache.layers)
         assert all(layer.append_plan.rotate_q == (kind == "rotated") for layer in cache.layers)
-        got = forced_logits(model, setup, prompt, tokens)
-    with enable_oscar(model, art, backend="torch") as setup:
-        want = forced_logits(model, setup, prompt, tokens)
-    assert_triton_matches_torch(got, want, f"{kind} keys")
+        return setup
+
+    triton_against_reference(model, f"{kind} keys", check, artifact=artifact_of(model, kind))
 
 
 @torch.no_grad()
@@ -94,14 +104,7 @@ def test_mixed_key_bits_triton_matches_reference_ops(gran):
     ts = [LayerTransform.identity(4, 64, 0.96, 0.92) for _ in range(4)]
     ts = [replace(t, k_clip=torch.ones(4)) if i % 2 == 0 else t for i, t in enumerate(ts)]
     art = OscarArtifact(lay, tuple(ts), model_fingerprint(model.config), key_bits=(4, 2, 4, 2))
-    prompt = torch.randint(0, 512, (1, 700), device="cuda")
-    tokens = torch.randint(0, 512, (130,), device="cuda")
-    with enable_oscar(model, art) as setup:
-        assert setup.ops.name == "triton"
-        got = forced_logits(model, setup, prompt, tokens)
-    with enable_oscar(model, art, backend="torch") as setup:
-        want = forced_logits(model, setup, prompt, tokens)
-    assert_triton_matches_torch(got, want, f"mixed key bits ({gran})")
+    triton_against_reference(model, f"mixed key bits ({gran})", artifact=art)
 
 
 @torch.no_grad()
@@ -118,15 +121,8 @@ def test_each_decode_backend_matches_reference_ops(backend):
         pytest.skip("the hopper backend runs on sm_90")
     model = model_of(kv_heads=4, head_dim=64)
     lay = KVCacheLayout.default(4, 64, "channel", packing="mma16", page_size=64)
-    prompt = torch.randint(0, 512, (1, 700), device="cuda")
-    tokens = torch.randint(0, 512, (130,), device="cuda")
-    with enable_oscar(model, layout=lay) as setup:
-        assert setup.ops.name == "triton"
-        setup = replace(setup, decode_backends=(DecodeBackend(backend),) * 4)
-        got = forced_logits(model, setup, prompt, tokens)
-    with enable_oscar(model, layout=lay, backend="torch") as setup:
-        want = forced_logits(model, setup, prompt, tokens)
-    assert_triton_matches_torch(got, want, f"{backend} backend")
+    triton_against_reference(model, f"{backend} backend",
+                             lambda setup: replace(setup, decode_backends=(DecodeBackend(backend),) * 4), layout=lay)
 
 
 def test_select_backend_on_this_gpu_with_the_plans_split():
