@@ -120,14 +120,21 @@ def test_decode_attention_head_dim_256_two_groups(hq, hkv, variant, gran):
 def test_decode_append_and_quantize_head_dim_256_bit_exact(gran):
     """head_dim 256, G 128: the prefill quantizer and the decode step's writer (token + demotion) leave every
     buffer equal to the reference's on the GPU."""
-    from oscar_export.kernels.decode_step import decode_append
-
     lay = KVCacheLayout.default(8, 256, gran, sink=16, window=128)
     tr = LayerTransform.identity(8, 256, 0.96, 0.92).to(DEV)
     x = (torch.randn(64, 8, lay.page_size, 256, device=DEV) * 2).bfloat16().float()
     for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
                           ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
         assert torch.equal(g, w), f"quantize {gran} keys {name}: {(g != w).sum().item()} mismatches"
+    _assert_four_steps_equal_reference(lay, tr, gran)
+
+
+def _assert_four_steps_equal_reference(lay: KVCacheLayout, tr: LayerTransform, label: str) -> None:
+    """Four decode steps over ragged lengths (slot 0 demotes at the first step) by ``reference.decode_append`` and by
+    the kernel's, on two caches booked alike: a demotion crossed and every cache tensor equal (``label`` names a
+    failure)."""
+    from oscar_export.kernels.decode_step import decode_append
+
     lengths = [lay.sink + lay.recent_capacity - 1, 700, 5]  # slot 0 demotes at the first step
     books, states = [], []
     for _ in range(2):
@@ -135,7 +142,7 @@ def test_decode_append_and_quantize_head_dim_256_bit_exact(gran):
         book, st = _book_cache(lay, lengths, tr, 1200)
         books.append(book)
         states.append(st)
-    ks, vs = torch.randn(4, 3, 8, 256, device=DEV), torch.randn(4, 3, 8, 256, device=DEV)
+    ks, vs = torch.randn(4, 3, 8, lay.head_dim, device=DEV), torch.randn(4, 3, 8, lay.head_dim, device=DEV)
     for i in range(4):
         for book, st, fn in ((books[0], states[0], ref.decode_append), (books[1], states[1], decode_append)):
             book.begin(1)
@@ -144,7 +151,7 @@ def test_decode_append_and_quantize_head_dim_256_bit_exact(gran):
     assert int(books[0].committed.num_pages[0]) == lay.pages_for(lengths[0] + 4) >= 1, "no demotion crossed"
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
         g, w = getattr(states[1], f), getattr(states[0], f)
-        assert torch.equal(g, w), f"decode_append {gran} {f}: {(g != w).sum().item()} mismatches"
+        assert torch.equal(g, w), f"decode_append {label} {f}: {(g != w).sum().item()} mismatches"
 
 
 def _book_cache(lay: KVCacheLayout, lengths: list[int], tr: LayerTransform, max_length: int):
@@ -670,28 +677,10 @@ def test_decode_attention_4bit_keys_head_dim_256(gran):
 def test_quantize_and_decode_append_4bit_keys_bit_exact(gran, d):
     """4-bit key pages at a prefill's size (the quantizer) and the decode step's writer across a demotion: every
     buffer equal to the reference's on the GPU."""
-    from oscar_export.kernels.decode_step import decode_append
-
     lay = KVCacheLayout.default(8, d, gran, sink=16, window=128).with_key_bits(4)
     tr = LayerTransform.identity(8, d, 0.96, 0.92).to(DEV)
     x = (torch.randn(128, 8, lay.page_size, d, device=DEV) * torch.linspace(0.1, 3, d, device=DEV)).bfloat16().float()
     for name, g, w in zip(("codes", "params"), quantize_pages(x, lay, lay.key, tr.k_clip, tr.k_levels),
                           ref.quantize_pages(x, lay.key, tr.k_clip, tr.k_levels)):
         assert torch.equal(g, w), f"quantize 4-bit {gran} keys {name}: {(g != w).sum().item()} mismatches"
-    lengths = [lay.sink + lay.recent_capacity - 1, 700, 5]  # slot 0 demotes at the first step
-    books, states = [], []
-    for _ in range(2):
-        torch.manual_seed(0)
-        book, st = _book_cache(lay, lengths, tr, 1200)
-        books.append(book)
-        states.append(st)
-    ks, vs = torch.randn(4, 3, 8, d, device=DEV), torch.randn(4, 3, 8, d, device=DEV)
-    for i in range(4):
-        for book, st, fn in ((books[0], states[0], ref.decode_append), (books[1], states[1], decode_append)):
-            book.begin(1)
-            fn(book.state_view(st, book.committed), ks[i].bfloat16(), vs[i].bfloat16(), book.status, lay, tr)
-            book.commit(1)
-    assert int(books[0].committed.num_pages[0]) == lay.pages_for(lengths[0] + 4) >= 1, "no demotion crossed"
-    for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):
-        g, w = getattr(states[1], f), getattr(states[0], f)
-        assert torch.equal(g, w), f"decode_append 4-bit {gran} d={d} {f}: {(g != w).sum().item()} mismatches"
+    _assert_four_steps_equal_reference(lay, tr, f"4-bit {gran} d={d}")
