@@ -48,10 +48,11 @@ import subprocess
 import time
 
 import torch
-from e2e_compile import clear_compile_timers, compile_split, fresh_caches, triton_binaries
-from e2e_rows import add_ratios, add_roofline, bf16_cache_bytes, oscar_sequence_bytes, print_table
 
 from oscar_export.bench import random_artifact
+
+from e2e_compile import clear_compile_timers, compile_split, fresh_caches, triton_binaries
+from e2e_rows import add_ratios, add_roofline, bf16_cache_bytes, oscar_sequence_bytes, print_table
 
 MODELS = {
     "llama3-8b": dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

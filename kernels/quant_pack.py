@@ -4,7 +4,7 @@ One program quantizes one page of one KV head (``[P, D]`` rows) and writes its p
 ``(scale, lo)`` params straight into the page pool. It serves the prefill write (whole pages known up front)
 and the demotion of the oldest recent tokens inside a decode step (:mod:`.decode_step`).
 
-The arithmetic is the reference's, step for step (see ``reference.py``): the clip threshold is
+The arithmetic is the reference's, step for step (see ``kernels/reference/``): the clip threshold is
 ``sorted(|x|)[rank]`` of the group, i.e. its K-th largest ``|x|`` with ``K = group - rank``, found with
 per-thread top-8 lists in registers (:mod:`.clip_threshold`); the scale is
 ``fp16((hi - lo) * fp32(1/3))`` and the codes compare ``x - lo`` with ``t_j * s``. There is no division,

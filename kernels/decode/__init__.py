@@ -6,7 +6,7 @@ backend                pages                           where it runs
 ``"hopper"``           ``"mma16"`` (fragment order)    the Gluon kernel (``kernels/decode/hopper_kernel.py``,
                                                        wrapper :mod:`.hopper`): sm_90 GPUs
 ``"portable"``         ``"linear"``                    the Triton kernel (:mod:`.portable`): any CUDA GPU
-``"reference"``        ``"linear"``                    the PyTorch reference (``kernels/reference.py``): CPU, or
+``"reference"``        ``"linear"``                    the PyTorch reference (``kernels/reference/``): CPU, or
                                                        without Triton
 =====================  ==============================  ==========================================================
 

@@ -1,6 +1,6 @@
 """Decode attention v3: the mma16 split kernel in Gluon, the unpacked codes as the register A operand of ``wgmma``.
 
-Same interface, semantics and partials as v2's split kernels (:mod:`.decode_attention_v2`), same mma16 pages, and
+Same interface, semantics and partials as the portable split kernel (:mod:`.portable`), same mma16 pages, and
 two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by ``splits._merge_kernel`` (the
 launch plan's DECODE_SPLIT_GL, what AOT bundles carry), and ``_decode_split_merge_gl_kernel``, whose last program of
 each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge._merge_if_last``: one launch; the JIT default,
@@ -381,7 +381,7 @@ if HAVE_GLUON:
     ):
         """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`_merge_if_last`): one launch
         for the whole decode attention. ``out_ptr [B, H, D]`` (fp32 / bf16 / fp16), ``counters_ptr`` int32 ``[>=
-        B * H_KV]``, zero at launch and left zero (``decode_attention_v2.merge_counters``)."""
+        B * H_KV]``, zero at launch and left zero (``hopper.merge_counters``)."""
         _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,
                        v_codes_ptr, v_params_ptr, block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr,
                        part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
