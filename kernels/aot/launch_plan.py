@@ -5,8 +5,8 @@ order with the pointer/scalar type the AOT bundle compiles, the names of its con
 follow from the layout, ``num_warps`` / ``num_stages``, the grid rule, the int32 arguments derived from
 others, and where the shared memory comes from. Everyone that launches a kernel reads it:
 
-* the JIT wrappers (``decode/portable.py``, ``decode/hopper.py``, ``decode_step.py``, ``quant_pack.py``) take their warp/stage and
-  chunk constants from here (the module-level constants at their tops);
+* the JIT wrappers (``decode/portable.py``, ``decode/hopper.py``, ``decode_step.py``, ``quant_pack.py``) take their
+  warp/stage and chunk constants from here (the module-level constants at their tops);
 * the bundle (``bundle.py`` builds every ``KernelSpec`` from a plan; ``spec.py`` evaluates its rules,
   ``kernel_plan.py``);
 * the driver-API launcher (``launcher.py``: ``block = 32 * num_warps`` of the compiled spec);
