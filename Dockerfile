@@ -19,7 +19,7 @@ FROM ${TRTLLM_IMAGE}
 COPY . /deploy
 # Keep the image's torch/triton/transformers; add this deployment's wheel (wheels/) and what the image may lack.
 RUN python3 -m pip install --no-cache-dir --no-deps --no-index --find-links /deploy/wheels oscar-export \
- && python3 -m pip install --no-cache-dir "safetensors>=0.4" "tqdm>=4.60" "cuda-python>=12.0"
+ && python3 -m pip install --no-cache-dir "safetensors>=0.4" "tqdm>=4.60" "cuda-python>=12.6.2"
 
 EXPOSE 8000
 # extra_llm_api_options.yaml (written by build) turns off what was not run inside TensorRT-LLM: see its README.md.

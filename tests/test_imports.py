@@ -1,7 +1,7 @@
 """The package's import structure: no import cycle between its modules, and no Triton behind the HF host.
 
-The modules are found where the installed package keeps them (``kernels/`` is ``oscar_export.kernels`` through
-pyproject's ``package-dir``), read with ``ast`` and never imported, so a cycle shows whatever the order of import.
+The modules are found where the installed package keeps them (``src/oscar_export/``), read with ``ast`` and never
+imported, so a cycle shows whatever the order of import.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-#: the installed package and the folders pyproject maps into it
+#: the installed package and its three floors below the commands (docs/design.md §2)
 ROOTS = ("oscar_export", "oscar_export.kernels", "oscar_export.calibration", "oscar_export.plugins")
 
 

@@ -60,10 +60,9 @@ def test_deploy_folder_ships_a_wheel_of_this_project(deployment):
     names = set(zipfile.ZipFile(wheel).namelist())
     for mod in ("model", "attention", "cache", "deployment", "device", "upstream"):
         assert f"oscar_export/plugins/trtllm/{mod}.py" in names
-    for src in ("plugins/trtllm/model.py", "kernels/pages.py", "calibration/artifact.py"):  # as in the source now
-        inside = {"plugins": "oscar_export/plugins", "kernels": "oscar_export/kernels",
-                  "calibration": "oscar_export/calibration"}[src.split("/")[0]] + "/" + src.split("/", 1)[1]
-        assert zipfile.ZipFile(wheel).read(inside) == (REPO / src).read_bytes(), src
+    for inside in ("oscar_export/plugins/trtllm/model.py", "oscar_export/kernels/pages.py",
+                   "oscar_export/calibration/artifact.py"):  # as in the source now
+        assert zipfile.ZipFile(wheel).read(inside) == (REPO / "src" / inside).read_bytes(), inside
     assert _readme_pip(deployment) == ["pip", "install", "--no-deps", "--no-index", "--find-links", "./wheels",
                                        "oscar-export"]
 

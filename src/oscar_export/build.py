@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -218,7 +217,7 @@ _WHEELS: dict[str, tuple[str, bytes]] = {}
 
 def source_root() -> Path:
     """The source tree this ``oscar_export`` was loaded from (an install from source, ``pip install -e``)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # <root>/src/oscar_export/build.py
     pyproject = root / "pyproject.toml"
     if not pyproject.is_file() or 'name = "oscar-export"' not in pyproject.read_text():
         raise RuntimeError(
@@ -231,14 +230,11 @@ def project_wheel(dest: Path) -> Path:
     """Build a wheel of this project from the source it runs from into ``dest``; returns its path.
 
     ``pip wheel --no-deps --no-build-isolation --no-index`` (setuptools and wheel of the running environment, no
-    network) over a copy of ``pyproject.toml``, ``README.md`` and the package directories ``pyproject.toml``
-    names, so nothing else of the source tree (an old ``build/``) goes in. Built once per process for the same
-    source bytes."""
+    network) over a copy of ``pyproject.toml``, ``README.md`` and ``src/``, so nothing else of the source tree (an
+    old ``build/``) goes in. Built once per process for the same source bytes."""
     root = source_root()
-    text = (root / "pyproject.toml").read_text()
-    dirs = sorted({d.split("/")[0] for d in re.findall(r'^"oscar_export[\w.]*"\s*=\s*"([^"]+)"', text, re.M)})
     files = ["pyproject.toml", "README.md"] + [
-        str(f.relative_to(root)) for d in dirs for f in sorted((root / d).rglob("*"))
+        str(f.relative_to(root)) for f in sorted((root / "src").rglob("*"))
         if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"]
     digest = hashlib.sha256()
     for name in files:
