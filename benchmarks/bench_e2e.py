@@ -25,7 +25,8 @@ workers have), ``jit_kernels`` (the kernels that first call wrote into Triton's 
 ``warmup_s`` (the first three calls, CUDA-graph recording included), ``prefill_s``,
 ``peak_gib`` (``max_memory_allocated`` over prefill and decode), ``roofline_frac`` (the step's bytes — weights +
 the cache bytes it must read, from the layout — at the copy bandwidth measured in the same run, over the step
-time) and, for OSCAR, the ratios to the BF16 row of the same workload. ``--equal-kv-gib`` adds one row per cache at
+time), ``bf16_roofline_ms`` / ``vs_bf16_roofline`` (the same workload's BF16 roofline, the floor of any BF16
+engine, over the step time: ``e2e_rows.py``) and, for OSCAR, the ratios to the BF16 row of the same workload. ``--equal-kv-gib`` adds one row per cache at
 its largest batch whose cache fits the budget at ``--equal-context`` tokens (lengths set directly, no prefill:
 decode speed does not depend on the values) and the throughput ratio. ``--deadline-s``: no row starts after that
 many seconds (the JSON is written after every row).
@@ -52,7 +53,8 @@ import torch
 from oscar_export.bench import random_artifact
 
 from e2e_compile import clear_compile_timers, compile_split, fresh_caches, triton_binaries
-from e2e_rows import add_ratios, add_roofline, bf16_cache_bytes, oscar_sequence_bytes, print_table
+from e2e_rows import (add_equal_kv_roofline, add_ratios, add_roofline, bf16_cache_bytes, oscar_sequence_bytes,
+                      print_table, step_weight_bytes)
 
 MODELS = {
     "llama3-8b": dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -330,9 +332,9 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     model = build(args.model, device)
     cfg = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = step_weight_bytes(model)
     art = random_artifact(model)
-    print(f"{args.model}: {weight_bytes / 2**30:.1f} GiB of weights; 4-bit key layers "
+    print(f"{args.model}: {weight_bytes / 1e9:.2f} GB of weights a step reads; 4-bit key layers "
           f"{[i for i, x in enumerate(art.key_bits) if x == 4]}", flush=True)
     plan = []
     for w in filter(None, args.workloads.split(",")):  # "" : the equal-KV rows only
@@ -340,10 +342,11 @@ def main(argv=None) -> int:
         b, ctx = (int(x) for x in w.rstrip("!").split("x"))
         kinds = args.caches.split(",") + (["oscar-graph"] if args.graph_rows else [])
         plan += [(k, b, ctx, not direct, False) for k in kinds]
+    bf16_batch = 0
     if args.equal_kv_gib:
         budget = int(args.equal_kv_gib * 2**30)
-        plan.append(("bf16", max(1, budget // bf16_cache_bytes(cfg, 1, args.equal_context)), args.equal_context,
-                     False, True))
+        bf16_batch = max(1, budget // bf16_cache_bytes(cfg, 1, args.equal_context))
+        plan.append(("bf16", bf16_batch, args.equal_context, False, True))
         per = oscar_sequence_bytes(art.layout, art.key_bits, args.equal_context)
         plan.append(("oscar", max(1, budget // per), args.equal_context, False, True))
     rows = []
@@ -365,6 +368,8 @@ def main(argv=None) -> int:
         row["equal_kv"] = equal
         if "step_ms" in row and device.type == "cuda":
             add_roofline(row, cfg, weight_bytes, bw, art)
+            if equal:
+                add_equal_kv_roofline(row, cfg, weight_bytes, bw, bf16_batch)
         rows.append(row)
         add_ratios(rows)
         print(json.dumps(row), flush=True)
