@@ -26,9 +26,10 @@ workers have), ``jit_kernels`` (the kernels that first call wrote into Triton's 
 ``peak_gib`` (``max_memory_allocated`` over prefill and decode), ``roofline_frac`` (the step's bytes — weights +
 the cache bytes it must read, from the layout — at the copy bandwidth measured in the same run, over the step
 time), ``bf16_roofline_ms`` / ``vs_bf16_roofline`` (the same workload's BF16 roofline, the floor of any BF16
-engine, over the step time: ``e2e_rows.py``) and, for OSCAR, the ratios to the BF16 row of the same workload. ``--equal-kv-gib`` adds one row per cache at
-its largest batch whose cache fits the budget at ``--equal-context`` tokens (lengths set directly, no prefill:
-decode speed does not depend on the values) and the throughput ratio. ``--deadline-s``: no row starts after that
+engine, over the step time: ``e2e_rows.py``) and, for OSCAR, the ratios to the BF16 row of the same workload.
+``--equal-kv-gib`` adds one row per cache at its largest batch whose cache fits the budget at ``--equal-context``
+tokens (lengths set directly, no prefill: decode speed does not depend on the values), the throughput ratio and the
+BF16 roofline's throughput at that budget. ``--deadline-s``: no row starts after that
 many seconds (the JSON is written after every row).
 
 Compile caches: the run starts with empty Triton and Inductor cache folders (fresh temporary ones, as on a new
@@ -53,8 +54,15 @@ import torch
 from oscar_export.bench import random_artifact
 
 from e2e_compile import clear_compile_timers, compile_split, fresh_caches, triton_binaries
-from e2e_rows import (add_equal_kv_roofline, add_ratios, add_roofline, bf16_cache_bytes, oscar_sequence_bytes,
-                      print_table, step_weight_bytes)
+from e2e_rows import (
+    add_equal_kv_roofline,
+    add_ratios,
+    add_roofline,
+    bf16_cache_bytes,
+    oscar_sequence_bytes,
+    print_table,
+    step_weight_bytes,
+)
 
 MODELS = {
     "llama3-8b": dict(kind="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
