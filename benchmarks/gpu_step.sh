@@ -21,7 +21,7 @@
 set -u
 MODE=${1:?usage: gpu_step.sh kernels|loop|tests}
 source benchmarks/gpu_env.sh
-SHA=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
+SHA=${SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}  # pass SHA=: the device copy's git metadata can be stale
 stage() { echo "$1 rc $2 at $((SECONDS - start)) s" >> "$OUT/env.txt"; }
 if [ "$MODE" = kernels ]; then
   timeout 130 python3 benchmarks/bench_decode.py --kernel hopper --gran channel --key-bits 2,4 \
