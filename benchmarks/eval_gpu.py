@@ -1,4 +1,4 @@
-"""The full evaluation protocol (docs/design.md §5) on the H200, one command:
+"""The full evaluation protocol (docs/design.md §5) on one GPU (H100 or H200), one command:
 
     python benchmarks/eval_gpu.py /tmp/smol.gguf --out /tmp/eval_gpu [--artifact art/] [--quick]
 
@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--needles", type=int, default=None, help="NIAH needles per task and length")
     ap.add_argument("--niah-lengths", default=None, help="NIAH lengths, comma-separated (default: the preset's)")
+    ap.add_argument("--text-lengths", default=None, help="text lengths, comma-separated (default: the preset's)")
     ap.add_argument("--text-windows", type=int, default=None, help="text windows (of the longest text length)")
     ap.add_argument("--text-chunk", type=int, default=None, help="deployed text: tokens per chunk (1 = decode)")
     ap.add_argument("--methods", default=None, help="comma-separated subset (default: all)")
@@ -88,6 +89,8 @@ def main(argv=None) -> int:
     preset = TINY if args.tiny else QUICK if args.quick else PRESETS["full"]
     over = {k: v for k, v in (("needles", args.needles), ("text_windows", args.text_windows),
                               ("text_chunk", args.text_chunk)) if v is not None}
+    if args.text_lengths:
+        over["text_lengths"] = tuple(int(x) for x in args.text_lengths.split(","))
     if args.niah_lengths:
         over["niah_lengths"] = tuple(int(x) for x in args.niah_lengths.split(","))
     preset = replace(preset, **over)

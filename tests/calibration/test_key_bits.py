@@ -67,6 +67,8 @@ def test_error_is_zero_at_full_precision_and_smaller_at_four_bits():
         clip = torch.tensor(e[bits]["clip"])
         assert KB.key_attention_error(h, t, lay, KB.page_keys(lay, clip, t.k_levels)) == {
             m: e[bits][m] for m in KB.METRICS}, bits
+        per_head = KB.KeyAttention(h, t, lay).errors(KB.page_keys(lay, clip, t.k_levels))
+        assert e[bits]["heads"] == {m: per_head[m].tolist() for m in KB.METRICS}, bits
     assert e[2]["kl"] <= KB.key_attention_error(h, t, LAYOUT)["kl"]
     assert e[4]["kl"] <= KB.key_attention_error(h, t, LAYOUT, KB.page_keys(LAYOUT.with_key_bits(4), torch.ones(2),
                                                                            t.k_levels))["kl"]

@@ -245,10 +245,10 @@ WIDE_CLIPS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9)
 def layer_key_errors(held: HeldOut, transform: LayerTransform, layout: KVCacheLayout, metric: str = "kl",
                      queries: int = QUERIES, wide: int = WIDE_BITS,
                      per_head: bool = True) -> dict[int, dict[str, Any]]:
-    """``{2: {"kl", "top", "clip"}, wide: {...}}`` of one layer: its keys at 2 bits and at ``wide`` bits
+    """``{2: {"kl", "top", "clip", "heads"}, wide: {...}}`` of one layer: its keys at 2 bits and at ``wide`` bits
     (``layout.with_key_bits(wide)``), each with the key clips (``[H_kv]`` list) chosen against ``metric`` on these
-    queries (:func:`fit_key_clip`, at 2 bits from the transform's clips, at ``wide`` from min-max), and the metrics
-    averaged over KV heads at those clips."""
+    queries (:func:`fit_key_clip`, at 2 bits from the transform's clips, at ``wide`` from min-max), the metrics
+    averaged over KV heads at those clips, and ``heads``: each metric per KV head (``[H_kv]`` lists)."""
     att = KeyAttention(held, transform, layout, queries)
     out: dict[int, dict[str, Any]] = {}
     widths = ((layout, NARROW_CLIPS, transform.k_clip),
@@ -256,7 +256,8 @@ def layer_key_errors(held: HeldOut, transform: LayerTransform, layout: KVCacheLa
     for lay, ratios, start in widths:
         grid = clip_grid(clip_group(lay), ratios)
         clip, err = fit_key_clip(att, lay, transform.k_levels, metric, grid, start, per_head)
-        out[lay.key.bits] = {**{m: float(v.mean()) for m, v in err.items()}, "clip": clip.tolist()}
+        out[lay.key.bits] = {**{m: float(v.mean()) for m, v in err.items()}, "clip": clip.tolist(),
+                             "heads": {m: v.tolist() for m, v in err.items()}}
     return out
 
 
