@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/s bash benchmarks/gpu_step.sh kernels   # ~330 s
 #   OUT=/tmp/s bash benchmarks/gpu_step.sh loop      # ~540 s
-#   OUT=/tmp/s bash benchmarks/gpu_step.sh tests     # ~300 s
+#   OUT=/tmp/s bash benchmarks/gpu_step.sh tests     # ~300 s (BOUND=<s>: another bound for the stage)
 #
 # kernels:  decode.{json,txt}  bench_decode.py --kernel hopper: the default format (channel keys, mma16 pages, fp32
 #                              queries in the stored basis), 1x8K, 1x32K, 1x128K, 8x32K, 2- and 4-bit keys, SDPA BF16
@@ -55,7 +55,7 @@ build('$BUNDLE', archs=('sm_90',))
 " > "$OUT/bundle.txt" 2>&1
   stage bundle $?
   # -v: a run cut by its bound still names every test it finished
-  OSCAR_AOT_BUNDLE=$BUNDLE timeout $((290 - (SECONDS - start))) python3 -m pytest -v -m gpu -p no:cacheprovider \
+  OSCAR_AOT_BUNDLE=$BUNDLE timeout $((${BOUND:-290} - (SECONDS - start))) python3 -m pytest -v -m gpu -p no:cacheprovider \
     tests/gpu/test_aot_gpu.py tests/gpu/test_trtllm_gpu.py tests/gpu/test_kernels_gpu.py \
     -k "${TESTS:-not slow}" > "$OUT/tests.txt" 2>&1
   stage tests $?
