@@ -5,8 +5,9 @@
 Run it with the Triton of the GPU image (3.6.0: a separate virtualenv on the CPU machine) before any device call:
 a kernel that does not compile there, spills, or grows its instruction count is found here at no GPU time. Every
 kernel the README loop and the AOT bundle launch for the default layout (channel keys, the page packing an sm_90
-target serves, 2- and 4-bit keys) is compiled as the bundle compiles it (``kernels/aot/compile.py``), then its PTX
-is assembled again by ``ptxas -v`` for the resource counts. Per kernel: registers a thread, spill stores / loads
+target serves, 2- and 4-bit keys) is compiled as the bundle compiles it (``kernels/aot/compile.py``; the PTX ISA
+Triton's own ptxas takes, 8.7 under Triton 3.6), then its PTX is assembled again by the system's ``ptxas -v`` for
+the resource counts. Per kernel: registers a thread, spill stores / loads
 (bytes), stack frame (bytes), shared memory (bytes, Triton's), PTX instructions (lines of the kernel body that
 end in ``;``, directives excluded).
 """
@@ -55,7 +56,7 @@ def report(heads: str) -> list[dict]:
     lay = serving_layout(KVCacheLayout.default(hkv, d, "channel"), ["sm_90"], hq, key_bits=(2, 4))
     rows = []
     for spec in serving_specs(lay, hq, d**-0.5, probes=False, trt=False, key_bits=(2, 4)):
-        k = compile_kernel(spec, "sm_90")
+        k = compile_kernel(spec, "sm_90", ptx_version=None)  # the newest PTX ISA this Triton's ptxas takes
         rows.append({"heads": heads, "kernel": spec.name, "warps": spec.num_warps, "stages": spec.num_stages,
                      "shared": k.entry.shared, **ptxas_usage(k.ptx), "ptx_instructions": ptx_instructions(k.ptx)})
         print(json.dumps(rows[-1]), flush=True)
