@@ -57,7 +57,7 @@ deployment = register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels",
 def model_shape(ckpt: Path) -> dict[str, Any]:
     """Heads, head_dim, layers and the softmax scale of an exported checkpoint, from the family table.
 
-    ``config.json`` is first read with the artifact loader's bounds (``export.read_config_json``); ``sm_scale``
+    ``config.json`` is first read with the artifact loader's bounds (``checkpoint.read_config_json``); ``sm_scale``
     is the model's own attention scale (``ModelAttention.scaling``: ``query_pre_attn_scalar ** -0.5`` for
     Gemma 3, ``head_dim ** -0.5`` otherwise), baked into the decode kernels of the bundle.
 
@@ -67,7 +67,7 @@ def model_shape(ckpt: Path) -> dict[str, Any]:
     from oscar_export.calibration.artifact_format import LIMITS
     from oscar_export.calibration.families import family_for_pretrained
     from oscar_export.calibration.safe_json import json_int, printable
-    from oscar_export.export import read_config_json
+    from oscar_export.checkpoint import read_config_json
 
     cfg = read_config_json(ckpt)  # bounded, and the fields typed: a hostile config.json fails with one clear line
     where = printable(Path(ckpt) / "config.json")
@@ -113,12 +113,9 @@ def check_inside(root: Path) -> None:
 
 def load_packaged_artifact(export_dir: Path, section: dict[str, Any], shape: dict[str, Any]):
     """The checkpoint's artifact, fully loaded and verified, and checked against ``config.json`` and the section."""
-    from oscar_export.calibration.artifact import load_artifact
-    from oscar_export.export import artifact_path
+    from oscar_export.checkpoint import load_exported_artifact
 
-    art = load_artifact(artifact_path(export_dir, section))
-    if not all(t.values_prerotated for t in art.transforms):
-        raise ValueError(f"{export_dir}: the bundled artifact is not marked values_prerotated (not an export?)")
+    art = load_exported_artifact(export_dir, section)
     fp, lay = art.fingerprint, art.layout
     if shape["num_layers"] != art.num_layers:
         raise ValueError(f"{export_dir}: config has {shape['num_layers']} layers, its artifact {art.num_layers}")
@@ -288,7 +285,7 @@ def build_deployment(
     (``kernels.aot.bundle.serving_layout``): nothing to choose.
     """
     from oscar_export.atomic_dir import atomic_dir
-    from oscar_export.export import read_export
+    from oscar_export.checkpoint import read_export
     from oscar_export.kernels.aot.bundle import serving_layout, serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
