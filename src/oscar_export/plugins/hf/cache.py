@@ -5,8 +5,8 @@ One :class:`OscarLayer` per attention layer owns one ``PagedKV`` (``oscar_export
 share one :class:`~oscar_export.kernels.pages.PageBook`: the pages reserved for each of the ``B`` sequence
 slots (``max_length`` tokens each, reserved when the cache is made) and the per-slot lengths, on the device.
 Everything stored is in the transformed basis of the layer's ``LayerTransform``. Layers may differ in their key
-code width (an artifact's ``key_bits``, issue 17): layer ``i`` allocates and quantizes with the base layout's
-``with_key_bits(key_bits[i])`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
+code width (an artifact's ``key_bits``): layer ``i`` allocates and quantizes with the base layout's
+``per_layer(key_bits)[i]`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
 are the same for every layer.
 
 transformers calls ``cache.update(k, v, layer_idx)`` right before the attention function. ``update`` writes
@@ -149,8 +149,8 @@ class OscarCache(Cache):
         """The layout of layer ``i``: the base layout with its ``key_bits[i]``-bit keys, its pages in the packing of
         its decode backend (``decode_backends[i]``, when given)."""
         if self.decode_backends is None:
-            return self.layout.with_key_bits(self.key_bits[i])
-        return self.decode_backends[i].layout(self.layout.with_packing("linear").with_key_bits(self.key_bits[i]))
+            return self.layout.per_layer(self.key_bits)[i]
+        return self.decode_backends[i].layout(self.layout.with_packing("linear").per_layer(self.key_bits)[i])
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""
