@@ -240,7 +240,7 @@ def assert_quantizes_like_reference(qp, device, x: torch.Tensor, layout: KVCache
 
 
 # ---- tests/calibration and tests/oscar_export: artifacts, model families, planted attention data -----------------
-# Moved here from the test files that shared them (issue 30: no test module imports another); test files import
+# Moved here from the test files that shared them (no test module imports another); test files import
 # them under these names.
 
 
@@ -534,7 +534,7 @@ def art_dir(tmp_path):
 
 
 # ---- tests/kernels: shared inputs and checks of the Triton writer and decode-attention tests ----------------------
-# Moved here from the test files that shared them (issue 30: no test module imports another).
+# Moved here from the test files that shared them (no test module imports another).
 
 def random_transform(h: int, d: int, seed: int = 0):
     """A ``LayerTransform`` of ``h`` KV heads of ``d`` with a random key rotation, key scaling and key / value means
@@ -785,7 +785,7 @@ def attention_oracle(q, k_ctx, v_ctx, tr, scale: float, causal_tail: int = 0) ->
 #: the adapter tests' layout (S0 16, W+P 32, P 16), model shape and ``max_seq_len``.
 TRTLLM_LAYOUT = KVCacheLayout.default(2, 64, sink=16, window=16, page_size=16)
 TRTLLM_HEADS, TRTLLM_LAYERS, TRTLLM_MAX_SEQ = 4, 2, 128
-#: issue 17's per-layer key widths: 4-bit key pages in layer 0, 2-bit in layer 1
+#: per-layer key widths: 4-bit key pages in layer 0, 2-bit in layer 1
 MIXED_KEY_BITS = (4, 2)
 
 

@@ -22,7 +22,7 @@ LAYOUTS = {
     "gemma3_12b": (KVCacheLayout.default(8, 256), 16),  # head_dim 256: two groups of 128 per row, P = 128
     "mma16_llama": (KVCacheLayout.default(8, 128, packing="mma16", page_size=64), 32),
     "mma16_channel": (KVCacheLayout.default(3, 64, key_granularity="channel", packing="mma16"), 9),
-    "k4_llama": (KVCacheLayout.default(8, 128).with_key_bits(4), 32),  # 4-bit keys (issue 17)
+    "k4_llama": (KVCacheLayout.default(8, 128).with_key_bits(4), 32),  # 4-bit keys
     "k4_channel_d256": (KVCacheLayout.default(8, 256, "channel").with_key_bits(4), 16),
 }
 
@@ -48,7 +48,7 @@ def test_decode_plan(batch, max_pages, pps):
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_the_append_launch_rotates_the_queries_once_a_step(name):
-    """Issue 26 item 4 in the bundle: its decode_append rotates the step's H queries into the stored key basis
+    """The bundle's decode_append rotates the step's H queries into the stored key basis
     (``ROTATE_Q``, ``GQ = H / H_kv``, an fp32 ``q_rot``), and every split kernel (JIT order and TensorRT order) reads
     those fp32 queries, rotating nothing in its programs."""
     layout, heads = LAYOUTS[name]

@@ -154,14 +154,14 @@ def test_cli_existing_output(tmp_path, capsys):
     (tmp_path / "art").mkdir()
     rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
     assert rc == 2
-    assert "contains the input --artifact" in capsys.readouterr().err  # issue 31: checked before "already exists"
+    assert "contains the input --artifact" in capsys.readouterr().err  # checked before "already exists"
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("x")
     assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
-# ---- issue 16: checks before the model loads, --force, stale temporaries ---------------------------------------
+# ---- checks before the model loads, --force, stale temporaries -------------------------------------------------
 
 
 def test_cli_non_empty_out_refused_before_model_load(tmp_path, capsys, no_model_load):

@@ -1,4 +1,4 @@
-"""``oscar_export/out_dir.py``: what ``--out`` may be, directly and through the commands (issue 31): an --out that is,
+"""``oscar_export/out_dir.py``: what ``--out`` may be, directly and through the commands: an --out that is,
 contains or lies inside an input refused, --force replacing only the tool's own output, a second run to the same
 --out refused at once, an --out that cannot be created refused before the model loads."""
 

@@ -1,5 +1,5 @@
 """``oscar_export/outputs.py``: what ``build`` serves of an exported checkpoint: its own files, regular ones, checked
-on the descriptor that is copied, and no remote code (issue 31)."""
+on the descriptor that is copied, and no remote code."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The HF cache (plugins/hf/cache.py): without a model, steps through ``attend`` per layer, reads back, all-or-nothing
-steps, bad input; with a tiny model, what it refuses to answer from (issue 31)."""
+steps, bad input; with a tiny model, what it refuses to answer from."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def test_decode_past_max_length_is_flagged_and_stores_nothing():
     cache, layer = one_layer(lay, tr, 1, 10)
     step(cache, torch.randn(1, 4, 10, 32), torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32))
     before = layer.read_sequence(0)
-    with pytest.raises(ValueError, match="sequence slot 0: the cache is full"):  # eager: the host check (issue 31)
+    with pytest.raises(ValueError, match="sequence slot 0: the cache is full"):  # eager: the host check
         step(cache, torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32))
     assert cache.sequence_lengths() == [10]
     cache.check_room = lambda: None  # inside a compiled step there is no host code: the device flag says it
@@ -204,7 +204,7 @@ def test_constructor_rejects_bad_arguments():
         OscarCache(small_layout(), [LayerTransform.identity(3, 32)], 1, 10)
 
 
-# ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
+# ---- per-layer key widths --------------------------------------------------------------------------------------
 
 
 def test_mixed_key_bits_layers_store_read_and_attend_in_their_own_layout():
@@ -260,7 +260,7 @@ def test_key_bits_refused_when_they_do_not_fit_the_layers():
         OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(3, 2))
 
 
-# ---- the query rotation once a step (issue 26) -------------------------------------------------------------------
+# ---- the query rotation once a step ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rotated", [False, True])
@@ -299,7 +299,7 @@ def test_decode_append_returns_the_queries_in_the_stored_key_basis(rotated):
     assert torch.equal(got, want)
 
 
-# ---- issue 31: the cache never answers from what it did not store, or from a slot it was not asked for ----------
+# ---- the cache never answers from what it did not store, or from a slot it was not asked for --------------------
 # A cache too small for ``generate`` stops with one error (not 30 tokens decoded from a cache that stored none of
 # them); slot indices are ints, never bools; sizes are bounded before anything is allocated; a cache outliving its
 # setup fails with one clear error.

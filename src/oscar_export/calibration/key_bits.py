@@ -1,8 +1,8 @@
 """Which layers store 4-bit keys: attention error of stored keys per layer on held-out calibration text, and a
-greedy allocation of wider key pages within a page-bit budget (issue 17).
+greedy allocation of wider key pages within a page-bit budget.
 
-Issue 17 found that the keys, not the values, break needle retrieval, spread over many layers. This module
-chooses the layers from calibration text alone. For one layer's held-out sequences (``capture.HeldOut``, the
+The keys, not the values, break needle retrieval, spread over many layers. This module chooses the layers
+from calibration text alone. For one layer's held-out sequences (``capture.HeldOut``, the
 collector's ``"heldout"`` mode), the last ``queries`` positions of each sequence attend over the keys as the
 cache stores them: sink and recent rows BF16, the rows of whole pages through a page quantizer (by default
 ``kernels.reference.quantize_pages`` / ``dequantize_pages`` on the layer's layout). The error is the mean over

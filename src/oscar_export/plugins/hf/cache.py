@@ -26,7 +26,7 @@ raises one clear error before anything is committed.
 ``get_seq_length`` is transformers' view: input columns seen so far (padding included), a device scalar.
 Each slot's real length is :meth:`OscarCache.sequence_lengths`.
 
-**A full slot stops the run** (issue 31): outside ``torch.compile`` the cache keeps, on the host, an upper bound
+**A full slot stops the run**: outside ``torch.compile`` the cache keeps, on the host, an upper bound
 of each slot's length (exact after a prompt, +1 a decode step; no device read), and a decode step that would
 store a token past ``max_length`` raises one ``ValueError`` before anything is written (``model.generate`` with
 too small a cache stops there instead of decoding from tokens it never stored). Inside a compiled step there
