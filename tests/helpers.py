@@ -658,7 +658,7 @@ def attention_errors(got: torch.Tensor, q: torch.Tensor, st, lay: KVCacheLayout,
 
 
 def check_attention_budget(got, q, st, lay, tr, scale, what=""):
-    """The decode-attention error budget (flash-attention's rule, STYLE.md): ``got``'s max error against fp64 at
+    """The decode-attention error budget (flash-attention's rule): ``got``'s max error against fp64 at
     most 2x a BF16 PyTorch computation's of the same attention over the same cache, plus 1e-5; on failure the
     five worst outputs. Returns ``(kernel error, BF16 error)``."""
     err, err_bf16, want = attention_errors(got, q, st, lay, tr, scale)

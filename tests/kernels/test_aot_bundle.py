@@ -169,7 +169,7 @@ def test_4bit_key_decode_append_compiles_for_sm90():
     """The 4-bit-key decode-step writer (K_BITS 4) passes the AOT gates for sm_90 (~4 s), its demotion compiled as
     functions of their own (keys and values), called, not inlined: inlined, Triton 3.6's coalescing pass (the H200's
     Triton) spends most of the compile on the one large function (the append kernel's cold JIT: 10.5 s of CPU
-    instead of 2.8, 2026-12-02; Triton 3.9 does not show it)."""
+    instead of 2.8; Triton 3.9 does not show it)."""
     layout, heads = LAYOUTS["k4_llama"]
     for spec in bundle.decode_step_specs(layout, heads, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")

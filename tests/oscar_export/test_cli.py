@@ -278,7 +278,7 @@ EXPORT_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a child process imports torch and transformers: 10-30 s on the 2-core machine
+@pytest.mark.slow  # a child process imports torch and transformers: 10-30 s on a 2-core machine
 def test_export_over_the_file_size_limit_is_one_line(tmp_path, art_dir):
     """``ulimit -f``: writes past the limit fail with EFBIG (Python ignores SIGXFSZ); nothing is left behind."""
     def limit():

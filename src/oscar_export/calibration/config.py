@@ -117,7 +117,7 @@ class CalibrationConfig:
     @classmethod
     def recipe(cls, **kw) -> "CalibrationConfig":
         """The default of ``oscar-export calibrate``: 4-bit keys within ``key_bits.DEFAULT_BUDGET`` page bits, chosen
-        on held-out sequences of ``key_bits.MIN_SEQ_LEN`` tokens (EVALUATION.md); ``kw`` overrides."""
+        on held-out sequences of ``key_bits.MIN_SEQ_LEN`` tokens (docs/evaluation.md); ``kw`` overrides."""
         return cls(**{"seq_len": MIN_SEQ_LEN, "key_bits_budget": DEFAULT_BUDGET, **kw})
 
     def to_dict(self) -> dict[str, Any]:

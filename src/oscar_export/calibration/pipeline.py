@@ -282,7 +282,7 @@ def calibrate(
     ``fit_threads``: CPU threads of the fit and the key-width measurement (None: torch's thread count, every core
     by default). Each thread fits whole layers on one torch thread (layers are independent), torch's own count
     restored afterwards: no thread waits on another inside an op, so a busy machine costs no extra CPU (two torch
-    threads per op on the shared 2-core machine at load 10 cost 2.6x the CPU of one, benchmarks/RESULTS-calibrate.md).
+    threads per op cost a loaded 2-core machine about 2.6x the CPU of one).
     """
     t0, c0 = time.perf_counter(), time.process_time()
     facts = family_for(model)  # refuses unsupported architectures and features before any capture
