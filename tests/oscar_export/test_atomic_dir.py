@@ -192,7 +192,7 @@ def test_force_replaces_an_earlier_output_of_the_same_kind_only(tmp_path):
 
 
 def test_out_appearing_during_the_run_is_not_replaced(tmp_path):
-    """Issue: export without --force while something else creates --out/precious.txt: the file was deleted."""
+    """An --out that something else creates while export runs without --force (``--out/precious.txt``) is kept."""
     out = tmp_path / "out"
     with pytest.raises(OutputChanged, match=r"--out .*out: appeared while this run worked; it was not replaced, "
                                             r"the new output is kept in .*out\.oscar-new-"):

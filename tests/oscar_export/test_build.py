@@ -319,7 +319,7 @@ def test_build_has_no_decode_kernel_knob(capsys):
 
 
 def test_the_deploy_readme_limit_comes_from_the_model(exported_ckpt, tmp_path, fake_bundle):
-    """Issue: the generated README said --max_seq_len 8192 for a model of max_position_embeddings 4096."""
+    """The generated README proposes a --max_seq_len within the model's max_position_embeddings (4096 here)."""
     from oscar_export.build import build_deployment
 
     d = own_copy(exported_ckpt, tmp_path / "ckpt")

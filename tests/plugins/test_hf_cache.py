@@ -311,7 +311,7 @@ def _generate(model, ids, cache, new):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_generate_with_too_small_a_cache_stops_with_one_error():
-    """Issue: make_cache(1, prompt + 10) and 40 new tokens: 40 came back, the last 30 from a cache that held none."""
+    """make_cache(1, prompt + 10) and 40 new tokens: one error when the cache is full, no token from an empty one."""
     model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 24))
     with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
@@ -345,7 +345,7 @@ def test_the_host_bound_follows_prompts_resets_and_decode_steps():
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @pytest.mark.parametrize("bad", [True, False, 1.0, torch.tensor(1)], ids=["True", "False", "float", "tensor"])
 def test_slot_indices_are_ints_not_bools(bad):
-    """Issue: reset_sequence(True) on a batch of 3 set every slot's length to 0."""
+    """Slot indices are ints: ``reset_sequence(True)`` is refused (as an index it would reset every slot)."""
     layout = KVCacheLayout.default(2, 16, sink=4, window=16, page_size=16)
     cache = OscarCache(layout, [LayerTransform.identity(2, 16)], 3, 64)
     cache.book.seq_len.copy_(torch.tensor([5, 6, 7]))
@@ -359,9 +359,8 @@ def test_slot_indices_are_ints_not_bools(bad):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_the_readme_refill_pattern_keeps_every_slots_positions():
-    """Issue: after ``cache.reset_sequence(1); with cache.select([1]): model(new_prompt)`` the next decode step was
-    off by up to 9.4 in the logits (7.95 for the untouched slot): positions came from the columns the cache had
-    seen, not from each slot's length. Now a forward without position_ids takes them from the slot lengths."""
+    """After ``cache.reset_sequence(1); with cache.select([1]): model(new_prompt)`` every slot keeps its positions:
+    a forward without position_ids takes them from each slot's length, not from the columns the cache has seen."""
     model = tiny_hf_model("llama")
     torch.manual_seed(1)
     first = torch.randint(1, 96, (2, 20))
