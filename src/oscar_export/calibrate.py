@@ -176,7 +176,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The ``CalibrationConfig`` of the options; ``--seq-len`` unset is the config's default, or
-    ``key_bits.MIN_SEQ_LEN`` with ``--key-bits-budget`` (the recipe measured in EVALUATION.md)."""
+    ``key_bits.MIN_SEQ_LEN`` with ``--key-bits-budget`` (the recipe docs/evaluation.md measures)."""
     from oscar_export.calibration.config import CalibrationConfig
     from oscar_export.calibration.key_bits import MIN_SEQ_LEN
 
@@ -206,7 +206,7 @@ def warn_short_key_bits_sequences(cfg) -> None:
     if cfg.key_bits_budget is not None and cfg.seq_len < MIN_SEQ_LEN:
         print(f"warning: --key-bits-budget with --seq-len {cfg.seq_len}: the held-out queries read only "
               f"{cfg.seq_len - cfg.sink - cfg.window} page rows per sequence; --seq-len {MIN_SEQ_LEN} chose better "
-              f"layers on SmolLM2 (57 vs 51 of 160 needles as deployed, EVALUATION.md)", file=sys.stderr)
+              f"layers on SmolLM2 (57 vs 51 of 160 needles as deployed)", file=sys.stderr)
 
 
 def key_bits_line(art) -> str:

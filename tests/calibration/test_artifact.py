@@ -143,7 +143,7 @@ def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
     assert load_artifact(old).layout.packing == "linear"
 
 
-# ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
+# ---- per-layer key widths --------------------------------------------------------------------------------------
 
 
 def test_key_bits_round_trip_and_layer_layouts(tmp_path):

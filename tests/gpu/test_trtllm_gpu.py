@@ -150,7 +150,7 @@ def test_decode_aot_equals_jit(ops, cuda):
 
 
 def test_4bit_key_ops_aot_equal_jit(cuda, tmp_path_factory):
-    """Issue 17: the bundle's ``_k4`` kernels (a layer with 4-bit key pages) through the adapter's device ops:
+    """The bundle's ``_k4`` kernels (a layer with 4-bit key pages) through the adapter's device ops:
     the decode step's bytes and status and the decode attention equal to the JIT kernels'. Written in session 6
     without a GPU: NOT RUN yet."""
     from oscar_export.kernels.decode.portable import decode_attention

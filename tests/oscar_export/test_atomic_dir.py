@@ -1,5 +1,5 @@
 """``oscar_export/atomic_dir.py``: the transactional output directory: all or nothing, signals, stale temporaries,
---force; and (issue 31) --force replacing only an earlier output of the same kind, an --out that appears or changes
+--force, and --force replacing only an earlier output of the same kind, an --out that appears or changes
 during the run kept, concurrent runs leaving exactly one complete output. What --out may be: ``test_out_dir.py``."""
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def test_interrupted_replace_is_recovered(tmp_path, exchange):
     assert (out / "oscar.json").read_text() == ("new" if exchange else "old") and siblings(out) == ["out"]
 
 
-# ---- issue 31, through the commands: outputs never destroy what the user did not ask to replace ----------------------
+# ---- through the commands: outputs never destroy what the user did not ask to replace --------------------------------
 
 
 def test_force_replaces_an_earlier_output_of_the_same_kind_only(tmp_path):
@@ -192,7 +192,7 @@ def test_force_replaces_an_earlier_output_of_the_same_kind_only(tmp_path):
 
 
 def test_out_appearing_during_the_run_is_not_replaced(tmp_path):
-    """Issue: export without --force while something else creates --out/precious.txt: the file was deleted."""
+    """An --out that something else creates while export runs without --force (``--out/precious.txt``) is kept."""
     out = tmp_path / "out"
     with pytest.raises(OutputChanged, match=r"--out .*out: appeared while this run worked; it was not replaced, "
                                             r"the new output is kept in .*out\.oscar-new-"):

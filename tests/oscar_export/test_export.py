@@ -9,7 +9,6 @@ scalings (harder for the fold than a calibrated one: nothing is close to identit
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,14 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint  # noqa: E402
+from oscar_export.checkpoint import ARTIFACT_DIR, load_exported, read_export  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.export import (  # noqa: E402
-    ARTIFACT_DIR,
-    export_checkpoint,
-    fold_value_transforms,
-    load_exported,
-    read_export,
-)
+from oscar_export.export import export_checkpoint, fold_value_transforms  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
@@ -147,20 +141,6 @@ def test_existing_output_refused_unless_force(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "keep.txt"]
 
 
-def test_read_export_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        read_export(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="no 'oscar' section"):
-        read_export(tmp_path)
-    model = tiny_model()
-    out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
-    for f in (out / ARTIFACT_DIR).iterdir():
-        f.unlink()
-    with pytest.raises(FileNotFoundError, match="artifact oscar_artifact/ is missing"):
-        read_export(out)
-
-
 # ---- command line (bad input only: the real model run is at the end of this file) -------------------------------
 
 
@@ -174,14 +154,14 @@ def test_cli_existing_output(tmp_path, capsys):
     (tmp_path / "art").mkdir()
     rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
     assert rc == 2
-    assert "contains the input --artifact" in capsys.readouterr().err  # issue 31: checked before "already exists"
+    assert "contains the input --artifact" in capsys.readouterr().err  # checked before "already exists"
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("x")
     assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
-# ---- issue 16: checks before the model loads, --force, stale temporaries ---------------------------------------
+# ---- checks before the model loads, --force, stale temporaries -------------------------------------------------
 
 
 def test_cli_non_empty_out_refused_before_model_load(tmp_path, capsys, no_model_load):

@@ -1,4 +1,4 @@
-"""``oscar_export/out_dir.py``: what ``--out`` may be, directly and through the commands (issue 31): an --out that is,
+"""``oscar_export/out_dir.py``: what ``--out`` may be, directly and through the commands: an --out that is,
 contains or lies inside an input refused, --force replacing only the tool's own output, a second run to the same
 --out refused at once, an --out that cannot be created refused before the model loads."""
 
@@ -95,7 +95,7 @@ HOLDER = textwrap.dedent("""
 
 
 def test_a_second_run_to_the_same_out_refuses_at_once(tmp_path, art_dir, capsys, no_model_load):
-    """Issue: two exports to one --out at once both exited 0, the second replacing the first's output."""
+    """Of two exports to one --out at once, the second refuses at once instead of replacing the first's output."""
     out = tmp_path / "ckpt"
     p = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT)

@@ -130,8 +130,8 @@ def test_cache_refuses_a_model_with_another_window():
 
 @pytest.mark.parametrize("kind", ["oscar", "sliding"])
 def test_every_layer_checks_new_tokens_alike(kind):
-    """Issue: the sliding layer's own copy of the new-token check let integer keys and values of another shape
-    through (only the OSCAR layer checked them): one check for both kinds of layer."""
+    """Sliding and OSCAR layers check new keys and values with one check: integer keys and values of another shape
+    are refused by both."""
     model = gemma()
     with enable_oscar(model) as oscar:
         cache = oscar.make_cache(1, 32)

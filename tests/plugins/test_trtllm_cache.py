@@ -20,7 +20,7 @@ from trtllm_driver import Req
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# ---- startup on upstream's construction and estimation paths (issue 28) ------------------------------------
+# ---- startup on upstream's construction and estimation paths -----------------------------------------------
 
 
 def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
@@ -118,7 +118,7 @@ def test_cuda_graph_warmup_capture_replay_with_dummy_requests(deploy, monkeypatc
 
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 def test_mixed_key_bits_executor_loops_match_reference(deploy_mixed, loop):
-    """Issue 17: each layer's pages in its own width (layer 0: 4-bit keys, ``[N, H_kv, P, D / 2]`` codes), the
+    """Each layer's pages in its own width (layer 0: 4-bit keys, ``[N, H_kv, P, D / 2]`` codes), the
     layer's own cache ops, every step's cache and outputs equal to the reference of that layer's layout."""
     ns, dep = deploy_mixed
     d = executor_driver(deploy_mixed)

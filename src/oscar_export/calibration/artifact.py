@@ -85,7 +85,7 @@ class OscarArtifact:
 
     def layer_layout(self, i: int) -> KVCacheLayout:
         """The cache layout of layer ``i``: :attr:`layout` with its ``key_bits[i]``-bit key codes."""
-        return self.layout.with_key_bits(self.key_bits[i])
+        return self.layout.per_layer(self.key_bits)[i]
 
     @property
     def mixed_key_bits(self) -> bool:

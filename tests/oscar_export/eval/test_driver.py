@@ -220,7 +220,7 @@ def test_missing_hf_backend_is_skipped_with_its_reason(monkeypatch):
 
 
 def test_mixed_key_bits_fake_quant_agrees_with_real_hf_cache_token_by_token():
-    """Issue 17: an artifact with key_bits (4, 2): ``ours_method``'s fake-quantized pass == the plugins/hf
+    """An artifact with key_bits (4, 2): ``ours_method``'s fake-quantized pass == the plugins/hf
     OscarCache (reference ops, layer 0 with 4-bit K pages) fed one token at a time."""
     pytest.importorskip("oscar_export.plugins.hf")
     from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint

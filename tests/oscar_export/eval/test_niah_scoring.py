@@ -16,7 +16,7 @@ def prompt(task="single", values=("2531545",)):
 def test_judge_single_exact_leading_number():
     p = prompt()
     assert judge(p, " 2531545.") == (True, True)
-    assert judge(p, " 253.") == (True, False)  # truncated (issue 17's failure)
+    assert judge(p, " 253.") == (True, False)  # truncated
     assert judge(p, " 2531546") == (True, False)
     assert judge(p, " 253", finished=False) == (False, False)  # still a prefix: keep decoding
     assert judge(p, " 254", finished=False) == (True, False)  # no longer a prefix: stop

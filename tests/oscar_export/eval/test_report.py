@@ -44,7 +44,7 @@ def test_write_all_writes_markdown_json_and_plots(tmp_path):
 
 
 def test_headline_says_what_was_measured_and_puts_bf16_and_ours_first(tmp_path):
-    """Issue 27: the first screen names the length, the INT2 share and the needles, one row per method."""
+    """The first screen names the length, the INT2 share and the needles, one row per method."""
     res = result()
     res["methods"].insert(1, {"name": "oscar", "kind": "x", "description": "ours", "bits": {"1024": 3.6}})
     res["text"]["lengths"]["1024"]["scores"]["oscar"] = {**res["text"]["lengths"]["1024"]["scores"]["a"], "kl": 0.01}
@@ -55,7 +55,7 @@ def test_headline_says_what_was_measured_and_puts_bf16_and_ours_first(tmp_path):
     text = headline(res, paths).splitlines()
     assert "1 window(s) of 1,024 tokens" in text[1] and "639 of 1,023 positions read INT2 history" in text[1]
     assert "4 per task and length (single needle, multi-key, multi-value) at 1,024 tokens" in text[2]
-    # how long the run took, by phase (issue 27: the main job's 10 minutes)
+    # how long the run took, by phase (the main job's 10 minutes)
     assert text[3] == ("- time: 1,499 s in all (model load 12 s, calibration 170 s, peers' setup 20 s, text 61 s, "
                        "needles 1,234 s), 1 torch thread(s)")
     rows = [x for x in text if x.startswith("| ") and not x.startswith("| method")]

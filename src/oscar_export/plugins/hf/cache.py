@@ -5,8 +5,8 @@ One :class:`OscarLayer` per attention layer owns one ``PagedKV`` (``oscar_export
 share one :class:`~oscar_export.kernels.pages.PageBook`: the pages reserved for each of the ``B`` sequence
 slots (``max_length`` tokens each, reserved when the cache is made) and the per-slot lengths, on the device.
 Everything stored is in the transformed basis of the layer's ``LayerTransform``. Layers may differ in their key
-code width (an artifact's ``key_bits``, issue 17): layer ``i`` allocates and quantizes with the base layout's
-``with_key_bits(key_bits[i])`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
+code width (an artifact's ``key_bits``): layer ``i`` allocates and quantizes with the base layout's
+``per_layer(key_bits)[i]`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
 are the same for every layer.
 
 transformers calls ``cache.update(k, v, layer_idx)`` right before the attention function. ``update`` writes
@@ -26,7 +26,7 @@ raises one clear error before anything is committed.
 ``get_seq_length`` is transformers' view: input columns seen so far (padding included), a device scalar.
 Each slot's real length is :meth:`OscarCache.sequence_lengths`.
 
-**A full slot stops the run** (issue 31): outside ``torch.compile`` the cache keeps, on the host, an upper bound
+**A full slot stops the run**: outside ``torch.compile`` the cache keeps, on the host, an upper bound
 of each slot's length (exact after a prompt, +1 a decode step; no device read), and a decode step that would
 store a token past ``max_length`` raises one ``ValueError`` before anything is written (``model.generate`` with
 too small a cache stops there instead of decoding from tokens it never stored). Inside a compiled step there
@@ -149,8 +149,8 @@ class OscarCache(Cache):
         """The layout of layer ``i``: the base layout with its ``key_bits[i]``-bit keys, its pages in the packing of
         its decode backend (``decode_backends[i]``, when given)."""
         if self.decode_backends is None:
-            return self.layout.with_key_bits(self.key_bits[i])
-        return self.decode_backends[i].layout(self.layout.with_packing("linear").with_key_bits(self.key_bits[i]))
+            return self.layout.per_layer(self.key_bits)[i]
+        return self.decode_backends[i].layout(self.layout.with_packing("linear").per_layer(self.key_bits)[i])
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""

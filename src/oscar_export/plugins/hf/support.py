@@ -216,7 +216,7 @@ def cache_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     """Forward pre-hook of the decoder (``enable_oscar`` registers it): a forward with an :class:`OscarCache`
     and no ``position_ids`` gets each row's positions from its slot's length, not from the columns the cache
     has seen (transformers' default), so a slot refilled with ``reset_sequence`` + ``select`` and the slots
-    beside it keep their own positions (issue 31). A decode step reads the lengths on the device (no sync);
+    beside it keep their own positions. A decode step reads the lengths on the device (no sync);
     a prompt reads them on the host (as it does anyway), padding columns taking no position."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, OscarCache) or kwargs.get("position_ids") is not None:
