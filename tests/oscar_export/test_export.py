@@ -140,10 +140,11 @@ def test_existing_output_refused_unless_force(tmp_path):
         export_checkpoint(model, None, random_artifact(model), tmp_path)
     assert (tmp_path / "keep.txt").exists()
     out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
-    (out / "stale-extra-file").write_text("from the earlier export")
+    (out / "notes.txt").write_text("the user's, added after the export")
     model2 = tiny_model()
     export_checkpoint(model2, None, random_artifact(model2), out, force=True)
-    assert not (out / "stale-extra-file").exists() and (out / "config.json").is_file()
+    assert (out / "notes.txt").read_text() == "the user's, added after the export"  # what export did not write stays
+    assert (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "keep.txt"]
 
 
