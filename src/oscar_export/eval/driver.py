@@ -11,7 +11,6 @@ and the fp32 model + reference ops as a cross-check). Writes results.md, results
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import time
 from dataclasses import fields
@@ -259,49 +258,14 @@ def run(args) -> int:
     saved = None
     calibrating = not args.artifact and (names is None or "oscar" in names)
     if calibrating:  # --save-artifact: absent, empty, or an artifact (used, or with --force replaced): before the work
-        saved = saved_artifact(args)
+        from .saved_artifact import saved_artifact
+
+        saved = saved_artifact(args, save_inputs(args))
         calibrating = saved is None
     from oscar_export.threads import cpu_run_threads
 
     with cpu_run_threads(device.type):  # one thread where other processes keep the cores busy
         return _run(args, preset, device, merged, names, calibrating, saved)
-
-
-def saved_artifact(args):
-    """The artifact already in ``--save-artifact`` (read and checked in full), which eval evaluates instead of
-    calibrating; None when there is none or ``--force`` replaces it (then ``--save-artifact`` is claimed). Raises
-    ``UserError`` for one that cannot be read, and ``out_dir.check_out_dir``'s errors for a folder of other files."""
-    from pathlib import Path
-
-    from oscar_export.calibration.artifact import META_FILE, load_artifact
-    from oscar_export.cli import UserError
-    from oscar_export.out_dir import check_inputs, check_out_dir
-
-    save = Path(args.save_artifact)
-    check_inputs(save, save_inputs(args), "--save-artifact")
-    if not args.force and save.is_dir() and os.path.lexists(save / META_FILE):
-        try:
-            return load_artifact(save)
-        except (ValueError, OSError) as e:
-            raise UserError(f"--save-artifact {save}: holds an artifact eval cannot use ({e}); pass --artifact, "
-                            f"another --save-artifact, or --force to calibrate anew and replace it") from None
-    check_out_dir(save, args.force, META_FILE, "--save-artifact", save_inputs(args), claim=True)
-    return None
-
-
-def use_saved(args, saved, model):
-    """``saved`` (the artifact in ``--save-artifact``) once it is checked against ``model``, said in one line."""
-    from oscar_export.cli import UserError
-
-    try:
-        saved.check_model(model.config)
-    except ValueError as e:
-        raise UserError(f"--save-artifact {args.save_artifact}: holds an artifact for another model ({e}); pass "
-                        f"another --save-artifact, or --force to calibrate anew and replace it") from None
-    tokens = saved.config.get("tokens", "?")
-    print(f"using the artifact already in {args.save_artifact}/ (calibrated on {tokens} tokens, pages "
-          f"{saved.bits_per_element():.2f} bits/element); --force calibrates anew and replaces it")
-    return saved
 
 
 def _run(args, preset: Preset, device: torch.device, merged: dict | None, names: list[str] | None,
@@ -327,6 +291,8 @@ def _run(args, preset: Preset, device: torch.device, merged: dict | None, names:
 
         artifact = load_artifact(args.artifact, model.config)
     elif saved is not None:
+        from .saved_artifact import use_saved
+
         artifact = use_saved(args, saved, model)
     elif calibrating:
         t1 = time.perf_counter()
@@ -415,4 +381,4 @@ def calibrate_and_save(model, tok, preset: Preset, out: str, inputs, force: bool
 
 
 __all__ = ["EPILOG", "add_arguments", "build_methods", "calibrate_and_save", "check_device", "check_lengths", "run",
-           "run_eval", "saved_artifact", "use_saved"]
+           "run_eval"]
