@@ -245,22 +245,22 @@ def cache_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         return None
     t, device, given = x.shape[1], cache.book.device, kwargs.get("position_ids")
-    if t == 1 and len(cache.active_slots) == cache.book.batch:
+    decode = t == 1 and len(cache.active_slots) == cache.book.batch
+    if given is not None and not (checked and (not decode or not given.is_cuda)):
+        return None  # nothing to fill, nothing checked: a compiled step, or a CUDA decode step (it would synchronise)
+    real = None
+    if decode:
         positions = cache.book.seq_len[:, None].to(torch.long)
-        host = checked and given is not None and not given.is_cuda  # a CUDA decode step is not synchronised
-        real = None
     else:
         lengths = cache.book.seq_len.tolist()
         starts = torch.tensor([lengths[s] for s in cache.active_slots], dtype=torch.long, device=device)[:, None]
         mask = kwargs.get("attention_mask")
-        real = None
         if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == starts.shape[0]:
             real = mask[:, -t:].to(device=device, dtype=torch.long)
             positions = starts + (real.cumsum(-1) - 1).clamp_min(0)
         else:
             positions = starts + torch.arange(t, device=device)
-        host = checked
-    if host:
+    if checked and (given is not None or not decode):
         check_positions(module, positions, given, real)
     if given is not None:
         return None
