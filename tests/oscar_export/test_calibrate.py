@@ -116,6 +116,21 @@ def test_calibrate_replaces_an_artifact_atomically(tmp_path, capsys, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
+def test_calibrate_force_keeps_the_users_files_beside_the_artifact(tmp_path, capsys, fake_calibration):
+    """--force replaces the artifact, and what calibrate did not write there stays (named on stderr)."""
+    out = tmp_path / "art"
+    assert main(["calibrate", "--out", str(out), "--quiet"]) == 0
+    (out / "NOTES.txt").write_text("n")
+    (out / "runs").mkdir()
+    (out / "runs" / "a.log").write_text("log")
+    assert main(["calibrate", "--out", str(out), "--quiet", "--force", "--seed", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"--out {out}: kept what oscar-export did not write there: NOTES.txt, runs" in err, err
+    assert (out / "NOTES.txt").read_text() == "n" and (out / "runs" / "a.log").read_text() == "log"
+    load_artifact(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
 # ---- --device-map (models larger than one GPU); on the CPU, the same artifact as a plain run --------------------
 
 

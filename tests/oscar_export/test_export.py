@@ -134,10 +134,11 @@ def test_existing_output_refused_unless_force(tmp_path):
         export_checkpoint(model, None, random_artifact(model), tmp_path)
     assert (tmp_path / "keep.txt").exists()
     out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
-    (out / "stale-extra-file").write_text("from the earlier export")
+    (out / "notes.txt").write_text("the user's, added after the export")
     model2 = tiny_model()
     export_checkpoint(model2, None, random_artifact(model2), out, force=True)
-    assert not (out / "stale-extra-file").exists() and (out / "config.json").is_file()
+    assert (out / "notes.txt").read_text() == "the user's, added after the export"  # what export did not write stays
+    assert (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "keep.txt"]
 
 
@@ -215,7 +216,7 @@ def test_checkpoint_carries_per_layer_key_bits(tmp_path):
     art = random_artifact(model).with_key_bits([4, 2])
     out = export_checkpoint(model, None, art, tmp_path / "ckpt", source="tiny")
     assert read_export(out)["key_bits"] == [4, 2]
-    assert load_artifact(out / ARTIFACT_DIR, model.config).key_bits == (4, 2)
+    assert load_artifact(out / ARTIFACT_DIR, transformers.AutoConfig.from_pretrained(out)).key_bits == (4, 2)
     plain = export_checkpoint(model, None, random_artifact(model), tmp_path / "plain", source="tiny")
     assert read_export(plain)["key_bits"] == [2, 2]
 
@@ -309,3 +310,24 @@ def test_exported_with_oscar_cache_matches_unexported_with_artifact(smollm2, exp
     # level boundary, so this is a budget, not bitwise. Unfolded vs folded rounding alone is ~1e-3 (above).
     assert top1 == 1.0
     assert diff < 0.1, diff
+
+
+def test_folded_checkpoint_and_unfolded_artifact_refused_either_way(tmp_path):
+    """The checkpoint's config and the artifact both say whether the value rotation is folded: a checkpoint served
+    with calibrate's artifact, or the original model with the checkpoint's, is refused (both ran, slightly off)."""
+    pytest.importorskip("oscar_export.plugins.hf")
+    from oscar_export.plugins.hf import enable_oscar
+
+    model = tiny_model()
+    art = random_artifact(model)
+    art.save(tmp_path / "art")
+    out = export_checkpoint(copy.deepcopy(model), None, art, tmp_path / "ckpt")
+    folded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with pytest.raises(ValueError, match="values_prerotated: the artifact's value rotation is not folded into v_proj / "
+                                         "o_proj, this model's is .*its oscar_artifact/"):
+        enable_oscar(folded, artifact=tmp_path / "art")
+    with pytest.raises(ValueError, match="the artifact's value rotation is folded into v_proj / o_proj, this model's "
+                                         "is not .*the original model with the artifact of calibrate"):
+        enable_oscar(model, artifact=out / ARTIFACT_DIR)
+    for m, a in ((folded, out / ARTIFACT_DIR), (model, tmp_path / "art")):
+        enable_oscar(m, artifact=a).restore()

@@ -694,3 +694,72 @@ def test_1500_generated_tokens_beyond_the_windows(smollm2):
     assert cache.sequence_lengths() == [n]
     assert int(cache.layers[29].state.num_pages[0]) == oscar.layout.pages_for(n) == 21
     assert cache.kv_bytes() < 0.5 * cache.bf16_bytes()
+
+
+# ---- the Python API refuses what it used to accept silently -------------------------------------------------------
+
+
+def test_a_second_enable_oscar_on_an_enabled_model_is_refused():
+    """``s1 = enable_oscar(m); s2 = enable_oscar(m); s1.restore(); s2.restore()`` left the model on "oscar"."""
+    model = tiny_hf_model("llama")
+    s1 = enable_oscar(model)
+    with pytest.raises(ValueError, match="on the OSCAR attention already .* call restore\\(\\) on that setup first"):
+        enable_oscar(model)
+    s1.restore()
+    assert model.config._attn_implementation == "sdpa"
+    model(torch.randint(1, 96, (1, 5)))  # a plain forward works again
+    with enable_oscar(model):
+        pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("args", [(True, 10), (1, True), (1, False), (1.0, 10)])
+def test_make_cache_refuses_bools_and_floats(args):
+    model = tiny_hf_model("llama")
+    with enable_oscar(model) as oscar:
+        with pytest.raises(ValueError, match=r"batch_size and max_length: expected ints > 0"):
+            oscar.make_cache(*args)
+
+
+def test_position_ids_that_disagree_with_the_stored_length_are_refused():
+    """Given position_ids must continue each slot's stored tokens (a prompt; a decode step on the CPU)."""
+    model = tiny_hf_model("llama")
+    ids = torch.randint(1, 96, (1, 8))
+    with torch.no_grad(), enable_oscar(model) as oscar:
+        cache = oscar.make_cache(1, 64)
+        kw = cache_kwargs(model, cache)
+        model(ids, position_ids=torch.arange(8)[None], **kw)  # the right ones: accepted
+        with pytest.raises(ValueError, match="position_ids: row 0 column 0 is 0, expected 8: that row's cache slot "
+                                             "holds 8 tokens"):
+            model(ids, position_ids=torch.arange(8)[None], **kw)
+        with pytest.raises(ValueError, match="row 0 column 0 is 3, expected 8: .* holds 8 tokens"):
+            model(ids[:, :1], position_ids=torch.tensor([[3]]), **kw)
+        assert cache.sequence_lengths() == [8], "nothing was written by the refused forwards"
+        model(ids[:, :1], position_ids=torch.tensor([[8]]), **kw)
+        assert cache.sequence_lengths() == [9]
+
+
+def test_a_cache_made_for_another_model_is_refused():
+    a, b = tiny_hf_model("llama"), tiny_hf_model("llama")
+    ids = torch.randint(1, 96, (1, 6))
+    with torch.no_grad(), enable_oscar(a) as sa, enable_oscar(b) as sb:
+        cache = sa.make_cache(1, 64)
+        with pytest.raises(ValueError, match="cache: made by another model's enable_oscar setup"):
+            b(ids, **cache_kwargs(b, cache))
+        assert cache.sequence_lengths() == [0]
+        b(ids, **cache_kwargs(b, sb.make_cache(1, 64)))
+        a(ids, **cache_kwargs(a, cache))
+        assert cache.sequence_lengths() == [6]
+
+
+def test_a_prompt_past_max_position_embeddings_is_refused_and_a_longer_cache_warned():
+    cfg = LlamaConfig(**{**HF_MODEL, "max_position_embeddings": 32})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad(), enable_oscar(model) as oscar:
+        with pytest.warns(UserWarning, match="max_length 64 exceeds the model's max_position_embeddings 32"):
+            cache = oscar.make_cache(1, 64)
+        kw = cache_kwargs(model, cache)
+        model(torch.randint(1, 96, (1, 30)), **kw)
+        with pytest.raises(ValueError, match="reaches position 34, past the model's max_position_embeddings 32"):
+            model(torch.randint(1, 96, (1, 4)), **kw)
+        assert cache.sequence_lengths() == [30]

@@ -33,7 +33,8 @@ too small a cache stops there instead of decoding from tokens it never stored). 
 is no host code: read :meth:`OscarCache.step_status` (``STATUS_FULL``) as the serving loop does.
 
 **Contract.** A cache belongs to the model setup that made it (``enable_oscar``): after ``setup.restore()`` the
-model's attention is no longer OSCAR's, and a forward with the cache fails with one clear error. One cache is
+model's attention is no longer OSCAR's, and a forward with the cache fails with one clear error; a forward of
+another model with it is refused too (:attr:`OscarCache.owner`). One cache is
 driven by one thread at a time (its step plan and active slots live on the cache object); serve concurrent
 requests from one thread through its slots, or give each thread its own cache.
 """
@@ -98,7 +99,7 @@ class OscarCache(Cache):
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
-        if not isinstance(batch_size, int) or not isinstance(max_length, int) or batch_size <= 0 or max_length <= 0:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (batch_size, max_length)):
             raise ValueError(f"batch_size and max_length: expected ints > 0, got {batch_size!r}, {max_length!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a float dtype for the windows, got {dtype}")
@@ -127,6 +128,9 @@ class OscarCache(Cache):
         #: the workers compiling the decode step's kernels ahead (``precompile.py``; set by ``make_cache``; nothing
         #: waits for them)
         self.precompile = None
+        #: a weak reference to the decoder of the model whose setup made this cache (``make_cache`` sets it; None: a
+        #: cache made directly, used by any model); a forward of another model refuses it (``support.cache_positions``)
+        self.owner = None
         sliding = set(sliding_layers)
         if sliding and (sliding_window is None or not sliding <= set(range(len(transforms)))):
             raise ValueError(f"sliding_layers {sorted(sliding)}: expected layer indices below {len(transforms)} and "
