@@ -187,3 +187,29 @@ def test_nonfinite_decode_token_fails_its_request_and_keeps_the_cache(deploy, lo
     nan_step = 1 + (45 - 40 + 1)  # one prefill step, then one token per step: position 45 is fed in step 7
     assert d.steps <= nan_step + 1, d.steps  # the plain loop stops before step 8's forward, overlap runs it
     d.check_cache(reqs)  # request 2 at 45 tokens, request 1 as the reference
+
+
+# ---- the forward on upstream's execution stream --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["execution_stream_passed", "no_execution_stream"])
+def test_admission_writes_are_ordered_before_the_forward_on_another_stream(deploy, passed):
+    """Upstream runs the forward on ``execution_stream`` and ``prepare_resources`` on the current stream. With the
+    current stream's writes held back as long as CUDA may hold them (tests/plugins/trtllm_streams.py), the
+    forward must never read a tensor whose admission writes have not landed: request 3 takes the slot request 1
+    frees, so a reset that has not landed leaves request 1's lengths in it. Upstream passing the execution stream
+    to the manager (1.2 and later) or not (the manager's event then orders the writes), the same."""
+    from trtllm_streams import SimulatedStreams
+
+    sim = SimulatedStreams()
+    d = executor_driver(deploy, max_batch=2, streams=sim, execution_stream="execution" if passed else None)
+    reqs = [Req(1, 20, 4), Req(2, 40, 30), Req(3, 37, 12)]
+    failure = None
+    with sim.installed():
+        try:
+            d.run_plain(reqs)
+        except AssertionError as e:  # the reference comparison of a stale read
+            failure = e
+    assert not sim.stale_reads, "\n".join(sim.stale_reads[:6])
+    assert failure is None, failure
+    assert all(r.done for r in reqs) and reqs[2].rows[0] != [] and d.checked_outputs > 30

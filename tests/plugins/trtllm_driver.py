@@ -76,7 +76,8 @@ def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int
 
 class Driver:
     def __init__(self, ns, dep, max_batch: int, max_seq_len: int, pretrained, estimate: bool = False,
-                 max_num_tokens: int | None = None, available_bytes: int = 1 << 34) -> None:
+                 max_num_tokens: int | None = None, available_bytes: int = 1 << 34, streams=None,
+                 execution_stream=None) -> None:
         self.ns, self.dep, self.lay = ns, dep, dep.layout
         c = pretrained
         self.heads, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -88,23 +89,52 @@ class Driver:
         self.model = ns.modeling_auto.AutoModelForCausalLM.from_config(self.model_config)
         self.backends = [m.attn for m in self.model.layers]
         self.kv_config = KvCacheConfig()
+        #: ``trtllm_streams.SimulatedStreams`` (or None): the forward on ``execution_stream``, the rest on the
+        #: current stream, as upstream's executor issues them
+        self.streams, self.execution_stream = streams, execution_stream
         self.creator = ns.util.KvCacheCreator(
             model=self.model, mapping=Mapping(), max_num_tokens=self.model_config.max_num_tokens,
             tokens_per_block=self.lay.page_size, max_seq_len=max_seq_len, max_batch_size=max_batch,
-            kv_cache_config=self.kv_config)
+            kv_cache_config=self.kv_config, execution_stream=execution_stream)
         resources: dict = {}
         #: the estimation's manager (the engine's metadata keeps pointing at it until the next forward)
         self.estimation_mgr = None
         self.estimated = estimate and self.creator.try_prepare_estimation()
         self.creator.build_managers(resources, estimating_kv_cache=self.estimated)
         if self.estimated:
-            self.mgr = self.estimation_mgr = resources["kv_cache_manager"]
+            self.mgr = self.estimation_mgr = self._built(resources)
             dummies = [Req(ESTIMATION_IDS + i, n, 1) for i, n in enumerate(self.creator.dummy_requests)]
             self.run_plain(dummies)
             self.creator.configure_kv_cache_capacity(available_bytes)
             self.creator.teardown_managers(resources)
             self.creator.build_managers(resources)
-        self.mgr = resources["kv_cache_manager"]
+        self.mgr = self._built(resources)
+
+    def _built(self, resources):
+        """The manager just built, given the simulated streams in place of the device's."""
+        mgr = resources["kv_cache_manager"]
+        if self.streams is not None:
+            mgr.streams = self.streams
+            book = mgr.book
+            self.streams.watch(step_slots=mgr.step_slots, slot_rid=mgr.slot_rid, block_table=book.block_table,
+                               seq_len=book.seq_len, committed_sink_len=book.committed.sink_len,
+                               committed_num_pages=book.committed.num_pages,
+                               committed_recent_len=book.committed.recent_len)
+        return mgr
+
+    def on_execution_stream(self, what: str):
+        """The forward's stream (upstream: ``torch.cuda.stream(execution_stream)``); a no-op without streams."""
+        import contextlib
+
+        if self.streams is None:
+            return contextlib.nullcontext()
+        self.streams.where = what
+        return self.streams.stream("execution")
+
+    def synchronize(self) -> None:
+        """The executor's host synchronisation once a step (its sampler waits for the step's tokens)."""
+        if self.streams is not None:
+            self.streams.synchronize()
 
     # ---- one forward over a batch ------------------------------------------------------------------------
     def metadata(self, ctx: list[Req], gen: list, padded: int = 0):
@@ -144,10 +174,12 @@ class Driver:
                 pos_ids.append(torch.arange(pos, pos + n))
                 qr, kr = self.rotated(q, k, pos)
                 qs.append(qr), ks.append(kr), vs.append(v.bfloat16())
-            out = module(torch.cat(pos_ids)[None], torch.cat(packed).bfloat16(), md)
+            with self.on_execution_stream(f"step {self.steps} layer {layer}"):
+                out = module(torch.cat(pos_ids)[None], torch.cat(packed).bfloat16(), md)
             if check:
                 q, k, v = (torch.cat(x) for x in (qs, ks, vs))
                 self._check_outputs(layer, ctx, gen, lens, q, k, v, out)
+        self.synchronize()
         for r in real:
             self._advance_reference(r, lens[(list(ctx) + list(gen)).index(r)])
         self.steps += 1

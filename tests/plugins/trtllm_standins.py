@@ -236,6 +236,8 @@ class KVCacheManager(BaseResourceManager):
         self.impl = _BlockManager(blocks, tokens_per_block)
         self.max_blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
         self.max_attention_window_vec = [max_seq_len]
+        # the stream the model forward runs on (upstream: a stream of its own when none is given)
+        self._stream = kwargs.get("execution_stream")
         heads = num_kv_heads if isinstance(num_kv_heads, int) else max(num_kv_heads)
         self.stock_pool_bytes = blocks * tokens_per_block * num_layers * heads * head_dim * 2 * 2  # K+V BF16
 
@@ -473,8 +475,9 @@ class KvCacheCreator:
     """The estimation, teardown and rebuild of the KV cache manager that ``create_py_executor`` runs."""
 
     def __init__(self, *, model, mapping, max_num_tokens: int, tokens_per_block: int, max_seq_len: int,
-                 max_batch_size: int, kv_cache_config) -> None:
+                 max_batch_size: int, kv_cache_config, execution_stream=None) -> None:
         self._model, self._mapping, self._kv_cache_config = model, mapping, kv_cache_config
+        self._execution_stream = execution_stream  # py_executor_creator.py @000429d5 creates it, passes it here
         self._max_kv_tokens_in = kv_cache_config.max_tokens
         self._max_num_tokens, self._tokens_per_block = max_num_tokens, tokens_per_block
         self._max_seq_len, self._max_batch_size = max_seq_len, max_batch_size
@@ -514,7 +517,7 @@ class KvCacheCreator:
             self._kv_cache_config, "SELF", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim, tokens_per_block=self._tokens_per_block, max_seq_len=self._max_seq_len,
             max_batch_size=self._max_batch_size, mapping=self._mapping, max_num_tokens=self._max_num_tokens,
-            is_estimating_kv_cache=estimating_kv_cache)
+            is_estimating_kv_cache=estimating_kv_cache, execution_stream=self._execution_stream)
 
     def teardown_managers(self, resources: dict) -> None:
         resources["kv_cache_manager"].shutdown()

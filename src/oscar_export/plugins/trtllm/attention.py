@@ -99,7 +99,10 @@ def make_attention_class(up, deployment):
             t = deployment.transform(self.layer_idx, q.device)
             nc, ns = int(metadata.num_contexts), int(getattr(metadata, "num_seqs", len(metadata.seq_lens)))
             seq_lens = [int(x) for x in metadata.seq_lens[:ns].tolist()]  # pinned host tensor: no device sync
-            if not _capturing():
+            capturing = _capturing()
+            if self.layer_idx == 0 and not capturing:
+                mgr.streams.wait(mgr.admitted)  # admission's device writes land before this forward reads them
+            if not capturing:
                 self._check_step_slots(mgr, list(metadata.request_ids)[:ns])
             if self.layer_idx == 0:
                 mgr.begin_step([(mgr.step_slots_host[i], seq_lens[i]) for i in range(nc)],
@@ -133,6 +136,8 @@ def make_attention_class(up, deployment):
                                                         ns).to(out.dtype)
             if self.layer_idx == deployment.num_layers - 1:
                 mgr.commit_step()
+                if not capturing:
+                    mgr.forward_done = mgr.streams.record()  # the next admission's writes wait for this forward
             return out
 
         def _decode(self, mgr, state, step_state, ops, t, q, k, v, offset, g, nc, ns):

@@ -21,9 +21,11 @@ book owns no free list here. The subclass
   batch padding) point there, and a step never writes it;
 * in ``prepare_resources`` gives each request a slot (a new sequence: ``PageBook.reset``), copies its C++ block
   ids into the book's row and writes the batch's slots, in batch order, into the device buffer
-  ``step_slots`` the attention reads. All stream-ordered device writes, so under the overlap executor loop
-  (``prepare_resources(N+1)`` before ``update_resources(N)``) nothing the forward of step N reads changes
-  under it;
+  ``step_slots`` the attention reads. These device writes (and ``free_resources``') are issued on upstream's
+  ``execution_stream``, after the last forward and before an event the next forward waits on
+  (:meth:`device_writes`, ``streams.py``), so the forward -- on whichever stream it runs -- reads a new
+  request's slot after its reset, and under the overlap executor loop (``prepare_resources(N+1)`` before
+  ``update_resources(N)``) nothing the forward of step N reads changes under it;
 * per forward, :meth:`begin_step` (first layer) and :meth:`commit_step` (last layer) run the book's step:
   every layer writes beyond the committed lengths, the commit adds each slot's tokens (``step_tokens``, device);
   a state row that takes no token is flagged :data:`STATUS_IDLE`, so no writer touches it;
@@ -48,6 +50,7 @@ Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_cac
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 #: step status bit (beside ``pages.STATUS_*``) of a state row that takes no token in the forward in flight.
@@ -77,6 +80,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
 
     from oscar_export.kernels.layout import PagedKV
     from oscar_export.kernels.pages import STATUS_NONFINITE, PageBook
+
+    from .streams import DeviceStreams
 
     lay = deployment.layout
 
@@ -108,6 +113,10 @@ def make_cache_manager_class(up, deployment, ops_factory):
             super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
                              head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
                              max_batch_size=max_batch_size, mapping=mapping, **kwargs)
+            #: where the device writes of admission go (streams.py): upstream's execution stream, when it passes one
+            self.write_stream = kwargs.get("execution_stream")
+            self.streams = DeviceStreams()
+            self.admitted = self.forward_done = None  # events: after admission's writes / after the last forward
             pool_pages = int(self.get_max_resource_count())
             deployment.check_limits(slots, max_seq_len, int(self.max_blocks_per_seq), pool_pages)
             dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -216,12 +225,22 @@ def make_cache_manager_class(up, deployment, ops_factory):
                     "step; the request's cache holds its tokens up to the last finite one and takes no more. Fail the "
                     "request (the cache of every other request is unaffected)")
 
+        @contextlib.contextmanager
+        def device_writes(self):
+            """The block's device writes go on :attr:`write_stream`, after the last forward, before
+            :attr:`admitted` (``streams.py``)."""
+            with self.streams.using(self.write_stream):
+                self.streams.wait(self.forward_done)
+                yield
+                self.admitted = self.streams.record()
+
         def prepare_resources(self, scheduled_batch):
             self.check_finite()
             super().prepare_resources(scheduled_batch)
-            slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
-            slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
-            self._write_step_slots(slots)
+            with self.device_writes():
+                slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
+                slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
+                self._write_step_slots(slots)
 
         def add_dummy_requests(self, request_ids, *args, **kwargs):
             """Upstream's (``None`` when no block is free), remembering the ids: their rows go to the scratch
@@ -239,7 +258,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
             slot = self.slots.pop(rid, None)
             if slot is not None:
                 self.rows.pop(slot, None)
-                self.slot_rid.narrow(0, slot, 1).fill_(-1)
+                with self.device_writes():
+                    self.slot_rid.narrow(0, slot, 1).fill_(-1)
             return super().free_resources(request, *args, **kwargs)
 
         # ---- one forward: the page book's step -------------------------------------------------------------------
