@@ -49,7 +49,7 @@ def test_q_scaling_is_honoured(deploy):
 
 def test_chunked_prefill_is_context_by_num_contexts(deploy):
     """Bug: a later prompt chunk (cached tokens > 0) was taken for a decode step (``cached == 0`` test)."""
-    d = executor_driver(deploy)
+    d = executor_driver(deploy, chunked_prefill=True)
     reqs = [Req(1, 70, 12, chunk=24), Req(2, 30, 30)]
     d.run_plain(reqs)
     assert all(r.done for r in reqs) and d.checked_outputs > 50

@@ -62,6 +62,8 @@ class Req:
     nan_at: int = -1  # the token at this position carries a NaN in its keys (layer 0, KV head 1)
     poisoned: bool = False  # its NaN token was fed: the cache must stay at the last finite token
     skipped: int = 0  # tokens fed since (the executor counts them; the cache must not hold them)
+    failed: str = ""  # why the cache failed the request alone (it then ends; nothing of it is checked)
+    failed_step: int = -1
 
 
 def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int):
@@ -77,7 +79,7 @@ def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int
 class Driver:
     def __init__(self, ns, dep, max_batch: int, max_seq_len: int, pretrained, estimate: bool = False,
                  max_num_tokens: int | None = None, available_bytes: int = 1 << 34, streams=None,
-                 execution_stream=None) -> None:
+                 execution_stream=None, chunked_prefill: bool = False) -> None:
         self.ns, self.dep, self.lay = ns, dep, dep.layout
         c = pretrained
         self.heads, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -88,7 +90,8 @@ class Driver:
         self.model_config = ModelConfig(pretrained_config=pretrained, max_num_tokens=max_num_tokens or max_seq_len)
         self.model = ns.modeling_auto.AutoModelForCausalLM.from_config(self.model_config)
         self.backends = [m.attn for m in self.model.layers]
-        self.kv_config = KvCacheConfig()
+        self.kv_config = KvCacheConfig(enable_block_reuse=False)  # as the deployment's extra_llm_api_options.yaml
+        self.chunked_prefill = chunked_prefill  # the executor's enable_chunked_prefill (runtime_features)
         #: ``trtllm_streams.SimulatedStreams`` (or None): the forward on ``execution_stream``, the rest on the
         #: current stream, as upstream's executor issues them
         self.streams, self.execution_stream = streams, execution_stream
@@ -144,7 +147,8 @@ class Driver:
         cached = [r.written for r in ctx] + [r.written + r.skipped if isinstance(r, Req) else 0 for r in gen]
         return self.ns.interface.AttentionMetadata(
             kv_cache_manager=self.mgr, seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx),
-            request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded))
+            request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded),
+            runtime_features=self.ns.interface.AttentionRuntimeFeatures(chunked_prefill=self.chunked_prefill))
 
     def rotated(self, q, k, pos: int):
         """q, k as the layer's RoPE leaves them (bf16 in, bf16 out) at positions ``pos ..``."""
@@ -203,7 +207,7 @@ class Driver:
         off = 0
         for i, r in enumerate(list(ctx) + list(gen)):
             n = lens[i] if i < len(lens) else 1
-            poisoned = isinstance(r, Req) and (r.poisoned or r.written <= r.nan_at < r.written + n)  # not checked
+            poisoned = isinstance(r, Req) and (r.poisoned or r.failed or r.written <= r.nan_at < r.written + n)
             if isinstance(r, Req) and (i >= len(ctx) or r.written > 0) and not poisoned:  # gen rows, later chunks
                 t, ks, vs = self._stored(layer, k[off : off + n], v[off : off + n])
                 st = self._ref_state(r, layer)
@@ -232,6 +236,8 @@ class Driver:
         reference.append_tokens(st, 0, ks, vs, self.dep.layer_layouts[layer], t, alloc)
 
     def _advance_reference(self, r: Req, n: int) -> None:
+        if r.failed:
+            return
         if r.poisoned or r.written <= r.nan_at < r.written + n:  # the cache must not take it, nor later tokens
             r.poisoned = True
             r.skipped += n
@@ -246,7 +252,7 @@ class Driver:
     def check_cache(self, reqs) -> None:
         """Every live request's stored cache equals the reference's, in every layer."""
         for r in reqs:
-            if r.done or r.written == 0:  # finished, or not admitted yet
+            if r.done or r.failed or r.written == 0:  # finished, failed, or not admitted yet
                 continue
             slot = self.mgr.slot_of(r.rid)
             for layer, st in enumerate(self.mgr.layers):
@@ -279,7 +285,7 @@ class Driver:
         return r.req
 
     def schedule(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
-        live = [r for r in reqs if not r.done][: self.max_batch]
+        live = [r for r in reqs if not r.done and not r.failed][: self.max_batch]
         ctx = [r for r in live if r.written < r.prompt]
         gen = [r for r in live if r.written >= r.prompt]
         return ctx, gen
@@ -295,16 +301,24 @@ class Driver:
         r.done = True
         self.mgr.free_resources(r.req)
 
+    def prepare(self, b, ctx, gen) -> None:
+        """``prepare_resources``; a request the cache failed alone ends (upstream: ``GENERATION_COMPLETE``)."""
+        self.mgr.prepare_resources(b)
+        complete = self.ns.llm_request.LlmRequestState.GENERATION_COMPLETE
+        for r in list(ctx) + list(gen):
+            if r.req.state == complete and not r.failed:
+                r.failed, r.failed_step = self.mgr.failed[r.rid], self.steps
+
     def _progress(self, ctx, gen) -> list[Req]:
         for r in gen:
             r.generated += 1
-        return [r for r in gen if r.generated >= r.new]
+        return [r for r in gen if r.generated >= r.new or r.failed] + [r for r in ctx if r.failed]
 
     def run_plain(self, reqs: list[Req]) -> None:
         while any(not r.done for r in reqs):
             ctx, gen = self.schedule(reqs)
             b = self.batch(ctx, gen)
-            self.mgr.prepare_resources(b)
+            self.prepare(b, ctx, gen)
             self.forward(ctx, gen)
             self.mgr.update_resources(b)
             self.check_cache(reqs)
@@ -318,7 +332,7 @@ class Driver:
             b = None
             if ctx or gen:
                 b = self.batch(ctx, gen)
-                self.mgr.prepare_resources(b)
+                self.prepare(b, ctx, gen)
                 self.forward(ctx, gen)  # forward(N+1) before update_resources(N)
                 self.check_cache(reqs)
             if prev is not None:
@@ -352,7 +366,7 @@ class Driver:
         while any(not r.done for r in reqs):
             ctx, gen = self.schedule(reqs)
             b = self.batch(ctx, gen)
-            self.mgr.prepare_resources(b)
+            self.prepare(b, ctx, gen)
             if ctx or len(gen) > batch_size:
                 self.forward(ctx, gen)  # context steps run eagerly
             else:

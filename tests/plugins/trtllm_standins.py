@@ -20,6 +20,7 @@ packed ``q|k|v`` rows); the model has attention layers only; RoPE is the plain G
 
 from __future__ import annotations
 
+import enum
 import math
 import sys
 import types
@@ -53,6 +54,14 @@ CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
 
 # ---- requests and scheduling (_torch/pyexecutor/llm_request.py, scheduler.py) ------------------------------
 
+class LlmRequestState(enum.Enum):
+    """The request states the executor and the adapter use (``llm_request.py`` re-exports the bindings' enum)."""
+
+    CONTEXT_INIT = 2
+    GENERATION_IN_PROGRESS = 3
+    GENERATION_COMPLETE = 5
+
+
 class LlmRequest:
     def __init__(self, request_id: int, max_new_tokens: int, input_tokens: list[int], sampling_config=None,
                  is_streaming: bool = False, **kwargs) -> None:
@@ -64,7 +73,7 @@ class LlmRequest:
         self.context_chunk_size = self.prompt_len
         self.context_current_position = 0
         self.is_dummy_request = False
-        self.state = "CONTEXT_INIT"
+        self.state = LlmRequestState.CONTEXT_INIT
 
     @property
     def is_first_context_chunk(self) -> bool:
@@ -92,6 +101,15 @@ class KVCacheParams:
     num_cached_tokens_per_seq: list = field(default_factory=list)
 
 
+@dataclass
+class AttentionRuntimeFeatures:
+    """``attention_backend/interface.py`` (51ea5c96): what the executor enabled (``py_executor_creator.py``)."""
+
+    chunked_prefill: bool = False
+    cache_reuse: bool = False
+    has_speculative_draft_tokens: bool = False
+
+
 @dataclass(kw_only=True)
 class AttentionMetadata:
     max_num_requests: int = 0
@@ -101,6 +119,7 @@ class AttentionMetadata:
     num_contexts: int = 0
     request_ids: Optional[list] = None
     kv_cache_params: Optional[KVCacheParams] = None
+    runtime_features: AttentionRuntimeFeatures = field(default_factory=AttentionRuntimeFeatures)
 
     @property
     def num_seqs(self) -> int:
@@ -236,6 +255,8 @@ class KVCacheManager(BaseResourceManager):
         self.impl = _BlockManager(blocks, tokens_per_block)
         self.max_blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
         self.max_attention_window_vec = [max_seq_len]
+        if layer_mask is not None:  # get_pp_layers (main): the mask must select num_layers layers
+            assert sum(layer_mask) == num_layers, (sum(layer_mask), num_layers)
         # the stream the model forward runs on (upstream: a stream of its own when none is given)
         self._stream = kwargs.get("execution_stream")
         heads = num_kv_heads if isinstance(num_kv_heads, int) else max(num_kv_heads)
@@ -276,7 +297,7 @@ class KVCacheManager(BaseResourceManager):
             if prepare_resource:
                 self.impl.add_sequence(rid, n, 1, req)
             if is_gen:
-                req.state = "GENERATION_IN_PROGRESS"
+                req.state = LlmRequestState.GENERATION_IN_PROGRESS
                 req.prompt_len = n - 1
                 req.py_prompt_len = req.prompt_len
             requests.append(req)
@@ -297,9 +318,11 @@ class KVCacheManager(BaseResourceManager):
 
 @dataclass
 class KvCacheConfig:
+    """``llmapi/llm_args.py`` ``KvCacheConfig`` (block reuse on by default, as upstream)."""
+
     max_tokens: Optional[int] = None
     free_gpu_memory_fraction: Optional[float] = None
-    enable_block_reuse: bool = False
+    enable_block_reuse: bool = True
     tokens_per_block: int = 32
 
     def model_copy(self, update=None):
@@ -313,6 +336,8 @@ class KvCacheConfig:
 class Mapping:
     world_size: int = 1
     tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
 
 
 # ---- model config and models (_torch/model_config.py, models/, modules/attention.py) -----------------------
@@ -564,6 +589,7 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
     for name in ("TrtllmAttention", "VanillaAttention"):
         setattr(ns, name, _ACTIVE[name])
     iface.AttentionMetadata, iface.KVCacheParams = AttentionMetadata, KVCacheParams
+    iface.AttentionRuntimeFeatures = AttentionRuntimeFeatures
     if layout == "main":
         iface.AttentionForwardArgs = _ACTIVE["AttentionForwardArgs"] = AttentionForwardArgs
     utils = module(names["utils"])
@@ -581,6 +607,7 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
     util.KvCacheCreator = KvCacheCreator
     module(names["scheduler"]).ScheduledRequests = ScheduledRequests
     module(names["llm_request"]).LlmRequest = LlmRequest
+    module(names["llm_request"]).LlmRequestState = LlmRequestState
     module(names["cuda_graph_runner"]).CUDA_GRAPH_DUMMY_REQUEST_ID = CUDA_GRAPH_DUMMY_REQUEST_ID
     module(names["model_config"]).ModelConfig = ModelConfig
     mu = module(names["modeling_utils"])

@@ -90,6 +90,11 @@ def make_attention_class(up, deployment):
                     f"OSCAR attention (layer {self.layer_idx}) got a {type(mgr).__name__} as the KV cache manager: "
                     "the OSCAR cache is not installed (the trtllm_module must be imported in the executor worker)"
                 )
+            chunked = getattr(getattr(metadata, "runtime_features", None), "chunked_prefill", False)
+            if chunked and not getattr(mgr.ops[self.layer_idx], "chunked_prefill", False):
+                raise NotImplementedError(
+                    "enable_chunked_prefill: the OSCAR cache ops of this deployment have no kernel for a prompt chunk "
+                    "after cached tokens; set it to false (deploy/extra_llm_api_options.yaml)")
             out = forward_args.output if forward_args is not None else kwargs.get("output")
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             if out is None:

@@ -41,9 +41,12 @@ book owns no free list here. The subclass
 * ``add_dummy_requests`` passes on upstream's ``None`` (no free block: no padding request);
 * a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
   later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
-  pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) raises
-  :class:`NonFiniteKV` naming the request. UNTESTED in TensorRT-LLM: the executor's error handling then fails
-  the batch's requests (upstream has no per-request failure a resource manager can signal).
+  pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) fails that
+  request alone, as it fails one longer than ``max_seq_len`` or one that finds no free slot: an exception in
+  ``prepare_resources`` would reach the executor's error path, which fails every active request
+  (``py_executor.py`` ``_handle_errors`` without ``requests``). The request ends as that path ends each request
+  it fails (``state = GENERATION_COMPLETE``) and the reason is logged; UNTESTED in TensorRT-LLM: what response
+  the client then gets (the error text reaches only the server log).
 
 Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_cache.py, both layouts).
 """
@@ -51,18 +54,32 @@ Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_cac
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+
+logger = logging.getLogger(__name__)
 
 #: step status bit (beside ``pages.STATUS_*``) of a state row that takes no token in the forward in flight.
 STATUS_IDLE = 4
 
 
-class SlotsExhausted(RuntimeError):
-    """Every sequence slot holds a live request."""
-
-
-class NonFiniteKV(RuntimeError):
-    """A request's key or value was NaN/Inf in a decode step: its cache stopped at the last finite token."""
+def refuse_unsupported(kv_cache_config, mapping, spec_config=None, layer_mask=None) -> None:
+    """Raise ``NotImplementedError`` (one line naming the setting) for a configuration the OSCAR cache cannot serve,
+    before upstream's ``KVCacheManager.__init__`` sees it (main's ``_create_kv_cache_manager`` passes speculative
+    decoding's ``layer_mask``, which ``get_pp_layers`` asserts against ``num_layers``)."""
+    if spec_config is not None or (layer_mask is not None and not all(layer_mask)):
+        what = "a layer_mask" if spec_config is None else f"speculative decoding ({type(spec_config).__name__})"
+        raise NotImplementedError(f"{what}: the OSCAR cache serves the target model's own layers only; serve without "
+                                  "speculative_config")
+    if getattr(kv_cache_config, "enable_block_reuse", False):
+        raise NotImplementedError("kv_cache_config.enable_block_reuse: reused blocks would hold BF16 data the OSCAR "
+                                  "cache never wrote; set it to false (deploy/extra_llm_api_options.yaml)")
+    for name, what in (("pp_size", "pipeline"), ("tp_size", "tensor"), ("cp_size", "context")):
+        if getattr(mapping, name, 1) != 1:
+            raise NotImplementedError(f"{what} parallelism ({name} {getattr(mapping, name)}): the OSCAR cache serves "
+                                      "one GPU")
+    if getattr(mapping, "world_size", 1) != 1:
+        raise NotImplementedError(f"world_size {mapping.world_size}: the OSCAR cache serves one GPU")
 
 
 def _with_max_tokens(kv_cache_config, max_tokens: int):
@@ -97,8 +114,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
             if num_layers != deployment.num_layers or heads != {lay.num_kv_heads} or head_dim != lay.head_dim:
                 raise ValueError(f"model: {num_layers} layers x {sorted(heads)} KV heads x head_dim {head_dim}; the "
                                  f"OSCAR artifact: {deployment.num_layers} x {lay.num_kv_heads} x {lay.head_dim}")
-            if getattr(mapping, "world_size", 1) != 1:
-                raise NotImplementedError("the OSCAR cache serves one GPU (tensor/pipeline parallelism: world_size 1)")
+            refuse_unsupported(kv_cache_config, mapping, kwargs.get("spec_config"), kwargs.get("layer_mask"))
+            kwargs.pop("layer_mask", None)  # every layer (refused otherwise); the stock pool has one
             pages_per_seq = math.ceil(max_seq_len / lay.page_size)
             slots = max_batch_size
             need, budget = slots * pages_per_seq * lay.page_size, kv_cache_config.max_tokens
@@ -136,6 +153,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.slots: dict[int, int] = {}  # request id -> slot
             self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
             self.dummy_ids: set[int] = set()
+            #: request id -> why the cache failed it (until free_resources)
+            self.failed: dict[int, str] = {}
             # non-finite tokens: the request id owning each state row (-1: none) and, per row, the id of the last
             # request a NaN/Inf token reached (device, set at commit; sticky, so the row takes nothing more) with
             # its pinned host copy, read by prepare_resources (a step or two late under the overlap loop)
@@ -162,7 +181,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.layers, self.step_layers, self.ops = [], [], []
             self.book = self.step_slots = self.step_tokens = None
             self.slot_rid = self.bad_rid = self.bad_rid_host = None
-            self.slots, self.rows, self.dummy_ids = {}, {}, set()
+            self.slots, self.rows, self.dummy_ids, self.failed = {}, {}, set(), {}
             return super().shutdown()
 
         # ---- slots -------------------------------------------------------------------------------------------
@@ -173,18 +192,22 @@ def make_cache_manager_class(up, deployment, ops_factory):
 
         def _admit(self, req, context: bool) -> int:
             rid = req.py_request_id
-            if rid in self.dummy_ids:
+            if rid in self.failed:
+                self._fail(req, self.failed[rid])
+            if rid in self.dummy_ids or rid in self.failed:
                 return self.scratch
             if rid not in self.slots:
                 if not context:  # a generation request must already own a slot (KeyError names it)
                     self.slot_of(rid)
+                free = [s for s in range(self.scratch) if s not in self.slots.values()]
                 need = req.prompt_len + req.max_new_tokens
                 if need > self.book.max_length:
-                    raise ValueError(f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
-                                     f"reserved {self.book.max_length} per sequence (max_seq_len)")
-                free = [s for s in range(self.scratch) if s not in self.slots.values()]
-                if not free:
-                    raise SlotsExhausted(f"all {self.scratch} OSCAR cache slots hold live sequences")
+                    self._fail(req, f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
+                                    f"reserved {self.book.max_length} per sequence (max_seq_len)")
+                elif not free:
+                    self._fail(req, f"request {rid}: all {self.scratch} OSCAR cache slots hold live sequences")
+                if rid in self.failed:
+                    return self.scratch
                 self.slots[rid] = free[0]
                 self.rows.pop(free[0], None)
                 self.book.reset(free[0])
@@ -210,20 +233,31 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.step_slots_host = list(slots)
 
         def slots_for(self, request_ids) -> list[int]:
-            """State rows of a batch: the request's slot, the scratch slot for a dummy request."""
-            return [self.scratch if r in self.dummy_ids else self.slot_of(r) for r in request_ids]
+            """State rows of a batch: the request's slot, the scratch slot for a dummy or failed request."""
+            return [self.scratch if r in self.dummy_ids or r in self.failed else self.slot_of(r) for r in request_ids]
+
+        def _fail(self, req, reason: str) -> None:
+            """Fail ``req`` alone: its rows go to the scratch slot (computed, never stored), its slot is released,
+            and it ends as upstream's executor ends a request it fails (``state = GENERATION_COMPLETE``), with
+            ``reason`` logged once and kept in :attr:`failed` until ``free_resources``."""
+            rid = req.py_request_id
+            if rid not in self.failed:
+                logger.error("OSCAR cache: %s; this request fails, the others go on", reason)
+            self.failed[rid] = reason
+            req.state = up.LlmRequestState.GENERATION_COMPLETE
+            slot = self.slots.pop(rid, None)
+            if slot is not None:
+                self.rows.pop(slot, None)
+                self.slot_rid.narrow(0, slot, 1).fill_(-1)
 
         # ---- the executor's calls ------------------------------------------------------------------------------
-        def check_finite(self) -> None:
-            """Raise :class:`NonFiniteKV` for a live request a NaN/Inf decode token reached (host; reads the
-            pinned copy the last finished step left, never waits for the device)."""
+        def find_nonfinite(self) -> None:
+            """Mark every live request a NaN/Inf decode token reached as failed (host; reads the pinned copy the
+            last finished step left, never waits for the device); ``_admit`` fails it when it is next scheduled."""
             bad = self.bad_rid_host.tolist()
-            hit = sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid)
-            if hit:
-                raise NonFiniteKV(
-                    f"request {', '.join(map(str, hit))}: a NaN/Inf key or value reached the OSCAR cache in a decode "
-                    "step; the request's cache holds its tokens up to the last finite one and takes no more. Fail the "
-                    "request (the cache of every other request is unaffected)")
+            for rid in sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid):
+                self.failed[rid] = (f"request {rid}: a NaN/Inf key or value reached the OSCAR cache in a decode step "
+                                    "(its cache holds the tokens up to the last finite one)")
 
         @contextlib.contextmanager
         def device_writes(self):
@@ -235,7 +269,10 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 self.admitted = self.streams.record()
 
         def prepare_resources(self, scheduled_batch):
-            self.check_finite()
+            """Upstream's, then each request's slot and block-table row and the batch's slot list (device writes:
+            :meth:`device_writes`). A request the cache cannot serve -- longer than ``max_seq_len``, no free slot, a
+            NaN/Inf token in its cache -- fails alone (:meth:`_fail`); nothing here raises for one request."""
+            self.find_nonfinite()
             super().prepare_resources(scheduled_batch)
             with self.device_writes():
                 slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
@@ -255,6 +292,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
         def free_resources(self, request, *args, **kwargs):
             rid = request.py_request_id
             self.dummy_ids.discard(rid)
+            self.failed.pop(rid, None)
             slot = self.slots.pop(rid, None)
             if slot is not None:
                 self.rows.pop(slot, None)
@@ -289,4 +327,4 @@ def make_cache_manager_class(up, deployment, ops_factory):
     return OscarKVCacheManager
 
 
-__all__ = ["STATUS_IDLE", "NonFiniteKV", "SlotsExhausted", "make_cache_manager_class"]
+__all__ = ["STATUS_IDLE", "make_cache_manager_class", "refuse_unsupported"]
