@@ -15,6 +15,7 @@ from helpers import (
     TRTLLM_LAYOUT,
     TRTLLM_MAX_SEQ,
     executor_driver,
+    standins_only,
     window_requests,
 )
 from trtllm_driver import Req
@@ -47,7 +48,9 @@ def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
     lay = TRTLLM_LAYOUT
     assert per_token == -(-per_page // lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
     assert per_token < ns.resource_manager.KVCacheManager.get_cache_size_per_token(d.model_config, None)
-    assert d.kv_config.max_tokens == (1 << 34) // per_token  # the budget, in OSCAR tokens
+    budget = d.kv_config.max_gpu_total_bytes  # upstream's: 0.9 of the memory left besides the KV cache
+    assert 0.9 * (1 << 34) - (1 << 22) <= budget <= 0.9 * (1 << 34), budget
+    assert d.kv_config.max_tokens == budget // per_token  # the budget, in OSCAR tokens
     assert d.mgr.layers[0].k_codes.shape[0] == d.mgr.get_max_resource_count()
     reqs = window_requests()[:3]
     d.run_plain(reqs)
@@ -59,17 +62,41 @@ def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
 
 def test_kv_cache_budget_below_the_slots_fails_at_startup(deploy):
     """The memory left after the estimation must hold max_batch_size sequences of max_seq_len: else one clear
-    error at the rebuild (not an out-of-memory later)."""
+    error at the rebuild (not an out-of-memory later), in both layouts -- 1.x does not pass
+    is_estimating_kv_cache, so the refusal reads the max_gpu_total_bytes the estimation sets (before: on the 1.2
+    stand-in only because it passed the flag, which 1.2.1 does not)."""
     ns, dep = deploy
     per_token = dep.manager_cls.get_cache_size_per_token()
-    with pytest.raises(ValueError, match=r"max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache; "
-                                         r"the KV cache memory holds 100"):
+    with pytest.raises(ValueError, match=rf"^max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache "
+                                         rf"\({384 * per_token} bytes\); the KV cache memory holds \d+ bytes") as e:
         executor_driver(deploy, estimate=True, available_bytes=100 * per_token)
-    # upstream versions that do not pass is_estimating_kv_cache: the estimation's max_tokens is no budget
+    assert "\n" not in str(e.value)
+    # the estimation's own build: its max_tokens is the dummy requests' tokens, no budget
     kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=TRTLLM_MAX_SEQ,
               max_batch_size=3, mapping=trtllm_standins.Mapping())
     mgr = dep.manager_cls(trtllm_standins.KvCacheConfig(max_tokens=100, enable_block_reuse=False), "SELF", **kw)
     assert mgr.get_max_resource_count() == 3 * TRTLLM_MAX_SEQ // 16
+
+
+def test_the_estimation_counts_the_oscar_pools_as_kv_cache(deploy):
+    """Upstream's estimation (configure_kv_cache_capacity) measures the peak memory and adds back only the KV
+    manager's get_kv_cache_stats().allocated_bytes. The OSCAR pools, windows and page book are KV cache too: left
+    out, they count as activations and the budget shrinks by their size -- here below what the slots need, so
+    startup is refused though the memory holds them (before: allocated_bytes was the one-layer stock pool)."""
+    ns, dep = deploy
+    standins_only(ns)
+    kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=TRTLLM_MAX_SEQ,
+              max_batch_size=3, mapping=trtllm_standins.Mapping())
+    probe = dep.manager_cls(trtllm_standins.KvCacheConfig(enable_block_reuse=False), "SELF", **kw)
+    pools = sum(t.nbytes for t in probe.book.tensors()) + sum(
+        getattr(st, f).nbytes for st in probe.layers for f in ("k_codes", "k_params", "v_codes", "v_params", "sink_k",
+                                                               "sink_v", "recent_k", "recent_v"))
+    per_token = dep.manager_cls.get_cache_size_per_token()
+    need_bytes = 384 * per_token
+    # memory for the slots and half the pools again: enough, unless the estimation's pools count as activations
+    d = executor_driver(deploy, estimate=True, available_bytes=int(need_bytes / 0.9) + pools // 2)
+    assert d.kv_config.max_gpu_total_bytes >= need_bytes and d.kv_config.max_tokens >= 384
+    assert probe.get_kv_cache_stats().allocated_bytes == probe.stock_pool_bytes + pools
 
 
 def test_add_dummy_requests_returning_none_is_passed_on(deploy):

@@ -27,6 +27,7 @@ rows, and every generated row's attention output with ``reference.decode_attenti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -41,6 +42,7 @@ from trtllm_standins import (
     ModelConfig,
     ScheduledRequests,
     rope,
+    torch_bytes,
 )
 
 #: request ids of the estimation's dummy context requests (the executor numbers them like any request)
@@ -103,12 +105,15 @@ class Driver:
         #: the estimation's manager (the engine's metadata keeps pointing at it until the next forward)
         self.estimation_mgr = None
         self.estimated = estimate and self.creator.try_prepare_estimation()
+        #: the stand-in device: what is in use before the KV cache (the model) plus ``available_bytes``
+        self.total_gpu_memory = torch_bytes() + available_bytes if self.estimated else None
         self.creator.build_managers(resources, estimating_kv_cache=self.estimated)
         if self.estimated:
             self.mgr = self.estimation_mgr = self._built(resources)
             dummies = [Req(ESTIMATION_IDS + i, n, 1) for i, n in enumerate(self.creator.dummy_requests)]
-            self.run_plain(dummies)
-            self.creator.configure_kv_cache_capacity(available_bytes)
+            self.creator.configure_kv_cache_capacity(SimpleNamespace(
+                run_dummy_requests=lambda: self.run_plain(dummies), kv_cache_manager=self.mgr,
+                total_gpu_memory=self.total_gpu_memory))
             self.creator.teardown_managers(resources)
             self.creator.build_managers(resources)
         self.mgr = self._built(resources)
@@ -299,6 +304,7 @@ class Driver:
 
     def finish(self, r: Req) -> None:
         r.done = True
+        r.ref = []  # a finished request's reference cache is never read again
         self.mgr.free_resources(r.req)
 
     def prepare(self, b, ctx, gen) -> None:

@@ -271,6 +271,11 @@ class KVCacheManager(BaseResourceManager):
     def get_max_resource_count(self) -> int:
         return self.impl.max_num_blocks
 
+    def get_kv_cache_stats(self):
+        """The C++ ``KvCacheStats`` fields the KV-cache estimation reads (its pool's bytes: ``allocated_bytes``)."""
+        return types.SimpleNamespace(max_num_blocks=self.impl.max_num_blocks, tokens_per_block=self.tokens_per_block,
+                                     allocated_bytes=self.stock_pool_bytes)
+
     def get_num_free_blocks(self) -> int:
         return len(self.impl.free)
 
@@ -323,6 +328,7 @@ class KvCacheConfig:
     max_tokens: Optional[int] = None
     free_gpu_memory_fraction: Optional[float] = None
     enable_block_reuse: bool = True
+    max_gpu_total_bytes: int = 0
     tokens_per_block: int = 32
 
     def model_copy(self, update=None):
@@ -496,8 +502,28 @@ def _from_config(config):
 
 # ---- startup: KvCacheCreator (_torch/pyexecutor/_util.py) ---------------------------------------------------
 
+def torch_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process: the stand-in's ``torch.cuda.memory_stats``."""
+    import gc
+
+    sizes = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type != "meta":
+            st = o.untyped_storage()
+            sizes[st.data_ptr()] = st.nbytes()
+    return sum(sizes.values())
+
+
 class KvCacheCreator:
-    """The estimation, teardown and rebuild of the KV cache manager that ``create_py_executor`` runs."""
+    """The estimation, teardown and rebuild of the KV cache manager that ``create_py_executor`` runs, written from
+    ``_util.py``: the 1.x copy the index stores (``_create_kv_cache_manager(self, model_engine,
+    estimating_kv_cache)`` passes no ``is_estimating_kv_cache`` to the manager; ``configure_kv_cache_capacity``
+    measures the peak memory, adds ``get_kv_cache_stats().allocated_bytes`` back, takes ``fraction`` (0.9 when
+    unset) of it, sets ``max_tokens`` and ``max_gpu_total_bytes``) and main (d8ae02ca: passes
+    ``is_estimating_kv_cache``). ``execution_stream``: ``create_py_executor`` hands it to ``KvCacheCreator``
+    (``py_executor_creator.py`` @000429d5) and main's ``_create_kv_cache_manager`` passes it to the manager;
+    that 1.2.1's does is not verified (the 1.x copy read predates it), so the stream tests run with and without it.
+    """
 
     def __init__(self, *, model, mapping, max_num_tokens: int, tokens_per_block: int, max_seq_len: int,
                  max_batch_size: int, kv_cache_config, execution_stream=None) -> None:
@@ -528,13 +554,24 @@ class KvCacheCreator:
         self._kv_cache_config.max_tokens = blocks * self._tokens_per_block
         return self._model.model_config.attn_backend != "VANILLA"
 
-    def configure_kv_cache_capacity(self, available_bytes: int) -> None:
-        """After the dummy requests ran: ``max_tokens`` from the memory left (on the GPU: measured)."""
+    def configure_kv_cache_capacity(self, py_executor) -> None:
+        """Run the dummy requests, measure the peak memory (here: bytes of live tensors, plus the stand-in C++
+        pool, which upstream's C++ allocates outside torch), add the KV manager's ``allocated_bytes`` back, and set
+        ``max_tokens`` and ``max_gpu_total_bytes`` from ``fraction`` of what is left."""
+        fraction = self._kv_cache_config.free_gpu_memory_fraction or 0.9
+        py_executor.run_dummy_requests()
+        mgr = py_executor.kv_cache_manager
+        peak_memory = torch_bytes() + mgr.stock_pool_bytes
+        allocated_bytes = mgr.get_kv_cache_stats().allocated_bytes
+        kv_max = int((py_executor.total_gpu_memory - peak_memory + allocated_bytes) * fraction)
         per_token = self._kv_cache_manager_cls.get_cache_size_per_token(
             self._model.model_config, self._mapping, tokens_per_block=self._tokens_per_block)
         if self._max_kv_tokens_in is not None:
-            available_bytes = min(available_bytes, self._max_kv_tokens_in * per_token)
-        self._kv_cache_config.max_tokens = int(available_bytes // per_token)
+            kv_max = min(kv_max, self._max_kv_tokens_in * per_token)
+        self._kv_cache_config.max_tokens = int(kv_max // per_token)
+        if self._kv_cache_config.max_gpu_total_bytes > 0:
+            kv_max = min(kv_max, self._kv_cache_config.max_gpu_total_bytes)
+        self._kv_cache_config.max_gpu_total_bytes = kv_max
 
     def build_managers(self, resources: dict, estimating_kv_cache: bool = False) -> None:
         c = self._model.model_config.pretrained_config
@@ -542,7 +579,9 @@ class KvCacheCreator:
             self._kv_cache_config, "SELF", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim, tokens_per_block=self._tokens_per_block, max_seq_len=self._max_seq_len,
             max_batch_size=self._max_batch_size, mapping=self._mapping, max_num_tokens=self._max_num_tokens,
-            is_estimating_kv_cache=estimating_kv_cache, execution_stream=self._execution_stream)
+            execution_stream=self._execution_stream,
+            # main's _create_kv_cache_manager passes the flag; the 1.x copy read does not
+            **({} if _ACTIVE["layout"] == "1.2" else {"is_estimating_kv_cache": estimating_kv_cache}))
 
     def teardown_managers(self, resources: dict) -> None:
         resources["kv_cache_manager"].shutdown()

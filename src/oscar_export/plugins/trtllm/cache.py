@@ -31,13 +31,15 @@ book owns no free list here. The subclass
   a state row that takes no token is flagged :data:`STATUS_IDLE`, so no writer touches it;
 * ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them);
 * at startup TensorRT-LLM builds the manager twice (``_torch/pyexecutor/_util.py`` ``KvCacheCreator``): once for
-  the KV-cache estimation (``is_estimating_kv_cache``; dummy context requests of ``max_num_tokens``), then
-  ``shutdown()`` and a rebuild with ``max_tokens`` = the memory left over :meth:`get_cache_size_per_token`.
-  ``shutdown`` releases the OSCAR pools (anything still holding the estimation's manager holds no pool);
-  ``get_cache_size_per_token`` is the OSCAR cache's bytes per token (INT2 pages of every layer plus the one-layer
-  stock pool); the rebuilt manager refuses a ``max_tokens`` below what ``max_batch_size`` sequences of
-  ``max_seq_len`` need (the memory would not hold them) where upstream passes ``is_estimating_kv_cache=False``
-  (versions without that argument: no check, an out-of-memory error at allocation instead);
+  the KV-cache estimation (dummy context requests of ``max_num_tokens``), then ``configure_kv_cache_capacity``
+  measures the peak memory, adds the manager's ``get_kv_cache_stats().allocated_bytes`` back, sets
+  ``max_gpu_total_bytes`` and ``max_tokens`` (over :meth:`get_cache_size_per_token`), and after ``shutdown()``
+  builds it again. ``shutdown`` releases the OSCAR pools (anything still holding the estimation's manager holds
+  no pool); ``get_cache_size_per_token`` is the OSCAR cache's bytes per token (INT2 pages of every layer plus the
+  one-layer stock pool); ``get_kv_cache_stats`` counts the OSCAR pools as allocated KV cache, so the estimation
+  does not take them for activations; a build whose memory cannot hold ``max_batch_size`` sequences of
+  ``max_seq_len`` is refused with one line (:func:`check_budget`: ``max_gpu_total_bytes``, or ``max_tokens``
+  where upstream passes ``is_estimating_kv_cache=False``);
 * ``add_dummy_requests`` passes on upstream's ``None`` (no free block: no padding request);
 * a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
   later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
@@ -54,6 +56,7 @@ Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_cac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 
@@ -80,6 +83,34 @@ def refuse_unsupported(kv_cache_config, mapping, spec_config=None, layer_mask=No
                                       "one GPU")
     if getattr(mapping, "world_size", 1) != 1:
         raise NotImplementedError(f"world_size {mapping.world_size}: the OSCAR cache serves one GPU")
+
+
+def check_budget(kv_cache_config, need: int, per_token: int, what: str, estimating) -> None:
+    """Raise ``ValueError`` (one line) when the KV-cache memory cannot hold ``need`` tokens of OSCAR cache: in bytes
+    wherever ``max_gpu_total_bytes`` is set (``configure_kv_cache_capacity`` sets it after the estimation; every
+    build allocates ``need`` tokens' pools), in tokens where upstream passes ``is_estimating_kv_cache=False``
+    (the estimation's own ``max_tokens`` is the dummy requests' tokens, not a budget)."""
+    need_bytes, budget_bytes = need * per_token, getattr(kv_cache_config, "max_gpu_total_bytes", None) or 0
+    if budget_bytes and need_bytes > budget_bytes:  # 0: not set; below 0: the estimation found no memory left
+        held = f"{budget_bytes} bytes (kv_cache_config.max_gpu_total_bytes / free_gpu_memory_fraction)"
+    elif estimating is False and kv_cache_config.max_tokens is not None and need > kv_cache_config.max_tokens:
+        held = f"{kv_cache_config.max_tokens} tokens (kv_cache_config.max_tokens / free_gpu_memory_fraction)"
+    else:
+        return
+    raise ValueError(f"{what} needs {need} tokens of OSCAR cache ({need_bytes} bytes); the KV cache memory holds "
+                     f"{held}: lower max_batch_size or max_seq_len")
+
+
+class KvCacheStatsWithPools:
+    """Upstream's ``KvCacheStats`` with ``extra`` bytes added to ``allocated_bytes`` (every other field read
+    through)."""
+
+    def __init__(self, stats, extra: int) -> None:
+        self._stats = stats
+        self.allocated_bytes = int(stats.allocated_bytes) + int(extra)
+
+    def __getattr__(self, name):
+        return getattr(self._stats, name)
 
 
 def _with_max_tokens(kv_cache_config, max_tokens: int):
@@ -118,14 +149,9 @@ def make_cache_manager_class(up, deployment, ops_factory):
             kwargs.pop("layer_mask", None)  # every layer (refused otherwise); the stock pool has one
             pages_per_seq = math.ceil(max_seq_len / lay.page_size)
             slots = max_batch_size
-            need, budget = slots * pages_per_seq * lay.page_size, kv_cache_config.max_tokens
-            # only where upstream says this is not the estimation's build (newer versions pass the flag; the
-            # estimation's max_tokens is the dummy requests' tokens, not a memory budget)
-            if budget is not None and need > budget and kwargs.get("is_estimating_kv_cache", True) is False:
-                raise ValueError(
-                    f"max_batch_size {slots} x max_seq_len {max_seq_len} needs {need} tokens of OSCAR cache; the KV "
-                    f"cache memory holds {budget} (kv_cache_config.max_tokens / free_gpu_memory_fraction): lower "
-                    "max_batch_size or max_seq_len")
+            need = slots * pages_per_seq * lay.page_size
+            check_budget(kv_cache_config, need, self.get_cache_size_per_token(), f"max_batch_size {slots} x "
+                         f"max_seq_len {max_seq_len}", kwargs.get("is_estimating_kv_cache"))
             kv_cache_config = _with_max_tokens(kv_cache_config, need)
             super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
                              head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
@@ -145,6 +171,10 @@ def make_cache_manager_class(up, deployment, ops_factory):
                     for layer_lay in deployment.layer_layouts]
             self.layers = [self.book.state_view(s, self.book.committed) for s in bufs]
             self.step_layers = [self.book.state_view(s, self.book.in_step) for s in bufs]
+            held = [getattr(st, f.name) for st in self.layers + self.step_layers for f in dataclasses.fields(st)]
+            #: device bytes of the OSCAR pools, windows and page book (get_kv_cache_stats counts them)
+            self.pool_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                   for t in held + self.book.tensors()}.values())
             # batch row -> state row, on the device (rows past the batch: the scratch slot)
             self.step_slots = torch.full((slots + 1,), self.scratch, dtype=torch.int32, device=dev)
             self.step_slots_host: list[int] = []
@@ -175,6 +205,12 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 pages += math.prod(layer_lay.key_codes_shape(1)) + 2 * math.prod(layer_lay.key_params_shape(1))
                 pages += math.prod(layer_lay.value_codes_shape(1)) + 2 * math.prod(layer_lay.value_params_shape(1))
             return math.ceil(pages / lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
+
+        def get_kv_cache_stats(self):
+            """Upstream's, with :attr:`pool_bytes` added to ``allocated_bytes``: the KV-cache estimation
+            (``configure_kv_cache_capacity``) adds the manager's ``allocated_bytes`` back to the peak memory it
+            measured, so pools left out would count as activations and shrink the cache by their size."""
+            return KvCacheStatsWithPools(super().get_kv_cache_stats(), self.pool_bytes)
 
         def shutdown(self):
             """Release the OSCAR pools, then upstream's (teardown after the KV-cache estimation, and at exit)."""
@@ -327,4 +363,4 @@ def make_cache_manager_class(up, deployment, ops_factory):
     return OscarKVCacheManager
 
 
-__all__ = ["STATUS_IDLE", "make_cache_manager_class", "refuse_unsupported"]
+__all__ = ["STATUS_IDLE", "KvCacheStatsWithPools", "check_budget", "make_cache_manager_class", "refuse_unsupported"]
