@@ -150,10 +150,17 @@ class Driver:
         lens = [min(n, r.prompt - r.written) for n, r in zip(lens, ctx)] + [1] * (len(gen) + padded)
         ids = [r.rid for r in ctx] + [r.rid if isinstance(r, Req) else r.py_request_id for r in gen]
         cached = [r.written for r in ctx] + [r.written + r.skipped if isinstance(r, Req) else 0 for r in gen]
-        return self.ns.interface.AttentionMetadata(
-            kv_cache_manager=self.mgr, seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx),
-            request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded),
+        # the engine's metadata class is the configured backend's (TRTLLM: TrtllmAttentionMetadata), prepared
+        # every step against the manager before the forward
+        metadata_cls = self.ns.utils.get_attention_backend(self.model_config.attn_backend).Metadata
+        md = metadata_cls(
+            max_num_requests=self.max_batch + padded + len(ctx) + len(gen), kv_cache_manager=self.mgr,
+            seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx), request_ids=ids,
+            prompt_lens=[r.prompt if isinstance(r, Req) else r.prompt_len for r in list(ctx) + list(gen)],
+            kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded),
             runtime_features=self.ns.interface.AttentionRuntimeFeatures(chunked_prefill=self.chunked_prefill))
+        md.prepare()
+        return md
 
     def rotated(self, q, k, pos: int):
         """q, k as the layer's RoPE leaves them (bf16 in, bf16 out) at positions ``pos ..``."""

@@ -10,8 +10,11 @@ fact they mirror, with the upstream file and the commit read, is one row of docs
 ``ModelConfig`` and ``from_config``; ``Attention.__init__`` wiring RoPE and QKV from the configured backend class
 (``TrtllmAttention``: both fused, ``VanillaAttention``: neither; ``support_*`` classmethods) and ``Attention.forward``
 -> ``apply_rope`` -> ``convert_qkv`` -> the backend (main: ``forward_args=`` by keyword; 1.2: keyword arguments);
-``KvCacheCreator``'s estimation, teardown (``shutdown``) and rebuild; ``add_dummy_requests`` returning ``None``;
-the CUDA-graph padding id; the worker's unpickled ``MODEL_CLASS_MAPPING``.
+``KvCacheCreator``'s estimation (the peak memory measured, ``allocated_bytes`` added back, ``max_gpu_total_bytes``
+set), teardown (``shutdown``) and rebuild, and the ``execution_stream`` it hands on; ``TrtllmAttentionMetadata``
+and its ``prepare()``; ``AttentionRuntimeFeatures``; ``LlmRequestState``; ``KvCacheConfig``'s defaults (block
+reuse on); ``get_pp_layers``' ``layer_mask`` assertion; ``add_dummy_requests`` returning ``None``; the CUDA-graph
+padding id; the worker's unpickled ``MODEL_CLASS_MAPPING``.
 
 Simplified on purpose (not on the startup path): the C++ block manager (``impl``) is a Python one (lowest free
 block id first, returned on ``remove_sequence``); ``qkv_proj`` / ``o_proj`` are identities (the driver feeds the
@@ -99,6 +102,7 @@ class ScheduledRequests:
 class KVCacheParams:
     use_cache: bool = True
     num_cached_tokens_per_seq: list = field(default_factory=list)
+    num_extra_kv_tokens: int = 0
 
 
 @dataclass
@@ -128,6 +132,33 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.seq_lens.sum())
+
+
+@dataclass(kw_only=True)
+class TrtllmAttentionMetadata(AttentionMetadata):
+    """``attention_backend/trtllm.py`` (1.x copy the index stores): the metadata the engine builds for the
+    configured TRTLLM backend, whose ``prepare()`` runs every step against the KV cache manager it is given."""
+
+    max_num_sequences: Optional[int] = None
+    prompt_lens: Optional[list] = None
+    beam_width: int = 1
+
+    def prepare(self) -> None:
+        """Every request's C++ block offsets into ``[num_pools, max_num_sequences, 2, max_blocks_per_seq]``
+        (context rows, then generation rows after them), and each ``kv_len`` within the manager's ``max_seq_len``."""
+        kv = self.kv_cache_manager
+        n, nc = self.num_seqs, self.num_contexts
+        cached = torch.tensor(self.kv_cache_params.num_cached_tokens_per_seq[:n], dtype=torch.int32)
+        self.kv_lens = cached + self.seq_lens + self.kv_cache_params.num_extra_kv_tokens
+        rows = self.max_num_sequences or self.max_num_requests
+        self.host_kv_cache_block_offsets = torch.zeros(kv.num_pools, rows, 2, kv.max_blocks_per_seq,
+                                                       dtype=torch.int32)
+        kv.impl.copy_batch_block_offsets(self.host_kv_cache_block_offsets, self.request_ids[:nc], 1, 0)
+        kv.impl.copy_batch_block_offsets(self.host_kv_cache_block_offsets, self.request_ids[nc:n], self.beam_width,
+                                         nc)
+        assert int(self.kv_lens.max()) <= kv.max_seq_len, (
+            f"The max KV cache length of input sequences ({int(self.kv_lens.max())}) exceeds the KV cache manager's "
+            f"maximum supported length ({kv.max_seq_len}).")
 
 
 TMetadata = TypeVar("TMetadata", bound=AttentionMetadata)
@@ -170,6 +201,8 @@ def _fused(base):
     """``TrtllmAttention`` of a layout: RoPE and QKV fused into its kernel."""
 
     class TrtllmAttention(base):
+        Metadata = TrtllmAttentionMetadata
+
         @classmethod
         def support_fused_rope(cls) -> bool:
             return True
@@ -242,6 +275,14 @@ class _BlockManager:
     def get_cache_block_ids(self, rid: int, window_size: int) -> list[list[int]]:
         return [list(self.seqs[rid])]
 
+    def copy_batch_block_offsets(self, dst: torch.Tensor, request_ids, beam_width: int, offset: int) -> None:
+        """Row ``offset + i`` of ``dst [pools, rows, 2, max_blocks]``: request ``i``'s block ids (K, V)."""
+        for i, rid in enumerate(request_ids):
+            if rid not in self.seqs:
+                raise RuntimeError(f"stand-in C++ block manager: no sequence for request {rid}")
+            ids = torch.tensor(self.seqs[rid], dtype=torch.int32)
+            dst[0, offset + i, :, : ids.numel()] = ids
+
 
 class KVCacheManager(BaseResourceManager):
     def __init__(self, kv_cache_config, kv_cache_type, *, num_layers: int, num_kv_heads, head_dim: int,
@@ -254,6 +295,7 @@ class KVCacheManager(BaseResourceManager):
         blocks = math.ceil(max_tokens / tokens_per_block)  # calculate_max_num_blocks with max_tokens set
         self.impl = _BlockManager(blocks, tokens_per_block)
         self.max_blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
+        self.num_pools = 1
         self.max_attention_window_vec = [max_seq_len]
         if layer_mask is not None:  # get_pp_layers (main): the mask must select num_layers layers
             assert sum(layer_mask) == num_layers, (sum(layer_mask), num_layers)
