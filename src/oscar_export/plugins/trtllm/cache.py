@@ -252,6 +252,15 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self._set_row(slot, list(self.get_cache_indices(req))[: self.book.max_pages])
             return slot
 
+        def _to_device(self, values: list[int]):
+            """``values`` as an int32 device tensor, copied from pinned memory without a host synchronisation (a
+            pageable copy would synchronise the current stream every step); the copy is stream-ordered like the
+            rest of :meth:`device_writes`."""
+            host = torch.tensor(values, dtype=torch.int32)
+            if self.book.device.type != "cuda":
+                return host
+            return host.pin_memory().to(self.book.device, non_blocking=True)
+
         def _set_row(self, slot: int, ids: list[int]) -> None:
             """Copy the C++ block ids of ``slot`` into the book's row when they changed (a stream-ordered copy)."""
             old = self.rows.get(slot, [])
@@ -259,13 +268,13 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 return
             if old != ids[: len(old)]:
                 raise RuntimeError(f"slot {slot}: the C++ block ids changed under live pages ({old} -> {ids})")
-            self.book.assign(slot, torch.tensor(ids, dtype=torch.int32))
+            self.book.assign(slot, self._to_device(ids))
             self.rows[slot] = ids
 
         def _write_step_slots(self, slots: list[int]) -> None:
             """Batch row ``i`` -> ``slots[i]``; every later row -> the scratch slot (a stream-ordered H2D copy)."""
             full = list(slots) + [self.scratch] * (self.step_slots.shape[0] - len(slots))
-            self.step_slots.copy_(torch.tensor(full, dtype=torch.int32))
+            self.step_slots.copy_(self._to_device(full))
             self.step_slots_host = list(slots)
 
         def slots_for(self, request_ids) -> list[int]:
