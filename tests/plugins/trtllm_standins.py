@@ -548,6 +548,7 @@ def torch_bytes() -> int:
     """Bytes of every distinct tensor storage alive in this process: the stand-in's ``torch.cuda.memory_stats``."""
     import gc
 
+    gc.collect()  # garbage (earlier tests' tensors in cycles) is not memory in use
     sizes = {}
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and o.device.type != "meta":
