@@ -1,33 +1,53 @@
-"""The package's import structure: no import cycle between its modules, and no Triton behind the HF host.
+"""The package's import structure: its floors, no import cycle between its modules, no Triton behind the HF host.
 
 The modules are found where the installed package keeps them (``src/oscar_export/``), read with ``ast`` and never
-imported, so a cycle shows whatever the order of import.
+imported, so an upward import or a cycle shows whatever the order of import.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-#: the installed package and its three floors below the commands (docs/design.md §2)
-ROOTS = ("oscar_export", "oscar_export.kernels", "oscar_export.calibration", "oscar_export.plugins")
+from oscar_export.cli import COMMANDS
+
+#: the floors of docs/design.md §2, lowest first: a module imports only from its own floor or those below it.
+#: ``checkpoint`` (the exported checkpoint's schema: the artifact inside a HF checkpoint) stands on the artifact's
+#: floor; every other module of ``oscar_export`` is a command or what the commands share.
+FLOORS = (
+    ("kernels", ("oscar_export.kernels",)),
+    ("calibration", ("oscar_export.calibration", "oscar_export.checkpoint")),
+    ("plugins", ("oscar_export.plugins",)),
+    ("commands", ("oscar_export",)),
+)
+#: what ``plugins`` may read of the calibration floor: the artifact type, the model-family table beside its
+#: fingerprint, and the checkpoint that carries the artifact
+ARTIFACT_TYPE = ("oscar_export.calibration.artifact", "oscar_export.calibration.families", "oscar_export.checkpoint")
 
 
-def _modules() -> dict[str, Path]:
-    """Module name -> source file, for every ``.py`` file of the package (a package is its ``__init__.py``)."""
+def _modules(folder: Path | None = None) -> dict[str, Path]:
+    """Module name -> source file, for every ``.py`` file of the package (a package is its ``__init__.py``);
+    ``folder``: a copy of the package's folder to read instead of the installed one."""
+    if folder is None:
+        (where,) = importlib.util.find_spec("oscar_export").submodule_search_locations
+        folder = Path(where)
     mods = {}
-    for root in ROOTS:
-        (folder,) = importlib.util.find_spec(root).submodule_search_locations
-        for path in Path(folder).rglob("*.py"):
-            parts = list(path.relative_to(folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            mods[".".join([root, *parts])] = path
+    for path in folder.rglob("*.py"):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(["oscar_export", *parts])] = path
     return mods
+
+
+def _graph(mods: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """Module -> the package modules it imports -> the line of the first such import."""
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
 
 
 def _imports(name: str, path: Path, mods: dict[str, Path]) -> dict[str, int]:
@@ -96,6 +116,70 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return cycles
 
 
+def _floor(module: str) -> int:
+    """The index in :data:`FLOORS` of the floor ``module`` stands on (the longest matching prefix wins)."""
+    matches = [(len(p), i) for i, (_, prefixes) in enumerate(FLOORS) for p in prefixes
+               if module == p or module.startswith(p + ".")]
+    return max(matches)[1]
+
+
+def _floor_breaches(graph: dict[str, dict[str, int]], commands: set[str]) -> list[str]:
+    """One line for each import that breaks the floors: upward, into a command module, or from ``plugins`` into the
+    calibration floor beyond :data:`ARTIFACT_TYPE`."""
+    out = []
+    for a in sorted(graph):
+        for b, line in sorted(graph[a].items()):
+            fa, fb = _floor(a), _floor(b)
+            where = f"{a}, line {line}: imports {b}"
+            if fb > fa:
+                out.append(f"{where} (floor {FLOORS[fb][0]} above {FLOORS[fa][0]})")
+            elif b in commands:
+                out.append(f"{where} (a command module: nothing imports one)")
+            elif FLOORS[fa][0] == "plugins" and FLOORS[fb][0] == "calibration" and b not in ARTIFACT_TYPE:
+                out.append(f"{where} (plugins read only the artifact type of the calibration floor)")
+    return out
+
+
+def test_the_floor_check_names_each_kind_of_breach():
+    """On a made-up graph: an upward import, an import of a command, and plugins reaching past the artifact type
+    are each named; the imports the floors allow are not."""
+    graph = {
+        "oscar_export.kernels.layout": {"oscar_export.plugins.hf.cache": 3},  # upward
+        "oscar_export.calibration.artifact": {"oscar_export.kernels.layout": 1},
+        "oscar_export.calibration.pipeline": {"oscar_export.calibration.artifact": 1},
+        "oscar_export.checkpoint": {"oscar_export.calibration.artifact": 1},
+        "oscar_export.plugins.hf.cache": {"oscar_export.calibration.artifact": 1, "oscar_export.checkpoint": 2,
+                                          "oscar_export.calibration.pipeline": 5},  # past the artifact type
+        "oscar_export.build": {"oscar_export.export": 7, "oscar_export.checkpoint": 8},  # a command
+        "oscar_export.export": {"oscar_export.plugins.hf.cache": 1},
+    }
+    assert _floor_breaches(graph, {"oscar_export.export", "oscar_export.build"}) == [
+        "oscar_export.build, line 7: imports oscar_export.export (a command module: nothing imports one)",
+        "oscar_export.kernels.layout, line 3: imports oscar_export.plugins.hf.cache (floor plugins above kernels)",
+        "oscar_export.plugins.hf.cache, line 5: imports oscar_export.calibration.pipeline (plugins read only the "
+        "artifact type of the calibration floor)",
+    ]
+
+
+def test_the_floors_hold():
+    """``kernels`` <- ``calibration`` <- ``plugins`` <- the commands, and no module imports a command module."""
+    breaches = _floor_breaches(_graph(_modules()), set(COMMANDS.values()))
+    assert not breaches, "imports against the floors (docs/design.md §2):\n" + "\n".join(breaches)
+
+
+def test_a_planted_upward_import_is_caught(tmp_path):
+    """The package copied, one lazy import of ``plugins`` planted inside ``kernels/layout.py``: the floor check of
+    the copy names it (and only it)."""
+    (where,) = importlib.util.find_spec("oscar_export").submodule_search_locations
+    copy = tmp_path / "oscar_export"
+    shutil.copytree(where, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    layout = copy / "kernels" / "layout.py"
+    layout.write_text(layout.read_text() + "\n\ndef planted():\n    from oscar_export.plugins.hf import cache\n")
+    breaches = _floor_breaches(_graph(_modules(copy)), set(COMMANDS.values()))
+    assert len(breaches) == 1 and breaches[0].startswith("oscar_export.kernels.layout, line "), breaches
+    assert "imports oscar_export.plugins.hf.cache (floor plugins above kernels)" in breaches[0], breaches
+
+
 def test_the_walk_sees_the_package():
     """The walk finds the mapped folders' modules and their imports (else the no-cycle test below proves nothing)."""
     mods = _modules()
@@ -108,10 +192,8 @@ def test_the_walk_sees_the_package():
 
 
 def test_no_import_cycle():
-    """Issue 30: ``plugins/hf/ops.py`` <-> ``triton_backend.py`` and ``plugins/hf/cache.py`` <-> ``sliding.py``
-    imported each other (one side lazily, inside a function)."""
-    mods = _modules()
-    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    """No two modules import each other, directly or around a loop, even lazily inside a function."""
+    graph = _graph(_modules())
     cycles = _cycles(graph)
     lines = [" -> ".join(c) + "\n" + "".join(f"    {a}, line {graph[a][b]}: imports {b}\n" for a, b in zip(c, c[1:]))
              for c in cycles]

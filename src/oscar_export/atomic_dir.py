@@ -8,10 +8,12 @@ the temporary is left behind and recognised by the next run for the same ``out``
 
 What ``out`` may be, and the claim on it, is :mod:`oscar_export.out_dir` (``check_out_dir``, called here first).
 At the end ``out`` must still be what it was when claimed: an ``out`` that appeared or changed while the run
-worked is not replaced (the new output is kept beside it, under a name the error gives). The final step never
-overwrites: ``renameat2(RENAME_NOREPLACE)`` where ``out`` was absent, and with ``force`` ``RENAME_EXCHANGE`` (the
-old output and the new one swap in one step, so there is no moment without an ``out``); plain ``rename`` where the
-filesystem has neither (it too refuses a non-empty directory).
+worked is not replaced (the new output is kept beside it, under a name the error gives). With ``force`` the
+entries of the earlier ``out`` that this tool did not write (the names its marker does not list, e.g. the user's
+``NOTES.txt``) are kept: linked (or copied) into the new output before it takes ``out``'s place, and named on stderr.
+The final step never overwrites: ``renameat2(RENAME_NOREPLACE)`` where ``out`` was absent, and with ``force``
+``RENAME_EXCHANGE`` (the old output and the new one swap in one step, so there is no moment without an ``out``);
+plain ``rename`` where the filesystem has neither (it too refuses a non-empty directory).
 
 Names (hidden siblings of ``out``; ``PID`` and ``START`` identify the process that made them, ``START``
 being its start time in clock ticks from ``/proc/PID/stat``, so a reused pid is told apart)::
@@ -31,11 +33,21 @@ import re
 import secrets
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from oscar_export.out_dir import MARKER, OutState, check_out_dir, claimed_state, out_state, release, remove_stale_lock
+from oscar_export.out_dir import (
+    MARKER,
+    OutState,
+    check_out_dir,
+    claimed_state,
+    marker_files,
+    out_state,
+    release,
+    remove_stale_lock,
+)
 
 _NAME = re.compile(r"\.(?P<out>.+)\.oscar-(?P<kind>tmp|old)-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-(?P<token>[0-9a-f]{8})")
 
@@ -128,6 +140,25 @@ def fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath), directory=True)
 
 
+def write_file_atomic(path: str | Path, data: bytes) -> Path:
+    """Write one file of an output written in place (``eval --out``) whole or not at all: a temporary sibling,
+    fsync, then a rename over ``path``; on any error (a full disk) the temporary is removed and ``path`` is left
+    as it was."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.oscar-partial-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return path
+
+
 _RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
 _libc = ctypes.CDLL(None, use_errno=True)
 _renameat2 = getattr(_libc, "renameat2", None)
@@ -154,6 +185,43 @@ def _place(tmp: Path, out: Path) -> None:
         if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
             raise FileExistsError(e.errno, "exists") from None
         raise
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link of the regular file ``src`` at ``dst`` (no data copied), or a copy where links are refused."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        if not Path(src).is_file():
+            raise
+        shutil.copy2(src, dst)
+
+
+def users_entries(out: Path, written: Iterable[str]) -> list[str]:
+    """The entries of the earlier output ``out`` that this tool did not write: not named by its marker's file
+    list, or (a marker without one) not among ``written``, the names of the new output."""
+    listed = marker_files(out)
+    ours = set(listed if listed is not None else written) | {MARKER}
+    return sorted(e.name for e in os.scandir(out) if e.name not in ours)
+
+
+def keep_users_entries(out: Path, tmp: Path, option: str) -> list[str]:
+    """Link (or copy) the user's entries of ``out`` (:func:`users_entries`) into ``tmp``, the new output, before
+    it takes ``out``'s place; returns their names. A name the new output holds too is refused (nothing replaced)."""
+    names = users_entries(out, (e.name for e in os.scandir(tmp)))
+    for name in names:
+        src, dst = out / name, tmp / name
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, f"{option} {out}: {name} there was not written by oscar-export and the "
+                                                f"new output has a {name} too; nothing was replaced (move yours away "
+                                                f"and run again)")
+        if src.is_symlink():
+            os.symlink(os.readlink(src), dst)
+        elif src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(src), str(dst))
+    return names
 
 
 def _changed(out: Path, tmp: Path, option: str, what: str) -> OutputChanged:
@@ -229,7 +297,8 @@ def atomic_dir(
 
     Args:
         out: the output directory (absent, empty, or with ``force`` an earlier output of this kind).
-        force: replace a non-empty ``out`` that is an earlier output of this kind.
+        force: replace a non-empty ``out`` that is an earlier output of this kind (what this tool did not write
+            there is kept: :func:`keep_users_entries`).
         looks_like: the kind of output (a file every output of this kind contains: ``oscar.json``...); written
             into the marker, and required of the marker of an ``out`` that ``force`` replaces.
         inputs: ``(option, path)`` pairs ``out`` must stay apart from (:func:`check_inputs`).
@@ -247,9 +316,14 @@ def atomic_dir(
         old = out.parent / f".{out.name}.oscar-old-{tag}"
         with _signals_raise():
             tmp.mkdir(mode=0o700)
+            kept: list[str] = []
             try:
                 yield tmp
-                (tmp / MARKER).write_text(json.dumps({"tool": "oscar-export", "kind": looks_like or "output"}) + "\n")
+                written = sorted(e.name for e in os.scandir(tmp))
+                (tmp / MARKER).write_text(json.dumps({"tool": "oscar-export", "kind": looks_like or "output",
+                                                      "files": written}) + "\n")
+                if force and state.exists and out.is_dir() and not out.is_symlink():
+                    kept = keep_users_entries(out, tmp, option)
                 tmp.chmod(0o755)
                 fsync_tree(tmp)
                 _commit(tmp, out, old, state, force, option)
@@ -260,6 +334,9 @@ def atomic_dir(
                 raise
             shutil.rmtree(old, ignore_errors=True)
             _fsync_path(out.parent, directory=True)
+            if kept:
+                print(f"{option} {out}: kept what oscar-export did not write there: {', '.join(kept)}", file=sys.stderr)
 
 
-__all__ = ["Interrupted", "OutputChanged", "atomic_dir", "fsync_tree", "is_temporary", "remove_stale"]
+__all__ = ["Interrupted", "OutputChanged", "atomic_dir", "fsync_tree", "is_temporary", "keep_users_entries",
+           "remove_stale", "users_entries", "write_file_atomic"]

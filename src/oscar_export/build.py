@@ -31,6 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from oscar_export.calibration.families import ModelAttention, family_for_pretrained
+from oscar_export.calibration.safe_json import printable
+
 EPILOG = """example:
   oscar-export export --model default --artifact art/ --out ckpt/
   oscar-export build --export ckpt/ --out deploy/ --arch sm_90 --onnx
@@ -54,37 +57,36 @@ deployment = register(checkpoint=_ROOT / "checkpoint", bundle=_ROOT / "kernels",
 '''
 
 
-def model_shape(ckpt: Path) -> dict[str, Any]:
-    """Heads, head_dim, layers and the softmax scale of an exported checkpoint, from the family table.
-
-    ``config.json`` is first read with the artifact loader's bounds (``export.read_config_json``); ``sm_scale``
-    is the model's own attention scale (``ModelAttention.scaling``: ``query_pre_attn_scalar ** -0.5`` for
-    Gemma 3, ``head_dim ** -0.5`` otherwise), baked into the decode kernels of the bundle.
-
-    Raises:
-        NotImplementedError: the table's error (the one ``enable_oscar`` gives) for what serving cannot run.
-    """
+def checked_config(ckpt: Path) -> dict[str, Any]:
+    """``ckpt/config.json`` read with the artifact loader's bounds (``checkpoint.read_config_json``), its head and
+    layer counts typed and bounded, so that a hostile config.json fails with one clear line before the family
+    table reads it."""
     from oscar_export.calibration.artifact_format import LIMITS
-    from oscar_export.calibration.families import family_for_pretrained
-    from oscar_export.calibration.safe_json import json_int, printable
-    from oscar_export.export import read_config_json
+    from oscar_export.calibration.safe_json import json_int
+    from oscar_export.checkpoint import read_config_json
 
-    cfg = read_config_json(ckpt)  # bounded, and the fields typed: a hostile config.json fails with one clear line
+    cfg = read_config_json(ckpt)
     where = printable(Path(ckpt) / "config.json")
     for key, hi in (("num_attention_heads", LIMITS.max_heads), ("hidden_size", LIMITS.max_hidden_size),
                     ("num_hidden_layers", LIMITS.max_layers), ("num_key_value_heads", LIMITS.max_kv_heads),
                     ("head_dim", LIMITS.max_head_dim)):
         if cfg.get(key) is not None:
             json_int(cfg[key], f"{where}: {key}", 1, hi)
-    f = family_for_pretrained(ckpt)
+    return cfg
+
+
+def model_record(facts: ModelAttention, max_position_embeddings: int | None) -> dict[str, Any]:
+    """``deploy.json``'s ``"model"`` entry: the family table's facts the bundle is built for. ``sm_scale`` is the
+    model's own attention scale (``ModelAttention.scaling``: ``query_pre_attn_scalar ** -0.5`` for Gemma 3,
+    ``head_dim ** -0.5`` otherwise), baked into the decode kernels of the bundle."""
     return {
-        "model_type": f.model_type,
-        "num_layers": f.num_layers,
-        "num_heads": f.num_heads,
-        "num_kv_heads": f.num_kv_heads,
-        "head_dim": f.head_dim,
-        "sm_scale": f.scaling,
-        "max_position_embeddings": max_positions(cfg, where),
+        "model_type": facts.model_type,
+        "num_layers": facts.num_layers,
+        "num_heads": facts.num_heads,
+        "num_kv_heads": facts.num_kv_heads,
+        "head_dim": facts.head_dim,
+        "sm_scale": facts.scaling,
+        "max_position_embeddings": max_position_embeddings,
     }
 
 
@@ -111,27 +113,25 @@ def check_inside(root: Path) -> None:
                 raise ValueError(f"{p}: a symbolic link to {p.resolve()}, outside the checkpoint {root}")
 
 
-def load_packaged_artifact(export_dir: Path, section: dict[str, Any], shape: dict[str, Any]):
-    """The checkpoint's artifact, fully loaded and verified, and checked against ``config.json`` and the section."""
-    from oscar_export.calibration.artifact import load_artifact
-    from oscar_export.export import artifact_path
+def load_packaged_artifact(export_dir: Path, section: dict[str, Any], shape: ModelAttention):
+    """The checkpoint's artifact, fully loaded and verified, and checked against ``config.json`` (the family table's
+    ``shape`` of it) and the section."""
+    from oscar_export.checkpoint import load_exported_artifact
 
-    art = load_artifact(artifact_path(export_dir, section))
-    if not all(t.values_prerotated for t in art.transforms):
-        raise ValueError(f"{export_dir}: the bundled artifact is not marked values_prerotated (not an export?)")
+    art = load_exported_artifact(export_dir, section)
     fp, lay = art.fingerprint, art.layout
-    if shape["num_layers"] != art.num_layers:
-        raise ValueError(f"{export_dir}: config has {shape['num_layers']} layers, its artifact {art.num_layers}")
-    if shape["num_heads"] != fp["num_attention_heads"]:
-        raise ValueError(f"{export_dir}: config has {shape['num_heads']} query heads, its artifact "
+    if shape.num_layers != art.num_layers:
+        raise ValueError(f"{export_dir}: config has {shape.num_layers} layers, its artifact {art.num_layers}")
+    if shape.num_heads != fp["num_attention_heads"]:
+        raise ValueError(f"{export_dir}: config has {shape.num_heads} query heads, its artifact "
                          f"{fp['num_attention_heads']}")
-    if (shape["num_kv_heads"], shape["head_dim"]) != (lay.num_kv_heads, lay.head_dim):
+    if (shape.num_kv_heads, shape.head_dim) != (lay.num_kv_heads, lay.head_dim):
         raise ValueError(
-            f"{export_dir}: config has {shape['num_kv_heads']} KV heads x head_dim {shape['head_dim']}, "
+            f"{export_dir}: config has {shape.num_kv_heads} KV heads x head_dim {shape.head_dim}, "
             f"its artifact layout {lay.num_kv_heads} x {lay.head_dim}"
         )
-    if shape["model_type"] != fp["model_type"]:
-        raise ValueError(f"{export_dir}: config has model_type {shape['model_type']!r}, its artifact "
+    if shape.model_type != fp["model_type"]:
+        raise ValueError(f"{export_dir}: config has model_type {shape.model_type!r}, its artifact "
                          f"{fp['model_type']!r}")
     if not lay.matches_dict(section.get("layout")):
         raise ValueError(f"{export_dir}: the 'oscar' section's layout disagrees with the artifact's "
@@ -139,7 +139,7 @@ def load_packaged_artifact(export_dir: Path, section: dict[str, Any], shape: dic
     return art
 
 
-def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = True) -> str:
+def readme(model: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = True) -> str:
     lines = [
         "# OSCAR deployment (generated by `oscar-export build`)",
         "",
@@ -160,7 +160,7 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "pip install --no-deps --no-index --find-links ./wheels oscar-export   # the wheel shipped here",
         "trtllm-serve serve ./checkpoint --backend pytorch --custom_module_dirs ./trtllm_module \\",
         "    --extra_llm_api_options ./extra_llm_api_options.yaml --max_batch_size 64 --max_seq_len "
-        f"{min(README_MAX_SEQ_LEN, shape.get('max_position_embeddings') or README_MAX_SEQ_LEN)}",
+        f"{min(README_MAX_SEQ_LEN, model.get('max_position_embeddings') or README_MAX_SEQ_LEN)}",
         "```",
         "",
         "How it plugs in: `checkpoint/config.json` names the architecture `OscarLlamaForCausalLM`, which",
@@ -185,8 +185,8 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         "prefill (no AOT chunk kernel yet: refused with an error) and block reuse (reused blocks would hold BF16 "
         "data).",
         "",
-        f"Model: {shape['model_type']}, {shape['num_layers']} layers, {shape['num_heads']} query / "
-        f"{shape['num_kv_heads']} KV heads, head_dim {shape['head_dim']}.",
+        f"Model: {model['model_type']}, {model['num_layers']} layers, {model['num_heads']} query / "
+        f"{model['num_kv_heads']} KV heads, head_dim {model['head_dim']}.",
         "`checkpoint/` is a normal Hugging Face checkpoint (value rotation folded into v_proj/o_proj); with a",
         "plain cache it reproduces the original model.",
     ]
@@ -194,7 +194,7 @@ def readme(shape: dict[str, Any], archs: list[str], onnx: bool, trtllm: bool = T
         first = lines.index(next(x for x in lines if x.startswith("Serve with TensorRT-LLM")))
         last = lines.index(next(x for x in lines if x.startswith("prefill (no AOT chunk kernel")))
         lines[first : last + 1] = [
-            f"No `trtllm_module/` and no `extra_llm_api_options.yaml`: the model family {shape['model_type']!r} is not",
+            f"No `trtllm_module/` and no `extra_llm_api_options.yaml`: the model family {model['model_type']!r} is not",
             "served by the OSCAR TensorRT-LLM adapter (plugins/trtllm/deployment.py SUPPORTED_FAMILIES); the kernel",
             "bundle and the checkpoint are written for the other hosts.",
         ]
@@ -288,7 +288,7 @@ def build_deployment(
     (``kernels.aot.bundle.serving_layout``): nothing to choose.
     """
     from oscar_export.atomic_dir import atomic_dir
-    from oscar_export.export import read_export
+    from oscar_export.checkpoint import read_export
     from oscar_export.kernels.aot.bundle import serving_layout, serving_specs
     from oscar_export.kernels.aot.compile import DEFAULT_PTX_VERSION, build_bundle
     from oscar_export.kernels.aot.manifest import parse_arch
@@ -305,25 +305,27 @@ def build_deployment(
     check_out_dir(out, force, looks_like="deploy.json")
     check_inside(export_dir)
     files, left_out = checkpoint_files(export_dir)  # regular files only, those of a checkpoint (oscar_export.outputs)
-    shape = model_shape(export_dir)
+    cfg = checked_config(export_dir)
+    shape = family_for_pretrained(export_dir)  # the table's error for what serving cannot run
+    record = model_record(shape, max_positions(cfg, printable(export_dir / "config.json")))
     art = load_packaged_artifact(export_dir, section, shape)
     from oscar_export.plugins.trtllm.deployment import SUPPORTED_FAMILIES
 
-    if shape["model_type"] in SUPPORTED_FAMILIES:
+    if shape.model_type in SUPPORTED_FAMILIES:
         source_root()  # the TensorRT-LLM module's wheel is built from it: refused before anything compiles
     layout = art.layout
     key_bits = sorted(set(art.key_bits or (layout.key.bits,)))  # one kernel set per key width the layers use
     # the pages the serving GPU writes and its decode kernel (kernels.decode.select_backend): the hopper kernel on
     # mma16 pages for a bundle of sm_90 alone; else, and where the ONNX form or the TensorRT-LLM module (whose
     # readers take linear pages) ship, the portable kernel on linear pages
-    layout = serving_layout(layout, archs, shape["num_heads"], key_bits,
-                            linear=onnx or shape["model_type"] in SUPPORTED_FAMILIES)
+    layout = serving_layout(layout, archs, shape.num_heads, key_bits,
+                            linear=onnx or shape.model_type in SUPPORTED_FAMILIES)
     if onnx and key_bits != [layout.key.bits]:  # refused too: the ONNX form unpacks 2-bit codes (onnx_export)
         wide = [i for i, b in enumerate(art.key_bits) if b != layout.key.bits]
         raise ValueError(f"--onnx: the ONNX form and the TensorRT plugins read 2-bit key pages; this artifact has "
                          f"4-bit keys in {len(wide)} of {art.num_layers} layers {wide} (calibrate --key-bits-budget "
                          f"none gives 2-bit keys everywhere)")
-    specs = serving_specs(layout, shape["num_heads"], shape["sm_scale"], key_bits=key_bits)
+    specs = serving_specs(layout, shape.num_heads, shape.scaling, key_bits=key_bits)
     with atomic_dir(out, force=force, looks_like="deploy.json") as tmp:
         copy_checkpoint(export_dir, files, tmp / "checkpoint")
         build_bundle(specs, tmp / "kernels", archs=archs, progress=progress,
@@ -333,10 +335,10 @@ def build_deployment(
             from oscar_export.onnx_export import export_decode_attention_onnx
 
             (tmp / "onnx").mkdir()
-            export_decode_attention_onnx(layout, shape["num_heads"], shape["sm_scale"], tmp / "onnx")
+            export_decode_attention_onnx(layout, shape.num_heads, shape.scaling, tmp / "onnx")
         manifest = json.loads((tmp / "kernels" / "manifest.json").read_text())
         deploy = {
-            "model": shape,
+            "model": record,
             "layout": layout.to_dict(),
             "archs": sorted(archs),
             "kernels": sorted({k["name"] for k in manifest["kernels"]}),
@@ -351,7 +353,7 @@ def build_deployment(
                               "tensorrt": False},
         }
         (tmp / "deploy.json").write_text(json.dumps(deploy, indent=1, sort_keys=True) + "\n")
-        (tmp / "README.md").write_text(readme(shape, sorted(archs), onnx, trtllm))
+        (tmp / "README.md").write_text(readme(record, sorted(archs), onnx, trtllm))
     return Path(out)
 
 
@@ -379,4 +381,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = ["build_deployment", "check_inside", "load_packaged_artifact", "model_shape"]
+__all__ = ["build_deployment", "check_inside", "checked_config", "load_packaged_artifact", "model_record"]

@@ -176,7 +176,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The ``CalibrationConfig`` of the options; ``--seq-len`` unset is the config's default, or
-    ``key_bits.MIN_SEQ_LEN`` with ``--key-bits-budget`` (the recipe measured in EVALUATION.md)."""
+    ``key_bits.MIN_SEQ_LEN`` with ``--key-bits-budget`` (the recipe docs/evaluation.md measures)."""
     from oscar_export.calibration.config import CalibrationConfig
     from oscar_export.calibration.key_bits import MIN_SEQ_LEN
 
@@ -206,7 +206,7 @@ def warn_short_key_bits_sequences(cfg) -> None:
     if cfg.key_bits_budget is not None and cfg.seq_len < MIN_SEQ_LEN:
         print(f"warning: --key-bits-budget with --seq-len {cfg.seq_len}: the held-out queries read only "
               f"{cfg.seq_len - cfg.sink - cfg.window} page rows per sequence; --seq-len {MIN_SEQ_LEN} chose better "
-              f"layers on SmolLM2 (57 vs 51 of 160 needles as deployed, EVALUATION.md)", file=sys.stderr)
+              f"layers on SmolLM2 (57 vs 51 of 160 needles as deployed)", file=sys.stderr)
 
 
 def key_bits_line(art) -> str:
@@ -225,21 +225,18 @@ def run(args: argparse.Namespace) -> int:
 
     from oscar_export.atomic_dir import atomic_dir
     from oscar_export.calibration.artifact import META_FILE
-    from oscar_export.calibration.families import family_for, family_for_pretrained
+    from oscar_export.calibration.families import family_for
     from oscar_export.calibration.key_bits import check_budget
     from oscar_export.calibration.pipeline import calibrate
-    from oscar_export.models import DEFAULT_MODEL, default_model_dir, gguf_config, load_model
+    from oscar_export.models import DEFAULT_MODEL, load_model, model_config
 
     check_args(args)  # validate before the slow model load
     cfg = config_from_args(args)
     warn_short_key_bits_sequences(cfg)
     # refuse what serving cannot run (enable_oscar's message) and a budget below the 2-bit pages before loading
     facts = None
-    if (Path(args.model) / "config.json").is_file():
-        facts = family_for_pretrained(args.model)
-    elif args.model == DEFAULT_MODEL:  # the embedded GGUF's header: milliseconds (models.gguf_config)
-        folder, name = default_model_dir()
-        facts = family_for(gguf_config(str(folder / name)))
+    if (Path(args.model) / "config.json").is_file() or args.model == DEFAULT_MODEL:  # the config, or the embedded
+        facts = family_for(model_config(args.model))  # GGUF's header: milliseconds, no weights (models.model_config)
     if facts is not None and cfg.key_bits_budget is not None:
         check_budget(cfg.key_bits_budget, cfg.layout(facts.num_kv_heads, facts.head_dim))
     t0 = time.perf_counter()

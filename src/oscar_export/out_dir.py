@@ -28,27 +28,33 @@ import fcntl
 import json
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-#: the file every output of this tool contains: ``{"tool": "oscar-export", "kind": KIND}``.
+#: the file every output of this tool contains: ``{"tool": "oscar-export", "kind": KIND, "files": [NAME, ...]}`` (the
+#: top-level names it was written with).
 MARKER = ".oscar-output"
+#: the most of a marker read (its file list names every shard of a large checkpoint).
+MARKER_MAX_BYTES = 1 << 20
 
 
 class OutputBusy(OSError):
     """Another run holds the lock of this ``--out``."""
 
 
-def marker_kind(directory: Path) -> str | None:
-    """The kind named by ``directory``'s marker, or None (no marker, a link, or not one of ours)."""
+def _marker(directory: Path) -> dict | None:
+    """``directory``'s marker as a dict, or None (no marker, a link, not a regular file, or not one of ours)."""
     p = Path(directory) / MARKER
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        data = os.read(fd, 4096)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, MARKER_MAX_BYTES)
     finally:
         os.close(fd)
     try:
@@ -56,7 +62,21 @@ def marker_kind(directory: Path) -> str | None:
     except ValueError:
         return None
     ok = isinstance(meta, dict) and meta.get("tool") == "oscar-export" and isinstance(meta.get("kind"), str)
-    return meta["kind"] if ok else None
+    return meta if ok else None
+
+
+def marker_kind(directory: Path) -> str | None:
+    """The kind named by ``directory``'s marker, or None (no marker, a link, or not one of ours)."""
+    meta = _marker(directory)
+    return meta["kind"] if meta is not None else None
+
+
+def marker_files(directory: Path) -> list[str] | None:
+    """The top-level names the output ``directory`` was written with (its marker's list), or None (no marker, or one
+    written without the list)."""
+    files = (_marker(directory) or {}).get("files")
+    ok = isinstance(files, list) and all(isinstance(f, str) for f in files)
+    return files if ok else None
 
 
 def _real(p: Path) -> Path:
@@ -144,6 +164,20 @@ def _lock_path(out: Path) -> Path:
     return out.parent / f".{out.name}.oscar-lock"
 
 
+def _open_lock(lock: Path, out: Path, option: str) -> int:
+    """The lock file of ``out``, opened (created if absent): a regular file, or one clear error naming it."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise type(e)(e.errno, f"{option} {out}: cannot open its lock file {lock} ({os.strerror(e.errno or 0)}); "
+                               f"remove it if it is not a file of yours") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileExistsError(errno.EEXIST, f"{option} {out}: its lock file {lock} is not a regular file; remove it "
+                                            f"(or choose another directory) and run again")
+    return fd
+
+
 def _claim(out: Path, option: str) -> _Claim:
     """Take ``out``'s lock (non-blocking) and remember its state; re-entrant within this process."""
     key = _real(out)
@@ -151,7 +185,7 @@ def _claim(out: Path, option: str) -> _Claim:
         return _claims[key]
     lock = _lock_path(out)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = _open_lock(lock, out, option)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -260,5 +294,5 @@ def check_out_dir(
 
 __all__ = [
     "MARKER", "OutState", "OutputBusy", "check_inputs", "check_out_dir", "check_writable", "claimed_state",
-    "marker_kind", "out_state", "release", "remove_stale_lock",
+    "marker_files", "marker_kind", "out_state", "release", "remove_stale_lock",
 ]

@@ -45,6 +45,7 @@ from oscar_export.calibration.artifact import OscarArtifact, load_artifact
 from oscar_export.calibration.artifact_format import LIMITS, TENSOR_FIELDS, ArtifactError
 from oscar_export.calibration.families import FoldSpec
 from oscar_export.calibration.safe_json import printable
+from oscar_export.checkpoint import artifact_path, checkpoint_tensors, read_config_json, read_export
 
 #: the projections of one rank, beside its artifact in ``tp{N}/rank{r}/``.
 RANK_TENSORS = "attention.safetensors"
@@ -254,5 +255,18 @@ def check_ranks(
     return len(pairs)
 
 
-__all__ = ["RANK_TENSORS", "RankHeads", "check_ranks", "load_rank", "projection_names", "rank_dir", "rank_heads",
-           "shard_artifact", "shard_projections", "write_ranks"]
+def check_tp_export(ckpt: str | Path, tp: int) -> int:
+    """Check that ``ckpt/tp{tp}/rank*/`` concatenate to the unsharded export (:func:`check_ranks`); returns the
+    number of tensors compared."""
+    from oscar_export.calibration.families import family_for_config_dict
+
+    section = read_export(ckpt)
+    config = read_config_json(ckpt)
+    fold = family_for_config_dict({k: v for k, v in config.items() if k != "oscar"}).family.fold
+    artifact = load_artifact(artifact_path(ckpt, section))
+    names = {n for i in range(artifact.num_layers) for n in projection_names(fold, i).values()}
+    return check_ranks(checkpoint_tensors(ckpt, names), artifact, fold, ckpt, tp)
+
+
+__all__ = ["RANK_TENSORS", "RankHeads", "check_ranks", "check_tp_export", "load_rank", "projection_names", "rank_dir",
+           "rank_heads", "shard_artifact", "shard_projections", "write_ranks"]

@@ -1,9 +1,9 @@
 """How many torch threads a CPU run of ``generate`` or ``eval`` uses: torch's own choice (every core), or one
 where other processes already keep every core busy.
 
-Measured on the shared 2-core development machine at load 9-12 (2026-12-02, SmolLM2, a 703-token prompt, 64
-greedy tokens): two threads spun against the other processes at 1,530 ms a decode step with the fp32 cache and
-4,614 ms with OSCAR, one thread at 240 and 478 ms. On an idle machine torch's default (every core) is left alone.
+Measured on a 2-core machine at load 9-12 (SmolLM2, a 703-token prompt, 64 greedy tokens): two threads spun
+against the other processes at 1,530 ms a decode step with the fp32 cache and 4,614 ms with OSCAR, one thread at
+240 and 478 ms. On an idle machine torch's default (every core) is left alone.
 """
 
 from __future__ import annotations

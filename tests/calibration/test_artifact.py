@@ -143,7 +143,7 @@ def test_packing_round_trip_and_old_artifacts_load_as_linear(tmp_path):
     assert load_artifact(old).layout.packing == "linear"
 
 
-# ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
+# ---- per-layer key widths --------------------------------------------------------------------------------------
 
 
 def test_key_bits_round_trip_and_layer_layouts(tmp_path):
@@ -210,3 +210,23 @@ def test_save_dying_half_way_never_leaves_a_loadable_mix(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert sorted(p.name for p in d.iterdir()) == [META_FILE, TENSOR_FILE]
     refused(d, "checksum mismatch")
+
+
+def test_check_model_compares_the_folded_values_of_model_and_artifact():
+    """A config with an ``oscar`` section saying ``values_prerotated`` (what export writes) takes only a pre-rotated
+    artifact, a plain config only one that is not."""
+    from oscar_export.calibration.artifact import values_folded
+
+    cfg = artifact_config()
+    art = OscarArtifact.identity(cfg)
+    art.check_model(cfg)
+    assert values_folded(cfg) is False
+    cfg.oscar = {"format_version": 1, "values_prerotated": True}
+    assert values_folded(cfg) is True
+    with pytest.raises(ValueError, match="values_prerotated: the artifact's value rotation is not folded"):
+        art.check_model(cfg)
+    art.with_values_prerotated().check_model(cfg)
+    del cfg.oscar
+    with pytest.raises(ValueError, match="the artifact's value rotation is folded into v_proj / o_proj, this model's "
+                                         "is not"):
+        art.with_values_prerotated().check_model(cfg)

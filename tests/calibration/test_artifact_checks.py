@@ -94,7 +94,7 @@ def test_extreme_but_usable_ranges_load(tmp_path):
 
 
 def test_codebook_levels_must_be_spaced(art_dir):
-    """Issue: levels [0, 1e-30, 2e-30, 3] passed validation and served at KL 5.4."""
+    """Fitted levels closer than a resolvable step (``[0, 1e-30, 2e-30, 3]``: KL 5.4 if served) are refused."""
     from oscar_export.calibration.artifact import OscarArtifact
 
     art = load_artifact(art_dir)

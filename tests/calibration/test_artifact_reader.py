@@ -298,7 +298,7 @@ def test_not_a_regular_file_refused(tmp_path):
 
 
 def test_a_path_that_cannot_be_opened_is_not_called_missing(tmp_path):
-    """Issue: an unreadable artifact folder or a too-long path was reported as "oscar.json is missing"."""
+    """An unreadable artifact folder or a too-long path is reported as what it is, not as "oscar.json is missing"."""
     with pytest.raises(ArtifactError, match="cannot be opened: File name too long"):
         load_artifact(tmp_path / ("x" * 300))
     with pytest.raises(ArtifactError, match="cannot be opened: Not a directory"):
@@ -332,7 +332,7 @@ while True:
 
 
 def test_a_link_flipped_during_loads_is_never_read_from_outside(art_dir, tmp_path):
-    """Issue: a symlink flipped between an inside and an outside file was read from outside in 55 of 300 loads."""
+    """A symlink flipped between an inside and an outside file while loads run is never read from outside."""
     meta = json.loads((art_dir / "oscar.json").read_text())
     inside = art_dir / "inside.json"
     inside.write_text(json.dumps({**meta, "config": {"where": "inside"}}))

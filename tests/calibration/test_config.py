@@ -32,3 +32,13 @@ def test_key_bits_config_validation():
             small_cfg(key_bits_budget=bad)
     with pytest.raises(ValueError, match=r"read no page unless seq_len > sink \+ window \+ page_size = 64, got 64"):
         small_cfg(seq_len=64, key_bits_budget=3.0)
+
+
+def test_mma16_pages_take_the_4_bit_key_layers():
+    """A key-bit budget (4-bit keys in some layers) calibrates for mma16 pages as for linear ones: the hopper decode
+    kernel reads 4-bit key pages (``kernels/checks.py``), so the configuration refuses neither."""
+    from oscar_export.kernels.checks import check_hopper_layout
+
+    cfg = small_cfg(packing="mma16", key_bits_budget=3.0, page_size=64, seq_len=192, tokens=8 * 192)
+    for layer in cfg.layout(2, 64).per_layer((2, 4)):
+        check_hopper_layout(layer, num_heads=8)

@@ -93,7 +93,7 @@ def _edit_meta(d: Path, text: str) -> None:
 
 
 def test_duplicate_keys_are_refused(art_dir):
-    """Issue: duplicate keys in oscar.json were accepted (the last one won)."""
+    """Duplicate keys in oscar.json are refused (else the last one would silently win)."""
     text = (art_dir / "oscar.json").read_text()
     assert text.count('"values_prerotated": false') == 1
     _edit_meta(art_dir, text.replace('"values_prerotated": false', '"values_prerotated": true, '

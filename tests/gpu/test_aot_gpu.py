@@ -478,7 +478,7 @@ if __name__ == "__main__":
         sys.exit(f"usage: {sys.argv[0]} build OUT_DIR")
 
 
-# ---- the Hopper (Gluon) split kernel, through the driver API (issue 11) --------------------------------------------
+# ---- the Hopper (Gluon) split kernel, through the driver API -------------------------------------------------------
 
 
 @pytest.mark.parametrize("source", ["cubin", "ptx"])

@@ -76,7 +76,7 @@ def triton_against_reference(model, what: str, on_triton=lambda setup: setup, **
 @pytest.mark.parametrize("kind", ["identity", "rotated"])
 def test_auto_backend_is_triton_and_matches_reference_ops(kind):
     """The Triton backend against the reference ops; with rotated keys (``"rotated"``) the queries are rotated once
-    a step by the append launch and the decode kernels read them as they are (issue 26)."""
+    a step by the append launch and the decode kernels read them as they are."""
     model = model_of()
 
     def check(setup):
@@ -91,7 +91,7 @@ def test_auto_backend_is_triton_and_matches_reference_ops(kind):
 @torch.no_grad()
 @pytest.mark.parametrize("gran", ["token", "channel"])
 def test_mixed_key_bits_triton_matches_reference_ops(gran):
-    """Issue 17: an artifact with 4-bit keys in layers 0 and 2 (2-bit in 1 and 3) through the Triton backend
+    """An artifact with 4-bit keys in layers 0 and 2 (2-bit in 1 and 3) through the Triton backend
     (each layer's kernels launched with its own layout) agrees with the reference ops as the 2-bit path does."""
     from dataclasses import replace
 
@@ -110,7 +110,7 @@ def test_mixed_key_bits_triton_matches_reference_ops(gran):
 @torch.no_grad()
 @pytest.mark.parametrize("backend", ["hopper", "portable"])
 def test_each_decode_backend_matches_reference_ops(backend):
-    """Issue 26: each Triton decode backend (its packing written by the prefill and the decode-step demotions, its
+    """Each Triton decode backend (its packing written by the prefill and the decode-step demotions, its
     kernel reading them) agrees with the reference ops; the layout's own packing (mma16 here) does not matter."""
     from dataclasses import replace
 
@@ -126,7 +126,7 @@ def test_each_decode_backend_matches_reference_ops(backend):
 
 
 def test_select_backend_on_this_gpu_with_the_plans_split():
-    """Issue 26: on the H200 ``enable_oscar`` picks the hopper backend (mma16 pages) for 2-bit key layers and each
+    """On the H200 ``enable_oscar`` picks the hopper backend (mma16 pages) for 2-bit key layers and each
     layer splits its pages by the launch plan's wave rule; the 4-bit key layers get what ``select_backend`` says."""
     from oscar_export.kernels.aot.launch_plan import gl_pages_per_split
     from oscar_export.kernels.decode import select_backend
@@ -310,7 +310,7 @@ def test_generate_with_a_compile_config():
 
 @torch.no_grad()
 def test_readme_loop_with_a_calibrated_shape_artifact():
-    """Issue 26: the README loop (``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``) with an
+    """The README loop (``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``) with an
     artifact of a calibrated model's shape (rotated and scaled keys, means, channel keys, 4-bit keys in half the
     layers: ``oscar_export.bench.random_artifact``) on the backends ``select_backend`` picks, against the eager
     forward over steps that cross a demotion.

@@ -234,7 +234,7 @@ def test_decode_step_cuda_graph_equals_eager():
 
 
 def test_custom_ops_under_torch_compile():
-    """``oscar::decode_append`` (rotating the step's queries, issue 26) + ``oscar::decode_attention`` on what it
+    """``oscar::decode_append`` (rotating the step's queries) + ``oscar::decode_attention`` on what it
     returned, in ``torch.compile(fullgraph=True)`` == eager; the returned queries == the append wrapper's."""
     from oscar_export.kernels import triton_ops
     from oscar_export.kernels.decode_step import rotate_queries
@@ -637,7 +637,7 @@ def _assert_demotion_equals_reference(lay: KVCacheLayout, tr: LayerTransform, la
         assert torch.equal(getattr(st_g, f), getattr(st_r, f)), f"{label}state.{f} differs"
 
 
-# ---- 4-bit key pages (layout.with_key_bits(4), issue 17): values stay 2-bit -------------------------------------
+# ---- 4-bit key pages (layout.with_key_bits(4)): values stay 2-bit -----------------------------------------------
 
 
 @pytest.mark.parametrize("gran", ["token", "channel"])

@@ -150,7 +150,7 @@ def test_decode_aot_equals_jit(ops, cuda):
 
 
 def test_4bit_key_ops_aot_equal_jit(cuda, tmp_path_factory):
-    """Issue 17: the bundle's ``_k4`` kernels (a layer with 4-bit key pages) through the adapter's device ops:
+    """The bundle's ``_k4`` kernels (a layer with 4-bit key pages) through the adapter's device ops:
     the decode step's bytes and status and the decode attention equal to the JIT kernels'. Written in session 6
     without a GPU: NOT RUN yet."""
     from oscar_export.kernels.decode.portable import decode_attention
@@ -297,3 +297,45 @@ def test_adapter_decode_layer_aot_equals_jit_and_graph_replay_equals_eager(ops, 
     for slot in (2, eager.scratch):  # the idle slot and the scratch slot were never written
         for f in ("sink_k", "sink_v", "recent_k", "recent_v"):
             assert torch.equal(getattr(st, f)[slot], getattr(start, f)[slot]), f"slot {slot}: {f} written"
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["execution_stream_passed", "no_execution_stream"])
+def test_admission_writes_land_before_a_forward_on_the_execution_stream(cuda, tmp_path, monkeypatch, passed):
+    """The race of the stream test on the CPU (tests/plugins/trtllm_streams.py), on a GPU: the default stream is
+    held busy (``torch.cuda._sleep``), then ``prepare_resources`` admits a request into a slot whose previous
+    request left 100 tokens, and the forward's protocol runs on ``execution_stream`` (TensorRT-LLM's): the first
+    layer's wait, then a read of the slot's length. It must read the reset (0), with upstream passing the
+    execution stream to the manager or not. Only the manager's side and the first layer's wait are exercised
+    (the stand-in C++ block manager, the reference cache ops). The adapter's host-to-device copies are
+    asynchronous (pinned); pageable ones, as before, synchronised the current stream at the end of
+    ``prepare_resources``, which hid this race on a GPU at the price of a host stall every step."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "plugins"))
+    from oscar_export.plugins.trtllm import register
+    from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
+
+    import trtllm_standins
+    from helpers import TRTLLM_HEADS, trtllm_bundle, trtllm_checkpoint
+
+    ns = trtllm_standins.install(monkeypatch, "1.2")
+    dep = register(trtllm_checkpoint(tmp_path / "ckpt"), trtllm_bundle(tmp_path / "kernels"), arch="sm_90",
+                   ops_factory=lambda lay: TorchCacheOps(lay, TRTLLM_HEADS, 64 ** -0.5))
+    execution = torch.cuda.Stream()
+    mgr = dep.manager_cls(trtllm_standins.KvCacheConfig(enable_block_reuse=False), "SELF", num_layers=2,
+                          num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=128, max_batch_size=1,
+                          mapping=trtllm_standins.Mapping(), execution_stream=execution if passed else None)
+    first = ns.llm_request.LlmRequest(request_id=1, max_new_tokens=1, input_tokens=[1] * 8)
+    mgr.prepare_resources(trtllm_standins.ScheduledRequests([first], []))
+    mgr.book.seq_len.fill_(100)  # the request's tokens, as its steps left them
+    mgr.book.commit(0)
+    mgr.free_resources(first)
+    torch.cuda.synchronize()
+    second = ns.llm_request.LlmRequest(request_id=2, max_new_tokens=1, input_tokens=[1] * 8)
+    torch.cuda._sleep(200_000_000)  # the default stream busy for a while (~0.1 s)
+    mgr.prepare_resources(trtllm_standins.ScheduledRequests([second], []))
+    assert mgr.slot_of(2) == 0  # the slot request 1 left
+    with torch.cuda.stream(execution):  # upstream's forward makes no wait of its own here
+        mgr.streams.wait(mgr.admitted)  # what OscarAttention.forward does in the first layer
+        seen = mgr.book.committed.sink_len[0].clone()
+        lengths = mgr.book.seq_len[0].clone()
+    torch.cuda.synchronize()
+    assert int(lengths) == 0 and int(seen) == 0, (int(lengths), int(seen))

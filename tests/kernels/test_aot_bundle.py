@@ -22,7 +22,7 @@ LAYOUTS = {
     "gemma3_12b": (KVCacheLayout.default(8, 256), 16),  # head_dim 256: two groups of 128 per row, P = 128
     "mma16_llama": (KVCacheLayout.default(8, 128, packing="mma16", page_size=64), 32),
     "mma16_channel": (KVCacheLayout.default(3, 64, key_granularity="channel", packing="mma16"), 9),
-    "k4_llama": (KVCacheLayout.default(8, 128).with_key_bits(4), 32),  # 4-bit keys (issue 17)
+    "k4_llama": (KVCacheLayout.default(8, 128).with_key_bits(4), 32),  # 4-bit keys
     "k4_channel_d256": (KVCacheLayout.default(8, 256, "channel").with_key_bits(4), 16),
 }
 
@@ -48,7 +48,7 @@ def test_decode_plan(batch, max_pages, pps):
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_the_append_launch_rotates_the_queries_once_a_step(name):
-    """Issue 26 item 4 in the bundle: its decode_append rotates the step's H queries into the stored key basis
+    """The bundle's decode_append rotates the step's H queries into the stored key basis
     (``ROTATE_Q``, ``GQ = H / H_kv``, an fp32 ``q_rot``), and every split kernel (JIT order and TensorRT order) reads
     those fp32 queries, rotating nothing in its programs."""
     layout, heads = LAYOUTS[name]
@@ -169,7 +169,7 @@ def test_4bit_key_decode_append_compiles_for_sm90():
     """The 4-bit-key decode-step writer (K_BITS 4) passes the AOT gates for sm_90 (~4 s), its demotion compiled as
     functions of their own (keys and values), called, not inlined: inlined, Triton 3.6's coalescing pass (the H200's
     Triton) spends most of the compile on the one large function (the append kernel's cold JIT: 10.5 s of CPU
-    instead of 2.8, 2026-12-02; Triton 3.9 does not show it)."""
+    instead of 2.8; Triton 3.9 does not show it)."""
     layout, heads = LAYOUTS["k4_llama"]
     for spec in bundle.decode_step_specs(layout, heads, bundle.layout_tag(layout, heads)):
         ck = compile_kernel(spec, "sm_90")

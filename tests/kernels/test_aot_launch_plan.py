@@ -230,7 +230,7 @@ def test_query_heads_are_padded_to_each_kernels_mma_n():
     (1, 3, 3),       # fewer pages than the minimum: one split
 ])
 def test_gl_pages_per_split_fills_whole_waves(batch, max_pages, want):
-    """The v3 split rule on the H200's 132 SMs, 8 KV heads, head_dim 128 (4 CTAs an SM)."""
+    """The hopper kernel's split rule on the H200's 132 SMs, 8 KV heads, head_dim 128 (4 CTAs an SM)."""
     pps = lp.gl_pages_per_split(batch, 8, max_pages, 132)
     assert pps == want
     splits = -(-max_pages // pps)

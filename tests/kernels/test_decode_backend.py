@@ -18,7 +18,7 @@ from helpers import hopper_wrapper, mma_layout
 def test_head_dim_256_with_two_groups_a_row_selects_the_hopper_kernel():
     """Gemma 3's default (head_dim 256, token groups of 128) decodes on the hopper kernel on sm_90: its two-group
     path passed on the H200 (tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256,
-    4 passed, lead's call of 2026-12-02); groups of 64 at head_dim 256 still go to the portable kernel."""
+    on the H200); groups of 64 at head_dim 256 still go to the portable kernel."""
     from oscar_export.kernels.decode import select_backend
 
     hopper_wrapper()

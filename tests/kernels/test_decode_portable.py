@@ -1,7 +1,7 @@
 """The portable decode backend (kernels/decode/portable.py): Triton mixed-precision paged decode attention against
 an fp64 evaluation of ``reference.gather_context``.
 
-Error budget (flash-attention's rule, STYLE.md; ``helpers.check_attention_budget``): on the same packed cache,
+Error budget (flash-attention's rule; ``helpers.check_attention_budget``): on the same packed cache,
 the kernel's max error against fp64 must be at most 2x the max error of a BF16 PyTorch computation of the same
 attention, plus 1e-5.
 Shapes: the boundary lengths of tests/helpers.py in one ragged batch, GQA ratios 1/3/4/8, head_dim 64/128,

@@ -80,6 +80,16 @@ def test_layout_rejects_bad_values():
         KVCacheLayout(3, 64, RowFormat(64, 64), RowFormat(64, 64, "channel"))
 
 
+def test_per_layer_layouts_follow_the_key_bits():
+    base = KVCacheLayout.default(3, 64, "channel", packing="mma16")
+    layers = base.per_layer((2, 4, 2))
+    assert [lay.key.bits for lay in layers] == [2, 4, 2] and layers[0] is base and layers[1] == base.with_key_bits(4)
+    assert all(lay.value == base.value and lay.key.packing == "mma16" for lay in layers)
+    assert base.per_layer(()) == ()
+    with pytest.raises(NotImplementedError):
+        base.per_layer((2, 3))
+
+
 def test_four_bit_row_format_bytes_and_refusals():
     lay = KVCacheLayout.default(3, 64, "channel").with_key_bits(4)
     assert lay.key.bits == 4 and lay.value.bits == 2 and lay.key.levels == 16

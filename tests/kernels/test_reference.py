@@ -112,9 +112,8 @@ def test_mma16_matches_the_formula_and_round_trips(rows, cols):
 
 @pytest.mark.parametrize("operand", ["key", "value"])
 def test_page_codes_convert_between_packings_into_contiguous_pools(operand):
-    """mma16 -> codes -> linear gives a pool the kernels accept (the value unpack was a transposed view, and the
-    linear pack kept it: the H200 test of v2 against v1 was refused with 'state.v_codes: expected a contiguous
-    tensor')."""
+    """mma16 -> codes -> linear gives a contiguous pool the kernels accept (the value unpack's transposed view is
+    not carried into the linear pack)."""
     lin = RowFormat(head_dim=128, group_size=128, granularity="token")
     mma = RowFormat(head_dim=128, group_size=128, granularity="token", packing="mma16")
     codes = torch.randint(0, 4, (3, 2, 64, 128), dtype=torch.uint8)
@@ -318,7 +317,7 @@ def test_compiled_decode_attention_equals_eager():
     assert torch.allclose(got, eager, atol=1e-6, rtol=1e-5), worst(got, eager)
 
 
-# ---- 4-bit key pages (RowFormat.bits == 4, issue 17) --------------------------------------------------------------
+# ---- 4-bit key pages (RowFormat.bits == 4) ------------------------------------------------------------------------
 
 
 def test_four_bit_codes_golden_bytes_and_round_trip():
@@ -357,7 +356,7 @@ def test_four_bit_pages_are_the_16_level_rule(gran):
     assert (got - x).square().sum() < 0.2 * (two - x).square().sum()
 
 
-# ---- the decode step in eager host code (the CPU path, issue 27) ----------------------------------------------------
+# ---- the decode step in eager host code (the CPU path) --------------------------------------------------------------
 
 
 @pytest.mark.parametrize("gran, key_bits, dtype", [("token", 2, torch.float32), ("channel", 4, torch.bfloat16)])

@@ -1,5 +1,5 @@
 """``oscar_export/atomic_dir.py``: the transactional output directory: all or nothing, signals, stale temporaries,
---force; and (issue 31) --force replacing only an earlier output of the same kind, an --out that appears or changes
+--force, and --force replacing only an earlier output of the same kind, an --out that appears or changes
 during the run kept, concurrent runs leaving exactly one complete output. What --out may be: ``test_out_dir.py``."""
 
 from __future__ import annotations
@@ -175,14 +175,15 @@ def test_interrupted_replace_is_recovered(tmp_path, exchange):
     assert (out / "oscar.json").read_text() == ("new" if exchange else "old") and siblings(out) == ["out"]
 
 
-# ---- issue 31, through the commands: outputs never destroy what the user did not ask to replace ----------------------
+# ---- through the commands: outputs never destroy what the user did not ask to replace --------------------------------
 
 
 def test_force_replaces_an_earlier_output_of_the_same_kind_only(tmp_path):
     out = tmp_path / "ckpt"
     with atomic_dir(out, looks_like="config.json") as tmp:
         (tmp / "config.json").write_text("1")
-    assert json.loads((out / MARKER).read_text()) == {"tool": "oscar-export", "kind": "config.json"}
+    assert json.loads((out / MARKER).read_text()) == {"tool": "oscar-export", "kind": "config.json",
+                                                      "files": ["config.json"]}
     with pytest.raises(FileExistsError, match="no .oscar-output marker of a deploy.json output"):
         check_out_dir(out, force=True, looks_like="deploy.json")  # a checkpoint is not a deployment
     with atomic_dir(out, force=True, looks_like="config.json") as tmp:
@@ -192,7 +193,7 @@ def test_force_replaces_an_earlier_output_of_the_same_kind_only(tmp_path):
 
 
 def test_out_appearing_during_the_run_is_not_replaced(tmp_path):
-    """Issue: export without --force while something else creates --out/precious.txt: the file was deleted."""
+    """An --out that something else creates while export runs without --force (``--out/precious.txt``) is kept."""
     out = tmp_path / "out"
     with pytest.raises(OutputChanged, match=r"--out .*out: appeared while this run worked; it was not replaced, "
                                             r"the new output is kept in .*out\.oscar-new-"):
@@ -264,3 +265,41 @@ def test_concurrent_runs_leave_exactly_one_complete_output(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["ckpt", "go"]
 
 
+
+
+def test_force_keeps_what_the_tool_did_not_write(tmp_path, capsys):
+    """The marker lists what the tool wrote: a stale file of its own goes, the user's entries (a file, a folder, a
+    link) are kept in the new output; an earlier output whose marker has no list keeps what the new one lacks."""
+    out = tmp_path / "ckpt"
+    with atomic_dir(out, looks_like="config.json") as tmp:
+        (tmp / "config.json").write_text("1")
+        (tmp / "model-00001-of-00002.safetensors").write_text("old shard")
+    assert json.loads((out / MARKER).read_text())["files"] == ["config.json", "model-00001-of-00002.safetensors"]
+    (out / "NOTES.txt").write_text("mine")
+    (out / "plots").mkdir()
+    (out / "plots" / "a.png").write_text("png")
+    (out / "latest").symlink_to("NOTES.txt")
+    with atomic_dir(out, force=True, looks_like="config.json") as tmp:
+        (tmp / "config.json").write_text("2")
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "NOTES.txt", "config.json", "latest", "plots"]
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "plots" / "a.png").read_text() == "png"
+    assert os.readlink(out / "latest") == "NOTES.txt" and (out / "config.json").read_text() == "2"
+    assert "kept what oscar-export did not write there: NOTES.txt, latest, plots" in capsys.readouterr().err
+    (out / MARKER).write_text(json.dumps({"tool": "oscar-export", "kind": "config.json"}))  # an older marker
+    with atomic_dir(out, force=True, looks_like="config.json") as tmp:
+        (tmp / "config.json").write_text("3")
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "config.json").read_text() == "3"
+    assert siblings(out) == ["ckpt"]
+
+
+def test_force_refuses_a_users_file_the_new_output_also_has(tmp_path):
+    out = tmp_path / "art"
+    with atomic_dir(out, looks_like="oscar.json") as tmp:
+        (tmp / "oscar.json").write_text("1")
+    (out / "stats.json").write_text("mine")
+    with pytest.raises(FileExistsError, match="stats.json there was not written by oscar-export and the new output"):
+        with atomic_dir(out, force=True, looks_like="oscar.json") as tmp:
+            (tmp / "oscar.json").write_text("2")
+            (tmp / "stats.json").write_text("tool's")
+    assert (out / "stats.json").read_text() == "mine" and (out / "oscar.json").read_text() == "1"
+    assert siblings(out) == ["art"]

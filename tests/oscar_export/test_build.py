@@ -89,7 +89,7 @@ def test_cli_errors(exported, tmp_path, capsys):
     assert "unknown GPU arch 'sm_70'" in capsys.readouterr().err
 
 
-# ---- issue 16: build verifies the artifact it packages --------------------------------------------------------
+# ---- build verifies the artifact it packages ------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -237,7 +237,7 @@ def test_gemma3_head_dim_256_export_builds_a_bundle(tmp_path):
 
 
 def test_bundle_carries_a_kernel_set_per_key_width_of_the_artifact(tmp_path, monkeypatch):
-    """Issue 17: an artifact with 4-bit keys in some layers gets the 2-bit and the 4-bit (``_k4``) kernels, and the
+    """An artifact with 4-bit keys in some layers gets the 2-bit and the 4-bit (``_k4``) kernels, and the
     manifest records both widths (compiling replaced by recording the specs)."""
     import oscar_export.kernels.aot.compile as aot_compile
 
@@ -292,7 +292,7 @@ def _recording_bundle(monkeypatch):
 
 
 def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monkeypatch):
-    """Issue 26: the pages' packing is chosen by the GPU that serves them (``kernels.decode.select_backend``), an
+    """The pages' packing is chosen by the GPU that serves them (``kernels.decode.select_backend``), an
     artifact's packing (``calibrate --packing``, gone) is only read: a model family without the TensorRT-LLM module
     gets the Hopper kernel on mma16 pages in an sm_90-only bundle and the portable kernel on linear pages for several
     archs; the ONNX form and the TensorRT-LLM module (which read linear pages) get linear pages. (Recorded, not
@@ -312,15 +312,14 @@ def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monk
 
 
 def test_build_has_no_decode_kernel_knob(capsys):
-    """Issue 30: ``--decode-kernel gluon`` changed nothing (the targets choose the kernel: the test above) and named
-    kernels that no longer exist; it is gone."""
+    """``build`` has no ``--decode-kernel`` option: the targets choose the kernel (the test above)."""
     with pytest.raises(SystemExit) as e:
         main(["build", "--export", "ck", "--out", "d", "--decode-kernel", "gluon"])
     assert e.value.code == 2 and "unrecognized arguments: --decode-kernel" in capsys.readouterr().err
 
 
 def test_the_deploy_readme_limit_comes_from_the_model(exported_ckpt, tmp_path, fake_bundle):
-    """Issue: the generated README said --max_seq_len 8192 for a model of max_position_embeddings 4096."""
+    """The generated README proposes a --max_seq_len within the model's max_position_embeddings (4096 here)."""
     from oscar_export.build import build_deployment
 
     d = own_copy(exported_ckpt, tmp_path / "ckpt")

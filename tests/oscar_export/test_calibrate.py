@@ -45,7 +45,7 @@ def test_calibrate_bad_choice(tmp_path):
         main(["calibrate", "--out", str(tmp_path), "--key-granularity", "row"])
 
 
-# ---- issue 16: every option and --out checked before the model loads; atomic output ----------------------------
+# ---- every option and --out checked before the model loads; atomic output --------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,22 @@ def test_calibrate_replaces_an_artifact_atomically(tmp_path, capsys, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
-# ---- issue 15: --device-map (models larger than one GPU); on the CPU, the same artifact as a plain run ----------
+def test_calibrate_force_keeps_the_users_files_beside_the_artifact(tmp_path, capsys, fake_calibration):
+    """--force replaces the artifact, and what calibrate did not write there stays (named on stderr)."""
+    out = tmp_path / "art"
+    assert main(["calibrate", "--out", str(out), "--quiet"]) == 0
+    (out / "NOTES.txt").write_text("n")
+    (out / "runs").mkdir()
+    (out / "runs" / "a.log").write_text("log")
+    assert main(["calibrate", "--out", str(out), "--quiet", "--force", "--seed", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"--out {out}: kept what oscar-export did not write there: NOTES.txt, runs" in err, err
+    assert (out / "NOTES.txt").read_text() == "n" and (out / "runs" / "a.log").read_text() == "log"
+    load_artifact(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+# ---- --device-map (models larger than one GPU); on the CPU, the same artifact as a plain run --------------------
 
 
 def _save_tiny_llama(path, head_dim: int = 16, heads: int = 4):
@@ -196,8 +211,8 @@ def test_budget_below_the_2_bit_pages_refused_before_the_model_loads(tiny_model_
 
 def test_budget_below_the_embedded_models_pages_refused_before_it_loads(tmp_path, capsys, monkeypatch):
     """``--model default``: the GGUF's header gives its shape in milliseconds, so a budget below its own 2-bit pages
-    (2.5 bits at head_dim 64, above the 2.375 floor of any head_dim) is one line before the model loads (issue 31:
-    ``--key-bits-budget 1.0`` was refused after 86 s; 2.4 still after the load, until the header was read)."""
+    (2.5 bits at head_dim 64, above the 2.375 floor of any head_dim) is one line before the model loads
+    (``--key-bits-budget 1.0`` and 2.4 alike)."""
     pytest.importorskip("gguf")
     import oscar_export.models as models
 
@@ -253,12 +268,12 @@ def test_key_bits_line_names_the_layers():
         "key bits: 4-bit keys in 2 of 3 layers [0, 2] (budget 3.0 page bits, metric kl")
 
 
-# ---- issue 26: the page packing is the serving GPU's (kernels.decode.select_backend), not calibrate's -------------
+# ---- the page packing is the serving GPU's (kernels.decode.select_backend), not calibrate's -----------------------
 
 
 def test_an_artifact_that_carries_a_packing_still_loads_and_serves_as_linear(tmp_path_factory, tmp_path, capsys):
     """``calibrate --packing`` is gone (the server picks the pages' order); an artifact written with
-    ``"packing": "mma16"`` (issue 11's option) still loads, and serves exactly as the linear artifact does."""
+    ``"packing": "mma16"`` still loads, and serves exactly as the linear artifact does."""
     import json
 
     import torch

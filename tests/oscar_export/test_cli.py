@@ -1,4 +1,4 @@
-"""``oscar_export/cli.py``: --help, --version, unknown input, the package layout (editable and wheel), and (issue 31)
+"""``oscar_export/cli.py``: --help, --version, unknown input, the package layout (editable and wheel), and
 options refused before the model loads, one line for every user, operating-system and library failure (a full
 disk, a file-size limit, undecodable arguments, a chat template the sandbox refuses, a safetensors error)."""
 
@@ -41,8 +41,8 @@ def test_help_lists_every_command(capsys):
 
 
 def test_a_missing_command_module_is_an_error_not_a_missing_command(monkeypatch):
-    """Bug (issue 30): a command whose module could not be imported vanished from the CLI ("command not built
-    yet"), so a broken install looked like a smaller tool."""
+    """A command whose module cannot be imported is an error naming the module, never a command missing from the
+    CLI (a broken install must not look like a smaller tool)."""
     import oscar_export.cli as cli
 
     monkeypatch.setitem(cli.COMMANDS, "ghost", "oscar_export.no_such_command_module")
@@ -89,7 +89,7 @@ def test_wheel_contains_every_source_module(tmp_path):
     missing = sorted(expected - names)
     assert not missing, f"not in the wheel: {missing}"
     assert {n.split("/")[0] for n in names if not n.startswith("oscar_export-")} == {"oscar_export"}, names
-    # `oscar-export bench` from the wheel alone (issue 30: it ran benchmarks/bench_decode.py of a source checkout,
+    # `oscar-export bench` from the wheel alone (it ran benchmarks/bench_decode.py of a source checkout,
     # FileNotFoundError from a wheel): on a CPU it gets as far as the GPU check
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)
@@ -120,8 +120,7 @@ def test_bench_needs_a_gpu(capsys):
     (["--key-bits", "3"], "--key-bits: expected a comma list of [2, 4], got '3'"),
 ])
 def test_bench_refuses_bad_arguments_before_anything_runs(capsys, argv, msg):
-    """Bug (issue 30): the help's example (``--variants v3,v4``) raised a KeyError traceback; now every argument
-    is checked first, one line, exit 2."""
+    """Every argument of ``bench`` is checked before anything runs: one line, exit 2."""
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and len(err.strip().splitlines()) == 1, err
@@ -174,7 +173,7 @@ def test_a_bug_is_not_hidden(monkeypatch):
         main(["inspect", "x"])
 
 
-# ---- issue 31: refusals before the model loads; one line for every OS and library failure ----------------------------
+# ---- refusals before the model loads; one line for every OS and library failure --------------------------------------
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -279,7 +278,7 @@ EXPORT_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a child process imports torch and transformers: 10-30 s on the 2-core machine
+@pytest.mark.slow  # a child process imports torch and transformers: 10-30 s on a 2-core machine
 def test_export_over_the_file_size_limit_is_one_line(tmp_path, art_dir):
     """``ulimit -f``: writes past the limit fail with EFBIG (Python ignores SIGXFSZ); nothing is left behind."""
     def limit():

@@ -9,7 +9,6 @@ scalings (harder for the fold than a calibrated one: nothing is close to identit
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,14 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from oscar_export.calibration.artifact import OscarArtifact, load_artifact, model_fingerprint  # noqa: E402
+from oscar_export.checkpoint import ARTIFACT_DIR, load_exported, read_export  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.export import (  # noqa: E402
-    ARTIFACT_DIR,
-    export_checkpoint,
-    fold_value_transforms,
-    load_exported,
-    read_export,
-)
+from oscar_export.export import export_checkpoint, fold_value_transforms  # noqa: E402
 from oscar_export.kernels.layout import KVCacheLayout  # noqa: E402
 from oscar_export.kernels.transform import LayerTransform  # noqa: E402
 
@@ -140,25 +134,12 @@ def test_existing_output_refused_unless_force(tmp_path):
         export_checkpoint(model, None, random_artifact(model), tmp_path)
     assert (tmp_path / "keep.txt").exists()
     out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
-    (out / "stale-extra-file").write_text("from the earlier export")
+    (out / "notes.txt").write_text("the user's, added after the export")
     model2 = tiny_model()
     export_checkpoint(model2, None, random_artifact(model2), out, force=True)
-    assert not (out / "stale-extra-file").exists() and (out / "config.json").is_file()
+    assert (out / "notes.txt").read_text() == "the user's, added after the export"  # what export did not write stays
+    assert (out / "config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "keep.txt"]
-
-
-def test_read_export_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        read_export(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="no 'oscar' section"):
-        read_export(tmp_path)
-    model = tiny_model()
-    out = export_checkpoint(model, None, random_artifact(model), tmp_path / "ckpt")
-    for f in (out / ARTIFACT_DIR).iterdir():
-        f.unlink()
-    with pytest.raises(FileNotFoundError, match="artifact oscar_artifact/ is missing"):
-        read_export(out)
 
 
 # ---- command line (bad input only: the real model run is at the end of this file) -------------------------------
@@ -174,14 +155,14 @@ def test_cli_existing_output(tmp_path, capsys):
     (tmp_path / "art").mkdir()
     rc = main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path)])
     assert rc == 2
-    assert "contains the input --artifact" in capsys.readouterr().err  # issue 31: checked before "already exists"
+    assert "contains the input --artifact" in capsys.readouterr().err  # checked before "already exists"
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("x")
     assert main(["export", "--artifact", str(tmp_path / "art"), "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
 
 
-# ---- issue 16: checks before the model loads, --force, stale temporaries ---------------------------------------
+# ---- checks before the model loads, --force, stale temporaries -------------------------------------------------
 
 
 def test_cli_non_empty_out_refused_before_model_load(tmp_path, capsys, no_model_load):
@@ -235,7 +216,7 @@ def test_checkpoint_carries_per_layer_key_bits(tmp_path):
     art = random_artifact(model).with_key_bits([4, 2])
     out = export_checkpoint(model, None, art, tmp_path / "ckpt", source="tiny")
     assert read_export(out)["key_bits"] == [4, 2]
-    assert load_artifact(out / ARTIFACT_DIR, model.config).key_bits == (4, 2)
+    assert load_artifact(out / ARTIFACT_DIR, transformers.AutoConfig.from_pretrained(out)).key_bits == (4, 2)
     plain = export_checkpoint(model, None, random_artifact(model), tmp_path / "plain", source="tiny")
     assert read_export(plain)["key_bits"] == [2, 2]
 
@@ -329,3 +310,24 @@ def test_exported_with_oscar_cache_matches_unexported_with_artifact(smollm2, exp
     # level boundary, so this is a budget, not bitwise. Unfolded vs folded rounding alone is ~1e-3 (above).
     assert top1 == 1.0
     assert diff < 0.1, diff
+
+
+def test_folded_checkpoint_and_unfolded_artifact_refused_either_way(tmp_path):
+    """The checkpoint's config and the artifact both say whether the value rotation is folded: a checkpoint served
+    with calibrate's artifact, or the original model with the checkpoint's, is refused (both ran, slightly off)."""
+    pytest.importorskip("oscar_export.plugins.hf")
+    from oscar_export.plugins.hf import enable_oscar
+
+    model = tiny_model()
+    art = random_artifact(model)
+    art.save(tmp_path / "art")
+    out = export_checkpoint(copy.deepcopy(model), None, art, tmp_path / "ckpt")
+    folded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with pytest.raises(ValueError, match="values_prerotated: the artifact's value rotation is not folded into v_proj / "
+                                         "o_proj, this model's is .*its oscar_artifact/"):
+        enable_oscar(folded, artifact=tmp_path / "art")
+    with pytest.raises(ValueError, match="the artifact's value rotation is folded into v_proj / o_proj, this model's "
+                                         "is not .*the original model with the artifact of calibrate"):
+        enable_oscar(model, artifact=out / ARTIFACT_DIR)
+    for m, a in ((folded, out / ARTIFACT_DIR), (model, tmp_path / "art")):
+        enable_oscar(m, artifact=a).restore()

@@ -70,3 +70,59 @@ def test_gguf_config_refuses_an_architecture_it_does_not_read(tmp_path):
     w.close()
     with pytest.raises(NotImplementedError, match="expected a llama GGUF, got architecture 'gpt2'"):
         models.gguf_config(str(path))
+
+
+def _llama_gguf(path, rows: int = 64) -> None:
+    """A small llama GGUF: a header and one fp32 tensor of ``rows`` x 32."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.ones((rows, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_truncated_gguf_is_named_damaged(tmp_path, monkeypatch):
+    """Cut short in its tensor data, or in its header: one ValueError naming the file, before any tensor is read
+    (numpy's ``cannot reshape array of size ...`` named neither)."""
+    path = tmp_path / "m.gguf"
+    _llama_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    monkeypatch.setattr(models, "default_model_dir", lambda: (tmp_path, "m.gguf"))
+    with pytest.raises(ValueError, match=rf"{path}: the GGUF file is damaged: {len(data) - 100:,} bytes, its tensor "
+                                         rf"table needs {len(data):,}"):
+        models.load_model(models.DEFAULT_MODEL)
+    path.write_bytes(data)
+    models.check_gguf(str(path))
+    path.write_bytes(data[:40])
+    with pytest.raises(ValueError, match=rf"{path}: the GGUF file is damaged: its header cannot be read"):
+        models.gguf_config(str(path))
+
+
+@pytest.mark.parametrize("value", [0, -64, True, 16.0])
+def test_a_model_config_with_a_bad_size_is_one_line(tmp_path, capsys, value):
+    """``head_dim: 0`` divided by zero inside transformers (generate) or was read as hidden / heads (calibrate)."""
+    import json
+    import re
+
+    from oscar_export.cli import main
+
+    from helpers import one_line, tiny_model
+
+    d = tmp_path / "m"
+    tiny_model().save_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "head_dim": value}))
+    want = f"{d / 'config.json'}: " + ("head_dim: expected a positive int, got" if type(value) is int else
+                                        "transformers cannot read this config (Validation error for field 'head_dim'")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        models.load_model(str(d))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["generate", "--model", str(d), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    assert want in one_line(capsys.readouterr().err, "generate")
+    assert main(["calibrate", "--model", str(d), "--out", str(tmp_path / "a"), "--quiet"]) == 2
+    assert want in one_line(capsys.readouterr().err, "calibrate")

@@ -186,8 +186,8 @@ def test_4bit_keys_refused():
 
 
 def test_mma16_pages_refused():
-    """Bug (reachable since ``calibrate --packing mma16``): the reference function unpacks linear codes, so an mma16
-    layout exported an ONNX graph that computed attention over scrambled codes, without an error."""
+    """The reference function unpacks linear codes, so an mma16 layout is refused (its ONNX graph would compute
+    attention over scrambled codes, without an error)."""
     lay = KVCacheLayout.default(2, 64, packing="mma16")
     for build in (decode_attention_model, decode_attention_trt_model):
         with pytest.raises(NotImplementedError, match="linear pages only, the layout has 'mma16' key and 'mma16' "

@@ -1,9 +1,10 @@
-"""``oscar_export/out_dir.py``: what ``--out`` may be, directly and through the commands (issue 31): an --out that is,
+"""``oscar_export/out_dir.py``: what ``--out`` may be, directly and through the commands: an --out that is,
 contains or lies inside an input refused, --force replacing only the tool's own output, a second run to the same
 --out refused at once, an --out that cannot be created refused before the model loads."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -95,7 +96,7 @@ HOLDER = textwrap.dedent("""
 
 
 def test_a_second_run_to_the_same_out_refuses_at_once(tmp_path, art_dir, capsys, no_model_load):
-    """Issue: two exports to one --out at once both exited 0, the second replacing the first's output."""
+    """Of two exports to one --out at once, the second refuses at once instead of replacing the first's output."""
     out = tmp_path / "ckpt"
     p = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          text=True, cwd=ROOT)
@@ -125,3 +126,17 @@ def test_calibrate_unwritable_out_refused_before_the_model_loads(out, capsys, no
     assert time.perf_counter() - t0 < 5
     err = one_line(capsys.readouterr().err, "calibrate")
     assert f"--out {out}: cannot create it" in err, err
+
+
+def test_a_fifo_where_the_lock_file_goes_is_named(tmp_path, capsys, no_model_load):
+    """A FIFO at ``.OUT.oscar-lock`` made ``flock`` fail with a bare ``[Errno 22] Invalid argument``."""
+    out = tmp_path / "art"
+    lock = tmp_path / ".art.oscar-lock"
+    os.mkfifo(lock)
+    with pytest.raises(FileExistsError, match=f"--out {out}: its lock file {lock} is not a regular file"):
+        check_out_dir(out, claim=True)
+    t0 = time.perf_counter()
+    assert main(["calibrate", "--out", str(out), "--quiet"]) == 2
+    assert time.perf_counter() - t0 < 5
+    assert f"its lock file {lock} is not a regular file" in one_line(capsys.readouterr().err, "calibrate")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".art.oscar-lock"]

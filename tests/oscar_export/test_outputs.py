@@ -1,5 +1,5 @@
 """``oscar_export/outputs.py``: what ``build`` serves of an exported checkpoint: its own files, regular ones, checked
-on the descriptor that is copied, and no remote code (issue 31)."""
+on the descriptor that is copied, and no remote code."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from helpers import one_line, own_copy
 
 
 def test_build_refuses_a_symlink_loop_before_compiling(exported_ckpt, tmp_path, capsys, monkeypatch):
-    """Issue: ``ln -s . ckpt/loop`` made build copy ~40 nested copies of the checkpoint (1.7 GB for 53 MB)."""
+    """A symlink loop (``ln -s . ckpt/loop``) is refused before build compiles or copies anything."""
     import oscar_export.kernels.aot.compile as compile_mod
 
     monkeypatch.setattr(compile_mod, "build_bundle", lambda *a, **k: pytest.fail("compiled before the checks"))
@@ -29,8 +29,8 @@ def test_build_refuses_a_symlink_loop_before_compiling(exported_ckpt, tmp_path, 
 
 
 def test_build_serves_only_the_checkpoint_and_no_remote_code(exported_ckpt, tmp_path, capsys, fake_bundle):
-    """Issue: a config.json auto_map with its modeling_*.py stayed live in the served checkpoint, and a stray
-    file was copied byte for byte."""
+    """The served checkpoint holds no live remote code (a config.json auto_map with its modeling_*.py) and no stray
+    file."""
     d = own_copy(exported_ckpt, tmp_path / "ckpt")
     cfg = json.loads((d / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}

@@ -11,11 +11,13 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from oscar_export.calibration.artifact import ArtifactError, load_artifact  # noqa: E402
+from oscar_export.checkpoint import ARTIFACT_DIR  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.export import ARTIFACT_DIR, check_tp_export, export_checkpoint  # noqa: E402
+from oscar_export.export import export_checkpoint  # noqa: E402
 from oscar_export.kernels import reference  # noqa: E402
 from oscar_export.tensor_parallel import (  # noqa: E402
     RANK_TENSORS,
+    check_tp_export,
     load_rank,
     projection_names,
     rank_dir,

@@ -13,36 +13,8 @@ request) compare the adapter's cache after every step with the reference cache w
 reference ones (``plugins/trtllm/reference_ops.py``, same semantics as the AOT kernels, which
 tests/gpu/test_trtllm_gpu.py compares with the JIT on an H200). Nothing here ran against TensorRT-LLM itself.
 
-The adapter before issue 28 (commit 0fca1be), on these stand-ins (1.2 layout), 2026-12-02:
-
-    test_plain_executor_loop_matches_reference (every loop)  RuntimeError: shape '[5, 4, 64]' is invalid for
-                                                           input of size 2560 (packed, un-rotated QKV)
-    test_frozen_config_startup_wires_every_layer_...      (rope_fusion, support_fused_qkv, rotary_emb) =
-                                                           (True, True, False)
-    test_kv_cache_estimation_builds_twice_...              the estimation's first dummy request: shape
-                                                           '[127, 4, 64]' is invalid for input of size 65024
-    test_worker_process_imports_the_module_and_serves      the same, inside the spawned worker
-    test_add_dummy_requests_returning_none_is_passed_on    TypeError: 'NoneType' object is not iterable
-    test_kv_cache_budget_below_the_slots_fails_at_startup  no OSCAR get_cache_size_per_token (TypeError)
-    test_startup_check_asserts_every_wiring_flag,          DID NOT RAISE
-    test_startup_refuses_when_the_cache_manager_...,
-    test_prespawned_workers_without_the_module_path_...
-
 Where TensorRT-LLM itself imports, ``LAYOUTS`` gains ``"real"`` and the registration tests run on it
 unchanged (UNTESTED here: it never imports on these machines).
-
-The adapter before issue 12 (commit 7e9cb80), driven through the same stand-ins (1.2 layout) with its device
-ops replaced by the reference, failed each bug's test (2026-12-01):
-
-    test_registration_selects_the_oscar_model_and_cache   nothing registered; the dispatch returns the stock
-                                                           KVCacheManager (plain BF16, no error)
-    test_worker_import_reinstalls_the_cache               (same: no registration to re-import)
-    test_forward_refuses_the_stock_kv_cache_manager       AttributeError: 'KVCacheManager' ... 'layers'
-    test_overlap_executor_loop_matches_reference          lengths (16, 0, 25) at token 42, layout.split (16, 0, 26)
-    test_cuda_graph_warmup_capture_replay_with_dummy_...  no add_dummy_requests; KeyError: 1000000
-    test_chunked_prefill_is_context_by_num_contexts       chunk 2 taken for decode: "recent window is full"
-    test_q_scaling_is_honoured                            q_scaling=2.0 accepted silently
-    test_startup_check_refuses_a_stock_attention_layer    no startup check existed
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The HF cache (plugins/hf/cache.py): without a model, steps through ``attend`` per layer, reads back, all-or-nothing
-steps, bad input; with a tiny model, what it refuses to answer from (issue 31)."""
+steps, bad input; with a tiny model, what it refuses to answer from."""
 
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def test_decode_past_max_length_is_flagged_and_stores_nothing():
     cache, layer = one_layer(lay, tr, 1, 10)
     step(cache, torch.randn(1, 4, 10, 32), torch.randn(1, 2, 10, 32), torch.randn(1, 2, 10, 32))
     before = layer.read_sequence(0)
-    with pytest.raises(ValueError, match="sequence slot 0: the cache is full"):  # eager: the host check (issue 31)
+    with pytest.raises(ValueError, match="sequence slot 0: the cache is full"):  # eager: the host check
         step(cache, torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32))
     assert cache.sequence_lengths() == [10]
     cache.check_room = lambda: None  # inside a compiled step there is no host code: the device flag says it
@@ -204,7 +204,7 @@ def test_constructor_rejects_bad_arguments():
         OscarCache(small_layout(), [LayerTransform.identity(3, 32)], 1, 10)
 
 
-# ---- per-layer key widths (issue 17) ---------------------------------------------------------------------------
+# ---- per-layer key widths --------------------------------------------------------------------------------------
 
 
 def test_mixed_key_bits_layers_store_read_and_attend_in_their_own_layout():
@@ -260,7 +260,7 @@ def test_key_bits_refused_when_they_do_not_fit_the_layers():
         OscarCache(small_layout(), [tr, tr], 1, 10, key_bits=(3, 2))
 
 
-# ---- the query rotation once a step (issue 26) -------------------------------------------------------------------
+# ---- the query rotation once a step ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("rotated", [False, True])
@@ -299,7 +299,7 @@ def test_decode_append_returns_the_queries_in_the_stored_key_basis(rotated):
     assert torch.equal(got, want)
 
 
-# ---- issue 31: the cache never answers from what it did not store, or from a slot it was not asked for ----------
+# ---- the cache never answers from what it did not store, or from a slot it was not asked for --------------------
 # A cache too small for ``generate`` stops with one error (not 30 tokens decoded from a cache that stored none of
 # them); slot indices are ints, never bools; sizes are bounded before anything is allocated; a cache outliving its
 # setup fails with one clear error.
@@ -311,7 +311,7 @@ def _generate(model, ids, cache, new):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_generate_with_too_small_a_cache_stops_with_one_error():
-    """Issue: make_cache(1, prompt + 10) and 40 new tokens: 40 came back, the last 30 from a cache that held none."""
+    """make_cache(1, prompt + 10) and 40 new tokens: one error when the cache is full, no token from an empty one."""
     model = tiny_hf_model("llama")
     ids = torch.randint(1, 96, (1, 24))
     with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
@@ -345,7 +345,7 @@ def test_the_host_bound_follows_prompts_resets_and_decode_steps():
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @pytest.mark.parametrize("bad", [True, False, 1.0, torch.tensor(1)], ids=["True", "False", "float", "tensor"])
 def test_slot_indices_are_ints_not_bools(bad):
-    """Issue: reset_sequence(True) on a batch of 3 set every slot's length to 0."""
+    """Slot indices are ints: ``reset_sequence(True)`` is refused (as an index it would reset every slot)."""
     layout = KVCacheLayout.default(2, 16, sink=4, window=16, page_size=16)
     cache = OscarCache(layout, [LayerTransform.identity(2, 16)], 3, 64)
     cache.book.seq_len.copy_(torch.tensor([5, 6, 7]))
@@ -359,9 +359,8 @@ def test_slot_indices_are_ints_not_bools(bad):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_the_readme_refill_pattern_keeps_every_slots_positions():
-    """Issue: after ``cache.reset_sequence(1); with cache.select([1]): model(new_prompt)`` the next decode step was
-    off by up to 9.4 in the logits (7.95 for the untouched slot): positions came from the columns the cache had
-    seen, not from each slot's length. Now a forward without position_ids takes them from the slot lengths."""
+    """After ``cache.reset_sequence(1); with cache.select([1]): model(new_prompt)`` every slot keeps its positions:
+    a forward without position_ids takes them from each slot's length, not from the columns the cache has seen."""
     model = tiny_hf_model("llama")
     torch.manual_seed(1)
     first = torch.randint(1, 96, (2, 20))

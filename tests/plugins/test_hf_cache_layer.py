@@ -35,7 +35,7 @@ def test_update_rejects_bad_shapes_and_dtypes(k_shape, dtype, match):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 def test_a_cache_used_after_restore_fails_with_one_clear_error():
-    """Issue: AttributeError: 'LayerStep' object has no attribute 'shape'."""
+    """A cache used after ``restore()`` fails with one clear error (not an AttributeError about ``LayerStep``)."""
     model = tiny_hf_model("llama")
     oscar = enable_oscar(model, layout=SMALL_LAYOUT)
     cache = oscar.make_cache(1, 64)

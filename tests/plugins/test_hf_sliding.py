@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.pages import STATUS_NONFINITE
-from oscar_export.plugins.hf import cache_kwargs, enable_oscar
+from oscar_export.plugins.hf import OscarCache, cache_kwargs, enable_oscar
 from oscar_export.plugins.hf.sliding import SlidingLayer
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
@@ -115,9 +115,13 @@ def test_past_the_windows_only_global_layers_hold_pages():
 
 
 def test_cache_refuses_a_model_with_another_window():
+    """A cache made directly (no owner) for one window, used by a model with another: the layer names both; one
+    made by a setup is refused by any other model first."""
     model = gemma()
     with enable_oscar(model) as oscar:
-        cache = oscar.make_cache(1, 32)
+        owned = oscar.make_cache(1, 32)
+        cache = OscarCache(oscar.layout, oscar.transforms, 1, 32, sliding_layers=oscar.shape.sliding_layers,
+                           sliding_window=oscar.shape.sliding_window)
     other = gemma()
     other.config.sliding_window = W + 1
     for layer in other.model.layers:
@@ -126,12 +130,14 @@ def test_cache_refuses_a_model_with_another_window():
     with enable_oscar(other):
         with pytest.raises(ValueError, match=r"layer 0: the model slides over 9 tokens, its cache layer over 8"):
             forward(other, torch.randint(1, V, (1, 5)), cache)
+        with pytest.raises(ValueError, match="cache: made by another model's enable_oscar setup"):
+            forward(other, torch.randint(1, V, (1, 5)), owned)
 
 
 @pytest.mark.parametrize("kind", ["oscar", "sliding"])
 def test_every_layer_checks_new_tokens_alike(kind):
-    """Issue: the sliding layer's own copy of the new-token check let integer keys and values of another shape
-    through (only the OSCAR layer checked them): one check for both kinds of layer."""
+    """Sliding and OSCAR layers check new keys and values with one check: integer keys and values of another shape
+    are refused by both."""
     model = gemma()
     with enable_oscar(model) as oscar:
         cache = oscar.make_cache(1, 32)

@@ -297,8 +297,8 @@ def test_auto_backend_is_torch_on_cpu_and_triton_for_bf16_cuda():
 
 
 def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time():
-    """Bug: a layout the decode kernel refuses (here groups of 32) passed ``enable_oscar(backend="triton")`` and
-    failed only at the first decode step; now the decode kernel's layout check runs at enable time."""
+    """A layout the decode kernel refuses (here groups of 32) is refused by ``enable_oscar(backend="triton")``, not at
+    the first decode step."""
     pytest.importorskip("triton")
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -317,7 +317,7 @@ def test_triton_backend_refuses_a_layout_its_kernels_cannot_run_at_enable_time()
 
 
 def test_packing_is_chosen_at_serve_time_and_an_artifact_packing_still_loads():
-    """Issue 26: the page packing follows the decode backend ``select_backend`` picks, whatever the layout (or an
+    """The page packing follows the decode backend ``select_backend`` picks, whatever the layout (or an
     old artifact) says: a BF16 model on the CPU gets linear pages (portable kernel, interpreted here, or the
     reference), and a layout written with mma16 pages is still accepted."""
     pytest.importorskip("triton")
@@ -337,7 +337,7 @@ def test_packing_is_chosen_at_serve_time_and_an_artifact_packing_still_loads():
 
 
 # ---- the README's serving loop under torch.compile(fullgraph=True) on the CPU, and a model without Triton ----------
-# (issue 26) ``step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` must trace every backend's
+# ``step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` must trace every backend's
 # decode step in one graph: nothing in it may read a pointer, a device value or a shape-dependent Python value (every
 # check runs when the cache is made). On the CPU: the reference backend end to end, and the hopper backend's step
 # traced by Dynamo (its kernels need an sm_90 GPU: tests/gpu/test_hf_gpu.py runs them).
@@ -409,9 +409,9 @@ def traced_step(model, cache):
 
 
 def test_hopper_decode_step_traces_in_one_graph():
-    """Bug (issue 26): with mma16 pages the README loop failed, Dynamo could not trace the Gluon wrapper's
-    ``data_ptr() % 16`` check. Now the hopper backend's checks run when the cache is made and the step traced with
-    ``fullgraph=True`` holds the two custom ops per layer and nothing host-side; with rotated keys each layer's
+    """With mma16 pages the README loop traces: the hopper backend's checks (the Gluon wrapper's ``data_ptr() % 16``
+    among them, which Dynamo cannot trace) run when the cache is made, and the step traced with ``fullgraph=True``
+    holds the two custom ops per layer and nothing host-side; with rotated keys each layer's
     ``oscar.decode_attention`` reads the queries its ``oscar.decode_append`` returned (the rotation once a step).
     (Tracing only: the kernels need an sm_90 GPU.)"""
     pytest.importorskip("triton")
@@ -478,10 +478,9 @@ def test_a_model_without_triton_installed_generates():
 
 
 def test_every_cache_tensor_the_step_reads_is_a_static_input():
-    """Bug (issue 26, the H200 profile of the README loop: ~260 device-to-device copies a step): CUDA-graph trees
-    copy every graph input not marked static into the graph's buffers at each replay. The cache marked its windows,
-    pools and book, not the layers' transform tensors nor the plans' removal counts (8 a layer). Every tensor of
-    the cache the traced step reads must be marked (``torch._dynamo.mark_static_address``)."""
+    """CUDA-graph trees copy every graph input not marked static into the graph's buffers at each replay, so every
+    tensor of the cache the traced step reads is marked (``torch._dynamo.mark_static_address``): the windows, pools
+    and book, and also the layers' transform tensors and the plans' removal counts."""
     pytest.importorskip("triton")
     from dataclasses import fields
 
@@ -512,11 +511,10 @@ def test_every_cache_tensor_the_step_reads_is_a_static_input():
 
 
 def test_the_step_lengths_are_one_op_in_the_compiled_graph():
-    """Bug (issue 26, the compile time): the page book's length split was plain tensor arithmetic in the step; in
-    Inductor every attention launch that read the step's lengths got its own small kernel recomputing them from
-    ``seq_len`` (five a layer), and its fusion pass compared those kernels pairwise across the layers (H200, Llama-3-8B
-    shape: the scheduler 16.1 s against BF16's 7.3). Now ``PageBook`` writes each set of lengths with one opaque
-    op, and the traced step writes none of the book's buffers with a ``copy_`` of its own."""
+    """``PageBook`` writes each set of the step's lengths with one opaque op, and the traced step writes none of the
+    book's buffers with a ``copy_`` of its own (as plain tensor arithmetic, Inductor gives every attention launch
+    that reads the lengths its own small kernel, and its fusion pass compares those kernels pairwise across the
+    layers: compile time)."""
     model = tiny_llama(dtype=torch.bfloat16)
     with enable_oscar(model, random_artifact(model, seed=1, layout=LAYOUT, key_bits=(2, 2))) as oscar:
         gm = traced_step(model, oscar.make_cache(2, 400))
@@ -696,3 +694,72 @@ def test_1500_generated_tokens_beyond_the_windows(smollm2):
     assert cache.sequence_lengths() == [n]
     assert int(cache.layers[29].state.num_pages[0]) == oscar.layout.pages_for(n) == 21
     assert cache.kv_bytes() < 0.5 * cache.bf16_bytes()
+
+
+# ---- the Python API refuses what it used to accept silently -------------------------------------------------------
+
+
+def test_a_second_enable_oscar_on_an_enabled_model_is_refused():
+    """``s1 = enable_oscar(m); s2 = enable_oscar(m); s1.restore(); s2.restore()`` left the model on "oscar"."""
+    model = tiny_hf_model("llama")
+    s1 = enable_oscar(model)
+    with pytest.raises(ValueError, match="on the OSCAR attention already .* call restore\\(\\) on that setup first"):
+        enable_oscar(model)
+    s1.restore()
+    assert model.config._attn_implementation == "sdpa"
+    model(torch.randint(1, 96, (1, 5)))  # a plain forward works again
+    with enable_oscar(model):
+        pass
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("args", [(True, 10), (1, True), (1, False), (1.0, 10)])
+def test_make_cache_refuses_bools_and_floats(args):
+    model = tiny_hf_model("llama")
+    with enable_oscar(model) as oscar:
+        with pytest.raises(ValueError, match=r"batch_size and max_length: expected ints > 0"):
+            oscar.make_cache(*args)
+
+
+def test_position_ids_that_disagree_with_the_stored_length_are_refused():
+    """Given position_ids must continue each slot's stored tokens (a prompt; a decode step on the CPU)."""
+    model = tiny_hf_model("llama")
+    ids = torch.randint(1, 96, (1, 8))
+    with torch.no_grad(), enable_oscar(model) as oscar:
+        cache = oscar.make_cache(1, 64)
+        kw = cache_kwargs(model, cache)
+        model(ids, position_ids=torch.arange(8)[None], **kw)  # the right ones: accepted
+        with pytest.raises(ValueError, match="position_ids: row 0 column 0 is 0, expected 8: that row's cache slot "
+                                             "holds 8 tokens"):
+            model(ids, position_ids=torch.arange(8)[None], **kw)
+        with pytest.raises(ValueError, match="row 0 column 0 is 3, expected 8: .* holds 8 tokens"):
+            model(ids[:, :1], position_ids=torch.tensor([[3]]), **kw)
+        assert cache.sequence_lengths() == [8], "nothing was written by the refused forwards"
+        model(ids[:, :1], position_ids=torch.tensor([[8]]), **kw)
+        assert cache.sequence_lengths() == [9]
+
+
+def test_a_cache_made_for_another_model_is_refused():
+    a, b = tiny_hf_model("llama"), tiny_hf_model("llama")
+    ids = torch.randint(1, 96, (1, 6))
+    with torch.no_grad(), enable_oscar(a) as sa, enable_oscar(b) as sb:
+        cache = sa.make_cache(1, 64)
+        with pytest.raises(ValueError, match="cache: made by another model's enable_oscar setup"):
+            b(ids, **cache_kwargs(b, cache))
+        assert cache.sequence_lengths() == [0]
+        b(ids, **cache_kwargs(b, sb.make_cache(1, 64)))
+        a(ids, **cache_kwargs(a, cache))
+        assert cache.sequence_lengths() == [6]
+
+
+def test_a_prompt_past_max_position_embeddings_is_refused_and_a_longer_cache_warned():
+    cfg = LlamaConfig(**{**HF_MODEL, "max_position_embeddings": 32})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad(), enable_oscar(model) as oscar:
+        with pytest.warns(UserWarning, match="max_length 64 exceeds the model's max_position_embeddings 32"):
+            cache = oscar.make_cache(1, 64)
+        kw = cache_kwargs(model, cache)
+        model(torch.randint(1, 96, (1, 30)), **kw)
+        with pytest.raises(ValueError, match="reaches position 34, past the model's max_position_embeddings 32"):
+            model(torch.randint(1, 96, (1, 4)), **kw)
+        assert cache.sequence_lengths() == [30]

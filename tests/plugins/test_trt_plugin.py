@@ -6,10 +6,6 @@ answer ``get_output_data_types`` / ``get_output_shapes`` / ``get_launch_params``
 builder that computes on integers, and the results are compared with the launch plan. The ONNX export's
 plugin nodes are fed through upstream's ``create_plugin`` attribute check and our dtype check.
 
-On plugins/trt before issue 12 (commit 7e9cb80) ``register_plugins()`` fails in upstream's validator:
-``ValueError: TensorDescs args should come first, followed by attributes`` (``from __future__ import
-annotations`` made every annotation a string); its split launch used block_x = 128 for a 2-warp kernel.
-
 The bundle here is a manifest over stand-in binaries (``fake_bundle.py``): registration reads the PTX as text
 and never runs it. The real binaries are tested in tests/kernels/test_aot_bundle.py and tests/gpu/.
 """

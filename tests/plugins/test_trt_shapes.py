@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 
@@ -14,6 +15,13 @@ from oscar_export.plugins.trt import DecodeShapes, check_split_inputs
 from oscar_export.plugins.trt.shapes import SPLIT_EXTRAS, SPLIT_INPUTS, SPLIT_OUTPUTS
 
 LAYOUT = KVCacheLayout.default(3, 64)
+#: the split plugin's inputs for LAYOUT (token keys), batch 2, a pool of 7 pages, a block table of 5 pages a slot
+LAYOUT_DIMS = {
+    "q_s": (2, 9, 64), "sink_k": (2, 3, 64, 64), "sink_v": (2, 3, 64, 64), "recent_k": (2, 3, 384, 64),
+    "recent_v": (2, 3, 384, 64), "k_codes": (7, 3, 64, 16), "k_params": (7, 3, 64, 1, 2), "v_codes": (7, 3, 64, 16),
+    "v_params": (7, 3, 64, 1, 2), "k_levels": (3, 4), "v_levels": (3, 4), "block_table": (2, 5), "sink_len": (2,),
+    "num_pages": (2,), "recent_len": (2,),
+}
 
 
 @pytest.mark.parametrize("batch, max_pages, pps", [(1, 1, 1), (3, 10, 4), (8, 129, 8), (2, 16, 16)])
@@ -61,6 +69,36 @@ def test_check_split_inputs():
         check_split_inputs(s, {**dims, "block_table": (b, 0)})
     with pytest.raises(ValueError, match="missing inputs"):
         check_split_inputs(s, {"q_s": (b, 9, d)})
+
+
+@pytest.mark.parametrize("name, bad, want", [
+    ("k_codes", (7, 3, 64, 32), "[7, 3, 64, 16]"),         # 4-bit key codes for a 2-bit layout
+    ("k_params", (7, 3, 2, 64), "[7, 3, 64, 1, 2]"),       # channel params for token keys
+    ("v_codes", (7, 3, 32, 16), "[7, 3, 64, 16]"),         # another page size
+    ("v_params", (7, 2, 64, 1, 2), "[7, 3, 64, 1, 2]"),    # another KV head count
+    ("v_codes", (6, 3, 64, 16), "[7, 3, 64, 16]"),         # a pool of another size than k_codes'
+    ("k_codes", (0, 3, 64, 16), "a pool of N > 0 pages"),  # no page
+])
+def test_check_split_inputs_reads_the_pool_shapes_from_the_layout(name, bad, want):
+    s = DecodeShapes.from_layout(LAYOUT, 9, 4)
+    dims = {n: LAYOUT_DIMS[n] for n in SPLIT_INPUTS}
+    assert check_split_inputs(s, dims) == (2, 5)
+    with pytest.raises(ValueError, match=re.escape(f"{name}: expected {want}")):
+        check_split_inputs(s, {**dims, name: bad})
+
+
+def test_channel_key_pools_are_the_layouts_too():
+    lay = KVCacheLayout.default(3, 64, "channel")
+    s = DecodeShapes.from_layout(lay, 9, 4)
+    dims = {**LAYOUT_DIMS, "k_params": lay.key_params_shape(7)}
+    assert dims["k_params"] == (7, 3, 2, 64) and check_split_inputs(s, dims) == (2, 5)
+    with pytest.raises(ValueError, match=re.escape("k_params: expected [7, 3, 2, 64], got [7, 3, 64, 1, 2]")):
+        check_split_inputs(s, LAYOUT_DIMS)
+
+
+def test_pools_need_the_layout():
+    with pytest.raises(ValueError, match="DecodeShapes.from_layout"):
+        check_split_inputs(DecodeShapes(9, 3, 64, 64, 384, 4), LAYOUT_DIMS)
 
 
 def test_bad_shapes_config():

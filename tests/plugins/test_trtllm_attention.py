@@ -49,7 +49,33 @@ def test_q_scaling_is_honoured(deploy):
 
 def test_chunked_prefill_is_context_by_num_contexts(deploy):
     """Bug: a later prompt chunk (cached tokens > 0) was taken for a decode step (``cached == 0`` test)."""
-    d = executor_driver(deploy)
+    d = executor_driver(deploy, chunked_prefill=True)
     reqs = [Req(1, 70, 12, chunk=24), Req(2, 30, 30)]
     d.run_plain(reqs)
     assert all(r.done for r in reqs) and d.checked_outputs > 50
+
+
+def test_the_decode_step_serves_only_the_scheduled_slots(deploy, monkeypatch):
+    """With 3 sequence slots (and the scratch slot) and one request decoding, the decode kernels run over one row,
+    not over every slot (before: every step wrote and attended all 4 rows, idle slots' pages included); the cache
+    and outputs still equal the reference's."""
+    from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
+
+    seen = []
+    decode_step, decode = TorchCacheOps.decode_step, TorchCacheOps.decode
+
+    def counting_step(self, state, k, v, status, transform, q):
+        seen.append(("decode_step", k.shape[0], state.sink_k.shape[0]))
+        return decode_step(self, state, k, v, status, transform, q)
+
+    def counting_decode(self, q_s, state, transform, pages_per_split=8):
+        seen.append(("decode", q_s.shape[0], state.sink_k.shape[0]))
+        return decode(self, q_s, state, transform, pages_per_split)
+
+    monkeypatch.setattr(TorchCacheOps, "decode_step", counting_step)
+    monkeypatch.setattr(TorchCacheOps, "decode", counting_decode)
+    d = executor_driver(deploy, max_batch=3)
+    reqs = [Req(1, 20, 24)]
+    d.run_plain(reqs)
+    assert reqs[0].done and d.checked_outputs > 40
+    assert seen and {rows for _, rows, _ in seen} == {1} and {state_rows for *_, state_rows in seen} == {1}, seen[:4]

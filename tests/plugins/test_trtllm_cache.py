@@ -5,6 +5,8 @@ whose cache after every step equals the reference cache writer's; a non-finite t
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import trtllm_standins
@@ -13,6 +15,7 @@ from helpers import (
     TRTLLM_LAYOUT,
     TRTLLM_MAX_SEQ,
     executor_driver,
+    standins_only,
     window_requests,
 )
 from trtllm_driver import Req
@@ -20,7 +23,7 @@ from trtllm_driver import Req
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# ---- startup on upstream's construction and estimation paths (issue 28) ------------------------------------
+# ---- startup on upstream's construction and estimation paths -----------------------------------------------
 
 
 def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
@@ -45,7 +48,9 @@ def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
     lay = TRTLLM_LAYOUT
     assert per_token == -(-per_page // lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
     assert per_token < ns.resource_manager.KVCacheManager.get_cache_size_per_token(d.model_config, None)
-    assert d.kv_config.max_tokens == (1 << 34) // per_token  # the budget, in OSCAR tokens
+    budget = d.kv_config.max_gpu_total_bytes  # upstream's: 0.9 of the memory left besides the KV cache
+    assert 0.9 * (1 << 34) - (1 << 22) <= budget <= 0.9 * (1 << 34), budget
+    assert d.kv_config.max_tokens == budget // per_token  # the budget, in OSCAR tokens
     assert d.mgr.layers[0].k_codes.shape[0] == d.mgr.get_max_resource_count()
     reqs = window_requests()[:3]
     d.run_plain(reqs)
@@ -57,17 +62,41 @@ def test_kv_cache_estimation_builds_twice_frees_the_first_and_serves(deploy):
 
 def test_kv_cache_budget_below_the_slots_fails_at_startup(deploy):
     """The memory left after the estimation must hold max_batch_size sequences of max_seq_len: else one clear
-    error at the rebuild (not an out-of-memory later)."""
+    error at the rebuild (not an out-of-memory later), in both layouts -- 1.x does not pass
+    is_estimating_kv_cache, so the refusal reads the max_gpu_total_bytes the estimation sets (before: on the 1.2
+    stand-in only because it passed the flag, which 1.2.1 does not)."""
     ns, dep = deploy
     per_token = dep.manager_cls.get_cache_size_per_token()
-    with pytest.raises(ValueError, match=r"max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache; "
-                                         r"the KV cache memory holds 100"):
+    with pytest.raises(ValueError, match=rf"^max_batch_size 3 x max_seq_len 128 needs 384 tokens of OSCAR cache "
+                                         rf"\({384 * per_token} bytes\); the KV cache memory holds \d+ bytes") as e:
         executor_driver(deploy, estimate=True, available_bytes=100 * per_token)
-    # upstream versions that do not pass is_estimating_kv_cache: the estimation's max_tokens is no budget
+    assert "\n" not in str(e.value)
+    # the estimation's own build: its max_tokens is the dummy requests' tokens, no budget
     kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=TRTLLM_MAX_SEQ,
               max_batch_size=3, mapping=trtllm_standins.Mapping())
-    mgr = dep.manager_cls(trtllm_standins.KvCacheConfig(max_tokens=100), "SELF", **kw)
+    mgr = dep.manager_cls(trtllm_standins.KvCacheConfig(max_tokens=100, enable_block_reuse=False), "SELF", **kw)
     assert mgr.get_max_resource_count() == 3 * TRTLLM_MAX_SEQ // 16
+
+
+def test_the_estimation_counts_the_oscar_pools_as_kv_cache(deploy):
+    """Upstream's estimation (configure_kv_cache_capacity) measures the peak memory and adds back only the KV
+    manager's get_kv_cache_stats().allocated_bytes. The OSCAR pools, windows and page book are KV cache too: left
+    out, they count as activations and the budget shrinks by their size -- here below what the slots need, so
+    startup is refused though the memory holds them (before: allocated_bytes was the one-layer stock pool)."""
+    ns, dep = deploy
+    standins_only(ns)
+    kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=TRTLLM_MAX_SEQ,
+              max_batch_size=3, mapping=trtllm_standins.Mapping())
+    probe = dep.manager_cls(trtllm_standins.KvCacheConfig(enable_block_reuse=False), "SELF", **kw)
+    pools = sum(t.nbytes for t in probe.book.tensors()) + sum(
+        getattr(st, f).nbytes for st in probe.layers for f in ("k_codes", "k_params", "v_codes", "v_params", "sink_k",
+                                                               "sink_v", "recent_k", "recent_v"))
+    per_token = dep.manager_cls.get_cache_size_per_token()
+    need_bytes = 384 * per_token
+    # memory for the slots and half the pools again: enough, unless the estimation's pools count as activations
+    d = executor_driver(deploy, estimate=True, available_bytes=int(need_bytes / 0.9) + pools // 2)
+    assert d.kv_config.max_gpu_total_bytes >= need_bytes and d.kv_config.max_tokens >= 384
+    assert probe.get_kv_cache_stats().allocated_bytes == probe.stock_pool_bytes + pools
 
 
 def test_add_dummy_requests_returning_none_is_passed_on(deploy):
@@ -118,7 +147,7 @@ def test_cuda_graph_warmup_capture_replay_with_dummy_requests(deploy, monkeypatc
 
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 def test_mixed_key_bits_executor_loops_match_reference(deploy_mixed, loop):
-    """Issue 17: each layer's pages in its own width (layer 0: 4-bit keys, ``[N, H_kv, P, D / 2]`` codes), the
+    """Each layer's pages in its own width (layer 0: 4-bit keys, ``[N, H_kv, P, D / 2]`` codes), the
     layer's own cache ops, every step's cache and outputs equal to the reference of that layer's layout."""
     ns, dep = deploy_mixed
     d = executor_driver(deploy_mixed)
@@ -147,7 +176,7 @@ def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
     ns, dep = deploy
     kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_batch_size=2,
               mapping=trtllm_standins.Mapping())
-    cfg = trtllm_standins.KvCacheConfig
+    cfg = functools.partial(trtllm_standins.KvCacheConfig, enable_block_reuse=False)
     too_long = 10**5
     ok = dep.manager_cls(cfg(), "SELF", max_seq_len=256, **kw)
     assert ok.book.max_length == 256 and ok.book.max_pages == TRTLLM_LAYOUT.pages_for(256)
@@ -163,27 +192,119 @@ def test_max_seq_len_beyond_the_reserved_pages_fails_at_startup(deploy):
 
     with pytest.raises(ValueError, match=r"max_batch_size 2 x max_seq_len 256 needs 26 INT2 pages; 5 are reserved"):
         Small(cfg(), "SELF", max_seq_len=256, **kw)
-    # a request longer than the pages reserved per slot: refused on admission, before anything is written
+    # a request longer than the pages reserved per slot: failed alone on admission, nothing written for it
     req = ns.llm_request.LlmRequest(request_id=7, max_new_tokens=too_long, input_tokens=[1] * 8)
-    with pytest.raises(ValueError, match=f"request 7: prompt \\+ max_new_tokens = {too_long + 8} tokens; the OSCAR "
-                                         "cache reserved 256 per sequence"):
-        ok.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
-    assert not ok.slots
+    ok.prepare_resources(trtllm_standins.ScheduledRequests([req], []))
+    assert ok.failed[7] == (f"request 7: prompt + max_new_tokens = {too_long + 8} tokens; the OSCAR cache reserved "
+                            "256 per sequence (max_seq_len)")
+    assert not ok.slots and req.state == ns.llm_request.LlmRequestState.GENERATION_COMPLETE
 
 
 @pytest.mark.parametrize("loop", ["plain", "overlap"])
 def test_nonfinite_decode_token_fails_its_request_and_keeps_the_cache(deploy, loop):
     """A NaN key in one request's decode step: that request's cache stays at its last finite token (no later
-    step writes it), the others go on exactly as the reference, and within two steps ``prepare_resources``
-    raises ``NonFiniteKV`` naming the request (before: the executor counted the token the cache refused, so
-    every later position of the request was off by one, silently)."""
-    from oscar_export.plugins.trtllm.cache import NonFiniteKV
-
+    step writes it), and within two steps ``prepare_resources`` fails that request alone; the other request runs
+    to its end exactly as the reference (before: ``prepare_resources`` raised, which upstream's executor answers by
+    failing every active request)."""
     d = executor_driver(deploy)
     reqs = [Req(1, 20, 40), Req(2, 40, 30, nan_at=45)]
-    with pytest.raises(NonFiniteKV, match="request 2"):
-        d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
+    d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
     assert reqs[1].poisoned and reqs[1].written == 45
-    nan_step = 1 + (45 - 40 + 1)  # one prefill step, then one token per step: position 45 is fed in step 7
-    assert d.steps <= nan_step + 1, d.steps  # the plain loop stops before step 8's forward, overlap runs it
-    d.check_cache(reqs)  # request 2 at 45 tokens, request 1 as the reference
+    assert reqs[1].failed == ("request 2: a NaN/Inf key or value reached the OSCAR cache in a decode step (its cache "
+                              "holds the tokens up to the last finite one)")
+    nan_step = 45 - 40 + 1  # step 0 the prefill, then one token per step: position 45 is fed in step 6
+    assert nan_step < reqs[1].failed_step <= nan_step + 2, reqs[1].failed_step  # the next step, or one later
+    assert all(r.done for r in reqs) and not reqs[0].failed and reqs[0].written >= 20 + 40 and d.checked_outputs > 80
+    assert not d.mgr.slots and not d.mgr.failed
+
+
+def test_a_request_the_cache_cannot_hold_fails_alone(deploy):
+    """A request longer than max_seq_len among servable ones: it fails on admission, the others are served as
+    the reference (before: ``ValueError`` out of ``prepare_resources``, every active request failed)."""
+    d = executor_driver(deploy)
+    reqs = [Req(1, 20, 30), Req(2, 40, TRTLLM_MAX_SEQ), Req(3, 30, 20)]
+    d.run_plain(reqs)
+    assert reqs[1].failed.startswith(f"request 2: prompt + max_new_tokens = {40 + TRTLLM_MAX_SEQ} tokens")
+    assert reqs[1].written == 0 and reqs[1].failed_step == 0
+    assert all(r.done for r in reqs) and [r.generated for r in (reqs[0], reqs[2])] == [30, 20]
+    assert d.checked_outputs > 80 and not d.mgr.slots and not d.mgr.failed
+
+
+# ---- the forward on upstream's execution stream --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("passed", [True, False], ids=["execution_stream_passed", "no_execution_stream"])
+def test_admission_writes_are_ordered_before_the_forward_on_another_stream(deploy, passed):
+    """Upstream runs the forward on ``execution_stream`` and ``prepare_resources`` on the current stream. With the
+    current stream's writes held back as long as CUDA may hold them (tests/plugins/trtllm_streams.py), the
+    forward must never read a tensor whose admission writes have not landed: request 3 takes the slot request 1
+    frees, so a reset that has not landed leaves request 1's lengths in it. Upstream passing the execution stream
+    to the manager (1.2 and later) or not (the manager's event then orders the writes), the same."""
+    from trtllm_streams import SimulatedStreams
+
+    sim = SimulatedStreams()
+    d = executor_driver(deploy, max_batch=2, streams=sim, execution_stream="execution" if passed else None)
+    reqs = [Req(1, 20, 4), Req(2, 40, 30), Req(3, 37, 12)]
+    failure = None
+    with sim.installed():
+        try:
+            d.run_plain(reqs)
+        except AssertionError as e:  # the reference comparison of a stale read
+            failure = e
+    assert not sim.stale_reads, "\n".join(sim.stale_reads[:6])
+    assert failure is None, failure
+    assert all(r.done for r in reqs) and reqs[2].rows[0] != [] and d.checked_outputs > 30
+
+
+# ---- configurations the OSCAR cache cannot serve: refused at startup, one line each ------------------------
+
+
+def _manager_kwargs(**over):
+    kw = dict(num_layers=TRTLLM_LAYERS, num_kv_heads=2, head_dim=64, tokens_per_block=16, max_seq_len=TRTLLM_MAX_SEQ,
+              max_batch_size=2, mapping=trtllm_standins.Mapping())
+    return {**kw, **over}
+
+
+EagleDecodingConfig = type("EagleDecodingConfig", (), {})
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"spec_config": EagleDecodingConfig()}, r"^speculative decoding \(EagleDecodingConfig\): the OSCAR cache serves"),
+    ({"layer_mask": [True, False]}, r"^a layer_mask: the OSCAR cache serves the target model's own layers only"),
+    ({"enable_block_reuse": True}, r"^kv_cache_config.enable_block_reuse: reused blocks would hold BF16 data"),
+    ({"mapping": trtllm_standins.Mapping(world_size=2, pp_size=2)}, r"^pipeline parallelism \(pp_size 2\)"),
+    ({"mapping": trtllm_standins.Mapping(world_size=2, tp_size=2)}, r"^tensor parallelism \(tp_size 2\)"),
+], ids=["speculative", "layer_mask", "block_reuse", "pipeline", "tensor"])
+def test_unservable_configurations_are_refused_at_startup_with_one_line(deploy, over, match):
+    """Each setting the OSCAR cache cannot serve stops the manager's construction with one line naming it (before:
+    speculative decoding, a layer_mask and block reuse were accepted -- a layer_mask then failed upstream's
+    get_pp_layers assertion against the one-layer stock pool -- and pipeline parallelism was not named)."""
+    ns, dep = deploy
+    over = dict(over)  # the parameter is shared by both layouts' runs
+    reuse = over.pop("enable_block_reuse", False)
+    cfg = trtllm_standins.KvCacheConfig(enable_block_reuse=reuse)
+    with pytest.raises(NotImplementedError, match=match) as e:
+        dep.manager_cls(cfg, "SELF", **_manager_kwargs(**over))
+    assert "\n" not in str(e.value)
+
+
+def test_a_layer_mask_of_every_layer_is_served(deploy):
+    """A layer_mask selecting every layer is no speculative draft: the manager serves (its stock pool has one
+    layer, so the mask is not passed on to upstream's get_pp_layers)."""
+    ns, dep = deploy
+    cfg = trtllm_standins.KvCacheConfig(enable_block_reuse=False)
+    mgr = dep.manager_cls(cfg, "SELF", **_manager_kwargs(layer_mask=[True] * TRTLLM_LAYERS))
+    assert mgr.num_layers == 1
+
+
+def test_chunked_prefill_without_a_chunk_kernel_is_refused_at_startup(deploy, monkeypatch):
+    """Cache ops without a prompt-chunk kernel (the AOT bundle's) and upstream's runtime_features.chunked_prefill
+    on: the first forward -- the KV-cache estimation's, at startup -- refuses with one line (before: the first
+    later chunk of a long prompt raised inside serving)."""
+    from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
+
+    monkeypatch.setattr(TorchCacheOps, "chunked_prefill", False, raising=False)
+    with pytest.raises(NotImplementedError, match=r"^enable_chunked_prefill: the OSCAR cache ops of this deployment "
+                                                  r"have no kernel") as e:
+        executor_driver(deploy, estimate=True, chunked_prefill=True)
+    assert "\n" not in str(e.value)

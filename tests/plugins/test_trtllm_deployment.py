@@ -41,9 +41,9 @@ def test_bad_deployments_fail_at_startup(ns, tmp_path):
 
 
 def test_the_checkpoints_oscar_section_is_read_as_export_writes_it(tmp_path):
-    """Bug (issue 30): the deployment read config.json with a bare ``json.loads`` and checked the section itself: an
-    artifact outside the checkpoint (``"artifact": "../elsewhere"``) was loaded, a section of another format version
-    accepted, a repeated key silently took its last value. It reads it as ``oscar_export.export.read_export`` does."""
+    """The deployment reads config.json as ``oscar_export.checkpoint.read_export`` does: an artifact outside the
+    checkpoint (``"artifact": "../elsewhere"``), a section of another format version and a repeated key are
+    refused."""
     from oscar_export.plugins.trtllm.deployment import OscarDeployment
 
     ckpt = trtllm_checkpoint(tmp_path / "ckpt")

@@ -61,7 +61,7 @@ def test_every_device_launch_is_the_launch_plan():
 
 
 def test_the_step_rotates_the_queries_once_and_decode_reads_them():
-    """Issue 26 item 4 on the TensorRT-LLM path: the decode step's one append launch takes the step's model-basis
+    """On the TensorRT-LLM path the decode step's one append launch takes the step's model-basis
     queries and writes their stored-basis rotation into an fp32 ``[B, H, D]`` tensor it returns; the split kernel is
     launched on that tensor."""
     ops = _ops()

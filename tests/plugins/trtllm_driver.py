@@ -27,6 +27,7 @@ rows, and every generated row's attention output with ``reference.decode_attenti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -41,6 +42,7 @@ from trtllm_standins import (
     ModelConfig,
     ScheduledRequests,
     rope,
+    torch_bytes,
 )
 
 #: request ids of the estimation's dummy context requests (the executor numbers them like any request)
@@ -62,6 +64,8 @@ class Req:
     nan_at: int = -1  # the token at this position carries a NaN in its keys (layer 0, KV head 1)
     poisoned: bool = False  # its NaN token was fed: the cache must stay at the last finite token
     skipped: int = 0  # tokens fed since (the executor counts them; the cache must not hold them)
+    failed: str = ""  # why the cache failed the request alone (it then ends; nothing of it is checked)
+    failed_step: int = -1
 
 
 def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int):
@@ -76,7 +80,8 @@ def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int
 
 class Driver:
     def __init__(self, ns, dep, max_batch: int, max_seq_len: int, pretrained, estimate: bool = False,
-                 max_num_tokens: int | None = None, available_bytes: int = 1 << 34) -> None:
+                 max_num_tokens: int | None = None, available_bytes: int = 1 << 34, streams=None,
+                 execution_stream=None, chunked_prefill: bool = False) -> None:
         self.ns, self.dep, self.lay = ns, dep, dep.layout
         c = pretrained
         self.heads, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -87,24 +92,57 @@ class Driver:
         self.model_config = ModelConfig(pretrained_config=pretrained, max_num_tokens=max_num_tokens or max_seq_len)
         self.model = ns.modeling_auto.AutoModelForCausalLM.from_config(self.model_config)
         self.backends = [m.attn for m in self.model.layers]
-        self.kv_config = KvCacheConfig()
+        self.kv_config = KvCacheConfig(enable_block_reuse=False)  # as the deployment's extra_llm_api_options.yaml
+        self.chunked_prefill = chunked_prefill  # the executor's enable_chunked_prefill (runtime_features)
+        #: ``trtllm_streams.SimulatedStreams`` (or None): the forward on ``execution_stream``, the rest on the
+        #: current stream, as upstream's executor issues them
+        self.streams, self.execution_stream = streams, execution_stream
         self.creator = ns.util.KvCacheCreator(
             model=self.model, mapping=Mapping(), max_num_tokens=self.model_config.max_num_tokens,
             tokens_per_block=self.lay.page_size, max_seq_len=max_seq_len, max_batch_size=max_batch,
-            kv_cache_config=self.kv_config)
+            kv_cache_config=self.kv_config, execution_stream=execution_stream)
         resources: dict = {}
         #: the estimation's manager (the engine's metadata keeps pointing at it until the next forward)
         self.estimation_mgr = None
         self.estimated = estimate and self.creator.try_prepare_estimation()
+        #: the stand-in device: what is in use before the KV cache (the model) plus ``available_bytes``
+        self.total_gpu_memory = torch_bytes() + available_bytes if self.estimated else None
         self.creator.build_managers(resources, estimating_kv_cache=self.estimated)
         if self.estimated:
-            self.mgr = self.estimation_mgr = resources["kv_cache_manager"]
+            self.mgr = self.estimation_mgr = self._built(resources)
             dummies = [Req(ESTIMATION_IDS + i, n, 1) for i, n in enumerate(self.creator.dummy_requests)]
-            self.run_plain(dummies)
-            self.creator.configure_kv_cache_capacity(available_bytes)
+            self.creator.configure_kv_cache_capacity(SimpleNamespace(
+                run_dummy_requests=lambda: self.run_plain(dummies), kv_cache_manager=self.mgr,
+                total_gpu_memory=self.total_gpu_memory))
             self.creator.teardown_managers(resources)
             self.creator.build_managers(resources)
-        self.mgr = resources["kv_cache_manager"]
+        self.mgr = self._built(resources)
+
+    def _built(self, resources):
+        """The manager just built, given the simulated streams in place of the device's."""
+        mgr = resources["kv_cache_manager"]
+        if self.streams is not None:
+            mgr.streams = self.streams
+            book = mgr.book
+            self.streams.watch(step_slots=mgr.step_slots, slot_rid=mgr.slot_rid, block_table=book.block_table,
+                               seq_len=book.seq_len, committed_sink_len=book.committed.sink_len,
+                               committed_num_pages=book.committed.num_pages,
+                               committed_recent_len=book.committed.recent_len)
+        return mgr
+
+    def on_execution_stream(self, what: str):
+        """The forward's stream (upstream: ``torch.cuda.stream(execution_stream)``); a no-op without streams."""
+        import contextlib
+
+        if self.streams is None:
+            return contextlib.nullcontext()
+        self.streams.where = what
+        return self.streams.stream("execution")
+
+    def synchronize(self) -> None:
+        """The executor's host synchronisation once a step (its sampler waits for the step's tokens)."""
+        if self.streams is not None:
+            self.streams.synchronize()
 
     # ---- one forward over a batch ------------------------------------------------------------------------
     def metadata(self, ctx: list[Req], gen: list, padded: int = 0):
@@ -112,9 +150,17 @@ class Driver:
         lens = [min(n, r.prompt - r.written) for n, r in zip(lens, ctx)] + [1] * (len(gen) + padded)
         ids = [r.rid for r in ctx] + [r.rid if isinstance(r, Req) else r.py_request_id for r in gen]
         cached = [r.written for r in ctx] + [r.written + r.skipped if isinstance(r, Req) else 0 for r in gen]
-        return self.ns.interface.AttentionMetadata(
-            kv_cache_manager=self.mgr, seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx),
-            request_ids=ids, kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded))
+        # the engine's metadata class is the configured backend's (TRTLLM: TrtllmAttentionMetadata), prepared
+        # every step against the manager before the forward
+        metadata_cls = self.ns.utils.get_attention_backend(self.model_config.attn_backend).Metadata
+        md = metadata_cls(
+            max_num_requests=self.max_batch + padded + len(ctx) + len(gen), kv_cache_manager=self.mgr,
+            seq_lens=torch.tensor(lens, dtype=torch.int32), num_contexts=len(ctx), request_ids=ids,
+            prompt_lens=[r.prompt if isinstance(r, Req) else r.prompt_len for r in list(ctx) + list(gen)],
+            kv_cache_params=KVCacheParams(num_cached_tokens_per_seq=cached + [0] * padded),
+            runtime_features=self.ns.interface.AttentionRuntimeFeatures(chunked_prefill=self.chunked_prefill))
+        md.prepare()
+        return md
 
     def rotated(self, q, k, pos: int):
         """q, k as the layer's RoPE leaves them (bf16 in, bf16 out) at positions ``pos ..``."""
@@ -144,10 +190,12 @@ class Driver:
                 pos_ids.append(torch.arange(pos, pos + n))
                 qr, kr = self.rotated(q, k, pos)
                 qs.append(qr), ks.append(kr), vs.append(v.bfloat16())
-            out = module(torch.cat(pos_ids)[None], torch.cat(packed).bfloat16(), md)
+            with self.on_execution_stream(f"step {self.steps} layer {layer}"):
+                out = module(torch.cat(pos_ids)[None], torch.cat(packed).bfloat16(), md)
             if check:
                 q, k, v = (torch.cat(x) for x in (qs, ks, vs))
                 self._check_outputs(layer, ctx, gen, lens, q, k, v, out)
+        self.synchronize()
         for r in real:
             self._advance_reference(r, lens[(list(ctx) + list(gen)).index(r)])
         self.steps += 1
@@ -171,7 +219,7 @@ class Driver:
         off = 0
         for i, r in enumerate(list(ctx) + list(gen)):
             n = lens[i] if i < len(lens) else 1
-            poisoned = isinstance(r, Req) and (r.poisoned or r.written <= r.nan_at < r.written + n)  # not checked
+            poisoned = isinstance(r, Req) and (r.poisoned or r.failed or r.written <= r.nan_at < r.written + n)
             if isinstance(r, Req) and (i >= len(ctx) or r.written > 0) and not poisoned:  # gen rows, later chunks
                 t, ks, vs = self._stored(layer, k[off : off + n], v[off : off + n])
                 st = self._ref_state(r, layer)
@@ -200,6 +248,8 @@ class Driver:
         reference.append_tokens(st, 0, ks, vs, self.dep.layer_layouts[layer], t, alloc)
 
     def _advance_reference(self, r: Req, n: int) -> None:
+        if r.failed:
+            return
         if r.poisoned or r.written <= r.nan_at < r.written + n:  # the cache must not take it, nor later tokens
             r.poisoned = True
             r.skipped += n
@@ -214,7 +264,7 @@ class Driver:
     def check_cache(self, reqs) -> None:
         """Every live request's stored cache equals the reference's, in every layer."""
         for r in reqs:
-            if r.done or r.written == 0:  # finished, or not admitted yet
+            if r.done or r.failed or r.written == 0:  # finished, failed, or not admitted yet
                 continue
             slot = self.mgr.slot_of(r.rid)
             for layer, st in enumerate(self.mgr.layers):
@@ -247,7 +297,7 @@ class Driver:
         return r.req
 
     def schedule(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
-        live = [r for r in reqs if not r.done][: self.max_batch]
+        live = [r for r in reqs if not r.done and not r.failed][: self.max_batch]
         ctx = [r for r in live if r.written < r.prompt]
         gen = [r for r in live if r.written >= r.prompt]
         return ctx, gen
@@ -261,18 +311,27 @@ class Driver:
 
     def finish(self, r: Req) -> None:
         r.done = True
+        r.ref = []  # a finished request's reference cache is never read again
         self.mgr.free_resources(r.req)
+
+    def prepare(self, b, ctx, gen) -> None:
+        """``prepare_resources``; a request the cache failed alone ends (upstream: ``GENERATION_COMPLETE``)."""
+        self.mgr.prepare_resources(b)
+        complete = self.ns.llm_request.LlmRequestState.GENERATION_COMPLETE
+        for r in list(ctx) + list(gen):
+            if r.req.state == complete and not r.failed:
+                r.failed, r.failed_step = self.mgr.failed[r.rid], self.steps
 
     def _progress(self, ctx, gen) -> list[Req]:
         for r in gen:
             r.generated += 1
-        return [r for r in gen if r.generated >= r.new]
+        return [r for r in gen if r.generated >= r.new or r.failed] + [r for r in ctx if r.failed]
 
     def run_plain(self, reqs: list[Req]) -> None:
         while any(not r.done for r in reqs):
             ctx, gen = self.schedule(reqs)
             b = self.batch(ctx, gen)
-            self.mgr.prepare_resources(b)
+            self.prepare(b, ctx, gen)
             self.forward(ctx, gen)
             self.mgr.update_resources(b)
             self.check_cache(reqs)
@@ -286,7 +345,7 @@ class Driver:
             b = None
             if ctx or gen:
                 b = self.batch(ctx, gen)
-                self.mgr.prepare_resources(b)
+                self.prepare(b, ctx, gen)
                 self.forward(ctx, gen)  # forward(N+1) before update_resources(N)
                 self.check_cache(reqs)
             if prev is not None:
@@ -320,7 +379,7 @@ class Driver:
         while any(not r.done for r in reqs):
             ctx, gen = self.schedule(reqs)
             b = self.batch(ctx, gen)
-            self.mgr.prepare_resources(b)
+            self.prepare(b, ctx, gen)
             if ctx or len(gen) > batch_size:
                 self.forward(ctx, gen)  # context steps run eagerly
             else:

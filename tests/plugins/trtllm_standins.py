@@ -10,8 +10,11 @@ fact they mirror, with the upstream file and the commit read, is one row of docs
 ``ModelConfig`` and ``from_config``; ``Attention.__init__`` wiring RoPE and QKV from the configured backend class
 (``TrtllmAttention``: both fused, ``VanillaAttention``: neither; ``support_*`` classmethods) and ``Attention.forward``
 -> ``apply_rope`` -> ``convert_qkv`` -> the backend (main: ``forward_args=`` by keyword; 1.2: keyword arguments);
-``KvCacheCreator``'s estimation, teardown (``shutdown``) and rebuild; ``add_dummy_requests`` returning ``None``;
-the CUDA-graph padding id; the worker's unpickled ``MODEL_CLASS_MAPPING``.
+``KvCacheCreator``'s estimation (the peak memory measured, ``allocated_bytes`` added back, ``max_gpu_total_bytes``
+set), teardown (``shutdown``) and rebuild, and the ``execution_stream`` it hands on; ``TrtllmAttentionMetadata``
+and its ``prepare()``; ``AttentionRuntimeFeatures``; ``LlmRequestState``; ``KvCacheConfig``'s defaults (block
+reuse on); ``get_pp_layers``' ``layer_mask`` assertion; ``add_dummy_requests`` returning ``None``; the CUDA-graph
+padding id; the worker's unpickled ``MODEL_CLASS_MAPPING``.
 
 Simplified on purpose (not on the startup path): the C++ block manager (``impl``) is a Python one (lowest free
 block id first, returned on ``remove_sequence``); ``qkv_proj`` / ``o_proj`` are identities (the driver feeds the
@@ -20,6 +23,7 @@ packed ``q|k|v`` rows); the model has attention layers only; RoPE is the plain G
 
 from __future__ import annotations
 
+import enum
 import math
 import sys
 import types
@@ -53,6 +57,14 @@ CUDA_GRAPH_DUMMY_REQUEST_ID = (1 << 64) - 1
 
 # ---- requests and scheduling (_torch/pyexecutor/llm_request.py, scheduler.py) ------------------------------
 
+class LlmRequestState(enum.Enum):
+    """The request states the executor and the adapter use (``llm_request.py`` re-exports the bindings' enum)."""
+
+    CONTEXT_INIT = 2
+    GENERATION_IN_PROGRESS = 3
+    GENERATION_COMPLETE = 5
+
+
 class LlmRequest:
     def __init__(self, request_id: int, max_new_tokens: int, input_tokens: list[int], sampling_config=None,
                  is_streaming: bool = False, **kwargs) -> None:
@@ -64,7 +76,7 @@ class LlmRequest:
         self.context_chunk_size = self.prompt_len
         self.context_current_position = 0
         self.is_dummy_request = False
-        self.state = "CONTEXT_INIT"
+        self.state = LlmRequestState.CONTEXT_INIT
 
     @property
     def is_first_context_chunk(self) -> bool:
@@ -90,6 +102,16 @@ class ScheduledRequests:
 class KVCacheParams:
     use_cache: bool = True
     num_cached_tokens_per_seq: list = field(default_factory=list)
+    num_extra_kv_tokens: int = 0
+
+
+@dataclass
+class AttentionRuntimeFeatures:
+    """``attention_backend/interface.py`` (51ea5c96): what the executor enabled (``py_executor_creator.py``)."""
+
+    chunked_prefill: bool = False
+    cache_reuse: bool = False
+    has_speculative_draft_tokens: bool = False
 
 
 @dataclass(kw_only=True)
@@ -101,6 +123,7 @@ class AttentionMetadata:
     num_contexts: int = 0
     request_ids: Optional[list] = None
     kv_cache_params: Optional[KVCacheParams] = None
+    runtime_features: AttentionRuntimeFeatures = field(default_factory=AttentionRuntimeFeatures)
 
     @property
     def num_seqs(self) -> int:
@@ -109,6 +132,33 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.seq_lens.sum())
+
+
+@dataclass(kw_only=True)
+class TrtllmAttentionMetadata(AttentionMetadata):
+    """``attention_backend/trtllm.py`` (1.x copy the index stores): the metadata the engine builds for the
+    configured TRTLLM backend, whose ``prepare()`` runs every step against the KV cache manager it is given."""
+
+    max_num_sequences: Optional[int] = None
+    prompt_lens: Optional[list] = None
+    beam_width: int = 1
+
+    def prepare(self) -> None:
+        """Every request's C++ block offsets into ``[num_pools, max_num_sequences, 2, max_blocks_per_seq]``
+        (context rows, then generation rows after them), and each ``kv_len`` within the manager's ``max_seq_len``."""
+        kv = self.kv_cache_manager
+        n, nc = self.num_seqs, self.num_contexts
+        cached = torch.tensor(self.kv_cache_params.num_cached_tokens_per_seq[:n], dtype=torch.int32)
+        self.kv_lens = cached + self.seq_lens + self.kv_cache_params.num_extra_kv_tokens
+        rows = self.max_num_sequences or self.max_num_requests
+        self.host_kv_cache_block_offsets = torch.zeros(kv.num_pools, rows, 2, kv.max_blocks_per_seq,
+                                                       dtype=torch.int32)
+        kv.impl.copy_batch_block_offsets(self.host_kv_cache_block_offsets, self.request_ids[:nc], 1, 0)
+        kv.impl.copy_batch_block_offsets(self.host_kv_cache_block_offsets, self.request_ids[nc:n], self.beam_width,
+                                         nc)
+        assert int(self.kv_lens.max()) <= kv.max_seq_len, (
+            f"The max KV cache length of input sequences ({int(self.kv_lens.max())}) exceeds the KV cache manager's "
+            f"maximum supported length ({kv.max_seq_len}).")
 
 
 TMetadata = TypeVar("TMetadata", bound=AttentionMetadata)
@@ -151,6 +201,8 @@ def _fused(base):
     """``TrtllmAttention`` of a layout: RoPE and QKV fused into its kernel."""
 
     class TrtllmAttention(base):
+        Metadata = TrtllmAttentionMetadata
+
         @classmethod
         def support_fused_rope(cls) -> bool:
             return True
@@ -223,6 +275,14 @@ class _BlockManager:
     def get_cache_block_ids(self, rid: int, window_size: int) -> list[list[int]]:
         return [list(self.seqs[rid])]
 
+    def copy_batch_block_offsets(self, dst: torch.Tensor, request_ids, beam_width: int, offset: int) -> None:
+        """Row ``offset + i`` of ``dst [pools, rows, 2, max_blocks]``: request ``i``'s block ids (K, V)."""
+        for i, rid in enumerate(request_ids):
+            if rid not in self.seqs:
+                raise RuntimeError(f"stand-in C++ block manager: no sequence for request {rid}")
+            ids = torch.tensor(self.seqs[rid], dtype=torch.int32)
+            dst[0, offset + i, :, : ids.numel()] = ids
+
 
 class KVCacheManager(BaseResourceManager):
     def __init__(self, kv_cache_config, kv_cache_type, *, num_layers: int, num_kv_heads, head_dim: int,
@@ -235,7 +295,12 @@ class KVCacheManager(BaseResourceManager):
         blocks = math.ceil(max_tokens / tokens_per_block)  # calculate_max_num_blocks with max_tokens set
         self.impl = _BlockManager(blocks, tokens_per_block)
         self.max_blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
+        self.num_pools = 1
         self.max_attention_window_vec = [max_seq_len]
+        if layer_mask is not None:  # get_pp_layers (main): the mask must select num_layers layers
+            assert sum(layer_mask) == num_layers, (sum(layer_mask), num_layers)
+        # the stream the model forward runs on (upstream: a stream of its own when none is given)
+        self._stream = kwargs.get("execution_stream")
         heads = num_kv_heads if isinstance(num_kv_heads, int) else max(num_kv_heads)
         self.stock_pool_bytes = blocks * tokens_per_block * num_layers * heads * head_dim * 2 * 2  # K+V BF16
 
@@ -247,6 +312,11 @@ class KVCacheManager(BaseResourceManager):
 
     def get_max_resource_count(self) -> int:
         return self.impl.max_num_blocks
+
+    def get_kv_cache_stats(self):
+        """The C++ ``KvCacheStats`` fields the KV-cache estimation reads (its pool's bytes: ``allocated_bytes``)."""
+        return types.SimpleNamespace(max_num_blocks=self.impl.max_num_blocks, tokens_per_block=self.tokens_per_block,
+                                     allocated_bytes=self.stock_pool_bytes)
 
     def get_num_free_blocks(self) -> int:
         return len(self.impl.free)
@@ -274,7 +344,7 @@ class KVCacheManager(BaseResourceManager):
             if prepare_resource:
                 self.impl.add_sequence(rid, n, 1, req)
             if is_gen:
-                req.state = "GENERATION_IN_PROGRESS"
+                req.state = LlmRequestState.GENERATION_IN_PROGRESS
                 req.prompt_len = n - 1
                 req.py_prompt_len = req.prompt_len
             requests.append(req)
@@ -295,9 +365,12 @@ class KVCacheManager(BaseResourceManager):
 
 @dataclass
 class KvCacheConfig:
+    """``llmapi/llm_args.py`` ``KvCacheConfig`` (block reuse on by default, as upstream)."""
+
     max_tokens: Optional[int] = None
     free_gpu_memory_fraction: Optional[float] = None
-    enable_block_reuse: bool = False
+    enable_block_reuse: bool = True
+    max_gpu_total_bytes: int = 0
     tokens_per_block: int = 32
 
     def model_copy(self, update=None):
@@ -311,6 +384,8 @@ class KvCacheConfig:
 class Mapping:
     world_size: int = 1
     tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
 
 
 # ---- model config and models (_torch/model_config.py, models/, modules/attention.py) -----------------------
@@ -469,12 +544,34 @@ def _from_config(config):
 
 # ---- startup: KvCacheCreator (_torch/pyexecutor/_util.py) ---------------------------------------------------
 
+def torch_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process: the stand-in's ``torch.cuda.memory_stats``."""
+    import gc
+
+    gc.collect()  # garbage (earlier tests' tensors in cycles) is not memory in use
+    sizes = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type != "meta":
+            st = o.untyped_storage()
+            sizes[st.data_ptr()] = st.nbytes()
+    return sum(sizes.values())
+
+
 class KvCacheCreator:
-    """The estimation, teardown and rebuild of the KV cache manager that ``create_py_executor`` runs."""
+    """The estimation, teardown and rebuild of the KV cache manager that ``create_py_executor`` runs, written from
+    ``_util.py``: the 1.x copy the index stores (``_create_kv_cache_manager(self, model_engine,
+    estimating_kv_cache)`` passes no ``is_estimating_kv_cache`` to the manager; ``configure_kv_cache_capacity``
+    measures the peak memory, adds ``get_kv_cache_stats().allocated_bytes`` back, takes ``fraction`` (0.9 when
+    unset) of it, sets ``max_tokens`` and ``max_gpu_total_bytes``) and main (d8ae02ca: passes
+    ``is_estimating_kv_cache``). ``execution_stream``: ``create_py_executor`` hands it to ``KvCacheCreator``
+    (``py_executor_creator.py`` @000429d5) and main's ``_create_kv_cache_manager`` passes it to the manager;
+    that 1.2.1's does is not verified (the 1.x copy read predates it), so the stream tests run with and without it.
+    """
 
     def __init__(self, *, model, mapping, max_num_tokens: int, tokens_per_block: int, max_seq_len: int,
-                 max_batch_size: int, kv_cache_config) -> None:
+                 max_batch_size: int, kv_cache_config, execution_stream=None) -> None:
         self._model, self._mapping, self._kv_cache_config = model, mapping, kv_cache_config
+        self._execution_stream = execution_stream  # py_executor_creator.py @000429d5 creates it, passes it here
         self._max_kv_tokens_in = kv_cache_config.max_tokens
         self._max_num_tokens, self._tokens_per_block = max_num_tokens, tokens_per_block
         self._max_seq_len, self._max_batch_size = max_seq_len, max_batch_size
@@ -500,13 +597,24 @@ class KvCacheCreator:
         self._kv_cache_config.max_tokens = blocks * self._tokens_per_block
         return self._model.model_config.attn_backend != "VANILLA"
 
-    def configure_kv_cache_capacity(self, available_bytes: int) -> None:
-        """After the dummy requests ran: ``max_tokens`` from the memory left (on the GPU: measured)."""
+    def configure_kv_cache_capacity(self, py_executor) -> None:
+        """Run the dummy requests, measure the peak memory (here: bytes of live tensors, plus the stand-in C++
+        pool, which upstream's C++ allocates outside torch), add the KV manager's ``allocated_bytes`` back, and set
+        ``max_tokens`` and ``max_gpu_total_bytes`` from ``fraction`` of what is left."""
+        fraction = self._kv_cache_config.free_gpu_memory_fraction or 0.9
+        py_executor.run_dummy_requests()
+        mgr = py_executor.kv_cache_manager
+        peak_memory = torch_bytes() + mgr.stock_pool_bytes
+        allocated_bytes = mgr.get_kv_cache_stats().allocated_bytes
+        kv_max = int((py_executor.total_gpu_memory - peak_memory + allocated_bytes) * fraction)
         per_token = self._kv_cache_manager_cls.get_cache_size_per_token(
             self._model.model_config, self._mapping, tokens_per_block=self._tokens_per_block)
         if self._max_kv_tokens_in is not None:
-            available_bytes = min(available_bytes, self._max_kv_tokens_in * per_token)
-        self._kv_cache_config.max_tokens = int(available_bytes // per_token)
+            kv_max = min(kv_max, self._max_kv_tokens_in * per_token)
+        self._kv_cache_config.max_tokens = int(kv_max // per_token)
+        if self._kv_cache_config.max_gpu_total_bytes > 0:
+            kv_max = min(kv_max, self._kv_cache_config.max_gpu_total_bytes)
+        self._kv_cache_config.max_gpu_total_bytes = kv_max
 
     def build_managers(self, resources: dict, estimating_kv_cache: bool = False) -> None:
         c = self._model.model_config.pretrained_config
@@ -514,7 +622,9 @@ class KvCacheCreator:
             self._kv_cache_config, "SELF", num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim, tokens_per_block=self._tokens_per_block, max_seq_len=self._max_seq_len,
             max_batch_size=self._max_batch_size, mapping=self._mapping, max_num_tokens=self._max_num_tokens,
-            is_estimating_kv_cache=estimating_kv_cache)
+            execution_stream=self._execution_stream,
+            # main's _create_kv_cache_manager passes the flag; the 1.x copy read does not
+            **({} if _ACTIVE["layout"] == "1.2" else {"is_estimating_kv_cache": estimating_kv_cache}))
 
     def teardown_managers(self, resources: dict) -> None:
         resources["kv_cache_manager"].shutdown()
@@ -561,6 +671,7 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
     for name in ("TrtllmAttention", "VanillaAttention"):
         setattr(ns, name, _ACTIVE[name])
     iface.AttentionMetadata, iface.KVCacheParams = AttentionMetadata, KVCacheParams
+    iface.AttentionRuntimeFeatures = AttentionRuntimeFeatures
     if layout == "main":
         iface.AttentionForwardArgs = _ACTIVE["AttentionForwardArgs"] = AttentionForwardArgs
     utils = module(names["utils"])
@@ -578,6 +689,7 @@ def install(monkeypatch, layout: str) -> types.SimpleNamespace:
     util.KvCacheCreator = KvCacheCreator
     module(names["scheduler"]).ScheduledRequests = ScheduledRequests
     module(names["llm_request"]).LlmRequest = LlmRequest
+    module(names["llm_request"]).LlmRequestState = LlmRequestState
     module(names["cuda_graph_runner"]).CUDA_GRAPH_DUMMY_REQUEST_ID = CUDA_GRAPH_DUMMY_REQUEST_ID
     module(names["model_config"]).ModelConfig = ModelConfig
     mu = module(names["modeling_utils"])

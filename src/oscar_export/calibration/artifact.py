@@ -85,7 +85,7 @@ class OscarArtifact:
 
     def layer_layout(self, i: int) -> KVCacheLayout:
         """The cache layout of layer ``i``: :attr:`layout` with its ``key_bits[i]``-bit key codes."""
-        return self.layout.with_key_bits(self.key_bits[i])
+        return self.layout.per_layer(self.key_bits)[i]
 
     @property
     def mixed_key_bits(self) -> bool:
@@ -124,6 +124,13 @@ class OscarArtifact:
         if wide:
             raise ArtifactError(f"key_bits: layers {wide} are sliding-window layers (kept in BF16, never paged) "
                                 f"and must be 2, got {[self.key_bits[i] for i in wide]}")
+        folded = values_folded(config)
+        if any(t.values_prerotated != folded for t in self.transforms):
+            use = "its oscar_artifact/" if folded else "the original model with the artifact of calibrate"
+            raise ArtifactError(
+                f"values_prerotated: the artifact's value rotation is {'' if not folded else 'not '}folded into "
+                f"v_proj / o_proj, this model's is {'' if folded else 'not '}(an exported checkpoint serves with the "
+                f"artifact it bundles, {use})")
 
     def with_values_prerotated(self, flag: bool = True) -> "OscarArtifact":
         """The same artifact for a checkpoint whose ``v_proj``/``o_proj`` already fold ``R_V``/``d_V``."""
@@ -169,6 +176,17 @@ class OscarArtifact:
             raise ValueError("OscarArtifact.save: layers disagree on values_prerotated")
         return write_files(directory, self.metadata(""), self.tensors())
 
+
+
+def values_folded(config: Any) -> bool:
+    """Whether a model (or its config) has the value transform folded into ``v_proj`` / ``o_proj``: the checkpoint
+    ``export`` wrote says so in its config's ``oscar`` section (``values_prerotated``)."""
+    config = getattr(config, "config", config)  # a model was passed
+    for c in (config, text_config(config)):
+        section = c.get("oscar") if isinstance(c, dict) else getattr(c, "oscar", None)
+        if isinstance(section, dict):
+            return section.get("values_prerotated") is True
+    return False
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -282,5 +300,6 @@ __all__ = [
     "parse_layout",
     "printable",
     "validate",
+    "values_folded",
     "write_files",
 ]

@@ -12,10 +12,10 @@ A directory::
                             layers.{i}.k_clip  / v_clip     fp32 [H_kv]     (in (0, 1])
                             layers.{i}.k_levels / v_levels  fp32 [H_kv, 4]  (strictly ascending, in [0, 3])
 
-``oscar.json`` may also hold ``key_bits``: one code width per layer (each in ``layout.CODE_BITS``; issue 17's
-wider keys). Absent means every layer stores 2-bit keys (every artifact written before the field existed);
-the writer leaves it out unless a layer has 4-bit keys. ``layout`` stays the base (2-bit) layout; layer ``i``
-uses ``OscarArtifact.layer_layout(i) = layout.with_key_bits(key_bits[i])``. Layers the model-family table
+``oscar.json`` may also hold ``key_bits``: one code width per layer (each in ``layout.CODE_BITS``: 4-bit keys
+in the layers that need them). Absent means every layer stores 2-bit keys; the writer leaves it out unless a
+layer has 4-bit keys. ``layout`` stays the base (2-bit) layout; layer ``i`` uses
+``OscarArtifact.layer_layout(i) = layout.per_layer(key_bits)[i]``. Layers the model-family table
 marks sliding (kept in BF16, never paged) must say 2.
 
 No pickle anywhere: JSON and safetensors only, so loading an artifact from a stranger runs no code.

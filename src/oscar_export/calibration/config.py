@@ -88,9 +88,6 @@ class CalibrationConfig:
                     f"CalibrationConfig.key_bits_budget: the held-out queries read no page unless seq_len > sink + "
                     f"window + page_size = {self.sink + self.window + self.page_size}, got {self.seq_len}"
                 )
-        if self.packing == "mma16" and self.key_bits_budget is not None:
-            raise ValueError("CalibrationConfig.packing: 'mma16' pages hold 2-bit keys only; key_bits_budget (4-bit "
-                             "key layers) needs 'linear' pages")
         if self.heldout < 1 or self.batch_size < 1:
             raise ValueError(f"CalibrationConfig: heldout and batch_size must be >= 1, "
                              f"got {self.heldout}, {self.batch_size}")
@@ -120,7 +117,7 @@ class CalibrationConfig:
     @classmethod
     def recipe(cls, **kw) -> "CalibrationConfig":
         """The default of ``oscar-export calibrate``: 4-bit keys within ``key_bits.DEFAULT_BUDGET`` page bits, chosen
-        on held-out sequences of ``key_bits.MIN_SEQ_LEN`` tokens (EVALUATION.md); ``kw`` overrides."""
+        on held-out sequences of ``key_bits.MIN_SEQ_LEN`` tokens (docs/evaluation.md); ``kw`` overrides."""
         return cls(**{"seq_len": MIN_SEQ_LEN, "key_bits_budget": DEFAULT_BUDGET, **kw})
 
     def to_dict(self) -> dict[str, Any]:

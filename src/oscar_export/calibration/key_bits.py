@@ -1,8 +1,8 @@
 """Which layers store 4-bit keys: attention error of stored keys per layer on held-out calibration text, and a
-greedy allocation of wider key pages within a page-bit budget (issue 17).
+greedy allocation of wider key pages within a page-bit budget.
 
-Issue 17 found that the keys, not the values, break needle retrieval, spread over many layers. This module
-chooses the layers from calibration text alone. For one layer's held-out sequences (``capture.HeldOut``, the
+The keys, not the values, break needle retrieval, spread over many layers. This module chooses the layers
+from calibration text alone. For one layer's held-out sequences (``capture.HeldOut``, the
 collector's ``"heldout"`` mode), the last ``queries`` positions of each sequence attend over the keys as the
 cache stores them: sink and recent rows BF16, the rows of whole pages through a page quantizer (by default
 ``kernels.reference.quantize_pages`` / ``dequantize_pages`` on the layer's layout). The error is the mean over
@@ -56,12 +56,12 @@ QUERIES = 64
 TOP = 8
 #: the wider key width calibration allocates.
 WIDE_BITS = 4
-#: the page-bit budget of the default calibration: on SmolLM2 (EVALUATION.md, "Needles as deployed with 4-bit keys")
+#: the page-bit budget of the default calibration: on SmolLM2 (benchmarks/results/deployed-k4-h200-2026-12-01.json)
 #: 4-bit keys in the 15 of 30 layers it chose kept NIAH within one needle of BF16 and cut the 8K text KL 7.6x.
 DEFAULT_BUDGET = 3.0
 #: held-out sequence length below which ``calibrate`` warns that the choice is made on too few page rows (and
 #: its ``--seq-len`` default with ``--key-bits-budget``):
-#: on SmolLM2 (EVALUATION.md, "Needles as deployed with 4-bit keys") sequences of 512 tokens (192 page rows each)
+#: on SmolLM2 (benchmarks/results/deployed-k4-h200-2026-12-01.json) sequences of 512 tokens (192 page rows each)
 #: chose layers that answered 51 of 160 needles as deployed, sequences of 2,048 chose ones that answered 57 (BF16 60).
 MIN_SEQ_LEN = 2048
 

@@ -157,8 +157,7 @@ def fit_side(
 
 def baselines(side: str, target_shared: torch.Tensor, mean: torch.Tensor, error_fn: Callable, fmt: RowFormat,
               seed: int) -> dict[str, torch.Tensor]:
-    """Held-out errors ``[H]`` of identity (no clip), Hadamard + global clip and the research recipe (identity and
-    random rotations with the global clip, measured in benchmarks/RESULTS-calibrate.md, are no longer repeated here).
+    """Held-out errors ``[H]`` of identity (no clip), Hadamard + global clip and the research recipe.
 
     All with the layout being calibrated (so with channel keys "research" is the recipe's shared ``U·H`` and
     global clips applied to channel-granular keys, not the recipe's per-token keys).
@@ -282,7 +281,7 @@ def calibrate(
     ``fit_threads``: CPU threads of the fit and the key-width measurement (None: torch's thread count, every core
     by default). Each thread fits whole layers on one torch thread (layers are independent), torch's own count
     restored afterwards: no thread waits on another inside an op, so a busy machine costs no extra CPU (two torch
-    threads per op on the shared 2-core machine at load 10 cost 2.6x the CPU of one, benchmarks/RESULTS-calibrate.md).
+    threads per op cost a loaded 2-core machine 2.6x the CPU of one: benchmarks/RESULTS-calibrate.md).
     """
     t0, c0 = time.perf_counter(), time.process_time()
     facts = family_for(model)  # refuses unsupported architectures and features before any capture

@@ -201,7 +201,7 @@ class PagedInt2(CacheModel):
 
     def layer_layout(self, layer: int) -> KVCacheLayout:
         """The layout of ``layer``'s pages: :attr:`layout` with that layer's ``key_bits``."""
-        return self.layout.with_key_bits(self.key_bits[layer]) if self.key_bits else self.layout
+        return self.layout.per_layer(self.key_bits)[layer] if self.key_bits else self.layout
 
     def to(self, device) -> "PagedInt2":
         return replace(self, transforms=tuple(t.to(device) for t in self.transforms))

@@ -49,7 +49,11 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="eval_out", help="output directory (default: eval_out/)")
     p.add_argument("--save-artifact", default="art", metavar="DIR",
                    help="where the artifact eval calibrates is saved, for the next commands (default: art/; an "
-                        "earlier artifact there is replaced; not used with --artifact)")
+                        "artifact already there is evaluated instead when it fits the model, refused when not; not "
+                        "used with --artifact)")
+    p.add_argument("--force", action="store_true",
+                   help="calibrate anew and replace the artifact in --save-artifact (what eval did not write there "
+                        "is kept)")
     p.add_argument("--merge", default=None, metavar="RESULTS_JSON",
                    help="add the methods of an earlier results.json (same text and NIAH settings) to this run's")
 
@@ -238,7 +242,12 @@ def check_outputs(args) -> dict | None:
     if not isinstance(data, dict) or not isinstance(data.get("methods"), list):
         raise UserError(f"--merge {printable(args.merge)}: expected the JSON object of an earlier results.json "
                         f"(with a 'methods' list), got {type(data).__name__}")
-    return data
+    from .results_file import ResultsError, check_results
+
+    try:
+        return check_results(data)
+    except ResultsError as e:
+        raise UserError(f"--merge {printable(args.merge)}: not an earlier results.json: {printable(e, 200)}") from None
 
 
 def run(args) -> int:
@@ -246,20 +255,21 @@ def run(args) -> int:
     device = check_device(args.device)
     merged = check_outputs(args)  # before the model loads: minutes before the results are written
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
+    saved = None
     calibrating = not args.artifact and (names is None or "oscar" in names)
-    if calibrating:  # --save-artifact: absent, empty or an earlier artifact (replaced), checked before the work
-        from oscar_export.calibration.artifact import META_FILE
-        from oscar_export.out_dir import check_out_dir
+    if calibrating:  # --save-artifact: absent, empty, or an artifact (used, or with --force replaced): before the work
+        from .saved_artifact import saved_artifact
 
-        check_out_dir(args.save_artifact, True, META_FILE, "--save-artifact", save_inputs(args), claim=True)
+        saved = saved_artifact(args, save_inputs(args))
+        calibrating = saved is None
     from oscar_export.threads import cpu_run_threads
 
     with cpu_run_threads(device.type):  # one thread where other processes keep the cores busy
-        return _run(args, preset, device, merged, names, calibrating)
+        return _run(args, preset, device, merged, names, calibrating, saved)
 
 
 def _run(args, preset: Preset, device: torch.device, merged: dict | None, names: list[str] | None,
-         calibrating: bool) -> int:
+         calibrating: bool, saved=None) -> int:
     """:func:`run` once the options are checked: load, calibrate (or read the artifact), evaluate, write."""
     from oscar_export.models import load_model
 
@@ -280,9 +290,13 @@ def _run(args, preset: Preset, device: torch.device, merged: dict | None, names:
         from oscar_export.calibration.artifact import load_artifact
 
         artifact = load_artifact(args.artifact, model.config)
+    elif saved is not None:
+        from .saved_artifact import use_saved
+
+        artifact = use_saved(args, saved, model)
     elif calibrating:
         t1 = time.perf_counter()
-        artifact = calibrate_and_save(model, tok, preset, args.save_artifact, save_inputs(args))
+        artifact = calibrate_and_save(model, tok, preset, args.save_artifact, save_inputs(args), args.force)
         t_cal = time.perf_counter() - t1
     else:
         artifact = None
@@ -317,9 +331,10 @@ def save_inputs(args) -> list[tuple[str, str | None]]:
             ("--merge", args.merge)]
 
 
-def calibrate_and_save(model, tok, preset: Preset, out: str, inputs) -> object:
+def calibrate_and_save(model, tok, preset: Preset, out: str, inputs, force: bool = False) -> object:
     """Calibrate ours as ``preset.calibration_config()`` says (progress bars on stderr) and save the artifact to
-    ``out`` (an earlier artifact there is replaced in one step), where the next commands read it."""
+    ``out`` (absent or empty; with ``force`` an earlier artifact there is replaced in one step), where the next
+    commands read it."""
     import sys
 
     from tqdm.auto import tqdm
@@ -339,22 +354,24 @@ def calibrate_and_save(model, tok, preset: Preset, out: str, inputs) -> object:
         "2-bit keys everywhere"
     print(f"calibrating ours on {cfg.tokens} tokens of calibration text ({cfg.seq_len}-token sequences, {budget}) ...")
     n_layers = attention_shape(model)[0]
-    bars = [tqdm(total=cfg.num_sequences * cfg.seq_len, unit="tok", desc="calibrate: capture", file=sys.stderr)]
+    bars = {"calibrate: capture": tqdm(total=cfg.num_sequences * cfg.seq_len, unit="tok", desc="calibrate: capture",
+                                       file=sys.stderr)}
 
-    def phase(desc: str):
-        if bars[-1].desc != desc:
-            bars[-1].close()
-            bars.append(tqdm(total=n_layers, unit="layer", desc=desc, file=sys.stderr))
-        return bars[-1]
+    def phase(desc: str):  # by name: a bar that TQDM_DISABLE turns off has no desc
+        if desc not in bars:
+            for b in bars.values():
+                b.close()
+            bars[desc] = tqdm(total=n_layers, unit="layer", desc=desc, file=sys.stderr)
+        return bars[desc]
 
     try:
-        art = calibrate(model, tok, cfg, progress=bars[0].update,
+        art = calibrate(model, tok, cfg, progress=bars["calibrate: capture"].update,
                         on_layer=lambda i, s: phase("calibrate: fit").update(1),
                         on_key_bits=lambda n: phase("calibrate: key bits").update(n))
     finally:
-        for b in bars:
+        for b in bars.values():
             b.close()
-    with atomic_dir(out, force=True, looks_like=META_FILE, inputs=inputs, option="--save-artifact") as tmp:
+    with atomic_dir(out, force=force, looks_like=META_FILE, inputs=inputs, option="--save-artifact") as tmp:
         art.save(tmp)
     wide = [i for i, b in enumerate(art.key_bits) if b != art.layout.key.bits] if art.key_bits else []
     print(f"calibrated in {time.perf_counter() - t1:.0f} s; artifact saved to {out}/ ({len(wide)} of {art.num_layers} "

@@ -16,14 +16,15 @@ Z95 = 1.959963984540054
 
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """95 % Wilson score interval of ``k`` successes in ``n`` trials (``(nan, nan)`` for n = 0)."""
+    """95 % Wilson score interval of ``k`` successes in ``n`` trials (``(nan, nan)`` for n = 0). It holds ``k / n``
+    exactly, whatever the rounding (``mid - half`` at ``k = 0`` comes out a few ulps above 0 for some ``n``)."""
     if n <= 0:
         return float("nan"), float("nan")
     p = k / n
     den = 1 + z * z / n
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, mid - half), min(1.0, mid + half)
+    return min(p, max(0.0, mid - half)), max(p, min(1.0, mid + half))
 
 
 def numbers(text: str) -> tuple[list[str], str]:

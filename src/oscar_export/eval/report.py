@@ -210,9 +210,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         ax.set_title("Decode-as-deployed KL vs cache bits")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        paths.append(out_dir / "kl_vs_bits.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / "kl_vs_bits.png", plt))
     niah_parts = [("niah_vs_length.png", result.get("niah"))]
     if (result.get("deployed") or {}).get("niah"):
         niah_parts.append(("niah_deployed_vs_length.png", result["deployed"]["niah"]))
@@ -228,8 +226,8 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
                 if not xs:
                     continue
                 acc = [100 * c["acc"] for c in cells if c]
-                err = [[100 * (c["acc"] - c["lo"]) for c in cells if c],
-                       [100 * (c["hi"] - c["acc"]) for c in cells if c]]
+                err = [[max(0.0, 100 * (c["acc"] - c["lo"])) for c in cells if c],  # a merged file's own bounds
+                       [max(0.0, 100 * (c["hi"] - c["acc"])) for c in cells if c]]
                 ax.errorbar(xs, acc, yerr=err, marker="o", ms=4, capsize=2, lw=1, label=name)
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(L) for L in lengths])
@@ -240,9 +238,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=6, loc="lower left")
         fig.tight_layout()
-        paths.append(out_dir / fname)
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / fname, plt))
     return paths
 
 
@@ -305,10 +301,7 @@ def summary_plot(result: dict, out_dir: Path, plt) -> Path | None:
         ax.set_yticks(y, labels, fontsize=8)
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
-    path = out_dir / "summary.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / "summary.png", plt)
 
 
 def merge(old: dict, new: dict) -> dict:
@@ -343,21 +336,37 @@ def merge(old: dict, new: dict) -> dict:
             names = set(out["niah"]["methods"])
             out["niah"]["rows"] += [r for r in old["niah"]["rows"] if r["method"] not in names]
             out["niah"]["methods"] += [n for n in old["niah"]["methods"] if n not in names]
-            from .niah_scoring import summarize
+        from .niah_scoring import summarize
 
-            out["niah"]["summary"] = summarize(out["niah"]["rows"])
+        out["niah"]["summary"] = summarize(out["niah"]["rows"])  # from the rows: the file's own is not trusted
     out["timings"] = {**old.get("timings", {}), **out.get("timings", {})}
     out.setdefault("merged_from", []).append(old.get("command", "?"))
     return out
 
 
+def save_figure(fig, path: Path, plt) -> Path:
+    """``fig`` as a PNG at ``path``, written whole or not at all (``atomic_dir.write_file_atomic``), then closed."""
+    import io
+
+    from oscar_export.atomic_dir import write_file_atomic
+
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    return write_file_atomic(path, buf.getvalue())
+
+
 def write_all(result: dict, out_dir: str | Path) -> dict[str, Path]:
-    """``results.json``, ``results.md`` and the plots in ``out_dir``."""
+    """``results.json``, ``results.md`` and the plots in ``out_dir``, each file written whole or not at all."""
+    from oscar_export.atomic_dir import write_file_atomic
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "results.md"}
-    paths["json"].write_text(json.dumps(result, indent=1, default=str))
-    paths["markdown"].write_text(markdown(result))
+    write_file_atomic(paths["json"], json.dumps(result, indent=1, default=str).encode())
+    write_file_atomic(paths["markdown"], markdown(result).encode())
     for p in plots(result, out):
         paths[p.stem] = p
     return paths

@@ -41,7 +41,7 @@ example: recent indices 640..935 sit in slots 640 mod 384 = 256 .. 935 mod 384 =
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 from .row_format import (  # the row format's names, read from here by the cache's consumers
     CODE_BITS,
@@ -178,6 +178,12 @@ class KVCacheLayout:
         if bits == self.key.bits:
             return self
         return replace(self, key=replace(self.key, bits=bits, codebook=False))
+
+    def per_layer(self, key_bits: Sequence[int]) -> tuple["KVCacheLayout", ...]:
+        """Each layer's layout: layer ``i`` with ``key_bits[i]``-bit key codes (:meth:`with_key_bits`), one layout
+        per layer; e.g. ``layout.per_layer((2, 4, 2))[1].key.bits == 4``. Read by the artifact, the HF cache and the
+        evaluation's replay; a backend chooses the packing of each (``decode.select_backend``)."""
+        return tuple(self.with_key_bits(b) for b in key_bits)
 
     def with_packing(self, packing: str) -> "KVCacheLayout":
         """This layout with both K and V pages in ``packing`` (the serving host's choice: ``decode.select_backend``).

@@ -220,7 +220,7 @@ def test_missing_hf_backend_is_skipped_with_its_reason(monkeypatch):
 
 
 def test_mixed_key_bits_fake_quant_agrees_with_real_hf_cache_token_by_token():
-    """Issue 17: an artifact with key_bits (4, 2): ``ours_method``'s fake-quantized pass == the plugins/hf
+    """An artifact with key_bits (4, 2): ``ours_method``'s fake-quantized pass == the plugins/hf
     OscarCache (reference ops, layer 0 with 4-bit K pages) fed one token at a time."""
     pytest.importorskip("oscar_export.plugins.hf")
     from oscar_export.calibration.artifact import OscarArtifact, model_fingerprint
@@ -260,3 +260,41 @@ def test_eval_unwritable_out_and_a_list_to_merge_refused_before_the_model_loads(
     assert "not valid JSON" in one_line(capsys.readouterr().err, "eval")
     assert time.perf_counter() - t0 < 5
     assert driver.check_outputs is not None
+
+
+# ---- --merge checked before the work, calibration bars off -------------------------------------------------------
+
+
+def test_calibration_bars_turned_off_by_tqdm_disable(tmp_path, monkeypatch):
+    """TQDM_DISABLE=1 gives bars without a ``desc``: the phases are told apart by name."""
+    import functools
+
+    import tqdm.auto
+
+    import oscar_export.calibration.pipeline as pipeline
+    from oscar_export.calibration.artifact import OscarArtifact
+    from oscar_export.eval.driver import calibrate_and_save
+    from oscar_export.eval.presets import PRESETS
+
+    from helpers import tiny_model
+
+    def calibrate(m, tok, cfg, progress, on_layer, on_key_bits):  # every phase's bar: capture, fit, key bits
+        progress(1)
+        on_layer(0, {})
+        on_key_bits(1)
+        return OscarArtifact.identity(m.config)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", functools.partial(tqdm.auto.tqdm, disable=True))
+    monkeypatch.setattr(pipeline, "calibrate", calibrate)
+    art = calibrate_and_save(tiny_model(), None, PRESETS["quick"], str(tmp_path / "art"), [])
+    assert (tmp_path / "art" / "oscar.json").is_file() and art.num_layers == 2
+
+
+@pytest.mark.parametrize("methods", ["[1, 2]", "[{}]", '[{"name": "x", "description": ""}]',
+                                     '[{"name": "x", "description": "", "bits": {"512": "a"}}]'])
+def test_a_malformed_merge_file_is_refused_before_the_model_loads(tmp_path, capsys, no_model_load, methods):
+    merge = tmp_path / "old.json"
+    merge.write_text(f'{{"methods": {methods}}}')
+    assert main(["eval", "--quick", "--out", str(tmp_path / "o"), "--merge", str(merge)]) == 2
+    err = one_line(capsys.readouterr().err, "eval")
+    assert f"--merge {merge}: not an earlier results.json: methods[0]" in err, err

@@ -16,7 +16,7 @@ def prompt(task="single", values=("2531545",)):
 def test_judge_single_exact_leading_number():
     p = prompt()
     assert judge(p, " 2531545.") == (True, True)
-    assert judge(p, " 253.") == (True, False)  # truncated (issue 17's failure)
+    assert judge(p, " 253.") == (True, False)  # truncated
     assert judge(p, " 2531546") == (True, False)
     assert judge(p, " 253", finished=False) == (False, False)  # still a prefix: keep decoding
     assert judge(p, " 254", finished=False) == (True, False)  # no longer a prefix: stop
@@ -42,3 +42,13 @@ def test_wilson_interval_known_values():
     s = summarize([{"method": "m", "task": "single", "length": 1024, "ok": i < 10} for i in range(20)])
     c = s["m"]["single"]["1024"]
     assert (c["ok"], c["n"], c["acc"]) == (10, 20, 0.5) and c["lo"] == pytest.approx(lo)
+
+
+def test_wilson_interval_holds_the_share_at_0_and_n_of_n():
+    """Rounding put the lower bound a few ulps above 0 at 0 of n (n = 3, 6, 7, 12...) and the upper one below 1 at
+    n of n (n = 10, 13, 25...): a negative error bar, which the plots refuse."""
+    for n in range(1, 301):
+        assert wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0, n
+        for k in range(n + 1):
+            lo, hi = wilson(k, n)
+            assert 0.0 <= lo <= k / n <= hi <= 1.0, (k, n, lo, hi)

@@ -13,7 +13,7 @@ def test_presets_meet_the_protocol():
 
 
 def test_main_job_measures_where_the_method_matters():
-    """Issue 27: the README's main job scores 2,048 tokens (most of the cache INT2), >= 10 needles per task and
+    """The README's main job scores 2,048 tokens (most of the cache INT2), >= 10 needles per task and
     length, BF16 and ours (calibrated as `oscar-export calibrate` does) against KIVI-2, the research recipe and
     HF QuantizedCache 2-bit."""
     from oscar_export.calibration.key_bits import DEFAULT_BUDGET, MIN_SEQ_LEN

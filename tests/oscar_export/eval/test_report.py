@@ -44,7 +44,7 @@ def test_write_all_writes_markdown_json_and_plots(tmp_path):
 
 
 def test_headline_says_what_was_measured_and_puts_bf16_and_ours_first(tmp_path):
-    """Issue 27: the first screen names the length, the INT2 share and the needles, one row per method."""
+    """The first screen names the length, the INT2 share and the needles, one row per method."""
     res = result()
     res["methods"].insert(1, {"name": "oscar", "kind": "x", "description": "ours", "bits": {"1024": 3.6}})
     res["text"]["lengths"]["1024"]["scores"]["oscar"] = {**res["text"]["lengths"]["1024"]["scores"]["a"], "kl": 0.01}
@@ -55,7 +55,7 @@ def test_headline_says_what_was_measured_and_puts_bf16_and_ours_first(tmp_path):
     text = headline(res, paths).splitlines()
     assert "1 window(s) of 1,024 tokens" in text[1] and "639 of 1,023 positions read INT2 history" in text[1]
     assert "4 per task and length (single needle, multi-key, multi-value) at 1,024 tokens" in text[2]
-    # how long the run took, by phase (issue 27: the main job's 10 minutes)
+    # how long the run took, by phase (the main job's 10 minutes)
     assert text[3] == ("- time: 1,499 s in all (model load 12 s, calibration 170 s, peers' setup 20 s, text 61 s, "
                        "needles 1,234 s), 1 torch thread(s)")
     rows = [x for x in text if x.startswith("| ") and not x.startswith("| method")]
@@ -92,3 +92,39 @@ def test_merge_of_two_in_memory_niah_runs_compares_configs_as_written():
     b["niah"]["config"]["needles"] = 5
     with pytest.raises(ValueError, match="NIAH configs differ"):
         merge(a, b)
+
+
+def test_plots_of_none_and_all_of_n_needles(tmp_path):
+    """0 of 3 and 10 of 10 (bounds that rounding used to put past the share): every plot is written."""
+    rows = [{"method": m, "task": "single", "length": 512, "ok": ok, "index": i}
+            for m, n, k in (("bf16", 10, 10), ("oscar", 3, 0)) for i, ok in enumerate([True] * k + [False] * (n - k))]
+    res = {"methods": [{"name": n, "description": n, "bits": {"512": b}} for n, b in (("bf16", 16.0), ("oscar", 2.5))],
+           "niah": {"config": {"lengths": [512], "tasks": ["single"], "needles": 1, "split": "report"},
+                    "summary": summarize(rows), "rows": rows, "methods": ["bf16", "oscar"]}}
+    paths = write_all(res, tmp_path)
+    assert paths["summary"].stat().st_size > 1000 and paths["niah_vs_length"].stat().st_size > 1000
+
+
+def test_results_json_is_written_whole_or_not_at_all(tmp_path):
+    """A write that fails half way (a file size limit stands in for a full disk) leaves the earlier results.json
+    as it was and no partial file."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "results.json").write_text('{"earlier": true}')
+    child = textwrap.dedent("""
+        import json, resource, signal, sys
+        from oscar_export.eval.report import write_all
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        res = {"methods": [{"name": "bf16", "description": "", "bits": {"512": 16.0}}], "padding": "x" * 20000}
+        try:
+            write_all(res, sys.argv[1])
+        except OSError as e:
+            print("failed:", e.strerror)
+    """)
+    out = subprocess.run([sys.executable, "-c", child, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert "failed: File too large" in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "results.json").read_text() == '{"earlier": true}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]

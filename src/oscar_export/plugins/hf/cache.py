@@ -5,8 +5,8 @@ One :class:`OscarLayer` per attention layer owns one ``PagedKV`` (``oscar_export
 share one :class:`~oscar_export.kernels.pages.PageBook`: the pages reserved for each of the ``B`` sequence
 slots (``max_length`` tokens each, reserved when the cache is made) and the per-slot lengths, on the device.
 Everything stored is in the transformed basis of the layer's ``LayerTransform``. Layers may differ in their key
-code width (an artifact's ``key_bits``, issue 17): layer ``i`` allocates and quantizes with the base layout's
-``with_key_bits(key_bits[i])`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
+code width (an artifact's ``key_bits``): layer ``i`` allocates and quantizes with the base layout's
+``per_layer(key_bits)[i]`` (a 4-bit layer's K pool is ``[N, H_kv, P, D / 2]``); windows, pages and the book
 are the same for every layer.
 
 transformers calls ``cache.update(k, v, layer_idx)`` right before the attention function. ``update`` writes
@@ -26,14 +26,15 @@ raises one clear error before anything is committed.
 ``get_seq_length`` is transformers' view: input columns seen so far (padding included), a device scalar.
 Each slot's real length is :meth:`OscarCache.sequence_lengths`.
 
-**A full slot stops the run** (issue 31): outside ``torch.compile`` the cache keeps, on the host, an upper bound
+**A full slot stops the run**: outside ``torch.compile`` the cache keeps, on the host, an upper bound
 of each slot's length (exact after a prompt, +1 a decode step; no device read), and a decode step that would
 store a token past ``max_length`` raises one ``ValueError`` before anything is written (``model.generate`` with
 too small a cache stops there instead of decoding from tokens it never stored). Inside a compiled step there
 is no host code: read :meth:`OscarCache.step_status` (``STATUS_FULL``) as the serving loop does.
 
 **Contract.** A cache belongs to the model setup that made it (``enable_oscar``): after ``setup.restore()`` the
-model's attention is no longer OSCAR's, and a forward with the cache fails with one clear error. One cache is
+model's attention is no longer OSCAR's, and a forward with the cache fails with one clear error; a forward of
+another model with it is refused too (:attr:`OscarCache.owner`). One cache is
 driven by one thread at a time (its step plan and active slots live on the cache object); serve concurrent
 requests from one thread through its slots, or give each thread its own cache.
 """
@@ -98,7 +99,7 @@ class OscarCache(Cache):
     ) -> None:
         if len(transforms) == 0:
             raise ValueError("transforms: expected one LayerTransform per layer, got none")
-        if not isinstance(batch_size, int) or not isinstance(max_length, int) or batch_size <= 0 or max_length <= 0:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (batch_size, max_length)):
             raise ValueError(f"batch_size and max_length: expected ints > 0, got {batch_size!r}, {max_length!r}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a float dtype for the windows, got {dtype}")
@@ -127,6 +128,9 @@ class OscarCache(Cache):
         #: the workers compiling the decode step's kernels ahead (``precompile.py``; set by ``make_cache``; nothing
         #: waits for them)
         self.precompile = None
+        #: a weak reference to the decoder of the model whose setup made this cache (``make_cache`` sets it; None: a
+        #: cache made directly, used by any model); a forward of another model refuses it (``support.cache_positions``)
+        self.owner = None
         sliding = set(sliding_layers)
         if sliding and (sliding_window is None or not sliding <= set(range(len(transforms)))):
             raise ValueError(f"sliding_layers {sorted(sliding)}: expected layer indices below {len(transforms)} and "
@@ -149,8 +153,8 @@ class OscarCache(Cache):
         """The layout of layer ``i``: the base layout with its ``key_bits[i]``-bit keys, its pages in the packing of
         its decode backend (``decode_backends[i]``, when given)."""
         if self.decode_backends is None:
-            return self.layout.with_key_bits(self.key_bits[i])
-        return self.decode_backends[i].layout(self.layout.with_packing("linear").with_key_bits(self.key_bits[i]))
+            return self.layout.per_layer(self.key_bits)[i]
+        return self.decode_backends[i].layout(self.layout.with_packing("linear").per_layer(self.key_bits)[i])
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every buffer a step reads or writes (fixed addresses: a captured graph replays over them)."""

@@ -2,10 +2,9 @@
 
 The README loop's first compiled call spends its time in Dynamo, Inductor and then, in the graph's first run, in
 the Triton / Gluon JIT of the cache's own kernels: one append and one decode kernel per distinct layer format (the
-key width, the transform's identity flags), compiled one after the other (on the H200's host, 2026-12-02: the
-4-bit-key append kernel 4.5 s, the Gluon decode kernel 1.1-1.7 s; the first run of the README loop at 1×32K was
-41.5 s before this module and the append kernel's shorter JIT, 11.1 s after; ``benchmarks/bench_e2e.py`` reports
-it as ``first_run_s``). Inductor cannot compile them in its worker pool: the
+key width, the transform's identity flags), compiled one after the other (on an H200's host: the 4-bit-key
+append kernel 4.5 s, the Gluon decode kernel 1.1-1.7 s; ``benchmarks/bench_e2e.py`` reports the README loop's first
+run as ``first_run_s``). Inductor cannot compile them in its worker pool: the
 custom ops are opaque to it (``kernels/triton_ops.py``).
 
 So when a cache is made on a GPU with the triton backend, :func:`start` writes each distinct layer format

@@ -11,6 +11,8 @@ naming the architecture or the feature.
 from __future__ import annotations
 
 import logging
+import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -97,6 +99,11 @@ class OscarSetup:
                            backend=self.ops, sliding_layers=self.shape.sliding_layers,
                            sliding_window=self.shape.sliding_window, key_bits=self.key_bits,
                            decode_backends=self.decode_backends, num_heads=self.shape.num_heads)
+        cache.owner = weakref.ref(self.model.base_model)
+        limit = max_positions(self.model)
+        if limit is not None and max_length > limit:
+            warnings.warn(f"make_cache: max_length {max_length} exceeds the model's max_position_embeddings {limit}; "
+                          f"a prompt past {limit} positions is refused", stacklevel=2)
         if self.ops.name == "triton" and p.is_cuda:  # the decode step's kernels, compiled in worker processes
             cache.precompile = precompile.start(precompile.formats(cache, self.shape.scaling), p.device)
         return cache
@@ -157,6 +164,9 @@ def enable_oscar(
         ``past_key_values``.
     """
     shape = model_attention_shape(model)
+    if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
+        raise ValueError("enable_oscar: this model is on the OSCAR attention already (an earlier enable_oscar's setup "
+                         "was not restored); call restore() on that setup first, or use it")
     ops = get_ops(resolve_backend(model, backend))
     if artifact is None:
         key_bits = tuple(key_bits) if key_bits is not None else None
@@ -216,18 +226,30 @@ def cache_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
     """Forward pre-hook of the decoder (``enable_oscar`` registers it): a forward with an :class:`OscarCache`
     and no ``position_ids`` gets each row's positions from its slot's length, not from the columns the cache
     has seen (transformers' default), so a slot refilled with ``reset_sequence`` + ``select`` and the slots
-    beside it keep their own positions (issue 31). A decode step reads the lengths on the device (no sync);
-    a prompt reads them on the host (as it does anyway), padding columns taking no position."""
+    beside it keep their own positions. A decode step reads the lengths on the device (no sync);
+    a prompt reads them on the host (as it does anyway), padding columns taking no position.
+
+    Outside a compiled step it also refuses (:func:`check_positions`) a cache another model's setup made, a prompt
+    past ``max_position_embeddings``, and given ``position_ids`` that do not continue the slots' stored tokens (a
+    prompt; a decode step where they are on the CPU: on a GPU that check would synchronise every step)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, OscarCache) or kwargs.get("position_ids") is not None:
+    if not isinstance(cache, OscarCache):
         return None
+    checked = not torch.compiler.is_compiling()  # host checks outside a compiled step (it has no host code)
+    if checked and cache.owner is not None and cache.owner() is not module:
+        raise ValueError("cache: made by another model's enable_oscar setup (its pages hold that model's keys and "
+                         "values); make one with this model's setup.make_cache")
     x = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if x is None and args:
         x = args[0]
     if not isinstance(x, torch.Tensor) or x.ndim < 2:
         return None
-    t, device = x.shape[1], cache.book.device
-    if t == 1 and len(cache.active_slots) == cache.book.batch:
+    t, device, given = x.shape[1], cache.book.device, kwargs.get("position_ids")
+    decode = t == 1 and len(cache.active_slots) == cache.book.batch
+    if given is not None and not (checked and (not decode or not given.is_cuda)):
+        return None  # nothing to fill, nothing checked: a compiled step, or a CUDA decode step (it would synchronise)
+    real = None
+    if decode:
         positions = cache.book.seq_len[:, None].to(torch.long)
     else:
         lengths = cache.book.seq_len.tolist()
@@ -238,7 +260,41 @@ def cache_positions(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict
             positions = starts + (real.cumsum(-1) - 1).clamp_min(0)
         else:
             positions = starts + torch.arange(t, device=device)
+    if checked and (given is not None or not decode):
+        check_positions(module, positions, given, real)
+    if given is not None:
+        return None
     return args, {**kwargs, "position_ids": positions.to(x.device)}
+
+
+def max_positions(model: Any) -> int | None:
+    """The model's ``max_position_embeddings`` (of its text config), or None where it states none."""
+    config = getattr(model, "config", model)
+    c = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    limit = getattr(c, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def check_positions(module: Any, positions: torch.Tensor, given: torch.Tensor | None,
+                    real: torch.Tensor | None) -> None:
+    """Raise unless a forward's positions continue each slot's stored tokens (``positions``, ``[rows, T]``, from the
+    slots' lengths; ``given``: the caller's ``position_ids``, compared on the real columns ``real`` of a padded
+    batch) and stay within the model's ``max_position_embeddings``."""
+    keep = torch.ones_like(positions, dtype=torch.bool) if real is None else real.bool()
+    if given is not None and given.ndim == 2 and given.shape[0] in (1, positions.shape[0]) \
+            and given.shape[1] == positions.shape[1]:  # another shape: the attention's own check names it
+        got = given.to(positions.device, torch.long).expand_as(positions)
+        bad = (got != positions) & keep
+        if bool(bad.any()):
+            r, c = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"position_ids: row {r} column {c} is {int(got[r, c])}, expected {int(positions[r, c])}: "
+                             f"that row's cache slot holds {int(positions[r, c]) - int(keep[r, :c].sum())} tokens; "
+                             f"leave position_ids out (the cache gives them) or reset_sequence the slot")
+    limit = max_positions(module)
+    if limit is not None and bool((keep & (positions >= limit)).any()):
+        top = int(positions[keep].max()) + 1
+        raise ValueError(f"this forward reaches position {top}, past the model's max_position_embeddings {limit}; "
+                         f"shorten the prompt (or the cache's max_length)")
 
 
 def cache_kwargs(model: Any, cache: OscarCache) -> dict[str, OscarCache]:

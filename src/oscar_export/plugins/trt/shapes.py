@@ -47,6 +47,8 @@ class DecodeShapes:
         num_heads, num_kv_heads, head_dim: H, H_kv, D.
         sink, recent_slots: S0 and the recent ring's slots C = W + 2P of the layout.
         pages_per_split: INT2 pages per split program.
+        layout: the ``KVCacheLayout`` the numbers come from (:meth:`from_layout`), whose pool shapes
+            :func:`check_split_inputs` reads; None where only the launch rules are needed.
     """
 
     num_heads: int
@@ -55,6 +57,7 @@ class DecodeShapes:
     sink: int
     recent_slots: int
     pages_per_split: int
+    layout: Any = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -64,7 +67,8 @@ class DecodeShapes:
 
     @classmethod
     def from_layout(cls, layout, num_heads: int, pages_per_split: int) -> "DecodeShapes":
-        return cls(num_heads, layout.num_kv_heads, layout.head_dim, layout.sink, layout.recent_slots, pages_per_split)
+        return cls(num_heads, layout.num_kv_heads, layout.head_dim, layout.sink, layout.recent_slots, pages_per_split,
+                   layout)
 
     @property
     def _constexprs(self) -> dict[str, int]:
@@ -106,11 +110,23 @@ class DecodeShapes:
         return TRT_DECODE_MERGE.block
 
 
+def pool_shapes(layout, num_pages: int) -> dict[str, tuple[int, ...]]:
+    """The four page-pool inputs of the split plugin for a pool of ``num_pages`` pages: ``k_codes`` / ``v_codes``
+    ``[N, H_kv, P, D * bits / 8]`` uint8, ``k_params`` / ``v_params`` fp16 (``[N, H_kv, P, D / G, 2]`` token,
+    ``[N, H_kv, 2, D]`` channel), as ``KVCacheLayout`` defines them (and ``onnx_export.py`` declares them)."""
+    return {"k_codes": layout.key_codes_shape(num_pages), "k_params": layout.key_params_shape(num_pages),
+            "v_codes": layout.value_codes_shape(num_pages), "v_params": layout.value_params_shape(num_pages)}
+
+
 def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[int, int]:
-    """Validate concrete input shapes by name; return ``(B, M)``. Errors name expected vs got."""
+    """Validate concrete input shapes by name (the page pools' against ``shapes.layout``, their page count ``N``
+    taken from ``k_codes``); return ``(B, M)``. Errors name expected vs got."""
     missing = [n for n in SPLIT_INPUTS if n not in dims]
     if missing:
         raise ValueError(f"OscarDecodeSplit: missing inputs {missing}")
+    if shapes.layout is None:
+        raise ValueError("check_split_inputs: the page pools' shapes come from the layout; build the shapes with "
+                         "DecodeShapes.from_layout")
     b, h, d = dims["q_s"]
     if (h, d) != (shapes.num_heads, shapes.head_dim):
         raise ValueError(f"q_s: expected [B, {shapes.num_heads}, {shapes.head_dim}], got {list(dims['q_s'])}")
@@ -121,8 +137,12 @@ def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[in
         "recent_v": (b, hkv, shapes.recent_slots, d), "k_levels": (hkv, 4), "v_levels": (hkv, 4),
         "sink_len": (b,), "num_pages": (b,), "recent_len": (b,),
     }
+    n = tuple(dims["k_codes"])[0] if len(dims["k_codes"]) else 0
+    if n <= 0:
+        raise ValueError(f"k_codes: expected a pool of N > 0 pages, got {list(dims['k_codes'])}")
+    want.update(pool_shapes(shapes.layout, n))
     for name, shape in want.items():
-        if tuple(dims[name]) != shape:
+        if tuple(dims[name]) != tuple(shape):
             raise ValueError(f"{name}: expected {list(shape)}, got {list(dims[name])}")
     bt = tuple(dims["block_table"])
     if len(bt) != 2 or bt[0] != b or bt[1] <= 0:
@@ -132,5 +152,6 @@ def check_split_inputs(shapes: DecodeShapes, dims: dict[str, tuple]) -> tuple[in
 
 __all__ = [
     "MERGE_EXTRAS", "MERGE_INPUTS", "MERGE_OUTPUTS", "MERGE_PLUGIN", "PLUGIN_NAMESPACE", "SPLIT_EXTRAS",
-    "SPLIT_INPUTS", "SPLIT_OUTPUTS", "SPLIT_PLUGIN", "DecodeShapes", "cdiv", "check_split_inputs", "tensor_types",
+    "SPLIT_INPUTS", "SPLIT_OUTPUTS", "SPLIT_PLUGIN", "DecodeShapes", "cdiv", "check_split_inputs", "pool_shapes",
+    "tensor_types",
 ]

@@ -18,15 +18,16 @@ Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests
 * either is then written at its cached length (``ops.write``: ``reference.write_tokens``, sink, INT2 pages,
   recent ring; the quantize kernels on the GPU);
 
-the generation rows take one device-only decode step over every slot (``ops.decode_step``: the decode-step
-writer, ``decode_append``, with every row that is not a generation row of this batch flagged so it writes
-nothing, which also rotates the step's queries into the stored key basis, once a step; ``ops.decode``: split-K
-attention + merge over those queries and the step's lengths), reading their slots from the cache
-manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it replays with the current
-batch's slots. The first layer begins the page book's step, the last commits it (``cache.py``).
-The output is in the stored value basis plus the value mean: the
-exported ``o_proj`` undoes the value rotation. Cost: the step runs over every slot (the kernels index rows by
-batch position), so idle slots are attended too; a row -> slot index inside the kernels would remove that.
+the generation rows take one device-only decode step over their own slots only (``ops.decode_step``: the
+decode-step writer, ``decode_append``, which also rotates the step's queries into the stored key basis, once a
+step; ``ops.decode``: split-K attention + merge over those queries and the step's lengths), reading their slots
+from the cache manager's ``step_slots`` (written in ``prepare_resources``), so a CUDA graph of it replays with the
+current batch's slots. The kernels index rows by batch position, so the scheduled slots' windows, lengths and
+block-table rows are gathered into a batch of ``g`` rows (:func:`scheduled_rows`, copies; the pools are shared)
+and the windows scattered back after the write: the cost is the batch's, not every slot's (a row -> slot index
+inside the kernels would save the window copies). The first layer begins the page book's step, the last commits
+it (``cache.py``). The output is in the stored value basis plus the value mean: the exported ``o_proj`` undoes
+the value rotation.
 
 ``q_scaling`` is honoured by checking it against the softmax scale the bundle was compiled with (a
 constexpr of the decode kernel): a mismatch is an error at model build time, never a silently wrong scale.
@@ -35,12 +36,25 @@ constexpr of the decode kernel): a mismatch is an error at model build time, nev
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from .cache import STATUS_IDLE
 from .reference_ops import one_slot
 
 #: INT2 pages per split program of the decode kernel (a deployment choice; any value > 0 is correct).
 PAGES_PER_SPLIT = 8
+
+
+#: a ``PagedKV``'s per-slot windows (written by the decode step) and lengths; the pools are shared by every slot
+WINDOWS = ("sink_k", "sink_v", "recent_k", "recent_v")
+LENGTHS = ("sink_len", "num_pages", "recent_len")
+
+
+def scheduled_rows(state, rows):
+    """``state`` restricted to the state rows ``rows [g]`` (device int64): the per-slot fields gathered (copies),
+    the pools shared. The decode kernels index rows by batch position, so this is what they run over."""
+    per_slot = WINDOWS + LENGTHS + ("block_table",)
+    return replace(state, **{f: getattr(state, f).index_select(0, rows) for f in per_slot})
 
 
 def _capturing() -> bool:
@@ -90,6 +104,11 @@ def make_attention_class(up, deployment):
                     f"OSCAR attention (layer {self.layer_idx}) got a {type(mgr).__name__} as the KV cache manager: "
                     "the OSCAR cache is not installed (the trtllm_module must be imported in the executor worker)"
                 )
+            chunked = getattr(getattr(metadata, "runtime_features", None), "chunked_prefill", False)
+            if chunked and not getattr(mgr.ops[self.layer_idx], "chunked_prefill", False):
+                raise NotImplementedError(
+                    "enable_chunked_prefill: the OSCAR cache ops of this deployment have no kernel for a prompt chunk "
+                    "after cached tokens; set it to false (deploy/extra_llm_api_options.yaml)")
             out = forward_args.output if forward_args is not None else kwargs.get("output")
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
             if out is None:
@@ -99,7 +118,10 @@ def make_attention_class(up, deployment):
             t = deployment.transform(self.layer_idx, q.device)
             nc, ns = int(metadata.num_contexts), int(getattr(metadata, "num_seqs", len(metadata.seq_lens)))
             seq_lens = [int(x) for x in metadata.seq_lens[:ns].tolist()]  # pinned host tensor: no device sync
-            if not _capturing():
+            capturing = _capturing()
+            if self.layer_idx == 0 and not capturing:
+                mgr.streams.wait(mgr.admitted)  # admission's device writes land before this forward reads them
+            if not capturing:
                 self._check_step_slots(mgr, list(metadata.request_ids)[:ns])
             if self.layer_idx == 0:
                 mgr.begin_step([(mgr.step_slots_host[i], seq_lens[i]) for i in range(nc)],
@@ -133,28 +155,30 @@ def make_attention_class(up, deployment):
                                                         ns).to(out.dtype)
             if self.layer_idx == deployment.num_layers - 1:
                 mgr.commit_step()
+                if not capturing:
+                    mgr.forward_done = mgr.streams.record()  # the next admission's writes wait for this forward
             return out
 
         def _decode(self, mgr, state, step_state, ops, t, q, k, v, offset, g, nc, ns):
-            """One device-only decode step for the ``g`` generation rows (CUDA-graph capturable)."""
+            """One device-only decode step for the ``g`` generation rows (CUDA-graph capturable): the kernels run
+            over those rows only (:func:`scheduled_rows`), not over every slot."""
             h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-            rows = mgr.step_slots[nc:ns].long()
-            n_slots = state.sink_len.shape[0]
+            rows = mgr.step_slots[nc:ns].long()  # [g] state rows; padding rows: the scratch slot
             sl = slice(offset, offset + g)
             ks = t.transform_keys(k[sl].view(g, hkv, 1, d)).squeeze(2).to(torch.bfloat16)  # [g, H_kv, D] stored
             vs = t.transform_values(v[sl].view(g, hkv, 1, d)).squeeze(2).to(torch.bfloat16)
-            kb = torch.zeros(n_slots, hkv, d, dtype=torch.bfloat16, device=q.device).index_copy_(0, rows, ks)
-            vb = torch.zeros_like(kb).index_copy_(0, rows, vs)
-            qb = torch.zeros(n_slots, h, d, dtype=torch.bfloat16, device=q.device)
-            qb.index_copy_(0, rows, q[sl].view(g, h, d).to(torch.bfloat16))
-            gen = torch.zeros(n_slots, dtype=torch.bool, device=q.device).index_fill_(0, rows, True)
-            gen.narrow(0, mgr.scratch, 1).fill_(False)  # padding rows: computed, never stored (no H2D copy)
-            # context rows (written above) and idle rows take no decode write; the book's flags hold for the rest
-            status = torch.where(gen, mgr.book.status, STATUS_IDLE).to(torch.int32)
-            q_s = ops.decode_step(state, kb, vb, status, t, qb)  # [slots, H, D] fp32 stored key basis
-            mgr.book.flag(torch.where(gen, status, 0).to(torch.int32))  # a NaN/Inf token: the slot is not committed
-            ob = ops.decode(q_s, step_state, t, PAGES_PER_SPLIT)  # [slots, H, D] stored value basis
-            og = t.restore_output(ob.index_select(0, rows)[:, :, None].float()).squeeze(2)  # + v_mean
+            pad = rows == mgr.scratch  # computed, never stored
+            # the book's flags (a slot that stopped at a NaN/Inf token) hold; padding rows write nothing
+            status = torch.where(pad, STATUS_IDLE, mgr.book.status.index_select(0, rows)).to(torch.int32)
+            sub = scheduled_rows(state, rows)
+            q_s = ops.decode_step(sub, ks, vs, status, t, q[sl].view(g, h, d).to(torch.bfloat16))  # [g, H, D] fp32
+            for name in WINDOWS:  # the step's token and demotions, back into the slots' windows
+                getattr(state, name).index_copy_(0, rows, getattr(sub, name))
+            flags = torch.zeros_like(mgr.book.status).index_copy_(0, rows, torch.where(pad, 0, status))
+            mgr.book.flag(flags)  # a NaN/Inf token: the slot is not committed
+            step_sub = replace(sub, **{f: getattr(step_state, f).index_select(0, rows) for f in LENGTHS})
+            ob = ops.decode(q_s, step_sub, t, PAGES_PER_SPLIT)  # [g, H, D] stored value basis
+            og = t.restore_output(ob[:, :, None].float()).squeeze(2)  # + v_mean
             return og.reshape(g, h * d)
 
         @staticmethod
@@ -169,4 +193,4 @@ def make_attention_class(up, deployment):
     return OscarAttention
 
 
-__all__ = ["PAGES_PER_SPLIT", "make_attention_class"]
+__all__ = ["LENGTHS", "PAGES_PER_SPLIT", "WINDOWS", "make_attention_class", "scheduled_rows"]

@@ -21,45 +21,96 @@ book owns no free list here. The subclass
   batch padding) point there, and a step never writes it;
 * in ``prepare_resources`` gives each request a slot (a new sequence: ``PageBook.reset``), copies its C++ block
   ids into the book's row and writes the batch's slots, in batch order, into the device buffer
-  ``step_slots`` the attention reads. All stream-ordered device writes, so under the overlap executor loop
-  (``prepare_resources(N+1)`` before ``update_resources(N)``) nothing the forward of step N reads changes
-  under it;
+  ``step_slots`` the attention reads. These device writes (and ``free_resources``') are issued on upstream's
+  ``execution_stream``, after the last forward and before an event the next forward waits on
+  (:meth:`device_writes`, ``streams.py``), so the forward -- on whichever stream it runs -- reads a new
+  request's slot after its reset, and under the overlap executor loop (``prepare_resources(N+1)`` before
+  ``update_resources(N)``) nothing the forward of step N reads changes under it;
 * per forward, :meth:`begin_step` (first layer) and :meth:`commit_step` (last layer) run the book's step:
   every layer writes beyond the committed lengths, the commit adds each slot's tokens (``step_tokens``, device);
   a state row that takes no token is flagged :data:`STATUS_IDLE`, so no writer touches it;
 * ``free_resources`` releases the slot (the C++ manager frees the blocks; a later request reuses them);
 * at startup TensorRT-LLM builds the manager twice (``_torch/pyexecutor/_util.py`` ``KvCacheCreator``): once for
-  the KV-cache estimation (``is_estimating_kv_cache``; dummy context requests of ``max_num_tokens``), then
-  ``shutdown()`` and a rebuild with ``max_tokens`` = the memory left over :meth:`get_cache_size_per_token`.
-  ``shutdown`` releases the OSCAR pools (anything still holding the estimation's manager holds no pool);
-  ``get_cache_size_per_token`` is the OSCAR cache's bytes per token (INT2 pages of every layer plus the one-layer
-  stock pool); the rebuilt manager refuses a ``max_tokens`` below what ``max_batch_size`` sequences of
-  ``max_seq_len`` need (the memory would not hold them) where upstream passes ``is_estimating_kv_cache=False``
-  (versions without that argument: no check, an out-of-memory error at allocation instead);
+  the KV-cache estimation (dummy context requests of ``max_num_tokens``), then ``configure_kv_cache_capacity``
+  measures the peak memory, adds the manager's ``get_kv_cache_stats().allocated_bytes`` back, sets
+  ``max_gpu_total_bytes`` and ``max_tokens`` (over :meth:`get_cache_size_per_token`), and after ``shutdown()``
+  builds it again. ``shutdown`` releases the OSCAR pools (anything still holding the estimation's manager holds
+  no pool); ``get_cache_size_per_token`` is the OSCAR cache's bytes per token (INT2 pages of every layer plus the
+  one-layer stock pool); ``get_kv_cache_stats`` counts the OSCAR pools as allocated KV cache, so the estimation
+  does not take them for activations; a build whose memory cannot hold ``max_batch_size`` sequences of
+  ``max_seq_len`` is refused with one line (:func:`check_budget`: ``max_gpu_total_bytes``, or ``max_tokens``
+  where upstream passes ``is_estimating_kv_cache=False``);
 * ``add_dummy_requests`` passes on upstream's ``None`` (no free block: no padding request);
 * a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
   later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
-  pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) raises
-  :class:`NonFiniteKV` naming the request. UNTESTED in TensorRT-LLM: the executor's error handling then fails
-  the batch's requests (upstream has no per-request failure a resource manager can signal).
+  pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) fails that
+  request alone, as it fails one longer than ``max_seq_len`` or one that finds no free slot: an exception in
+  ``prepare_resources`` would reach the executor's error path, which fails every active request
+  (``py_executor.py`` ``_handle_errors`` without ``requests``). The request ends as that path ends each request
+  it fails (``state = GENERATION_COMPLETE``) and the reason is logged; UNTESTED in TensorRT-LLM: what response
+  the client then gets (the error text reaches only the server log).
 
 Checked against stand-ins of the upstream classes (tests/plugins/test_trtllm_cache.py, both layouts).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import math
+
+logger = logging.getLogger(__name__)
 
 #: step status bit (beside ``pages.STATUS_*``) of a state row that takes no token in the forward in flight.
 STATUS_IDLE = 4
 
 
-class SlotsExhausted(RuntimeError):
-    """Every sequence slot holds a live request."""
+def refuse_unsupported(kv_cache_config, mapping, spec_config=None, layer_mask=None) -> None:
+    """Raise ``NotImplementedError`` (one line naming the setting) for a configuration the OSCAR cache cannot serve,
+    before upstream's ``KVCacheManager.__init__`` sees it (main's ``_create_kv_cache_manager`` passes speculative
+    decoding's ``layer_mask``, which ``get_pp_layers`` asserts against ``num_layers``)."""
+    if spec_config is not None or (layer_mask is not None and not all(layer_mask)):
+        what = "a layer_mask" if spec_config is None else f"speculative decoding ({type(spec_config).__name__})"
+        raise NotImplementedError(f"{what}: the OSCAR cache serves the target model's own layers only; serve without "
+                                  "speculative_config")
+    if getattr(kv_cache_config, "enable_block_reuse", False):
+        raise NotImplementedError("kv_cache_config.enable_block_reuse: reused blocks would hold BF16 data the OSCAR "
+                                  "cache never wrote; set it to false (deploy/extra_llm_api_options.yaml)")
+    for name, what in (("pp_size", "pipeline"), ("tp_size", "tensor"), ("cp_size", "context")):
+        if getattr(mapping, name, 1) != 1:
+            raise NotImplementedError(f"{what} parallelism ({name} {getattr(mapping, name)}): the OSCAR cache serves "
+                                      "one GPU")
+    if getattr(mapping, "world_size", 1) != 1:
+        raise NotImplementedError(f"world_size {mapping.world_size}: the OSCAR cache serves one GPU")
 
 
-class NonFiniteKV(RuntimeError):
-    """A request's key or value was NaN/Inf in a decode step: its cache stopped at the last finite token."""
+def check_budget(kv_cache_config, need: int, per_token: int, what: str, estimating) -> None:
+    """Raise ``ValueError`` (one line) when the KV-cache memory cannot hold ``need`` tokens of OSCAR cache: in bytes
+    wherever ``max_gpu_total_bytes`` is set (``configure_kv_cache_capacity`` sets it after the estimation; every
+    build allocates ``need`` tokens' pools), in tokens where upstream passes ``is_estimating_kv_cache=False``
+    (the estimation's own ``max_tokens`` is the dummy requests' tokens, not a budget)."""
+    need_bytes, budget_bytes = need * per_token, getattr(kv_cache_config, "max_gpu_total_bytes", None) or 0
+    if budget_bytes and need_bytes > budget_bytes:  # 0: not set; below 0: the estimation found no memory left
+        held = f"{budget_bytes} bytes (kv_cache_config.max_gpu_total_bytes / free_gpu_memory_fraction)"
+    elif estimating is False and kv_cache_config.max_tokens is not None and need > kv_cache_config.max_tokens:
+        held = f"{kv_cache_config.max_tokens} tokens (kv_cache_config.max_tokens / free_gpu_memory_fraction)"
+    else:
+        return
+    raise ValueError(f"{what} needs {need} tokens of OSCAR cache ({need_bytes} bytes); the KV cache memory holds "
+                     f"{held}: lower max_batch_size or max_seq_len")
+
+
+class KvCacheStatsWithPools:
+    """Upstream's ``KvCacheStats`` with ``extra`` bytes added to ``allocated_bytes`` (every other field read
+    through)."""
+
+    def __init__(self, stats, extra: int) -> None:
+        self._stats = stats
+        self.allocated_bytes = int(stats.allocated_bytes) + int(extra)
+
+    def __getattr__(self, name):
+        return getattr(self._stats, name)
 
 
 def _with_max_tokens(kv_cache_config, max_tokens: int):
@@ -78,6 +129,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
     from oscar_export.kernels.layout import PagedKV
     from oscar_export.kernels.pages import STATUS_NONFINITE, PageBook
 
+    from .streams import DeviceStreams
+
     lay = deployment.layout
 
     class OscarKVCacheManager(up.KVCacheManager):
@@ -92,22 +145,21 @@ def make_cache_manager_class(up, deployment, ops_factory):
             if num_layers != deployment.num_layers or heads != {lay.num_kv_heads} or head_dim != lay.head_dim:
                 raise ValueError(f"model: {num_layers} layers x {sorted(heads)} KV heads x head_dim {head_dim}; the "
                                  f"OSCAR artifact: {deployment.num_layers} x {lay.num_kv_heads} x {lay.head_dim}")
-            if getattr(mapping, "world_size", 1) != 1:
-                raise NotImplementedError("the OSCAR cache serves one GPU (tensor/pipeline parallelism: world_size 1)")
+            refuse_unsupported(kv_cache_config, mapping, kwargs.get("spec_config"), kwargs.get("layer_mask"))
+            kwargs.pop("layer_mask", None)  # every layer (refused otherwise); the stock pool has one
             pages_per_seq = math.ceil(max_seq_len / lay.page_size)
             slots = max_batch_size
-            need, budget = slots * pages_per_seq * lay.page_size, kv_cache_config.max_tokens
-            # only where upstream says this is not the estimation's build (newer versions pass the flag; the
-            # estimation's max_tokens is the dummy requests' tokens, not a memory budget)
-            if budget is not None and need > budget and kwargs.get("is_estimating_kv_cache", True) is False:
-                raise ValueError(
-                    f"max_batch_size {slots} x max_seq_len {max_seq_len} needs {need} tokens of OSCAR cache; the KV "
-                    f"cache memory holds {budget} (kv_cache_config.max_tokens / free_gpu_memory_fraction): lower "
-                    "max_batch_size or max_seq_len")
+            need = slots * pages_per_seq * lay.page_size
+            check_budget(kv_cache_config, need, self.get_cache_size_per_token(), f"max_batch_size {slots} x "
+                         f"max_seq_len {max_seq_len}", kwargs.get("is_estimating_kv_cache"))
             kv_cache_config = _with_max_tokens(kv_cache_config, need)
             super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
                              head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
                              max_batch_size=max_batch_size, mapping=mapping, **kwargs)
+            #: where the device writes of admission go (streams.py): upstream's execution stream, when it passes one
+            self.write_stream = kwargs.get("execution_stream")
+            self.streams = DeviceStreams()
+            self.admitted = self.forward_done = None  # events: after admission's writes / after the last forward
             pool_pages = int(self.get_max_resource_count())
             deployment.check_limits(slots, max_seq_len, int(self.max_blocks_per_seq), pool_pages)
             dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -119,6 +171,10 @@ def make_cache_manager_class(up, deployment, ops_factory):
                     for layer_lay in deployment.layer_layouts]
             self.layers = [self.book.state_view(s, self.book.committed) for s in bufs]
             self.step_layers = [self.book.state_view(s, self.book.in_step) for s in bufs]
+            held = [getattr(st, f.name) for st in self.layers + self.step_layers for f in dataclasses.fields(st)]
+            #: device bytes of the OSCAR pools, windows and page book (get_kv_cache_stats counts them)
+            self.pool_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                   for t in held + self.book.tensors()}.values())
             # batch row -> state row, on the device (rows past the batch: the scratch slot)
             self.step_slots = torch.full((slots + 1,), self.scratch, dtype=torch.int32, device=dev)
             self.step_slots_host: list[int] = []
@@ -127,6 +183,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.slots: dict[int, int] = {}  # request id -> slot
             self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
             self.dummy_ids: set[int] = set()
+            #: request id -> why the cache failed it (until free_resources)
+            self.failed: dict[int, str] = {}
             # non-finite tokens: the request id owning each state row (-1: none) and, per row, the id of the last
             # request a NaN/Inf token reached (device, set at commit; sticky, so the row takes nothing more) with
             # its pinned host copy, read by prepare_resources (a step or two late under the overlap loop)
@@ -148,12 +206,18 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 pages += math.prod(layer_lay.value_codes_shape(1)) + 2 * math.prod(layer_lay.value_params_shape(1))
             return math.ceil(pages / lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
 
+        def get_kv_cache_stats(self):
+            """Upstream's, with :attr:`pool_bytes` added to ``allocated_bytes``: the KV-cache estimation
+            (``configure_kv_cache_capacity``) adds the manager's ``allocated_bytes`` back to the peak memory it
+            measured, so pools left out would count as activations and shrink the cache by their size."""
+            return KvCacheStatsWithPools(super().get_kv_cache_stats(), self.pool_bytes)
+
         def shutdown(self):
             """Release the OSCAR pools, then upstream's (teardown after the KV-cache estimation, and at exit)."""
             self.layers, self.step_layers, self.ops = [], [], []
             self.book = self.step_slots = self.step_tokens = None
             self.slot_rid = self.bad_rid = self.bad_rid_host = None
-            self.slots, self.rows, self.dummy_ids = {}, {}, set()
+            self.slots, self.rows, self.dummy_ids, self.failed = {}, {}, set(), {}
             return super().shutdown()
 
         # ---- slots -------------------------------------------------------------------------------------------
@@ -164,18 +228,22 @@ def make_cache_manager_class(up, deployment, ops_factory):
 
         def _admit(self, req, context: bool) -> int:
             rid = req.py_request_id
-            if rid in self.dummy_ids:
+            if rid in self.failed:
+                self._fail(req, self.failed[rid])
+            if rid in self.dummy_ids or rid in self.failed:
                 return self.scratch
             if rid not in self.slots:
                 if not context:  # a generation request must already own a slot (KeyError names it)
                     self.slot_of(rid)
+                free = [s for s in range(self.scratch) if s not in self.slots.values()]
                 need = req.prompt_len + req.max_new_tokens
                 if need > self.book.max_length:
-                    raise ValueError(f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
-                                     f"reserved {self.book.max_length} per sequence (max_seq_len)")
-                free = [s for s in range(self.scratch) if s not in self.slots.values()]
-                if not free:
-                    raise SlotsExhausted(f"all {self.scratch} OSCAR cache slots hold live sequences")
+                    self._fail(req, f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
+                                    f"reserved {self.book.max_length} per sequence (max_seq_len)")
+                elif not free:
+                    self._fail(req, f"request {rid}: all {self.scratch} OSCAR cache slots hold live sequences")
+                if rid in self.failed:
+                    return self.scratch
                 self.slots[rid] = free[0]
                 self.rows.pop(free[0], None)
                 self.book.reset(free[0])
@@ -184,6 +252,15 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self._set_row(slot, list(self.get_cache_indices(req))[: self.book.max_pages])
             return slot
 
+        def _to_device(self, values: list[int]):
+            """``values`` as an int32 device tensor, copied from pinned memory without a host synchronisation (a
+            pageable copy would synchronise the current stream every step); the copy is stream-ordered like the
+            rest of :meth:`device_writes`."""
+            host = torch.tensor(values, dtype=torch.int32)
+            if self.book.device.type != "cuda":
+                return host
+            return host.pin_memory().to(self.book.device, non_blocking=True)
+
         def _set_row(self, slot: int, ids: list[int]) -> None:
             """Copy the C++ block ids of ``slot`` into the book's row when they changed (a stream-ordered copy)."""
             old = self.rows.get(slot, [])
@@ -191,37 +268,61 @@ def make_cache_manager_class(up, deployment, ops_factory):
                 return
             if old != ids[: len(old)]:
                 raise RuntimeError(f"slot {slot}: the C++ block ids changed under live pages ({old} -> {ids})")
-            self.book.assign(slot, torch.tensor(ids, dtype=torch.int32))
+            self.book.assign(slot, self._to_device(ids))
             self.rows[slot] = ids
 
         def _write_step_slots(self, slots: list[int]) -> None:
             """Batch row ``i`` -> ``slots[i]``; every later row -> the scratch slot (a stream-ordered H2D copy)."""
             full = list(slots) + [self.scratch] * (self.step_slots.shape[0] - len(slots))
-            self.step_slots.copy_(torch.tensor(full, dtype=torch.int32))
+            self.step_slots.copy_(self._to_device(full))
             self.step_slots_host = list(slots)
 
         def slots_for(self, request_ids) -> list[int]:
-            """State rows of a batch: the request's slot, the scratch slot for a dummy request."""
-            return [self.scratch if r in self.dummy_ids else self.slot_of(r) for r in request_ids]
+            """State rows of a batch: the request's slot, the scratch slot for a dummy or failed request."""
+            return [self.scratch if r in self.dummy_ids or r in self.failed else self.slot_of(r) for r in request_ids]
+
+        def _fail(self, req, reason: str) -> None:
+            """Fail ``req`` alone: its rows go to the scratch slot (computed, never stored), its slot is released,
+            and it ends as upstream's executor ends a request it fails (``state = GENERATION_COMPLETE``), with
+            ``reason`` logged once and kept in :attr:`failed` until ``free_resources``."""
+            rid = req.py_request_id
+            if rid not in self.failed:
+                logger.error("OSCAR cache: %s; this request fails, the others go on", reason)
+            self.failed[rid] = reason
+            req.state = up.LlmRequestState.GENERATION_COMPLETE
+            slot = self.slots.pop(rid, None)
+            if slot is not None:
+                self.rows.pop(slot, None)
+                self.slot_rid.narrow(0, slot, 1).fill_(-1)
 
         # ---- the executor's calls ------------------------------------------------------------------------------
-        def check_finite(self) -> None:
-            """Raise :class:`NonFiniteKV` for a live request a NaN/Inf decode token reached (host; reads the
-            pinned copy the last finished step left, never waits for the device)."""
+        def find_nonfinite(self) -> None:
+            """Mark every live request a NaN/Inf decode token reached as failed (host; reads the pinned copy the
+            last finished step left, never waits for the device); ``_admit`` fails it when it is next scheduled."""
             bad = self.bad_rid_host.tolist()
-            hit = sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid)
-            if hit:
-                raise NonFiniteKV(
-                    f"request {', '.join(map(str, hit))}: a NaN/Inf key or value reached the OSCAR cache in a decode "
-                    "step; the request's cache holds its tokens up to the last finite one and takes no more. Fail the "
-                    "request (the cache of every other request is unaffected)")
+            for rid in sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid):
+                self.failed[rid] = (f"request {rid}: a NaN/Inf key or value reached the OSCAR cache in a decode step "
+                                    "(its cache holds the tokens up to the last finite one)")
+
+        @contextlib.contextmanager
+        def device_writes(self):
+            """The block's device writes go on :attr:`write_stream`, after the last forward, before
+            :attr:`admitted` (``streams.py``)."""
+            with self.streams.using(self.write_stream):
+                self.streams.wait(self.forward_done)
+                yield
+                self.admitted = self.streams.record()
 
         def prepare_resources(self, scheduled_batch):
-            self.check_finite()
+            """Upstream's, then each request's slot and block-table row and the batch's slot list (device writes:
+            :meth:`device_writes`). A request the cache cannot serve -- longer than ``max_seq_len``, no free slot, a
+            NaN/Inf token in its cache -- fails alone (:meth:`_fail`); nothing here raises for one request."""
+            self.find_nonfinite()
             super().prepare_resources(scheduled_batch)
-            slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
-            slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
-            self._write_step_slots(slots)
+            with self.device_writes():
+                slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
+                slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
+                self._write_step_slots(slots)
 
         def add_dummy_requests(self, request_ids, *args, **kwargs):
             """Upstream's (``None`` when no block is free), remembering the ids: their rows go to the scratch
@@ -236,10 +337,12 @@ def make_cache_manager_class(up, deployment, ops_factory):
         def free_resources(self, request, *args, **kwargs):
             rid = request.py_request_id
             self.dummy_ids.discard(rid)
+            self.failed.pop(rid, None)
             slot = self.slots.pop(rid, None)
             if slot is not None:
                 self.rows.pop(slot, None)
-                self.slot_rid.narrow(0, slot, 1).fill_(-1)
+                with self.device_writes():
+                    self.slot_rid.narrow(0, slot, 1).fill_(-1)
             return super().free_resources(request, *args, **kwargs)
 
         # ---- one forward: the page book's step -------------------------------------------------------------------
@@ -269,4 +372,4 @@ def make_cache_manager_class(up, deployment, ops_factory):
     return OscarKVCacheManager
 
 
-__all__ = ["STATUS_IDLE", "NonFiniteKV", "SlotsExhausted", "make_cache_manager_class"]
+__all__ = ["STATUS_IDLE", "KvCacheStatsWithPools", "check_budget", "make_cache_manager_class", "refuse_unsupported"]

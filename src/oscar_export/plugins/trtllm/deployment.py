@@ -80,7 +80,7 @@ class OscarDeployment:
 
     def __init__(self, checkpoint: str | Path, bundle: str | Path, arch: str | None = None) -> None:
         from oscar_export.calibration.artifact import load_artifact
-        from oscar_export.export import artifact_path, read_config_json, read_export
+        from oscar_export.checkpoint import artifact_path, read_config_json, read_export
         from oscar_export.kernels.aot.bundle import layout_tag
         from oscar_export.kernels.aot.manifest import BundleError, read_manifest
 

@@ -87,6 +87,10 @@ class AotCacheOps:
         bundle's kernels (same bytes). Lengths are the page book's to commit."""
         reference.write_tokens(state, slot, start, k, v, self.layout, transform, write=self.write_pages)
 
+    #: a context chunk after cached tokens (chunked prefill) has a kernel here (``attention.py`` refuses it at the
+    #: first forward where upstream's ``runtime_features.chunked_prefill`` is on and this is False)
+    chunked_prefill = False
+
     def chunk_attention(self, state, q, k, v, transform):
         raise NotImplementedError(
             "chunked prefill / prefix reuse (a context chunk with cached tokens) has no AOT kernel yet: serve with "

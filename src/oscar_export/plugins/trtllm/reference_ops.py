@@ -17,6 +17,9 @@ from oscar_export.kernels import reference
 class TorchCacheOps:
     """Reference cache operations of one layout (see the module doc)."""
 
+    #: a context chunk after cached tokens has a path here (``reference.chunk_attention``)
+    chunked_prefill = True
+
     def __init__(self, layout, num_heads: int, sm_scale: float) -> None:
         self.layout, self.num_heads, self.sm_scale = layout, num_heads, sm_scale
 

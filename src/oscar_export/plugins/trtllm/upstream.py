@@ -4,8 +4,9 @@
 (``tensorrt_llm/_torch/attention_backend/...``); "main" is the newer one (``tensorrt_llm/_torch/attention/
 backends/...``, after upstream PR #17968). Everything else the adapter touches is at the same path in both:
 the ``KVCacheManager`` (``_torch/pyexecutor/resource_manager.py``), the cache-manager dispatch
-``get_kv_cache_manager_cls`` (``_torch/pyexecutor/_util.py``) and ``register_auto_model``
-(``_torch/models/modeling_utils.py``). tests/plugins/trtllm_signatures.json records the signatures read.
+``get_kv_cache_manager_cls`` (``_torch/pyexecutor/_util.py``), ``register_auto_model``
+(``_torch/models/modeling_utils.py``) and ``LlmRequestState`` (``_torch/pyexecutor/llm_request.py``, which
+``py_executor.py`` imports it from). tests/plugins/trtllm_signatures.json records the signatures read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ATTENTION_INTERFACE = {
     "main": "tensorrt_llm._torch.attention.backends.interface",
 }
 RESOURCE_MANAGER = "tensorrt_llm._torch.pyexecutor.resource_manager"
+LLM_REQUEST = "tensorrt_llm._torch.pyexecutor.llm_request"
 EXECUTOR_UTIL = "tensorrt_llm._torch.pyexecutor._util"
 MODELING_UTILS = "tensorrt_llm._torch.models.modeling_utils"
 
@@ -38,6 +40,7 @@ class Upstream:
     KVCacheManager: Any
     executor_util: ModuleType
     register_auto_model: Any
+    LlmRequestState: Any
 
 
 def resolve() -> Upstream:
@@ -53,12 +56,13 @@ def resolve() -> Upstream:
             rm = importlib.import_module(RESOURCE_MANAGER)
             util = importlib.import_module(EXECUTOR_UTIL)
             mu = importlib.import_module(MODELING_UTILS)
+            req = importlib.import_module(LLM_REQUEST)
         except ImportError as e:
             raise ImportError(f"{INSTALL_HINT} ({e})") from e
         return Upstream(layout, iface.AttentionBackend, iface.AttentionMetadata, rm.KVCacheManager, util,
-                        mu.register_auto_model)
+                        mu.register_auto_model, req.LlmRequestState)
     raise ImportError(f"{INSTALL_HINT} ({'; '.join(errors)})")
 
 
-__all__ = ["ATTENTION_INTERFACE", "EXECUTOR_UTIL", "INSTALL_HINT", "MODELING_UTILS", "RESOURCE_MANAGER", "Upstream",
-           "resolve"]
+__all__ = ["ATTENTION_INTERFACE", "EXECUTOR_UTIL", "INSTALL_HINT", "LLM_REQUEST", "MODELING_UTILS", "RESOURCE_MANAGER",
+           "Upstream", "resolve"]
