@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The page quantizer (prefill write, demotion) on the H200 against the copy bandwidth (issue 29's quantize target).
+# The page quantizer (prefill write, demotion) against the copy bandwidth (the quantize / demote target of docs/kernels.md).
 # Run from the repository root; everything goes under $OUT; < 200 s (each stage has its own timeout). Not yet run on a GPU.
 #
 #   OUT=/tmp/p bash benchmarks/gpu_quantize.sh

@@ -147,7 +147,7 @@ def check_portable_layout(layout: KVCacheLayout) -> None:
         raise NotImplementedError(f"decode_attention: values are 2-bit (only keys may be wider), got "
                                   f"{layout.value.bits}-bit")
     if layout.packing != "linear":  # mma16 pages: the hopper backend (decode/hopper.py)
-        raise ValueError(f"decode_attention (v1): reads 'linear' pages, the layout's are {layout.packing!r} "
+        raise ValueError(f"decode_attention (portable): reads 'linear' pages, the layout's are {layout.packing!r} "
                          f"(mma16 pages: the hopper backend)")
     if d not in (64, 128, 256):
         raise NotImplementedError(f"decode_attention: head_dim 64, 128 or 256 supported, got {d}")

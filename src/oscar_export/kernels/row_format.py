@@ -12,7 +12,7 @@ of a page, KIVI-style). Either way each quantization group stores an fp16 ``(sca
 element a 2-bit code ``c``; it reads back as ``lo + scale * levels[c]`` with ``levels = (0, 1, 2, 3)``
 unless a fitted codebook replaces them.
 
-Wider keys (``RowFormat.bits == 4``, issue 17): the layers whose artifact entry says so store 4-bit key codes,
+Wider keys (``RowFormat.bits == 4``): the layers whose artifact entry says so store 4-bit key codes,
 uniform levels ``0..15``, the same fp16 ``(scale, lo)`` params and the same rule with 16 levels; in ``"linear"``
 packing byte ``b`` of a packing group holds elements ``b, b + G/2`` at bits 0, 4 (the general rule: elements
 ``b + j G / c`` at bits ``j * bits`` for the ``c = 8 / bits`` codes of a byte). Their K pool is ``[N, H_kv, P,
@@ -24,7 +24,7 @@ the ``P * D / 4`` code bytes of one page of one KV head:
 * ``"linear"`` (the default, what every artifact without the field means): 4 codes per byte along ``D``;
   inside a packing group of ``G`` elements, byte ``b`` of a row holds elements ``b, b + G/4, b + G/2,
   b + 3G/4`` at bits 0, 2, 4, 6; rows follow each other (``[P, D // 4]``).
-* ``"mma16"``: the page is ordered for the tensor-core fragments of the v2 decode kernel, so that one
+* ``"mma16"``: the page is ordered for the tensor-core fragments of the Hopper decode kernel, so that one
   16-byte load per thread is exactly the codes of that thread's ``mma.m16n8k16`` A fragments (keys: tokens
   on M, dims on K; values: dims on M, tokens on K, so one token's codes are spread over the page). The
   exact bit mapping is defined, with a worked example, in ``reference.pack_mma16``.
@@ -47,7 +47,7 @@ ONE_THIRD_F32 = 0.3333333432674408
 #: 2-bit codes per byte (the default row format; ``RowFormat.codes_per_byte`` is the general one).
 CODES_PER_BYTE = 4
 #: code widths a row format may have: 2 (the cache's INT2) and 4 (wider key pages of the layers that need
-#: them, issue 17: uniform levels 0..15, linear or mma16 packing, no codebook).
+#: them: uniform levels 0..15, linear or mma16 packing, no codebook).
 CODE_BITS = (2, 4)
 #: uniform 2-bit levels (a fitted codebook replaces them; level 0 is 0 and level 3 is 3 in both).
 UNIFORM_LEVELS = (0.0, 1.0, 2.0, 3.0)
@@ -92,7 +92,7 @@ class RowFormat:
             0..15, no codebook).
         codebook: False for the uniform levels 0..3; True when the artifact supplies fitted levels.
         packing: order of the codes inside a page (module doc): ``"linear"`` (default) or ``"mma16"``
-            (fragment order of the v2 decode kernel; needs ``head_dim`` a multiple of 32).
+            (fragment order of the Hopper decode kernel; needs ``head_dim`` a multiple of 32).
     """
 
     head_dim: int

@@ -79,8 +79,9 @@ DECODE_SPLIT = KernelPlan(
 GL_PAGE_STAGES = 3
 #: the Gluon split kernel's register cap per thread at head_dim <= 128: 4 CTAs (16 warps) share an SM's 64K
 #: registers instead of 3 at the compiler's own 131-155 (P = D = 128: a few spill loads a page). With the wave
-#: rule below, which counts those 4: 1.17-1.43x v1 on the H200 (BENCHMARKS.md, "Decode v3, tuned"). head_dim 256
-#: keeps the compiler's 241-251 (2 CTAs): capped at 128 its page loop grows by 17 % and that was never measured.
+#: rule below, which counts those 4: 1.17-1.43x the portable kernel on the H200 (docs/kernels.md, launch
+#: parameters). head_dim 256 keeps the compiler's 241-251 (2 CTAs): capped at 128 its page loop grows by 17 % and
+#: that was never measured.
 GL_MAXNREG = 128
 #: fewest pages a Gluon split program streams (when the sequence has them): its cp.async stages overlap nothing
 #: with one page (1x8K on the H200: 14.7 us at 1 page a split, 11.1-11.2 at 2-4).
@@ -90,7 +91,7 @@ GL_MIN_PAGES_PER_SPLIT = 4
 GL_PROGRAM_PAGES = 2
 #: the Gluon split kernel merges in its last programs (DECODE_SPLIT_MERGE_GL: one launch a decode attention). On
 #: the H200 as fast or faster than the merge's own launch at every measured shape: 1x8K 9.9 vs 11.2 us, 1x32K 17.7
-#: vs 19.5, within 1 % at 8x32K and 32x32K token keys (BENCHMARKS.md, "Decode v3, fused merge").
+#: vs 19.5, within 1 % at 8x32K and 32x32K token keys (docs/kernels.md, launch parameters).
 GL_FUSED_MERGE = True
 DECODE_SPLIT_GL = KernelPlan(
     name="decode_split_gl", kernel=f"{_DAG}:_decode_split_gl_kernel",
@@ -98,7 +99,7 @@ DECODE_SPLIT_GL = KernelPlan(
     constexprs=("H_KV", "GQ", "GQ_PAD", "D", "P", "S0", "RC", "BN", "SM_SCALE", "K_CHANNEL", "K_CODEBOOK", "V_CODEBOOK",
                 "FAST_UNPACK", "STAGES", "KEY_BITS", "NG"),
     num_warps=4, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
-    doc="decode attention v3 over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
+    doc="decode attention over mma16 pages (Gluon: codes unpacked into the wgmma A registers, one warpgroup, "
         "cp.async page stages); uniform codes, 2- or 4-bit key pages, sm_90 only; merged by decode_merge (bundles "
         "for sm_90: decode.select_backend)",
 )
@@ -226,7 +227,7 @@ def gl_pages_per_split(batch: int, num_kv_heads: int, max_pages: int, num_sms: i
     ``GL_MIN_PAGES_PER_SPLIT`` pages) that minimises ``waves(n) * (cdiv(max_pages, n) + GL_PROGRAM_PAGES)``,
     ``waves(n) = cdiv(B * H_kv * n, num_sms * CTAs per SM)`` (:func:`gl_occupancy`); the fewest splits on a tie.
     A partial last wave costs a whole program's time: on the H200, 1x128K took 52.0 us at 1.3 waves of 16-page
-    programs and 47.7 at one wave of 24-page ones (3 CTAs an SM then; BENCHMARKS.md, "Decode v3, tuned")."""
+    programs and 47.7 at one wave of 24-page ones (3 CTAs an SM then; docs/kernels.md, launch parameters)."""
     if min(batch, num_kv_heads, max_pages, num_sms) <= 0:
         raise ValueError(f"gl_pages_per_split: expected positive sizes, got batch={batch}, "
                          f"num_kv_heads={num_kv_heads}, max_pages={max_pages}, num_sms={num_sms}")

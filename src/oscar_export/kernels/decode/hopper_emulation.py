@@ -69,7 +69,7 @@ def emulate(q, state, layout: KVCacheLayout, scale: float) -> torch.Tensor:
     page operands from :func:`emulate_a_operand`, the ``4^-2hc`` folded into the query dims (keys) and the
     probabilities' token rows (values), ``2^24·4^-hr`` into the per-token key scales and the per-dim outputs,
     the queries rounded to fp16 after ``sm_scale·log2(e)``, ``p·s_v`` rounded to fp16. One softmax over the
-    sequence (the split + merge are v1's, tested there). Token or channel keys, uniform 2-bit codes (4-bit key
+    sequence (split + merge: the portable kernel's). Token or channel keys, uniform 2-bit codes (4-bit key
     pages: ``16^-hr`` per token, nothing on the dims), one token group a row or two (``NG``: each key chunk scaled by
     its group, each half of the value dims by its group's ``p·s_v``), queries in the stored basis. Returns ``[B, H,
     D]`` float32 in the stored value basis."""

@@ -1,10 +1,10 @@
-"""Decode attention v3: the mma16 split kernel in Gluon, the unpacked codes as the register A operand of ``wgmma``.
+"""Decode attention on Hopper: the mma16 split kernel in Gluon, the unpacked codes as the A operand of ``wgmma``.
 
 Same interface, semantics and partials as the portable split kernel (:mod:`.portable`), same mma16 pages, and
 two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by ``splits._merge_kernel`` (the
 launch plan's DECODE_SPLIT_GL, what AOT bundles carry), and ``_decode_split_merge_gl_kernel``, whose last program of
 each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge._merge_if_last``: one launch; the JIT default,
-``GL_FUSED_MERGE``). What changes from v2 is that the kernel owns its register layouts:
+``GL_FUSED_MERGE``). The kernel owns its register layouts:
 
 * one warpgroup (4 warps) per (sequence, KV head, split); every page dot is a Hopper ``warpgroup_mma`` with
   keys (``S^T [P, GQ_PAD] = K_c [P, D] · (q·s)^T``) or values (``O^T [D, GQ_PAD] += V_c^T [D, P] · (p·s_v)^T``)
@@ -17,7 +17,7 @@ each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge._merge_if
   from the eight fields with joins, one permute and one reshape, and ``convert_layout(..., assert_trivial=True)``
   makes the compiler prove that this *is* the wgmma A layout: no data moves between the load and the MMA
   (compilation fails otherwise);
-* the fields are fp16 subnormals ``c·4^(2hc + hr)·2^-24`` (exact, as in v2 "fields"): the ``4^-2hc`` of the
+* the fields are fp16 subnormals ``c·4^(2hc + hr)·2^-24`` (exact): the ``4^-2hc`` of the
   K-dim bit 3 goes into the B operand rows (query dims, resp. tokens), the ``4^-hr`` of the M bit 3 and the
   ``2^24`` into the per-row scales (key tokens, resp. output dims) — all exact powers of two;
 * the softmax state stays in the accumulator layout: the running max is one cross-warp reduction per page,
@@ -35,23 +35,21 @@ so the query rows carry no power of two), twice the code bytes a page in the cp.
 head_dim 256 with two token groups of 128 a row (the default layout there, Gemma 3; ``NG`` 2): each 128-column key
 chunk's scores are scaled by its own group's ``(scale, lo)`` (two MMAs, two accumulators) and the value MMA is split
 into the two halves of the dims, each with its group's ``p·s_v`` in its own shared-memory B operand. Compiled for
-sm_90 without spills, its arithmetic checked on the CPU (:func:`.hopper_emulation.emulate`) and run on the H200 on
-2026-12-02 (``tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256``):
+sm_90 without spills, its arithmetic checked on the CPU (:func:`.hopper_emulation.emulate`) and on a GPU
+(``tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_two_groups_head_dim_256``):
 ``checks.check_hopper_layout`` accepts two groups a row.
 
 Limits: uniform codes (``K_CODEBOOK``/``V_CODEBOOK`` False; 2-bit values, 2- or 4-bit keys), token or channel keys,
 ``P`` 64 or 128, ``D`` 64, 128 or 256, ``GQ_PAD`` 8 or 16, ``num_warps`` 4; ``checks.check_hopper_layout`` refuses the
 rest.
-``FAST_UNPACK`` is accepted for v2's signature and ignored (the field masks are always PTX: CUDA only).
+``FAST_UNPACK`` is accepted for the portable kernel's signature and ignored (the field masks are always PTX: CUDA only).
 
-Status (4-bit key pages and queries rotated once a step: run on the H200 on 2026-12-02,
-``benchmarks/results/hopper-rotation-k4-h200-2026-12-02.md``): compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the
-H200's JIT) on the CPU, with every A-operand
-conversion proven trivial by the compiler (``tests/kernels/test_decode_hopper_kernel.py``). Hopper only
-(``checks.check_hopper_device``). Run on the H200 (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
+Compiled for sm_90 by Triton 3.9 (CI) and 3.6 (the GPU image's) on the CPU, with every A-operand conversion proven
+trivial by the compiler (``tests/kernels/test_decode_hopper_kernel.py``). Hopper only
+(``checks.check_hopper_device``). On a GPU (Triton 3.6): ``tests/gpu/test_kernels_gpu.py -k gluon`` passes and,
 launched as the plan says (``launch_plan.gl_occupancy``: 128 registers a thread at head_dim <= 128;
 ``gl_pages_per_split``: whole waves; the merge fused), it is the fastest decode kernel at every measured shape
-(BENCHMARKS.md, "Decode v3, tuned" and "fused merge"). There is no CPU interpreter for Gluon:
+(``docs/kernels.md``, "Why the launch parameters are what they are"). There is no CPU interpreter for Gluon:
 the CPU check of its algorithm is :func:`.hopper_emulation.emulate` (the same folding of scales and powers of two, in
 PyTorch, against ``reference.decode_attention``).
 """
@@ -103,13 +101,13 @@ if HAVE_GLUON:
                       recent_len_ptr, b, h, c, H_KV: gl.constexpr, D: gl.constexpr, P: gl.constexpr,
                       S0: gl.constexpr, RC: gl.constexpr, BN: gl.constexpr, GQ_PAD: gl.constexpr,
                       MMA: gl.constexpr, A_L: gl.constexpr):
-        """Attention over BF16 chunk ``c`` (addressed by v1's ``window_block``: sink chunks first, then the recent
-        ring): ``m, den [GQ_PAD]`` (log2 units) and the unnormalised ``O^T [D, GQ_PAD]``."""
+        """Attention over BF16 chunk ``c`` (addressed by the portable kernel's ``window_block``: sink chunks first, then
+        the recent ring): ``m, den [GQ_PAD]`` (log2 units) and the unnormalised ``O^T [D, GQ_PAD]``."""
         LK: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         tb = gl.arange(0, BN, layout=gl.SliceLayout(1, LK))
         dd = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
         kb, vb, tmask = window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr, num_pages_ptr,
-                                     recent_len_ptr, b, h, c, tb, H_KV, D, P, S0, RC, BN)  # v1's (a @triton.jit helper)
+                                     recent_len_ptr, b, h, c, tb, H_KV, D, P, S0, RC, BN)  # portable kernel's
         rows = tb[:, None] * D + dd[None, :]
         kk = gl.load(kb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)  # [BN, D]
         vv = gl.load(vb + rows, mask=tmask[:, None], other=0.0).to(gl.float16)
@@ -357,7 +355,7 @@ if HAVE_GLUON:
         FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2, NG: gl.constexpr = 1,
     ):
         """Partial attention of one (sequence, KV head, split) over mma16 pages; parameters, grid and partials
-        those of v2's ``_decode_split_v2f_kernel`` plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL): ``q_ptr`` the
+        those of the portable split kernel plus ``STAGES`` (the launch plan's DECODE_SPLIT_GL): ``q_ptr`` the
         queries in the stored key basis. Uniform codes only
         (``K_CODEBOOK``/``V_CODEBOOK`` must be False: ``checks.check_hopper_layout``)."""
         _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,

@@ -25,7 +25,7 @@ nibble masked in place becoming the subnormal ``c·16^n·2^-24`` (:func:`_nibble
 separate constexpr branch and compiles as before. Scores are computed transposed (``S^T = K·q^T``: the
 keys are the MMA's M operand, GQ sits on N), the per-token ``(scale, lo)`` pairs are read as 32-bit words so
 the pipeliner prefetches them with the codes. How each of these was chosen, with H200 numbers, is in
-``benchmarks/NOTES-kernels.md``.
+``docs/kernels.md``.
 
 Dot operands are fp16 (accumulation fp32): codes and levels, the BF16 window values (exact in fp16
 within its range, |x| < 65504) and ``q·sm_scale·log2(e)``, ``p`` and ``p·s`` (11-bit mantissa, finer

@@ -117,7 +117,7 @@ def _token_params(params_ptr, word_off, t, ok):
     Each pair is read as one 32-bit word (``word_off [NB]`` in words, ``t [P]``): contiguous 4-byte
     elements, which Triton's pipeliner prefetches with ``cp.async`` a stage ahead. Two 2-byte loads per
     token (scale, then lo) are not prefetched; on the H200 their latency was the largest stall (Nsight
-    Compute, benchmarks/NOTES-kernels.md). Little-endian: the scale is the low half.
+    Compute). Little-endian: the scale is the low half.
     """
     w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + t[None, :], mask=ok[:, None], other=0)
     scale = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -6,7 +6,7 @@ section and artifact) and the kernel bundle's manifest, and raises one clear err
 * a model family the adapter does not serve (``SUPPORTED_FAMILIES``) -> ``NotImplementedError``;
 * a checkpoint that is not an OSCAR export, or whose artifact is not ``values_prerotated`` -> ``ValueError``;
 * a bundle built for another layout / head count / softmax scale than the checkpoint's ``oscar`` section, or
-  without the kernels of a key width its layers use (``key_bits``, issue 17) -> ``BundleError``;
+  without the kernels of a key width its layers use (``key_bits``) -> ``BundleError``;
 * a bundle without binaries for the GPU it must run on -> ``BundleError``;
 * ``max_seq_len`` / ``max_batch_size`` beyond the block table or the reserved INT2 pages
   (:meth:`OscarDeployment.check_limits`) -> ``ValueError``.
