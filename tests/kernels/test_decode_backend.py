@@ -55,3 +55,19 @@ def test_select_backend_table(monkeypatch):
     assert select_backend(lay, torch.device("cuda"), 4).name == "portable"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert select_backend(lay, torch.device("cuda"), 4).name == "hopper"
+
+
+def test_backends_by_width_is_select_backend_of_each_width():
+    """One backend per distinct key width, each ``select_backend`` of the base layout with that width in linear
+    packing: what the HF cache and the AOT bundle both read."""
+    pytest.importorskip("triton")
+    from oscar_export.kernels.decode import select_backend
+    from oscar_export.kernels.decode.backend import backends_by_width
+
+    lay = KVCacheLayout.default(2, 64, "channel").with_packing("mma16")
+    for device in ("cpu", 80, 90):
+        got = backends_by_width(lay, (4, 2, 4, 2, 2), device, 4)
+        assert sorted(got) == [2, 4]
+        for bits, backend in got.items():
+            assert backend == select_backend(lay.with_packing("linear").with_key_bits(bits), device, 4)
+    assert backends_by_width(lay, (), 90, 4) == {}

@@ -173,8 +173,10 @@ def test_chunk_reads_quantized_history():
 @pytest.mark.slow
 @pytest.mark.representative
 def test_1500_tokens_with_small_windows():
-    """Mechanics over many demotions: 1,500 generated tokens through 93 pages per layer, no error."""
+    """Mechanics over many demotions: 1,500 generated tokens through 93 pages per layer, no error (the model's
+    positions raised to 2,048: past ``max_position_embeddings`` a forward is refused)."""
     model = tiny_hf_model("qwen2")
+    model.config.max_position_embeddings = 2048
     ids = torch.randint(1, 96, (1, 20))
     with enable_oscar(model, layout=SMALL_LAYOUT) as oscar:
         cache = oscar.make_cache(1, 1520)

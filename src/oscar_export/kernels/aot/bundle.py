@@ -81,15 +81,15 @@ def serving_layout(layout: KVCacheLayout, archs: Sequence[str | int], num_heads:
     single target arch, for every key width the layers use (mma16 on sm_90 where the hopper kernel reads them all);
     linear pages (the portable kernel, every arch) for several archs, ``linear=True`` (the TensorRT plugins) or
     widths the targets' backends disagree on."""
-    from ..decode import select_backend
+    from ..decode.backend import backends_by_width
     from .manifest import parse_arch
 
     lin = layout.with_packing("linear")
     caps = sorted({parse_arch(a) for a in archs})
     if linear or len(caps) != 1:
         return lin
-    widths = sorted(set(key_bits or (layout.key.bits,)))
-    packings = {select_backend(lin.with_key_bits(b), caps[0], num_heads).packing for b in widths}
+    chosen = backends_by_width(lin, key_bits or (layout.key.bits,), caps[0], num_heads)
+    packings = {backend.packing for backend in chosen.values()}
     return lin.with_packing(packings.pop()) if len(packings) == 1 else lin
 
 

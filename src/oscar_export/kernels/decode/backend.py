@@ -87,4 +87,13 @@ def select_backend(layout: KVCacheLayout, device, num_heads: int) -> DecodeBacke
     return DecodeBackend("hopper")
 
 
-__all__ = ["BACKENDS", "DecodeBackend", "have_triton", "select_backend"]
+def backends_by_width(layout: KVCacheLayout, key_bits, device, num_heads: int) -> dict[int, DecodeBackend]:
+    """The decode backend of each key code width in ``key_bits`` (a model's per-layer widths, any order, repeats
+    allowed): :func:`select_backend` of ``layout`` with that width (``KVCacheLayout.with_key_bits``) on ``device``.
+    The one chain from a base layout and a width to a backend (and so a packing) that the HF cache, the AOT bundle
+    and ``oscar-export build`` read; e.g. ``{2: DecodeBackend("hopper"), 4: DecodeBackend("hopper")}`` on an H100."""
+    base = layout.with_packing("linear")
+    return {b: select_backend(base.with_key_bits(b), device, num_heads) for b in sorted(set(key_bits))}
+
+
+__all__ = ["BACKENDS", "DecodeBackend", "backends_by_width", "have_triton", "select_backend"]

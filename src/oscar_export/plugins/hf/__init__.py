@@ -23,7 +23,6 @@ from .support import (
     OscarSetup,
     cache_kwargs,
     enable_oscar,
-    model_attention_shape,
     register_attention,
 )
 
@@ -38,6 +37,5 @@ __all__ = [
     "cache_kwargs",
     "enable_oscar",
     "get_ops",
-    "model_attention_shape",
     "register_attention",
 ]

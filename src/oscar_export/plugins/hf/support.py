@@ -23,8 +23,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from oscar_export.calibration.families import FAMILIES, ModelAttention, family_for
 from oscar_export.kernels.checks import check_portable_layout
-from oscar_export.kernels.decode import DecodeBackend, select_backend
-from oscar_export.kernels.decode.backend import have_triton
+from oscar_export.kernels.decode import DecodeBackend
+from oscar_export.kernels.decode.backend import backends_by_width, have_triton
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.transform import LayerTransform
 
@@ -38,18 +38,9 @@ log = logging.getLogger(__name__)
 #: ``config.model_type`` values the cache supports (the family table's keys).
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
-#: What the cache needs to know about a model's attention (L, H, H_kv, D, scale, ...): the table's resolved facts.
+#: What the cache needs to know about a model's attention (L, H, H_kv, D, scale, ...): the family table's resolved
+#: facts (``calibration.families.family_for``, which refuses a model the table does not support, naming why).
 AttentionShape = ModelAttention
-
-
-def model_attention_shape(model_or_config: Any) -> AttentionShape:
-    """Validate a model (or its config) against the family table and return its attention facts.
-
-    Raises:
-        NotImplementedError: an architecture the table does not know, or an attention feature it does not
-            support (sliding-window layers, soft-capping, MLA, an unknown RoPE type); the message names it.
-    """
-    return family_for(model_or_config)
 
 
 def register_attention() -> None:
@@ -163,7 +154,7 @@ def enable_oscar(
         an :class:`OscarSetup`; ``setup.make_cache(batch_size, max_length)`` gives the cache to pass as
         ``past_key_values``.
     """
-    shape = model_attention_shape(model)
+    shape = family_for(model)
     if getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME:
         raise ValueError("enable_oscar: this model is on the OSCAR attention already (an earlier enable_oscar's setup "
                          "was not restored); call restore() on that setup first, or use it")
@@ -199,14 +190,11 @@ def _decode_backends(model: Any, ops: CacheOps, layout: KVCacheLayout, key_bits:
     a layout the chosen kernel does not read raises here."""
     device = next(model.parameters()).device
     bits = key_bits or (layout.key.bits,) * shape.num_layers
-    base = layout.with_packing("linear")
-    chosen: dict[int, DecodeBackend] = {}
-    for b in sorted(set(bits)):
-        lay = base.with_key_bits(b)
-        if ops.name != "triton":
-            chosen[b] = DecodeBackend("reference", f"backend {ops.name!r}")
-            continue
-        backend = select_backend(lay, device, shape.num_heads)
+    if ops.name != "triton":
+        return tuple(DecodeBackend("reference", f"backend {ops.name!r}") for _ in bits)
+    chosen = backends_by_width(layout, bits, device, shape.num_heads)
+    for b, backend in list(chosen.items()):
+        lay = layout.with_packing("linear").with_key_bits(b)
         if backend.name == "reference":
             backend = DecodeBackend("portable", backend.why)
         if backend.name == "portable":
@@ -327,6 +315,5 @@ __all__ = [
     "cache_kwargs",
     "OscarSetup",
     "enable_oscar",
-    "model_attention_shape",
     "register_attention",
 ]
