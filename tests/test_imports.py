@@ -200,6 +200,45 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "".join(lines)
 
 
+def _private_imports(mods: dict[str, Path]) -> list[str]:
+    """One line for each ``from <package module> import _name`` in a module other than ``_name``'s own (an alias
+    ``import x as _y`` imports the public ``x`` and is not one): a name shared across modules is a public name of the
+    module that owns it."""
+    out = []
+    for name, path in sorted(mods.items()):
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base not in mods and not base.startswith("oscar_export."):
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if private and base != name:
+                out.append(f"{name}, line {node.lineno}: from {base} import {', '.join(private)}")
+    return out
+
+
+def test_the_private_import_check_names_each_one(tmp_path):
+    """On made-up modules: a private name imported from another module is named (eagerly or inside a function); a
+    public name, an alias to a private name and an import from outside the package are not."""
+    (tmp_path / "a.py").write_text("_x = 1\ny = 2\n")
+    (tmp_path / "b.py").write_text("from .a import y as _y\nfrom os import _exit\nfrom .a import _x, y\n\n\n"
+                                   "def f():\n    from oscar_export.kernels.a import _x\n")
+    mods = {"oscar_export.kernels.a": tmp_path / "a.py", "oscar_export.kernels.b": tmp_path / "b.py"}
+    assert _private_imports(mods) == ["oscar_export.kernels.b, line 3: from oscar_export.kernels.a import _x",
+                                      "oscar_export.kernels.b, line 7: from oscar_export.kernels.a import _x"]
+
+
+def test_no_private_name_crosses_a_module():
+    """No module of the package imports another module's ``_private`` name."""
+    found = _private_imports(_modules())
+    assert not found, f"{len(found)} imports of private names across modules:\n" + "\n".join(found)
+
+
 _TRITON_WATCH = textwrap.dedent("""
     import importlib.abc, sys
     from pathlib import Path

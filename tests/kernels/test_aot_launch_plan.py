@@ -90,7 +90,7 @@ def _state(batch=2, pool=6, max_pages=4):
 
 
 def test_jit_decode_attention_launches_the_plan(monkeypatch):
-    split, merge = _record(monkeypatch, da._decode_split_kernel, splits._merge_kernel)
+    split, merge = _record(monkeypatch, da.decode_split_kernel, splits.merge_kernel)
     st, t = _state()
     q = torch.randn(2, HEADS, 64)  # the step's fp32 queries in the stored key basis (decode_append's q_rot)
     da.decode_attention(q, st, LAYOUT, t.k_levels, t.v_levels, 0.125, out_dtype=torch.bfloat16, pages_per_split=2)
@@ -118,7 +118,7 @@ def test_jit_hopper_decode_launches_the_plan(monkeypatch, fused):
     if not hopper.HAVE_GLUON:
         pytest.skip("this Triton has no Gluon")
     split = hopper_kernel.FUSED_KERNEL if fused else hopper_kernel.KERNEL
-    rec, merge = _record(monkeypatch, split, splits._merge_kernel)
+    rec, merge = _record(monkeypatch, split, splits.merge_kernel)
     lay = KVCacheLayout.default(2, 128, packing="mma16").with_key_bits(4)
     st = PagedKV.allocate(lay, 2, 6, 4)
     t = LayerTransform.identity(2, 128)

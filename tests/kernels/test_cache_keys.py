@@ -70,7 +70,7 @@ def test_every_helper_of_the_step_kernels_is_hashed_on_import():
 def test_every_helper_of_the_portable_decode_kernels_is_hashed_on_import():
     """The split kernel and its page helpers (``decode/portable_pages.py``, ``window_block`` shared with the hopper
     kernel): failed before portable.py hashed its kernels on import."""
-    assert int(_run(REACHABLE, "decode.portable", "_decode_split_kernel").split()[0]) > 10
+    assert int(_run(REACHABLE, "decode.portable", "decode_split_kernel").split()[0]) > 10
 
 
 def test_every_jit_function_of_the_helper_modules_is_hashed_on_import():

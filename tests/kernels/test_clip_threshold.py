@@ -25,10 +25,10 @@ def _kth_largest_kernel(x_ptr, k_ptr, thr_ptr, top_ptr, mn_ptr, mx_ptr, S: tl.co
     cnt = tl.zeros((S, N), tl.int32)
     mn = tl.full((S, N), float("inf"), tl.float32)
     mx = tl.full((S, N), float("-inf"), tl.float32)
-    a, mn, mx, cnt = ct._prep(x, inf[:, None], inf[:, None], mn, mx, cnt, True)
-    t0, t1, t2, t3, t4, t5, t6, t7 = ct._ins_chunks(neg, neg, neg, neg, neg, neg, neg, neg,
+    a, mn, mx, cnt = ct.prep(x, inf[:, None], inf[:, None], mn, mx, cnt, True)
+    t0, t1, t2, t3, t4, t5, t6, t7 = ct.ins_chunks(neg, neg, neg, neg, neg, neg, neg, neg,
                                                     tl.reshape(a, (S, N // C, C)), C, True)
-    t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, ct._merge8)
+    t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, ct.merge8)
     tl.store(top_ptr + r * 8 + 0, t0)
     tl.store(top_ptr + r * 8 + 1, t1)
     tl.store(top_ptr + r * 8 + 2, t2)
@@ -39,18 +39,18 @@ def _kth_largest_kernel(x_ptr, k_ptr, thr_ptr, top_ptr, mn_ptr, mx_ptr, S: tl.co
     tl.store(top_ptr + r * 8 + 7, t7)
     tl.store(mn_ptr + r, tl.min(mn, 1))
     tl.store(mx_ptr + r, tl.max(mx, 1))
-    kr, done, thr = ct._resolve(t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 1), inf, tl.load(k_ptr + r),
+    kr, done, thr = ct.resolve(t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 1), inf, tl.load(k_ptr + r),
                                 tl.zeros((S,), tl.int32), tl.zeros((S,), tl.float32))
     cut = inf
     while tl.min(done, 0) == 0:
         bound = cut
         cut = t7
         cnt = tl.zeros((S, N), tl.int32)
-        a, mn, mx, cnt = ct._prep(x, cut[:, None], bound[:, None], mn, mx, cnt, False)
-        t0, t1, t2, t3, t4, t5, t6, t7 = ct._ins_chunks(neg, neg, neg, neg, neg, neg, neg, neg,
+        a, mn, mx, cnt = ct.prep(x, cut[:, None], bound[:, None], mn, mx, cnt, False)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ct.ins_chunks(neg, neg, neg, neg, neg, neg, neg, neg,
                                                         tl.reshape(a, (S, N // C, C)), C, True)
-        t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, ct._merge8)
-        kr, done, thr = ct._resolve(t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 1), cut, kr, done, thr)
+        t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, ct.merge8)
+        kr, done, thr = ct.resolve(t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 1), cut, kr, done, thr)
     tl.store(thr_ptr + r, thr)
 
 

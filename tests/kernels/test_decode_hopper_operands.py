@@ -29,7 +29,7 @@ def test_a_non_trivial_operand_layout_fails_compilation():
         r = gl.arange(0, 128, layout=gl.SliceLayout(1, LW))
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, LW))
         h = gl.load(k_ptr + r[:, None] * 8 + c[None, :])
-        a = gl_attn._a_operand(h, 64, 128, A_L)
+        a = gl_attn.a_operand(h, 64, 128, A_L)
         gl.store(out_ptr + gl.arange(0, 1, layout=gl.BlockedLayout([1], [32], [4], [0])), gl.sum(gl.sum(
             gl.convert_layout(a, gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])).to(gl.float32), axis=1), axis=0))
 

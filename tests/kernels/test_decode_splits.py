@@ -25,7 +25,7 @@ def test_merge_kernel_combines_the_splits_by_log_sum_exp(splits_mod, device):
     want[4] = 0.0
     out = torch.full((rows, d), float("nan"), device=device)
     merge = lp.DECODE_MERGE
-    splits_mod._merge_kernel[merge.grid_for({"rows": rows}, {})](
+    splits_mod.merge_kernel[merge.grid_for({"rows": rows}, {})](
         part_o.to(device), part_lse.to(device), out, n_splits, **lp.decode_merge_constexprs(d),
         num_warps=merge.num_warps)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)

@@ -305,7 +305,7 @@ def test_the_bundle_packing_is_the_serving_gpus_not_the_artifacts(tmp_path, monk
     monkeypatch.setattr(build_mod, "write_trtllm_files", lambda tmp, layout: False)
     monkeypatch.setattr("oscar_export.plugins.trtllm.deployment.SUPPORTED_FAMILIES", ())
     for archs, packing, kernel, name in ((["sm_90"], "mma16", "_decode_split_gl_kernel", "hopper"),
-                                         (["sm_80", "sm_90"], "linear", "_decode_split_kernel", "portable")):
+                                         (["sm_80", "sm_90"], "linear", "decode_split_kernel", "portable")):
         out = build_deployment(ck, tmp_path / f"d{len(archs)}", archs)
         assert seen["packing"] == {"key": packing, "value": packing} and split() == [kernel]
         assert json.loads((out / "deploy.json").read_text())["decode_kernel"] == name

@@ -3,7 +3,7 @@
 Triton keys a compiled kernel on disk by, among others, its source hash (``JITFunction.cache_key``), computed on the
 kernel's first launch and kept on every helper it reaches. With Triton 3.6 (the H200's) the hash depends on that
 order: a function's hash takes in the constexpr globals of the helpers hashed *before* it, so a helper reached first
-from one kernel and first from another gets two hashes. Reproduced on the CPU with Triton 3.6.0: ``_channel_pages``
+from one kernel and first from another gets two hashes. Reproduced on the CPU with Triton 3.6.0: ``channel_pages``
 and, through it, the decode-step append kernel hash differently when the prefill's ``_quant_pack_kernel`` launches
 first than when the append kernel does (Triton 3.9 hashes alike). The precompile workers
 (``plugins/hf/precompile.py``) launch the append kernel first and a serving process the prefill's quantizer, so on

@@ -3,7 +3,7 @@
 The quantizer (``reference.groups``) clips each group at ``sorted(|x|)[rank]``, i.e. its K-th largest ``|x|``
 with ``K = group - rank``. These Triton helpers find it without sorting the group: each thread keeps the 8
 largest values it has seen as a descending list in registers, the threads sharing a group merge their lists,
-and more rounds below a cut handle K > 8 (:func:`_resolve`; :func:`_prep` masks a round's values below its
+and more rounds below a cut handle K > 8 (:func:`resolve`; :func:`prep` masks a round's values below its
 cut). Used by the quantizer's passes, :mod:`.quant_token` and :mod:`.quant_channel`.
 """
 
@@ -24,7 +24,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _ins(t0, t1, t2, t3, t4, t5, t6, t7, v):
+def ins(t0, t1, t2, t3, t4, t5, t6, t7, v):
     """Insert ``v`` into the descending lists ``t0 >= ... >= t7`` (elementwise); the smallest falls off."""
     h = tl.maximum(t0, v)
     v = tl.minimum(t0, v)
@@ -52,7 +52,7 @@ def _ins(t0, t1, t2, t3, t4, t5, t6, t7, v):
 
 
 @triton.jit
-def _merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+def merge8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
     """The 8 largest of two descending 8-lists, descending (``tl.reduce`` combine: associative, commutative).
 
     ``max(a_i, b_{7-i})`` holds the 8 largest as a bitonic sequence; a bitonic merger sorts it.
@@ -106,37 +106,37 @@ def _sort8(e0, e1, e2, e3, e4, e5, e6, e7):
 
 
 @triton.jit
-def _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST: tl.constexpr):
+def add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST: tl.constexpr):
     """The 8 largest of the lists and 8 new values (sorted, then merged: ~9 min/max per value, not 15)."""
     e0, e1, e2, e3, e4, e5, e6, e7 = _sort8(e0, e1, e2, e3, e4, e5, e6, e7)
     if FIRST:  # the lists are still empty
         t0, t1, t2, t3, t4, t5, t6, t7 = e0, e1, e2, e3, e4, e5, e6, e7
     else:
-        t0, t1, t2, t3, t4, t5, t6, t7 = _merge8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7)
+        t0, t1, t2, t3, t4, t5, t6, t7 = merge8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7)
     return t0, t1, t2, t3, t4, t5, t6, t7
 
 
 @triton.jit
-def _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7, v, C: tl.constexpr, FIRST: tl.constexpr):
+def ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7, v, C: tl.constexpr, FIRST: tl.constexpr):
     """Insert the ``C`` (1, 2, 4 or 8) values along the last axis of ``v [S, M, C]`` into lists ``[S, M]``.
 
     The last axis is a thread's contiguous load vector, so the splits move no data. ``FIRST``: the lists
     are empty (all -1).
     """
     if C == 1:
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, tl.reshape(v, (v.shape[0], v.shape[1])))
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, tl.reshape(v, (v.shape[0], v.shape[1])))
     elif C == 2:
         e0, e1 = tl.split(v)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
     elif C == 4:
         w0, w1 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2)))
         e0, e1 = tl.split(w0)
         e2, e3 = tl.split(w1)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e2)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins(t0, t1, t2, t3, t4, t5, t6, t7, e3)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, e0)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, e1)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, e2)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins(t0, t1, t2, t3, t4, t5, t6, t7, e3)
     else:
         w0, w1 = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 2, 2, 2)))
         w00, w01 = tl.split(w0)
@@ -145,12 +145,12 @@ def _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7, v, C: tl.constexpr, FIRST: tl.co
         e2, e3 = tl.split(w01)
         e4, e5 = tl.split(w10)
         e6, e7 = tl.split(w11)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST)
+        t0, t1, t2, t3, t4, t5, t6, t7 = add8(t0, t1, t2, t3, t4, t5, t6, t7, e0, e1, e2, e3, e4, e5, e6, e7, FIRST)
     return t0, t1, t2, t3, t4, t5, t6, t7
 
 
 @triton.jit
-def _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr):
+def resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr):
     """One round's verdict per group. ``t*``: the 8 largest ``|x|`` below ``cut``; ``c``: count of values in
     ``[cut, previous cut)``; ``kr``: rank from the top still to go before this round. Returns kr, done, thr.
     """
@@ -169,7 +169,7 @@ def _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr):
 
 
 @triton.jit
-def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
+def prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
     """``|x|`` masked to ``< cut`` (FIRST: all) and the running min/max of x (FIRST) or the count in [cut, bound)."""
     a = tl.abs(x)
     if FIRST:
@@ -181,4 +181,4 @@ def _prep(x, cut, bound, mn, mx, cnt, FIRST: tl.constexpr):
     return a, mn, mx, cnt
 
 
-__all__: list[str] = []
+__all__ = ["add8", "ins", "ins_chunks", "merge8", "prep", "resolve"]

@@ -38,7 +38,7 @@ from .aot import launch_plan as _plan
 from .cache_keys import hash_bottom_up
 from .checks import check_decode_append_inputs
 from .layout import KVCacheLayout, PagedKV, packing_code
-from .quant_pack import _quantize_page, _round_bf16, removal_counts
+from .quant_pack import quantize_page, removal_counts, round_bf16
 from .transform import LayerTransform
 
 
@@ -122,8 +122,8 @@ def _decode_append_kernel(
         k = tl.sum(kin[:, None] * rot, axis=0) * dk - mk
     # finite before rounding (rounding NaN bits is meaningless) and after (a huge finite value rounds to inf);
     # every program also checks every head's whole input rows, so a token with a NaN in any head writes no head
-    k16 = _round_bf16(k)
-    v16 = _round_bf16(v)
+    k16 = round_bf16(k)
+    v16 = round_bf16(v)
     fin = _finite(k) & _finite(v) & _finite(k16) & _finite(v16)
     others = _finite(k_all) & _finite(v_all)
     finite = (tl.sum(fin.to(tl.int32), axis=0) == CB) & (tl.sum(tl.sum(others.to(tl.int32), axis=1), axis=0) == HP * D)
@@ -155,11 +155,11 @@ def _decode_append_kernel(
 def _demote(rows_ptr, codes_ptr, params_ptr, page_head, rank_ptr, levels_ptr, P: tl.constexpr, D: tl.constexpr,
             G: tl.constexpr, CHANNEL: tl.constexpr, PACKING: tl.constexpr, BITS: tl.constexpr):
     """Quantize the ring rows ``[P, D]`` at ``rows_ptr`` into page-head ``page_head``
-    (:func:`.quant_pack._quantize_page` with the head's removals ``rank_ptr[0]`` and levels ``levels_ptr[0:4]``).
+    (:func:`.quant_pack.quantize_page` with the head's removals ``rank_ptr[0]`` and levels ``levels_ptr[0:4]``).
     Not inlined: the demotion is its own function in the compiled kernel, so Triton's coalescing pass (whose cost
     grows with the memory operations times the operations they connect to) sees two small functions instead of
     one large one."""
-    _quantize_page(rows_ptr, D, codes_ptr, params_ptr, page_head, tl.load(rank_ptr), tl.load(levels_ptr),
+    quantize_page(rows_ptr, D, codes_ptr, params_ptr, page_head, tl.load(rank_ptr), tl.load(levels_ptr),
                    tl.load(levels_ptr + 1), tl.load(levels_ptr + 2), tl.load(levels_ptr + 3), P, D, G, CHANNEL,
                    PACKING, BITS)
 

@@ -38,9 +38,9 @@ from .aot import launch_plan as _plan
 from .cache_keys import hash_bottom_up
 from .checks import check_format, check_tensor
 from .layout import KVCacheLayout, RowFormat, packing_code
-from .quant_channel import _channel_pages
-from .quant_codes import _ONE_FIFTEENTH, _ONE_THIRD, _code16, _store_codes_mma16
-from .quant_token import _token_pages
+from .quant_channel import channel_pages
+from .quant_codes import ONE_FIFTEENTH, ONE_THIRD, code4bit, store_codes_mma16
+from .quant_token import token_pages
 from .transform import clip_rank
 
 #: rows of R per step of the fused rotation when ``D > 128`` (the whole fp32 ``[D, D]`` exceeds shared memory).
@@ -50,7 +50,7 @@ ROT_K = tl.constexpr(32)
 
 
 @triton.jit
-def _round_bf16(x):
+def round_bf16(x):
     """fp32 -> the nearest BF16 value (ties to even), still as fp32; a cast of it to BF16 is then exact.
 
     Done on the bits because Triton's CPU interpreter (3.9) truncates ``.to(tl.bfloat16)`` while the GPU
@@ -62,17 +62,17 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
+def quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv3,
                    P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, CHANNEL: tl.constexpr,
                    PACKING: tl.constexpr = 0, BITS: tl.constexpr = 2):
     """Quantize the rows ``[P, D]`` at ``x_base`` (row stride ``stride_xp``) into page-head ``page_head`` (int64);
     ``PACKING``: ``layout.packing_code`` of the pool; ``BITS``: its code width (2, or 4: uniform levels)."""
     codes_base = codes_ptr + page_head * (P * D * BITS // 8)
     if CHANNEL:
-        _channel_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (2 * D), removals + 1,
+        channel_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (2 * D), removals + 1,
                        lv0, lv1, lv2, lv3, P, D, G, PACKING, BITS)
     else:
-        _token_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (P * (D // G) * 2), removals + 1,
+        token_pages(x_base, stride_xp, codes_base, params_ptr + page_head * (P * (D // G) * 2), removals + 1,
                      lv0, lv1, lv2, lv3, P, D, G, PACKING, BITS)
 
 
@@ -95,10 +95,10 @@ def _clip_quantize(a, x, rank_removals, lv0, lv1, lv2, lv3, N: tl.constexpr, BIT
     lo = tl.min(xc, axis=1)
     hi = tl.max(xc, axis=1)
     if BITS == 4:
-        scale16 = ((hi - lo) * _ONE_FIFTEENTH).to(tl.float16)
+        scale16 = ((hi - lo) * ONE_FIFTEENTH).to(tl.float16)
         lo16 = lo.to(tl.float16)
-        return _code16(xc, thr, lo16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None]), scale16, lo16
-    scale16 = ((hi - lo) * _ONE_THIRD).to(tl.float16)
+        return code4bit(xc, thr, lo16.to(tl.float32)[:, None], scale16.to(tl.float32)[:, None]), scale16, lo16
+    scale16 = ((hi - lo) * ONE_THIRD).to(tl.float16)
     lo16 = lo.to(tl.float16)
     s = scale16.to(tl.float32)[:, None]
     d = xc - lo16.to(tl.float32)[:, None]
@@ -127,7 +127,7 @@ def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv
         xt = tl.trans(x)  # [D, P]: one group per channel, over the P tokens of the page
         codes, scale16, lo16 = _clip_quantize(tl.abs(xt), xt, removals, lv0, lv1, lv2, lv3, P, BITS)
         if PACKING != 0:
-            _store_codes_mma16(codes_ptr + page_head * (P * RB_), tl.trans(codes), 0, P, D, P, PACKING, BITS)
+            store_codes_mma16(codes_ptr + page_head * (P * RB_), tl.trans(codes), 0, P, D, P, PACKING, BITS)
         else:
             c4 = tl.reshape(codes, (NG, CPB, Q, P))
             packed = tl.sum(c4 * shifts[None, :, None, None], axis=1)  # [NG, Q, P]
@@ -140,7 +140,7 @@ def _store_tile(x, codes_ptr, params_ptr, page_head, removals, lv0, lv1, lv2, lv
         xg = tl.reshape(x, (P * NG, G))  # one group per row segment
         codes, scale16, lo16 = _clip_quantize(tl.abs(xg), xg, removals, lv0, lv1, lv2, lv3, G, BITS)
         if PACKING != 0:
-            _store_codes_mma16(codes_ptr + page_head * (P * RB_), tl.reshape(codes, (P, D)), 0, P, D, P, PACKING,
+            store_codes_mma16(codes_ptr + page_head * (P * RB_), tl.reshape(codes, (P, D)), 0, P, D, P, PACKING,
                                BITS)
         else:
             c4 = tl.reshape(codes, (P * NG, CPB, Q))
@@ -202,13 +202,13 @@ def _quant_pack_kernel(
                 x = tl.dot(xk, tl.load(rot_ptr + h * D * D + kk[:, None] * D + i[None, :]), x, input_precision="ieee")
         x = x * tl.load(dscale_ptr + h * D + i)[None, :] - tl.load(mean_ptr + h * D + i)[None, :]
         if ROUND_BF16:
-            x = _round_bf16(x)
+            x = round_bf16(x)
         if ROUND_FP16:
             x = x.to(tl.float16).to(tl.float32)
         _store_tile(x, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3, P, D, G, CHANNEL,
                     PACKING, BITS)
     else:
-        _quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3,
+        quantize_page(x_base, stride_xp, codes_ptr, params_ptr, page * H_KV + h, removals, lv0, lv1, lv2, lv3,
                        P, D, G, CHANNEL, PACKING, BITS)
 
 
@@ -338,4 +338,4 @@ def quantize_pages(
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
-__all__ = ["quantize_pages", "removal_counts", "write_pages"]
+__all__ = ["quantize_page", "quantize_pages", "removal_counts", "round_bf16", "write_pages"]

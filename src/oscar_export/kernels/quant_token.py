@@ -1,6 +1,6 @@
 """The page quantizer's pass over one page-head of token groups (each row's ``D // G`` groups of ``G`` values): the
 clip threshold of every group (:mod:`.clip_threshold`), its fp16 ``(scale, lo)`` and the packed codes, in linear or
-mma16 order. Called by ``quant_pack._quantize_page`` (the prefill write and the decode step's demotion); tested
+mma16 order. Called by ``quant_pack.quantize_page`` (the prefill write and the decode step's demotion); tested
 through ``quant_pack.quantize_pages`` (tests/kernels/test_quant_pack.py, the ``token`` cases).
 """
 
@@ -10,14 +10,14 @@ import triton
 import triton.language as tl
 
 from .cache_keys import hash_bottom_up
-from .clip_threshold import _ins_chunks, _merge8, _prep, _resolve
+from .clip_threshold import ins_chunks, merge8, prep, resolve
 from .mma16 import repack_linear_to_mma16
-from .quant_codes import _MMA16_KEY, _code, _code16, _scale_lo, _store_codes_mma16
+from .quant_codes import MMA16_KEY, code2bit, code4bit, scale_lo, store_codes_mma16
 
 
 @triton.jit
 def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constexpr, FIRST: tl.constexpr):
-    """One pass over the token groups at ``ptrs [S, Q]`` (+ k*Q: quarter k): see :func:`_resolve`.
+    """One pass over the token groups at ``ptrs [S, Q]`` (+ k*Q: quarter k): see :func:`resolve`.
 
     Returns the 8 largest ``|x| < cut`` per row, the count in ``[cut, bound)`` and (FIRST) min/max of x.
     """
@@ -27,15 +27,15 @@ def _row_round(ptrs, cut, bound, S: tl.constexpr, Q: tl.constexpr, C: tl.constex
     mn = tl.full((S, Q), float("inf"), tl.float32)
     mx = tl.full((S, Q), float("-inf"), tl.float32)
     for k in tl.static_range(4):
-        a, mn, mx, cnt = _prep(tl.load(ptrs + k * Q).to(tl.float32), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
-        t0, t1, t2, t3, t4, t5, t6, t7 = _ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7,
+        a, mn, mx, cnt = prep(tl.load(ptrs + k * Q).to(tl.float32), cut[:, None], bound[:, None], mn, mx, cnt, FIRST)
+        t0, t1, t2, t3, t4, t5, t6, t7 = ins_chunks(t0, t1, t2, t3, t4, t5, t6, t7,
                                                      tl.reshape(a, (S, Q // C, C)), C, k == 0)
-    t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, _merge8)
+    t0, t1, t2, t3, t4, t5, t6, t7 = tl.reduce((t0, t1, t2, t3, t4, t5, t6, t7), 1, merge8)
     return t0, t1, t2, t3, t4, t5, t6, t7, tl.sum(cnt, 1), tl.min(mn, 1), tl.max(mx, 1)
 
 
 @triton.jit
-def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
+def token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2, lv3,
                  P: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PACKING: tl.constexpr = 0,
                  BITS: tl.constexpr = 2):
     """Quantize one page-head of token groups: ``x_base`` rows ``[P, D]`` (row stride ``stride_xp``).
@@ -70,7 +70,7 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
         for g in tl.static_range(NG):
             ptrs = x_base + (rb + r)[:, None] * stride_xp + (g * G + q)[None, :]
             t0, t1, t2, t3, t4, t5, t6, t7, c, mn, mx = _row_round(ptrs, inf, inf, S, Q, C, True)
-            kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((S,), tl.int32) + keep,
+            kr, done, thr = resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, inf, tl.zeros((S,), tl.int32) + keep,
                                      tl.zeros((S,), tl.int32), tl.zeros((S,), tl.float32))
             cut = inf
             if keep > 8:  # uniform: K <= 8 is resolved by the first round, skip the cross-warp check
@@ -78,8 +78,8 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                     bound = cut
                     cut = t7
                     t0, t1, t2, t3, t4, t5, t6, t7, c, _, _ = _row_round(ptrs, cut, bound, S, Q, C, False)
-                    kr, done, thr = _resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
-            scale16, lo16 = _scale_lo(mn, mx, thr, BITS)
+                    kr, done, thr = resolve(t0, t1, t2, t3, t4, t5, t6, t7, c, cut, kr, done, thr)
+            scale16, lo16 = scale_lo(mn, mx, thr, BITS)
             s = scale16.to(tl.float32)
             lof = lo16.to(tl.float32)[:, None]
             ts0 = (t0p * s)[:, None]
@@ -88,10 +88,10 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
             if BITS == 4:
                 th = thr[:, None]
                 s2 = s[:, None]
-                low = _code16(tl.load(ptrs).to(tl.float32), th, lof, s2)
-                low |= _code16(tl.load(ptrs + 2 * Q).to(tl.float32), th, lof, s2) << 4
-                high = _code16(tl.load(ptrs + Q).to(tl.float32), th, lof, s2)
-                high |= _code16(tl.load(ptrs + 3 * Q).to(tl.float32), th, lof, s2) << 4
+                low = code4bit(tl.load(ptrs).to(tl.float32), th, lof, s2)
+                low |= code4bit(tl.load(ptrs + 2 * Q).to(tl.float32), th, lof, s2) << 4
+                high = code4bit(tl.load(ptrs + Q).to(tl.float32), th, lof, s2)
+                high |= code4bit(tl.load(ptrs + 3 * Q).to(tl.float32), th, lof, s2) << 4
                 dst = codes_base + (rb + r)[:, None] * (D // 2) + (g * (G // 2) + q)[None, :]
                 tl.store(dst, low.to(tl.uint8))
                 tl.store(dst + Q, high.to(tl.uint8))
@@ -119,12 +119,12 @@ def _token_pages(x_base, stride_xp, codes_base, params_base, keep, lv0, lv1, lv2
                      mask=q[None, :] == 0)
         if PACKING != 0 and NG > 1 and BITS == 2:
             x = tl.load(x_base + (rb + r)[:, None] * stride_xp + tl.arange(0, D)[None, :]).to(tl.float32)
-            _store_codes_mma16(codes_base, _code(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
+            store_codes_mma16(codes_base, code2bit(x, thr_f, lof_f, ts0_f, ts1_f, ts2_f), rb, P, D, S, PACKING)
     if PACKING != 0 and (NG == 1 or BITS == 4):
         tl.debug_barrier()  # the linear codes of every row block are written (by other threads too)
-        repack_linear_to_mma16(codes_base, P, D, PACKING != _MMA16_KEY, G, BITS)
+        repack_linear_to_mma16(codes_base, P, D, PACKING != MMA16_KEY, G, BITS)
 
 
 hash_bottom_up(globals())  # one Triton cache key per helper, whatever kernel launches first (cache_keys.py)
 
-__all__: list[str] = []
+__all__ = ["token_pages"]

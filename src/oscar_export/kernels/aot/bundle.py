@@ -6,10 +6,10 @@ head_dim, page size, windows, row formats, softmax scale). For that layout it ho
 * ``quant_pack_{k,v}[_rot]`` — ``kernels/quant_pack.py:_quant_pack_kernel``: demotion (rows already in the
   stored basis) and, with ``_rot``, prefill pages straight from model-basis rows (``(x R) d - mu`` rounded
   through BF16, as the wrapper does). Grid ``(N pages, H_kv)``.
-* ``decode_split`` — ``kernels/decode/portable.py:_decode_split_kernel`` (``decode/hopper_kernel.py``'s for mma16
+* ``decode_split`` — ``kernels/decode/portable.py:decode_split_kernel`` (``decode/hopper_kernel.py``'s for mma16
   pages) over the step's fp32 queries in the stored key basis, ``decode_append``'s ``q_rot``: no split program
   rotates a query. Grid ``(B * H_kv, n_splits)``.
-* ``decode_merge`` — ``kernels/decode/splits.py:_merge_kernel``, BF16 output. Grid ``(B * H,)``.
+* ``decode_merge`` — ``kernels/decode/splits.py:merge_kernel``, BF16 output. Grid ``(B * H,)``.
 * ``decode_append`` — ``kernels/decode_step.py:_decode_append_kernel``: the decode step's cache write on the
   device (the token into the recent ring, a demotion decided by the kernel from the committed lengths; keys
   and values already in the stored basis, ``TRANSFORM`` off), and the step's ``H`` queries rotated into the stored

@@ -70,7 +70,7 @@ _SPLIT_DERIVED = (("n_page_splits", "cdiv(max_pages, pages_per_split)"),
                   ("n_splits", "n_page_splits + cdiv(S0, BN) + cdiv(RC, BN)"))
 
 DECODE_SPLIT = KernelPlan(
-    name="decode_split", kernel=f"{_DA}:_decode_split_kernel",
+    name="decode_split", kernel=f"{_DA}:decode_split_kernel",
     params=_SPLIT_INPUTS + _SPLIT_OUTPUTS + _SPLIT_SCALARS, constexprs=_SPLIT_CONSTEXPRS,
     num_warps=PAGE_SLOTS, num_stages=2, grid=("B * H_KV", "n_splits", "1"), sizes=("B",), derived=_SPLIT_DERIVED,
     doc="decode attention, one split of sink/INT2 pages/recent per program, over stored-basis fp32 queries",
@@ -113,7 +113,7 @@ DECODE_SPLIT_MERGE_GL = KernelPlan(
         "zero at launch and left zero); JIT only, not in bundles",
 )
 DECODE_MERGE = KernelPlan(
-    name="decode_merge", kernel=f"{_SPL}:_merge_kernel",
+    name="decode_merge", kernel=f"{_SPL}:merge_kernel",
     params=(("part_o_ptr", "*fp32"), ("part_lse_ptr", "*fp32"), ("out_ptr", "*bf16"), ("n_splits", "i32")),
     constexprs=("D", "CH"), num_warps=4, num_stages=TRITON_DEFAULT_STAGES, grid=("rows", "1", "1"), sizes=("rows",),
     doc="merge decode splits by log-sum-exp; rows = B * H",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..decode.portable import _decode_split_kernel
-from ..decode.splits import _merge_kernel
+from ..decode.portable import decode_split_kernel
+from ..decode.splits import merge_kernel
 
 
 @triton.jit
@@ -30,8 +30,8 @@ def _decode_split_trt_kernel(
     K_CHANNEL: tl.constexpr, K_CODEBOOK: tl.constexpr, V_CODEBOOK: tl.constexpr,
     FAST_UNPACK: tl.constexpr, NB: tl.constexpr, KEY_BITS: tl.constexpr,
 ):
-    """``_decode_split_kernel`` with the outputs (part_o, part_lse) last. Grid ``(B * H_kv, n_splits)``."""
-    _decode_split_kernel(
+    """``decode_split_kernel`` with the outputs (part_o, part_lse) last. Grid ``(B * H_kv, n_splits)``."""
+    decode_split_kernel(
         q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
         k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
         block_table_ptr, sink_len_ptr, num_pages_ptr, recent_len_ptr, part_o_ptr, part_lse_ptr,
@@ -43,5 +43,5 @@ def _decode_split_trt_kernel(
 
 @triton.jit
 def _merge_trt_kernel(part_o_ptr, part_lse_ptr, n_splits, out_ptr, D: tl.constexpr, CH: tl.constexpr):
-    """``_merge_kernel`` with the output last. Grid ``(B * H,)``."""
-    _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D, CH)
+    """``merge_kernel`` with the output last. Grid ``(B * H,)``."""
+    merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D, CH)

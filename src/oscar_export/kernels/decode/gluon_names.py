@@ -2,7 +2,7 @@
 
 ``HAVE_GLUON`` is False when Triton has no Gluon, or spells one of these names otherwise: then the ``"gluon"``
 (hopper) decode backend is simply not offered. Where the two checked versions differ, one name here stands for both:
-:data:`_cp_async` (cp.async global -> shared) and :data:`_cta_barrier` (the CTA barrier). Read by
+:data:`cp_async` (cp.async global -> shared) and :data:`cta_barrier` (the CTA barrier). Read by
 ``hopper_kernel.py``, ``hopper_merge.py`` and ``hopper_operands.py``.
 """
 
@@ -15,12 +15,12 @@ try:  # Gluon (Triton 3.6 and 3.9 checked); without it, or with another spelling
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
     #: cp.async global -> shared: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared`` in 3.6.
-    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     #: the CTA barrier: ``gl.barrier()`` in Triton 3.9, ``gl.thread_barrier()`` in 3.6.
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except (ImportError, AttributeError):  # pragma: no cover - exercised only on other Triton versions
     HAVE_GLUON = False
-    gluon = gl = async_copy = fence_async_shared = warpgroup_mma = _cp_async = _cta_barrier = None
+    gluon = gl = async_copy = fence_async_shared = warpgroup_mma = cp_async = cta_barrier = None
 
-__all__ = ["HAVE_GLUON", "async_copy", "fence_async_shared", "gl", "gluon", "warpgroup_mma"]
+__all__ = ["HAVE_GLUON", "async_copy", "cp_async", "cta_barrier", "fence_async_shared", "gl", "gluon", "warpgroup_mma"]

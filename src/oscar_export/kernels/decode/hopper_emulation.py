@@ -3,7 +3,7 @@ algorithm is checked without a GPU (``tests/kernels/test_decode_hopper_emulation
 H200: ``tests/gpu/test_kernels_gpu.py::test_decode_attention_gluon_matches_its_emulation``).
 
 :func:`emulate_a_operand` rebuilds a page's A operand the way the kernel does (:mod:`.hopper_operands`'s
-``_word_offsets`` / ``_a_operand``: the uint16 halves, the field masks read as fp16 bits, joins, permute, reshape);
+``word_offsets`` / ``a_operand``: the uint16 halves, the field masks read as fp16 bits, joins, permute, reshape);
 :func:`emulate` is the whole decode in float64 on those operands, with the kernel's folding of scales and powers of
 two and its fp16 roundings, against ``reference.decode_attention``.
 """
@@ -18,10 +18,10 @@ from ..layout import KVCacheLayout
 
 def emulate_a_operand(page: torch.Tensor, rows: int, cols: int, c0: int = 0, ct: int | None = None,
                       bits: int = 2) -> torch.Tensor:
-    """``hopper_operands._a_operand`` of ``_word_offsets`` in PyTorch, step by step: the uint16 halves of columns ``c0
+    """``hopper_operands.a_operand`` of ``word_offsets`` in PyTorch, step by step: the uint16 halves of columns ``c0
     .. c0 + ct`` of one page's ``[rows, cols]`` mma16 matrix (``page``: its bytes), the eight fields masked and read
     as fp16 bits, joined, permuted and reshaped in the kernel's order. Returns the fp16 ``[rows, ct]`` operand
-    (``code·4^(2hc + hr)·2^-24``). ``bits=4``: ``_a_operand4`` of ``_word_offsets4`` (``code·16^hr·2^-24``)."""
+    (``code·4^(2hc + hr)·2^-24``). ``bits=4``: ``a_operand4`` of ``word_offsets4`` (``code·16^hr·2^-24``)."""
     ct = cols if ct is None else ct
     if bits == 4:
         return _emulate_a_operand4(page, rows, cols, c0, ct)

@@ -1,9 +1,9 @@
 """Decode attention on Hopper: the mma16 split kernel in Gluon, the unpacked codes as the A operand of ``wgmma``.
 
 Same interface, semantics and partials as the portable split kernel (:mod:`.portable`), same mma16 pages, and
-two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by ``splits._merge_kernel`` (the
+two kernels over one body (:func:`_split_partial`): ``_decode_split_gl_kernel``, merged by ``splits.merge_kernel`` (the
 launch plan's DECODE_SPLIT_GL, what AOT bundles carry), and ``_decode_split_merge_gl_kernel``, whose last program of
-each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge._merge_if_last``: one launch; the JIT default,
+each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge.merge_if_last``: one launch; the JIT default,
 ``GL_FUSED_MERGE``). The kernel owns its register layouts:
 
 * one warpgroup (4 warps) per (sequence, KV head, split); every page dot is a Hopper ``warpgroup_mma`` with
@@ -13,7 +13,7 @@ each (sequence, KV head) merges (DECODE_SPLIT_MERGE_GL, ``hopper_merge._merge_if
 * a page's codes are loaded as uint16 halves in the layout where thread ``lane`` of warp ``w`` holds the words
   of row blocks ``w, w + 4, ...`` (``reference.pack_mma16``: one contiguous run per lane and row block), and
   each field of a word becomes one ``half2`` A register by one ``and.b32`` (fields 4..7 after one ``shr.b32``
-  per word). ``_a_operand`` (:mod:`.hopper_operands`, the page operands) rebuilds the logical ``[R, C]`` tile
+  per word). ``a_operand`` (:mod:`.hopper_operands`, the page operands) rebuilds the logical ``[R, C]`` tile
   from the eight fields with joins, one permute and one reshape, and ``convert_layout(..., assert_trivial=True)``
   makes the compiler prove that this *is* the wgmma A layout: no data moves between the load and the MMA
   (compilation fails otherwise);
@@ -29,7 +29,7 @@ The BF16 sink / recent chunks (``s >= n_page_splits``) use the same warpgroup MM
 through shared memory (a few chunks per sequence, not the hot loop).
 
 4-bit key pages (``KEY_BITS`` 4, ``reference.pack_mma16(..., bits=4)``: a word holds one 16x16 tile's fragment) take
-the same path with four nibble fields a word (``_a_operand4``: ``c·16^hr·2^-24``, the ``hc`` field by the ``shr``,
+the same path with four nibble fields a word (``a_operand4``: ``c·16^hr·2^-24``, the ``hc`` field by the ``shr``,
 so the query rows carry no power of two), twice the code bytes a page in the cp.async stages.
 
 head_dim 256 with two token groups of 128 a row (the default layout there, Gemma 3; ``NG`` 2): each 128-column key
@@ -57,12 +57,12 @@ PyTorch, against ``reference.decode_attention``).
 from __future__ import annotations
 
 from ..aot import launch_plan as _plan
-from .gluon_names import HAVE_GLUON, _cp_async, _cta_barrier, async_copy, fence_async_shared, gl, gluon, warpgroup_mma
+from .gluon_names import HAVE_GLUON, async_copy, cp_async, cta_barrier, fence_async_shared, gl, gluon, warpgroup_mma
 from .portable_pages import window_block
 
 if HAVE_GLUON:
-    from .hopper_merge import _merge_if_last  # the fused merge of the last program
-    from .hopper_operands import _a_operand, _a_operand4, _word_offsets, _word_offsets4  # the page operands
+    from .hopper_merge import merge_if_last  # the fused merge of the last program
+    from .hopper_operands import a_operand, a_operand4, word_offsets, word_offsets4  # the page operands
 
 #: the split kernel's cp.async page stages (the launch plan's; its one warpgroup a program: DECODE_SPLIT_GL.num_warps).
 STAGES = _plan.GL_PAGE_STAGES
@@ -121,7 +121,7 @@ if HAVE_GLUON:
         PS: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GQ_PAD, BN], gl.float16)
         p_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, BN], PS, gl.permute(pt.to(gl.float16), [1, 0]))
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         vt = gl.convert_layout(gl.permute(vv, [1, 0]), A_L)  # [D, BN]
         out_t = warpgroup_mma(vt, p_s.permute((1, 0)), gl.zeros([D, GQ_PAD], gl.float32, MMA))
         return m, den, out_t
@@ -143,8 +143,8 @@ if HAVE_GLUON:
         KH: gl.constexpr = KC * KEY_BITS // 32  # uint16 halves of a chunk's row block a lane holds
         st = it % STAGES
         for ch in gl.static_range(NCH):
-            _cp_async(kbuf.index(st * NCH + ch), k16 + khalf_off + koffs + ch * KH, mask=ok)
-        _cp_async(vbuf.index(st), v16 + half_off + voffs, mask=ok)
+            cp_async(kbuf.index(st * NCH + ch), k16 + khalf_off + koffs + ch * KH, mask=ok)
+        cp_async(vbuf.index(st), v16 + half_off + voffs, mask=ok)
         LP: gl.constexpr = gl.BlockedLayout([P // 128 if P >= 128 else 1], [32], [4], [0])
         t = gl.arange(0, P, layout=LP)
         word_off = (page * H_KV + h) * (P * NG)
@@ -152,14 +152,14 @@ if HAVE_GLUON:
             LC: gl.constexpr = gl.BlockedLayout([8], [32], [4], [0])  # 16 bytes a thread (replicated past D)
             dc = gl.arange(0, D, layout=LC)
             pw = k_params_ptr + (page * H_KV + h) * (2 * D) + dc
-            _cp_async(cbuf.index(2 * st), pw, mask=ok)
-            _cp_async(cbuf.index(2 * st + 1), pw + D, mask=ok)
+            cp_async(cbuf.index(2 * st), pw, mask=ok)
+            cp_async(cbuf.index(2 * st + 1), pw + D, mask=ok)
         else:
             for g in gl.static_range(NG):
-                _cp_async(tbuf.index(2 * st * NG + g),
+                cp_async(tbuf.index(2 * st * NG + g),
                           k_params_ptr.to(gl.pointer_type(gl.int32)) + word_off + t * NG + g, mask=ok)
         for g in gl.static_range(NG):
-            _cp_async(tbuf.index((2 * st + 1) * NG + g), vp32 + word_off + t * NG + g, mask=ok)
+            cp_async(tbuf.index((2 * st + 1) * NG + g), vp32 + word_off + t * NG + g, mask=ok)
         async_copy.commit_group()
 
     @gluon.jit
@@ -202,10 +202,10 @@ if HAVE_GLUON:
         h = bh % H_KV
         if s < n_page_splits:
             if KEY_BITS == 4:
-                koffs = _word_offsets4(P, D, 0, KC, LWK)  # chunk ch: + ch * KH (KC // 16 words of each row block)
+                koffs = word_offsets4(P, D, 0, KC, LWK)  # chunk ch: + ch * KH (KC // 16 words of each row block)
             else:
-                koffs = _word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KH (KC // 32 words of each row block)
-            voffs = _word_offsets(D, P, 0, P, LWV)
+                koffs = word_offsets(P, D, 0, KC, LWK)  # chunk ch: + ch * KH (KC // 32 words of each row block)
+            voffs = word_offsets(D, P, 0, P, LWV)
             k16 = k_codes_ptr.to(gl.pointer_type(gl.uint16))
             v16 = v_codes_ptr.to(gl.pointer_type(gl.uint16))
             # the page codes stream through STAGES shared-memory stages (cp.async, STAGES - 1 pages ahead)
@@ -250,7 +250,7 @@ if HAVE_GLUON:
             for pg in range(start, end):
                 it = pg - start
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of page pg have landed
-                _cta_barrier()  # ... everyone's; and stage (it - 1) % STAGES is free again
+                cta_barrier()  # ... everyone's; and stage (it - 1) % STAGES is free again
                 _issue_page(kbuf, vbuf, tbuf, cbuf, k16, v16, k_params_ptr, vp32, block_table_ptr, b, pg + STAGES - 1,
                             end, it + STAGES - 1, max_pages, h, koffs, voffs, K_CHANNEL, H_KV, P, D, KC, STAGES,
                             KEY_BITS, NG)
@@ -272,9 +272,9 @@ if HAVE_GLUON:
                     st = gl.zeros([P, GQ_PAD], gl.float32, MMA)
                     for ch in gl.static_range(NCH):
                         if KEY_BITS == 4:
-                            a = _a_operand4(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                            a = a_operand4(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
                         else:
-                            a = _a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
+                            a = a_operand(kbuf.index(stage * NCH + ch).load(LWK), P, KC, A_L)
                         st = warpgroup_mma(a, qk_s.slice(ch * KC, KC, dim=1).permute((1, 0)), st)
                     if K_CHANNEL:
                         st = st * hr_k[:, None] + const[None, :]
@@ -282,16 +282,16 @@ if HAVE_GLUON:
                         st = st * (ks * hr_k)[:, None] + klo_t[:, None] * qsum[None, :]
                 else:  # two token key groups, one 128-column chunk each: each chunk's scores by its own scale
                     if KEY_BITS == 4:
-                        a = _a_operand4(kbuf.index(stage * NCH).load(LWK), P, KC, A_L)
+                        a = a_operand4(kbuf.index(stage * NCH).load(LWK), P, KC, A_L)
                     else:
-                        a = _a_operand(kbuf.index(stage * NCH).load(LWK), P, KC, A_L)
+                        a = a_operand(kbuf.index(stage * NCH).load(LWK), P, KC, A_L)
                     st = warpgroup_mma(a, qk_s.slice(0, KC, dim=1).permute((1, 0)),
                                        gl.zeros([P, GQ_PAD], gl.float32, MMA))
                     st = st * (ks * hr_k)[:, None] + klo_t[:, None] * qsum[None, :]
                     if KEY_BITS == 4:
-                        a = _a_operand4(kbuf.index(stage * NCH + 1).load(LWK), P, KC, A_L)
+                        a = a_operand4(kbuf.index(stage * NCH + 1).load(LWK), P, KC, A_L)
                     else:
-                        a = _a_operand(kbuf.index(stage * NCH + 1).load(LWK), P, KC, A_L)
+                        a = a_operand(kbuf.index(stage * NCH + 1).load(LWK), P, KC, A_L)
                     st1 = warpgroup_mma(a, qk_s.slice(KC, KC, dim=1).permute((1, 0)),
                                         gl.zeros([P, GQ_PAD], gl.float32, MMA))
                     st = st + st1 * (ks1 * hr_k)[:, None] + klo1[:, None] * qsum1[None, :]
@@ -309,12 +309,12 @@ if HAVE_GLUON:
                 fence_async_shared()
                 if NG == 2:  # the value rows (dims) of each group: its half of the page's row blocks
                     HR: gl.constexpr = DG // 16 * 32
-                    a_v = _a_operand(vbuf.index(stage).slice(0, HR, dim=0).load(LWV), DG, P, A_L)
+                    a_v = a_operand(vbuf.index(stage).slice(0, HR, dim=0).load(LWV), DG, P, A_L)
                     acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
-                    a_v1 = _a_operand(vbuf.index(stage).slice(HR, HR, dim=0).load(LWV), DG, P, A_L)
+                    a_v1 = a_operand(vbuf.index(stage).slice(HR, HR, dim=0).load(LWV), DG, P, A_L)
                     acc1 = warpgroup_mma(a_v1, p_s1.permute((1, 0)), acc1 * alpha[None, :])
                 else:
-                    a_v = _a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
+                    a_v = a_operand(vbuf.index(stage).load(LWV), D, P, A_L)
                     acc = warpgroup_mma(a_v, p_s.permute((1, 0)), acc * alpha[None, :])
             async_copy.wait_group(0)  # no copy outlives the program
             den = gl.sum(l_acc, axis=0)
@@ -327,7 +327,7 @@ if HAVE_GLUON:
             q32 = _query(q_ptr, b, h, H_KV, GQ, GQ_PAD, D, SM_SCALE, QL)
             qw_s = gl.allocate_shared_memory(gl.float16, [GQ_PAD, D], QS, q32.to(gl.float16))
             fence_async_shared()
-            _cta_barrier()
+            cta_barrier()
             m, den, out_t = _window_chunk(qw_s, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_ptr,
                                         num_pages_ptr, recent_len_ptr, b, h, s - n_page_splits, H_KV, D, P, S0,
                                         RC, BN, GQ_PAD, MMA, A_L)
@@ -377,7 +377,7 @@ if HAVE_GLUON:
         K_CHANNEL: gl.constexpr, K_CODEBOOK: gl.constexpr, V_CODEBOOK: gl.constexpr,
         FAST_UNPACK: gl.constexpr, STAGES: gl.constexpr, KEY_BITS: gl.constexpr = 2, NG: gl.constexpr = 1,
     ):
-        """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`_merge_if_last`): one launch
+        """:func:`_decode_split_gl_kernel` with the merge in its last program (:func:`merge_if_last`): one launch
         for the whole decode attention. ``out_ptr [B, H, D]`` (fp32 / bf16 / fp16), ``counters_ptr`` int32 ``[>=
         B * H_KV]``, zero at launch and left zero (``hopper.merge_counters``)."""
         _split_partial(q_ptr, sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, k_codes_ptr, k_params_ptr,
@@ -385,7 +385,7 @@ if HAVE_GLUON:
                        part_o_ptr, part_lse_ptr, max_pages, pages_per_split, n_page_splits, n_splits,
                        H_KV, GQ, GQ_PAD, D, P, S0, RC, BN, SM_SCALE, K_CHANNEL, K_CODEBOOK, V_CODEBOOK,
                        STAGES, KEY_BITS, NG)
-        _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV, GQ, D)
+        merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV, GQ, D)
 
     KERNEL = _decode_split_gl_kernel
     FUSED_KERNEL = _decode_split_merge_gl_kernel

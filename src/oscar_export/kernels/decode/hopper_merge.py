@@ -1,20 +1,20 @@
 """The hopper decode kernel's fused merge, in Gluon: the last split program of a (sequence, KV head) merges its splits.
 
-:func:`_merge_if_last` ends ``hopper_kernel.py``'s ``_decode_split_merge_gl_kernel`` (the launch plan's
+:func:`merge_if_last` ends ``hopper_kernel.py``'s ``_decode_split_merge_gl_kernel`` (the launch plan's
 DECODE_SPLIT_MERGE_GL, one launch a decode attention; the JIT default, ``GL_FUSED_MERGE``): a counter a (sequence, KV
-head) tells its last program to merge the partials, in the arithmetic of ``splits.py``'s ``_merge_kernel`` (the
+head) tells its last program to merge the partials, in the arithmetic of ``splits.py``'s ``merge_kernel`` (the
 unfused merge). Gluon has no interpreter: it is compiled for sm_90 on the CPU with the kernel
 (tests/kernels/test_decode_hopper_kernel.py) and run on the H200 (tests/gpu/test_kernels_gpu.py).
 """
 
 from __future__ import annotations
 
-from .gluon_names import HAVE_GLUON, _cta_barrier, gl, gluon
+from .gluon_names import HAVE_GLUON, cta_barrier, gl, gluon
 
 if HAVE_GLUON:
 
     @gluon.jit
-    def _merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV: gl.constexpr,
+    def merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, counters_ptr, n_splits, H_KV: gl.constexpr,
                        GQ: gl.constexpr, D: gl.constexpr):
         """The last of the ``n_splits`` programs of a (sequence, KV head) to finish merges their partials into
         ``out [B, H, D]`` and sets the pair's counter back to zero for the next launch.
@@ -24,10 +24,10 @@ if HAVE_GLUON:
         sees every other program's stores), whose result reaches all threads through the CTA; partials are read
         from L2 (``.cg``). The merge is online over chunks of ``MCH`` splits (all query heads of the KV head at
         once, 64 fp32 registers of partials a thread): the running log2-sum-exp max per head, the weights
-        ``2^(lse - max)``, a head with nothing attended gives zeros (as ``_merge_kernel``, whose arithmetic this is
+        ``2^(lse - max)``, a head with nothing attended gives zeros (as ``merge_kernel``, whose arithmetic this is
         up to the summation order)."""
         bh = gl.program_id(0)
-        _cta_barrier()
+        cta_barrier()
         arrived = gl.atomic_add(counters_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if arrived == n_splits - 1:
             MH: gl.constexpr = 1 if GQ <= 1 else (2 if GQ <= 2 else (4 if GQ <= 4 else (8 if GQ <= 8 else 16)))
@@ -63,3 +63,6 @@ if HAVE_GLUON:
             orow = (bh * GQ + go).to(gl.int64) * D
             gl.store(out_ptr + orow[:, None] + dd[None, :], res.to(out_ptr.dtype.element_ty), mask=(go < GQ)[:, None])
             gl.store(counters_ptr + bh, 0)
+
+
+__all__ = ["merge_if_last"] if HAVE_GLUON else []

@@ -1,10 +1,10 @@
 """The hopper decode kernel's page operands: a page's mma16 codes as the register A operand of ``wgmma``, in Gluon.
 
 The codes are loaded as uint16 halves in the layout where thread ``lane`` of warp ``w`` holds the words of row
-blocks ``w, w + 4, ...`` (``reference.pack_mma16``; :func:`_word_offsets`, :func:`_word_offsets4` for 4-bit key
+blocks ``w, w + 4, ...`` (``reference.pack_mma16``; :func:`word_offsets`, :func:`word_offsets4` for 4-bit key
 pages); each field of a word becomes one ``half2`` register by one ``and.b32`` (:func:`_and_field`,
 :func:`_and_nibble`; the upper fields after one ``shr.b32``, :func:`_shr8`), read as the exact fp16 subnormal
-``c·4^(2hc + hr)·2^-24`` (4-bit: ``c·16^hr·2^-24``). :func:`_a_operand` / :func:`_a_operand4` rebuild the logical
+``c·4^(2hc + hr)·2^-24`` (4-bit: ``c·16^hr·2^-24``). :func:`a_operand` / :func:`a_operand4` rebuild the logical
 ``[R, C]`` tile with joins, one permute and one reshape, and ``convert_layout(..., assert_trivial=True)`` makes the
 compiler prove that this *is* the wgmma A layout. Used by :mod:`.hopper_kernel` (its module doc: where the powers of
 two go); its PyTorch twin, step by step: ``hopper_emulation.emulate_a_operand``. Gluon has no interpreter: the
@@ -41,7 +41,7 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise("shr.b32 $0, $1, 8;", "=r,r", [x], dtype=gl.uint16, is_pure=True, pack=2)
 
     @gluon.jit
-    def _word_offsets(R: gl.constexpr, C: gl.constexpr, C0: gl.constexpr, CT: gl.constexpr, LW: gl.constexpr):
+    def word_offsets(R: gl.constexpr, C: gl.constexpr, C0: gl.constexpr, CT: gl.constexpr, LW: gl.constexpr):
         """uint16 offsets ``[R // 16 * 32, CT // 16]`` of columns ``C0 .. C0 + CT`` of a page's ``[R, C]`` mma16
         matrix: row ``rb * 32 + lane`` (row block ``rb``), column ``2 * w + e`` (word ``C0 // 32 + w``, half
         ``e``). ``MB`` = ``reference.mma16_group(R, C)``."""
@@ -65,8 +65,8 @@ if HAVE_GLUON:
                                              is_pure=True, pack=2)
 
     @gluon.jit
-    def _word_offsets4(R: gl.constexpr, C: gl.constexpr, C0: gl.constexpr, CT: gl.constexpr, LW: gl.constexpr):
-        """:func:`_word_offsets` of 4-bit codes (``reference.pack_mma16(..., bits=4)``): uint16 offsets ``[R // 16 *
+    def word_offsets4(R: gl.constexpr, C: gl.constexpr, C0: gl.constexpr, CT: gl.constexpr, LW: gl.constexpr):
+        """:func:`word_offsets` of 4-bit codes (``reference.pack_mma16(..., bits=4)``): uint16 offsets ``[R // 16 *
         32, CT // 8]``, row ``rb * 32 + lane``, column ``2 * w + e`` (word ``C0 // 16 + w``, half ``e``)."""
         MB0: gl.constexpr = 64 // C if C < 64 else 1
         MB: gl.constexpr = MB0 if (R // 16) % MB0 == 0 else 1
@@ -78,10 +78,10 @@ if HAVE_GLUON:
         return 2 * word[:, None] + j[None, :]
 
     @gluon.jit
-    def _a_operand4(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
-        """uint16 halves ``h [R // 16 * 32, CT // 8]`` of 4-bit codes (:func:`_word_offsets4`) -> the fp16 ``[R, CT]``
+    def a_operand4(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
+        """uint16 halves ``h [R // 16 * 32, CT // 8]`` of 4-bit codes (:func:`word_offsets4`) -> the fp16 ``[R, CT]``
         wgmma A operand: code ``(16 rb + 8 hr + g, 16 w + 8 hc + 2 tq + e)`` as ``c·16^hr·2^-24`` (the ``hc`` field
-        shifted down by the ``shr``: no power of two on the K dim). ``assert_trivial`` as in :func:`_a_operand`."""
+        shifted down by the ``shr``: no power of two on the K dim). ``assert_trivial`` as in :func:`a_operand`."""
         RB: gl.constexpr = R // 16
         W: gl.constexpr = CT // 16
         x = gl.reshape(h, [RB, 8, 4, W, 2])  # (rb, g, tq, w, e)
@@ -91,8 +91,8 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(j, [R, CT]), A_LAYOUT, assert_trivial=True)
 
     @gluon.jit
-    def _a_operand(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
-        """uint16 halves ``h [R // 16 * 32, CT // 16]`` (:func:`_word_offsets`) -> the fp16 ``[R, CT]`` wgmma A
+    def a_operand(h, R: gl.constexpr, CT: gl.constexpr, A_LAYOUT: gl.constexpr):
+        """uint16 halves ``h [R // 16 * 32, CT // 16]`` (:func:`word_offsets`) -> the fp16 ``[R, CT]`` wgmma A
         operand: code ``(16 rb + 8 hr + g, 32 w + 16 kb + 8 hc + 2 tq + e)`` as ``c·4^(2hc + hr)·2^-24``.
         The compiler must find the rebuilt tile already in ``A_LAYOUT`` (``assert_trivial``)."""
         RB: gl.constexpr = R // 16
@@ -108,4 +108,4 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(j, [R, CT]), A_LAYOUT, assert_trivial=True)
 
 
-__all__: list[str] = []
+__all__ = ["a_operand", "a_operand4", "word_offsets", "word_offsets4"] if HAVE_GLUON else []

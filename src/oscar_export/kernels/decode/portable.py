@@ -2,14 +2,14 @@
 
 One softmax over each sequence's BF16 sink, its INT2 pages and its BF16 recent window, in two launches:
 
-1. ``_decode_split_kernel``, grid ``(B * H_kv, S)``: program ``(b, h, s)`` takes the ``GQ = H / H_kv`` query
+1. ``decode_split_kernel``, grid ``(B * H_kv, S)``: program ``(b, h, s)`` takes the ``GQ = H / H_kv`` query
    heads of KV head ``h`` together (tensor-core ``tl.dot`` s, so every cache byte is read once) over one
    piece of the context. Split ``s < S_pages`` streams ``pages_per_split`` INT2 pages, ``NB`` pages per
    loop iteration on the batch axis of 3-D dots (one page per warp: ``num_warps == NB``, so the row max and
    sum stay inside a warp), each page slot with its own online softmax, combined after the loop. The
    remaining splits take one ``BN``-token chunk of the sink or of the recent window each. It writes the
    normalised partial output and its log2-sum-exp.
-2. ``_merge_kernel`` (``decode/splits.py``), grid ``(B * H,)``: combines the splits by their log-sum-exp.
+2. ``merge_kernel`` (``decode/splits.py``), grid ``(B * H,)``: combines the splits by their log-sum-exp.
 
 The affine dequantization never touches the inner loop (docs/design.md §3.1): with ``k̂ = lo + s·lev[c]``,
 ``q·k̂ = s·(q·lev[c]) + lo·Σq`` per row (token keys) or ``Σ_i (q_i s_i)·lev[c_i] + Σ_i q_i lo_i`` (keys per
@@ -21,7 +21,7 @@ quarter accumulators. Per element only the field extraction remains: uniform cod
 the query, the key scale and the value quarters). 4-bit key pages (``KEY_BITS == 4``, uniform levels 0..15)
 hold ``D/2`` bytes a row: bytes ``g G/2 + c`` and ``g G/2 + G/4 + c`` carry quarters 0 | 2 and 1 | 3 of the
 same position in their low | high nibbles, so the same query quarters meet two ``[P, D/4]`` byte tiles, a
-nibble masked in place becoming the subnormal ``c·16^n·2^-24`` (:func:`_nibble_scaled`); the 2-bit path is a
+nibble masked in place becoming the subnormal ``c·16^n·2^-24`` (:func:`nibble_scaled`); the 2-bit path is a
 separate constexpr branch and compiles as before. Scores are computed transposed (``S^T = K·q^T``: the
 keys are the MMA's M operand, GQ sits on N), the per-token ``(scale, lo)`` pairs are read as 32-bit words so
 the pipeliner prefetches them with the codes. How each of these was chosen, with H200 numbers, is in
@@ -48,9 +48,9 @@ from ..checks import check_decode_inputs, check_portable_layout
 from ..layout import KVCacheLayout, PagedKV
 
 # the split kernel's own helpers, called by these names in its body
-from .portable_grouped import _grouped_pages
-from .portable_pages import _field_cols, _softmax_step, window_block
-from .portable_rows import _row_pages
+from .portable_grouped import grouped_pages
+from .portable_pages import field_cols, softmax_step, window_block
+from .portable_rows import row_pages
 from .splits import launch_split_merge, sm_count
 
 LOG2E = 1.4426950408889634
@@ -62,7 +62,7 @@ SPLIT_STAGES = _plan.DECODE_SPLIT.num_stages
 
 
 @triton.jit
-def _decode_split_kernel(
+def decode_split_kernel(
     q_ptr,
     sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr,
     k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
@@ -89,14 +89,14 @@ def _decode_split_kernel(
         part_o_ptr    fp32 ``[B, H, n_splits, D]``; part_lse_ptr fp32 ``[B, H, n_splits]`` (log2 units)
         max_pages, pages_per_split, n_page_splits, n_splits: int32
         constexpr: H_KV, GQ (= H / H_kv), GQ_PAD (pow2 >= max(GQ, 4)), D, G (token group size of keys and
-        values; ``D // G`` groups per row, see :func:`_grouped_pages`), P, S0, RC, BN (BF16 chunk),
+        values; ``D // G`` groups per row, see :func:`grouped_pages`), P, S0, RC, BN (BF16 chunk),
         SM_SCALE (float), K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK (PTX field extraction of
         uniform codes, not with codebooks; CUDA only, the CPU interpreter takes the plain path), NB (pow2,
         INT2 pages per loop iteration; one per warp with ``num_warps == NB``), KEY_BITS (``layout.key.bits``: 2, or
         4 with uniform levels, ``k_levels_ptr`` then unread; values are 2-bit).
-    A page split takes :func:`_row_pages` (``portable_rows.py``) with ``G == D``, one (scale, lo) per token row, and
-    :func:`_grouped_pages` (``portable_grouped.py``) with ``G < D``. Field ``j`` of code byte ``c`` is row element
-    :func:`_field_cols` ``(c, j)``: the query quarters, the BF16 loads and the output quarters use the same element
+    A page split takes :func:`row_pages` (``portable_rows.py``) with ``G == D``, one (scale, lo) per token row, and
+    :func:`grouped_pages` (``portable_grouped.py``) with ``G < D``. Field ``j`` of code byte ``c`` is row element
+    :func:`field_cols` ``(c, j)``: the query quarters, the BF16 loads and the output quarters use the same element
     map, so every part of the split agrees.
     """
     bh = tl.program_id(0)
@@ -109,10 +109,10 @@ def _decode_split_kernel(
     gmask = g < GQ
     c4 = tl.arange(0, Q4)
     # row elements of the four code-byte fields (j * Q4 + c4 for one group per row)
-    e0 = _field_cols(c4, 0, G, Q4)
-    e1 = _field_cols(c4, 1, G, Q4)
-    e2 = _field_cols(c4, 2, G, Q4)
-    e3 = _field_cols(c4, 3, G, Q4)
+    e0 = field_cols(c4, 0, G, Q4)
+    e1 = field_cols(c4, 1, G, Q4)
+    e2 = field_cols(c4, 2, G, Q4)
+    e3 = field_cols(c4, 3, G, Q4)
     qrow = (b * H + h * GQ + g).to(tl.int64) * D
     qp = q_ptr + qrow[:, None]
     q0 = tl.load(qp + e0[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
@@ -135,12 +135,12 @@ def _decode_split_kernel(
     acclo = tl.zeros([GQ_PAD, LO_W], tl.float32)
     if s < n_page_splits:
         if G < D:
-            m, den, acc0, acc1, acc2, acc3, acclo = _grouped_pages(
+            m, den, acc0, acc1, acc2, acc3, acclo = grouped_pages(
                 q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
                 block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
                 H_KV, GQ_PAD, D, G, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB, KEY_BITS)
         else:
-            m, den, acc0, acc1, acc2, acc3, acclo = _row_pages(
+            m, den, acc0, acc1, acc2, acc3, acclo = row_pages(
                 q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
                 block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
                 H_KV, GQ_PAD, D, P, K_CHANNEL, K_CODEBOOK, V_CODEBOOK, FAST_UNPACK, NB, KEY_BITS)
@@ -155,7 +155,7 @@ def _decode_split_kernel(
         scb = tl.dot(q2, tl.trans(tl.load(kk + e2[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
         scb = tl.dot(q3, tl.trans(tl.load(kk + e3[None, :], mask=tmask[:, None], other=0.0).to(tl.float16)), scb)
         scb = tl.where(tmask[None, :], scb, float("-inf"))
-        pw, alpha, m, den = _softmax_step(scb, m, den)
+        pw, alpha, m, den = softmax_step(scb, m, den)
         pb = pw.to(tl.float16)
         vv = vb + rows
         acc0 = tl.dot(pb, tl.load(vv + e0[None, :], mask=tmask[:, None], other=0.0).to(tl.float16))
@@ -270,7 +270,7 @@ def launch_decode(
         num_kv_heads, hq // num_kv_heads, d, page_size, sink, recent_slots, k_channel, key_bits,
         group_size=group_size or d, sm_scale=scale, codebook=codebook, fast_unpack=fast_unpack, page_slots=page_slots)
     return launch_split_merge(
-        _decode_split_kernel, _plan.DECODE_SPLIT, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes,
+        decode_split_kernel, _plan.DECODE_SPLIT, q, sink_k, sink_v, recent_k, recent_v, k_codes, k_params, v_codes,
         v_params, k_levels, v_levels, block_table, sink_len, num_pages, recent_len, pages_per_split, out_dtype,
         constexprs, num_warps, num_stages, wrap,
     )
@@ -279,5 +279,7 @@ def launch_decode(
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
-__all__ = ["PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "checked_pages_per_split", "decode_attention",
-           "default_pages_per_split", "launch_decode"]
+__all__ = [
+    "PAGE_SLOTS", "SPLIT_STAGES", "SPLIT_WARPS", "checked_pages_per_split", "decode_attention", "decode_split_kernel",
+    "default_pages_per_split", "launch_decode"
+]

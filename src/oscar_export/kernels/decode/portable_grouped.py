@@ -1,8 +1,8 @@
 """The portable split kernel's INT2 pages when a row holds several token groups (``G < D``: head_dim 128 with groups
-of 64, head_dim 256 with two of 128, Gemma 3): :func:`_grouped_pages`, one split's pages with a ``(scale, lo)`` per
+of 64, head_dim 256 with two of 128, Gemma 3): :func:`grouped_pages`, one split's pages with a ``(scale, lo)`` per
 group, and its pieces: the group parameters read as 32-bit words (:func:`_slot_cols`, :func:`_group_params`) and the
 reshapes between the (slot, group) and the row views (:func:`_per_group`, :func:`_per_slot`, :func:`_per_slot3`,
-:func:`_columns`). ``@triton.jit`` functions inlined into ``decode/portable.py``'s ``_decode_split_kernel`` (its
+:func:`_columns`). ``@triton.jit`` functions inlined into ``decode/portable.py``'s ``decode_split_kernel`` (its
 module doc explains the arithmetic), built on the page helpers of ``portable_pages.py``; tested through the kernel
 (tests/kernels/test_decode_portable.py, the two-groups-a-row tests).
 """
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..cache_keys import hash_bottom_up
-from .portable_pages import _field_cols, _field_scaled, _key_scores, _nibble_scaled
+from .portable_pages import field_cols, field_scaled, key_scores, nibble_scaled
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _per_slot3(x, NB: tl.constexpr, NG: tl.constexpr):
 @triton.jit
 def _slot_cols(params_ptr, word_off, ok, cols):
     """fp16 channel parameters per page slot as fp32 ``[NB, 1, 2 * len(cols)]``: the pairs of 32-bit words
-    ``word_off [NB] + cols`` split into even (low half) and odd (high half) channels (:func:`_slot_row` for the
+    ``word_off [NB] + cols`` split into even (low half) and odd (high half) channels (:func:`slot_row` for the
     non-contiguous channels of a field when ``G < D``)."""
     w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + cols[None, :], mask=ok[:, None], other=0)
     even = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -50,7 +50,7 @@ def _slot_cols(params_ptr, word_off, ok, cols):
 @triton.jit
 def _group_params(params_ptr, word, ok):
     """fp16 ``(scale, lo)`` pairs as fp32, read as one 32-bit word each at ``word`` (any shape, in words;
-    ``ok`` broadcastable mask): :func:`_token_params` for rows of several groups."""
+    ``ok`` broadcastable mask): :func:`token_params` for rows of several groups."""
     w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word, mask=ok, other=0)
     scale = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     lo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -58,7 +58,7 @@ def _group_params(params_ptr, word, ok):
 
 
 @triton.jit
-def _grouped_pages(
+def grouped_pages(
     q0, q1, q2, q3, k_codes_ptr, k_params_ptr, v_codes_ptr, v_params_ptr, k_levels_ptr, v_levels_ptr,
     block_table_ptr, num_pages_ptr, b, h, s, max_pages, pages_per_split,
     H_KV: tl.constexpr, GQ_PAD: tl.constexpr, D: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
@@ -67,13 +67,13 @@ def _grouped_pages(
 ):
     """The INT2 pages of split ``s`` when a row holds ``NG = D // G > 1`` token groups (values, and keys unless
     ``K_CHANNEL``: then keys are scored as in the ``G == D`` path, one dot over all ``D/4`` bytes per field with
-    the query scaled by the page's channel scales gathered at :func:`_field_cols`).
+    the query scaled by the page's channel scales gathered at :func:`field_cols`).
 
     The ``NB`` page slots and the row's ``NG`` groups share the batch axis of the 3-D dots (``NB * NG``): each
     (slot, group) scores its ``G/4`` code bytes per field with its own ``(scale, lo)``
     (``q·k̂ = Σ_g s_g (q_g·lev[c_g]) + lo_g Σ q_g``), the groups' scores are summed per slot before the
     softmax, and the value accumulators keep one ``[GQ_PAD, G/4]`` block per (slot, group). Quarter ``j`` of
-    the query ``q_j [GQ_PAD, Q4]`` holds the elements :func:`_field_cols` ``(c, j)``, so column ``g·G/4 + c'``
+    the query ``q_j [GQ_PAD, Q4]`` holds the elements :func:`field_cols` ``(c, j)``, so column ``g·G/4 + c'``
     is group ``g``, byte ``c'``. Returns ``m, den [GQ_PAD]``, the four output quarters ``[GQ_PAD, Q4]`` (levels
     unscaled) and the value lows ``[GQ_PAD, Q4]`` (per group, spread over its columns), like the ``G == D`` path.
     ``KEY_BITS == 4``: key rows of ``D/2`` bytes, quarters 0 | 2 in bytes ``g G/2 + c'``, 1 | 3 in ``g G/2 + G/4 + c'``.
@@ -98,8 +98,8 @@ def _grouped_pages(
     # Σ q over each group, the same for every slot: [NBG, GQ_PAD]
     qsum = tl.trans(tl.sum(tl.reshape(f0 + f1 + f2 + f3, (GQ_PAD, NG, G4)), axis=2))  # [NG, GQ_PAD]
     qsum = tl.reshape(tl.broadcast_to(qsum[None, :, :], (NB, NG, GQ_PAD)), (NBG, GQ_PAD))
-    # uniform codes arrive as c·4^j·2^-24 (_field_scaled): the same powers of two as the G == D path
-    if KEY_BITS == 4:  # nibbles arrive as c·16^n·2^-24 (_nibble_scaled): quarters 2, 3 are high nibbles
+    # uniform codes arrive as c·4^j·2^-24 (field_scaled): the same powers of two as the G == D path
+    if KEY_BITS == 4:  # nibbles arrive as c·16^n·2^-24 (nibble_scaled): quarters 2, 3 are high nibbles
         KU = 16777216.0
         qt0 = _per_group(f0, NB, NG, G4, GQ_PAD).to(tl.float16)
         qt1 = _per_group(f1, NB, NG, G4, GQ_PAD).to(tl.float16)
@@ -151,10 +151,10 @@ def _grouped_pages(
         qc2 = tl.broadcast_to(f2[None, :, :] * (kf * kf), (NB, GQ_PAD, Q4))
         qc3 = tl.broadcast_to(f3[None, :, :] * (kf * kf * kf), (NB, GQ_PAD, Q4))
     m2 = 2 * tl.arange(0, Q4 // 2)
-    w0 = _field_cols(m2, 0, G, Q4) // 2
-    w1 = _field_cols(m2, 1, G, Q4) // 2
-    w2 = _field_cols(m2, 2, G, Q4) // 2
-    w3 = _field_cols(m2, 3, G, Q4) // 2
+    w0 = field_cols(m2, 0, G, Q4) // 2
+    w1 = field_cols(m2, 1, G, Q4) // 2
+    w2 = field_cols(m2, 2, G, Q4) // 2
+    w3 = field_cols(m2, 3, G, Q4) // 2
     tile = (gi[:, None, None] * G4 + t[None, :, None] * Q4 + cg[None, None, :])[None, :, :, :]  # [1, NG, P, G4]
     wtile = (t[None, :] * NG + gi[:, None])[None, :, :]  # [1, NG, P]: (scale, lo) words of token t, group g
     bm = tl.full([NB, GQ_PAD], float("-inf"), tl.float32)
@@ -194,18 +194,18 @@ def _grouped_pages(
             qlo += f3[None, :, :] * _slot_cols(k_params_ptr, kw + D // 2, ok, w3)
             const = tl.sum(qlo, axis=2)  # [NB, GQ_PAD]
             if KEY_BITS == 4:
-                st_ = tl.dot(_nibble_scaled(ka, 0, FAST_UNPACK), tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
-                st_ = tl.dot(_nibble_scaled(kb, 0, FAST_UNPACK), tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_nibble_scaled(ka, 1, FAST_UNPACK), tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_nibble_scaled(kb, 1, FAST_UNPACK), tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(nibble_scaled(ka, 0, FAST_UNPACK), tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
+                st_ = tl.dot(nibble_scaled(kb, 0, FAST_UNPACK), tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(nibble_scaled(ka, 1, FAST_UNPACK), tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
+                st_ = tl.dot(nibble_scaled(kb, 1, FAST_UNPACK), tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
             else:
-                st_ = tl.dot(_field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                st_ = tl.dot(field_scaled(kc, 0, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
                              tl.permute((qc0 * ks0).to(tl.float16), (0, 2, 1)))
-                st_ = tl.dot(_field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                st_ = tl.dot(field_scaled(kc, 1, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
                              tl.permute((qc1 * ks1).to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                st_ = tl.dot(field_scaled(kc, 2, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
                              tl.permute((qc2 * ks2).to(tl.float16), (0, 2, 1)), st_)
-                st_ = tl.dot(_field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
+                st_ = tl.dot(field_scaled(kc, 3, kl0, kl1, kl2, kl3, K_CODEBOOK, FAST_UNPACK),
                              tl.permute((qc3 * ks3).to(tl.float16), (0, 2, 1)), st_)
             st_ = st_ * KU + const[:, None, :]
         else:
@@ -218,12 +218,12 @@ def _grouped_pages(
             else:
                 ka = tl.reshape(tl.load(k_codes_ptr + code_off[:, None, None, None] + tile, mask=ok4, other=0),
                                 (NBG, P, G4))
-                kb = ka  # unread by _key_scores' 2-bit path
+                kb = ka  # unread by key_scores' 2-bit path
             ks, klo = _group_params(k_params_ptr, word_off[:, None, None] + wtile, ok[:, None, None])  # [NB, NG, P]
             ks = tl.reshape(ks, (NBG, P))
             klo = tl.reshape(klo, (NBG, P))
             # scores transposed per (slot, group): [NBG, P, GQ_PAD], summed over the groups of each slot
-            st_ = _key_scores(ka, kb, qt0, qt1, qt2, qt3, kl0, kl1, kl2, kl3, KEY_BITS, K_CODEBOOK, FAST_UNPACK)
+            st_ = key_scores(ka, kb, qt0, qt1, qt2, qt3, kl0, kl1, kl2, kl3, KEY_BITS, K_CODEBOOK, FAST_UNPACK)
             st_ = st_ * (ks * KU)[:, :, None] + klo[:, :, None] * qsum[:, None, :]
             st_ = tl.sum(tl.reshape(st_, (NB, NG, P, GQ_PAD)), axis=1)  # [NB, P, GQ_PAD]
         st_ = tl.where(ok[:, None, None], st_, float("-inf"))
@@ -240,10 +240,10 @@ def _grouped_pages(
         ag2 = _per_slot(alpha, NB, NG)  # [NBG, GQ_PAD]
         ag = ag2[:, :, None]
         ps = tl.permute((ptg * vs[:, :, None]).to(tl.float16), (0, 2, 1))
-        b0 = tl.dot(ps, _field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * ag)
-        b1 = tl.dot(ps, _field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * ag)
-        b2 = tl.dot(ps, _field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * ag)
-        b3 = tl.dot(ps, _field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * ag)
+        b0 = tl.dot(ps, field_scaled(vc, 0, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b0 * ag)
+        b1 = tl.dot(ps, field_scaled(vc, 1, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b1 * ag)
+        b2 = tl.dot(ps, field_scaled(vc, 2, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b2 * ag)
+        b3 = tl.dot(ps, field_scaled(vc, 3, vl0, vl1, vl2, vl3, V_CODEBOOK, FAST_UNPACK), b3 * ag)
         blo = blo * ag2 + tl.sum(ptg * vlo[:, :, None], axis=1)
     # ---- combine the page slots by their log-sum-exp; groups back to columns g·G/4 + c' ----------------------
     m = tl.max(bm, axis=0)
@@ -269,4 +269,4 @@ def _columns(x, NB: tl.constexpr, NG: tl.constexpr, GQ_PAD: tl.constexpr, G4: tl
 
 hash_bottom_up(globals())  # one Triton cache key per helper, whatever kernel launches first (cache_keys.py)
 
-__all__: list[str] = []
+__all__ = ["grouped_pages"]

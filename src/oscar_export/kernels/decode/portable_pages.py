@@ -1,12 +1,12 @@
-"""The portable split kernel's page helpers (``decode/portable.py``'s ``_decode_split_kernel`` calls them; its module
+"""The portable split kernel's page helpers (``decode/portable.py``'s ``decode_split_kernel`` calls them; its module
 doc explains the arithmetic): ``@triton.jit`` functions, inlined into the kernel.
 
-* code fields as exact fp16 values: :func:`_field_scaled` (2-bit fields, the PTX subnormal trick for uniform codes),
-  :func:`_nibble_scaled` (4-bit key pages), :func:`_lev` (fitted levels), and :func:`_key_scores`, a page block's
+* code fields as exact fp16 values: :func:`field_scaled` (2-bit fields, the PTX subnormal trick for uniform codes),
+  :func:`nibble_scaled` (4-bit key pages), :func:`_lev` (fitted levels), and :func:`key_scores`, a page block's
   scores over the four key quarters;
-* :func:`_softmax_step`, the online-softmax update of a split;
-* per-token and per-channel parameters read as 32-bit words (prefetched with the codes): :func:`_token_params`,
-  :func:`_slot_row`; :func:`_field_cols`, the row elements a field holds;
+* :func:`softmax_step`, the online-softmax update of a split;
+* per-token and per-channel parameters read as 32-bit words (prefetched with the codes): :func:`token_params`,
+  :func:`slot_row`; :func:`field_cols`, the row elements a field holds;
 * :func:`window_block`, a BF16 sink / recent chunk's rows and mask, shared with the hopper kernel
   (``decode/hopper_kernel.py``).
 
@@ -52,7 +52,7 @@ TINY = tl.constexpr(5.960464477539063e-08)
 
 
 @triton.jit
-def _field_scaled(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST: tl.constexpr):
+def field_scaled(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr, FAST: tl.constexpr):
     """Field ``J`` of every byte as fp16: the level (codebook) or ``c·4^J·2^-24`` (uniform codes, exact)."""
     if CODEBOOK:
         return _lev((codes.to(tl.int32) >> (2 * J)) & 3, l0, l1, l2, l3, CODEBOOK).to(tl.float16)
@@ -70,7 +70,7 @@ def _field_scaled(codes, J: tl.constexpr, l0, l1, l2, l3, CODEBOOK: tl.constexpr
 
 
 @triton.jit
-def _nibble_scaled(codes, N: tl.constexpr, FAST: tl.constexpr):
+def nibble_scaled(codes, N: tl.constexpr, FAST: tl.constexpr):
     """Nibble ``N`` (0 low, 1 high) of every byte of 4-bit key codes as the exact fp16 ``c·16^N·2^-24``."""
     if FAST:
         if N == 0:
@@ -82,26 +82,26 @@ def _nibble_scaled(codes, N: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _key_scores(ka, kb, b0, b1, b2, b3, l0, l1, l2, l3, KEY_BITS: tl.constexpr, CODEBOOK: tl.constexpr,
+def key_scores(ka, kb, b0, b1, b2, b3, l0, l1, l2, l3, KEY_BITS: tl.constexpr, CODEBOOK: tl.constexpr,
                 FAST: tl.constexpr):
     """``Σ_j K_j · b_j`` over the four key quarters of a page block: 2-bit codes ``ka`` (quarter ``j`` = field
-    ``j`` of each byte, :func:`_field_scaled`; ``kb`` unread), or 4-bit codes (quarters 0 | 2 the low | high
-    nibbles of ``ka``, 1 | 3 those of ``kb``, :func:`_nibble_scaled`). The ``b_j`` carry the folded powers of two."""
+    ``j`` of each byte, :func:`field_scaled`; ``kb`` unread), or 4-bit codes (quarters 0 | 2 the low | high
+    nibbles of ``ka``, 1 | 3 those of ``kb``, :func:`nibble_scaled`). The ``b_j`` carry the folded powers of two."""
     if KEY_BITS == 4:
-        acc = tl.dot(_nibble_scaled(ka, 0, FAST), b0)
-        acc = tl.dot(_nibble_scaled(kb, 0, FAST), b1, acc)
-        acc = tl.dot(_nibble_scaled(ka, 1, FAST), b2, acc)
-        acc = tl.dot(_nibble_scaled(kb, 1, FAST), b3, acc)
+        acc = tl.dot(nibble_scaled(ka, 0, FAST), b0)
+        acc = tl.dot(nibble_scaled(kb, 0, FAST), b1, acc)
+        acc = tl.dot(nibble_scaled(ka, 1, FAST), b2, acc)
+        acc = tl.dot(nibble_scaled(kb, 1, FAST), b3, acc)
     else:
-        acc = tl.dot(_field_scaled(ka, 0, l0, l1, l2, l3, CODEBOOK, FAST), b0)
-        acc = tl.dot(_field_scaled(ka, 1, l0, l1, l2, l3, CODEBOOK, FAST), b1, acc)
-        acc = tl.dot(_field_scaled(ka, 2, l0, l1, l2, l3, CODEBOOK, FAST), b2, acc)
-        acc = tl.dot(_field_scaled(ka, 3, l0, l1, l2, l3, CODEBOOK, FAST), b3, acc)
+        acc = tl.dot(field_scaled(ka, 0, l0, l1, l2, l3, CODEBOOK, FAST), b0)
+        acc = tl.dot(field_scaled(ka, 1, l0, l1, l2, l3, CODEBOOK, FAST), b1, acc)
+        acc = tl.dot(field_scaled(ka, 2, l0, l1, l2, l3, CODEBOOK, FAST), b2, acc)
+        acc = tl.dot(field_scaled(ka, 3, l0, l1, l2, l3, CODEBOOK, FAST), b3, acc)
     return acc
 
 
 @triton.jit
-def _softmax_step(sc, m, den):
+def softmax_step(sc, m, den):
     """Online-softmax update for scores ``sc [GQ_PAD, N]`` (log2 units): returns p, alpha, m_new, l_new."""
     m_new = tl.maximum(m, tl.max(sc, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -111,7 +111,7 @@ def _softmax_step(sc, m, den):
 
 
 @triton.jit
-def _token_params(params_ptr, word_off, t, ok):
+def token_params(params_ptr, word_off, t, ok):
     """Per-token ``(scale, lo)`` as fp32 ``[NB, P]`` each, from fp16 pairs ``[.., P, 1, 2]``.
 
     Each pair is read as one 32-bit word (``word_off [NB]`` in words, ``t [P]``): contiguous 4-byte
@@ -126,12 +126,12 @@ def _token_params(params_ptr, word_off, t, ok):
 
 
 @triton.jit
-def _slot_row(params_ptr, word_off, ok, Q4: tl.constexpr):
+def slot_row(params_ptr, word_off, ok, Q4: tl.constexpr):
     """``Q4`` consecutive fp16 channel parameters per page slot as fp32 ``[NB, 1, Q4]``.
 
     Read as ``Q4 / 2`` 32-bit words from ``word_off [NB]`` (in words; ``ok [NB]`` masks empty slots) and
     split into the even (low half) and odd (high half) channels, for the same reason as
-    :func:`_token_params`: 2-byte loads are neither vectorised nor prefetched.
+    :func:`token_params`: 2-byte loads are neither vectorised nor prefetched.
     """
     w = tl.load(params_ptr.to(tl.pointer_type(tl.int32)) + word_off[:, None] + tl.arange(0, Q4 // 2)[None, :],
                 mask=ok[:, None], other=0)
@@ -141,7 +141,7 @@ def _slot_row(params_ptr, word_off, ok, Q4: tl.constexpr):
 
 
 @triton.jit
-def _field_cols(c4, J: tl.constexpr, G: tl.constexpr, Q4: tl.constexpr):
+def field_cols(c4, J: tl.constexpr, G: tl.constexpr, Q4: tl.constexpr):
     """Row elements that field ``J`` of code bytes ``c4 [Q4]`` holds (``layout.py`` packing): byte ``c`` of
     group ``c // (G/4)`` carries element ``J * G/4 + c mod G/4`` of that group; ``J * Q4 + c4`` when ``G == D``."""
     G4: tl.constexpr = G // 4
@@ -181,4 +181,7 @@ def window_block(sink_k_ptr, sink_v_ptr, recent_k_ptr, recent_v_ptr, sink_len_pt
 
 hash_bottom_up(globals())  # one Triton cache key per helper, whatever kernel launches first (cache_keys.py)
 
-__all__ = ["window_block"]
+__all__ = [
+    "field_cols", "field_scaled", "key_scores", "nibble_scaled", "slot_row", "softmax_step", "token_params",
+    "window_block"
+]

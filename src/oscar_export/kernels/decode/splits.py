@@ -1,9 +1,9 @@
 """A decode attention in splits: the partials of the ``(sequence, KV head, split)`` programs merged by log-sum-exp.
 
-Both split kernels (the portable ``decode/portable.py:_decode_split_kernel`` and the hopper
+Both split kernels (the portable ``decode/portable.py:decode_split_kernel`` and the hopper
 ``decode/hopper_kernel.py`` ones) take the same parameters in the same order and write the same partials: the
 normalised output of each split ``part_o [B, H, n_splits, D]`` and its log2-sum-exp ``part_lse [B, H, n_splits]``.
-This module holds what follows them: ``_merge_kernel``, grid ``(B * H,)``, which combines the splits of one query
+This module holds what follows them: ``merge_kernel``, grid ``(B * H,)``, which combines the splits of one query
 head; :func:`launch_split_merge`, the host's launch of a split kernel and the merge over its partials (the grids and
 int32 arguments from the launch plan, ``kernels/aot/launch_plan.py``); and :func:`sm_count`, the GPU size both
 backends' split counts read.
@@ -20,7 +20,7 @@ from ..cache_keys import hash_bottom_up
 
 
 @triton.jit
-def _merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, CH: tl.constexpr):
+def merge_kernel(part_o_ptr, part_lse_ptr, out_ptr, n_splits, D: tl.constexpr, CH: tl.constexpr):
     """Combine the splits of one query head. Grid ``(B * H,)``.
 
     Parameters: part_o_ptr fp32 ``[B, H, n_splits, D]``, part_lse_ptr fp32 ``[B, H, n_splits]``, out_ptr
@@ -62,7 +62,7 @@ def launch_split_merge(
     constexprs: dict, num_warps: int, num_stages: int, wrap=lambda k: k, counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Allocate the partials, launch ``split_kernel`` (the portable or a Gluon one: the same parameters in the same
-    order, then ``constexprs``) and :func:`_merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
+    order, then ``constexprs``) and :func:`merge_kernel` over them; returns ``[B, H, D]`` in ``out_dtype``.
 
     ``plan``: the split kernel's launch plan (``launch_plan.DECODE_SPLIT`` or a Gluon one), whose rules give its int32
     arguments (``n_page_splits = cdiv(max_pages, pages_per_split)``, ``n_splits = n_page_splits + n_bf16``, the BF16
@@ -84,11 +84,11 @@ def launch_split_merge(
     )
     if counters is None:
         merge = _plan.DECODE_MERGE
-        wrap(_merge_kernel)[merge.grid_for({"rows": bsz * hq}, {})](
+        wrap(merge_kernel)[merge.grid_for({"rows": bsz * hq}, {})](
             part_o, part_lse, out, n_splits, **_plan.decode_merge_constexprs(d), num_warps=merge.num_warps)
     return out
 
 
 hash_bottom_up(globals())  # one Triton cache key per kernel, whatever launches first (cache_keys.py)
 
-__all__ = ["launch_split_merge", "sm_count"]
+__all__ = ["launch_split_merge", "merge_kernel", "sm_count"]
