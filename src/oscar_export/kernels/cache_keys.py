@@ -1,13 +1,13 @@
 """Triton cache keys fixed on import, the same in every process whatever kernel launches first.
 
 Triton keys a compiled kernel on disk by, among others, its source hash (``JITFunction.cache_key``), computed on the
-kernel's first launch and kept on every helper it reaches. With Triton 3.6 (the H200's) the hash depends on that
+kernel's first launch and kept on every helper it reaches. With Triton 3.6 (the GPU image's) the hash depends on that
 order: a function's hash takes in the constexpr globals of the helpers hashed *before* it, so a helper reached first
 from one kernel and first from another gets two hashes. Reproduced on the CPU with Triton 3.6.0: ``channel_pages``
 and, through it, the decode-step append kernel hash differently when the prefill's ``_quant_pack_kernel`` launches
 first than when the append kernel does (Triton 3.9 hashes alike). The precompile workers
-(``plugins/hf/precompile.py``) launch the append kernel first and a serving process the prefill's quantizer, so on
-the H200 (2026-12-02) the README loop's first compiled step compiled both append kernels again instead of loading the
+(``plugins/hf/precompile.py``) launch the append kernel first and a serving process the prefill's quantizer, so
+without a fixed key the README loop's first compiled step compiles both append kernels again instead of loading the
 workers' ones. :func:`hash_bottom_up`, called by each kernel module on import, hashes every JIT function of the module
 after all the helpers it calls: one key per kernel in every process.
 """
