@@ -128,6 +128,24 @@ def build(spec: str, config) -> PagedInt2:
     return method
 
 
+def bf16_hidden(model, ids: torch.Tensor, bf16: BF16Cache, folder: str | None) -> torch.Tensor:
+    """BF16's final hidden states of the window ``ids``, kept in ``folder`` (keyed by the window's tokens) so that
+    the runs of several processes compute them once."""
+    import hashlib
+    from pathlib import Path
+
+    if folder is None:
+        return final_hidden(model, ids, bf16)
+    path = Path(folder) / f"bf16-{hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    out = final_hidden(model, ids, bf16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -135,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ref-cache", default=None, help="folder keeping BF16's hidden states of each window")
     args = ap.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     t0 = time.perf_counter()
@@ -143,8 +162,8 @@ def main(argv=None) -> int:
     windows = text_windows(tok, lengths[-1], args.windows, max_positions=max_positions(model), split="dev")
     head, pos = model.get_output_embeddings(), torch.arange(windows.shape[1] - 1)
     scores = {m.name: {L: TextScore() for L in lengths} for m in methods[1:]}
-    for w in windows:
-        ref = final_hidden(model, w, methods[0])
+    for i, w in enumerate(windows):
+        ref = bf16_hidden(model, w, methods[0], args.ref_cache)
         hidden = {m.name: final_hidden(model, w, m) for m in methods[1:]}
         part = score_methods(lambda c0, c1: head(ref[c0:c1]),
                              {m.name: (lambda c0, c1, g=hidden[m.name]: head(g[c0:c1]), m.reads_quantized(pos))
@@ -152,7 +171,9 @@ def main(argv=None) -> int:
         for name, by_len in part.items():
             for L in lengths:
                 scores[name][L].add(by_len[L])
-        print(f"[{time.perf_counter() - t0:6.0f} s] window done", flush=True)
+            print(f"[{time.perf_counter() - t0:6.0f} s] window {i + 1}: {name} " + " ".join(
+                f"@{L} KL {by_len[L].kl / by_len[L].n:.5f} NLL {by_len[L].nll / by_len[L].n:.5f} ref NLL "
+                f"{by_len[L].nll_ref / by_len[L].n:.5f}" for L in lengths), flush=True)
     rows = {m.name: {"page_bits": page_bits(m), "bits_8k": m.bits_per_element(8192),
                      "bits_32k": m.bits_per_element(32768),
                      **{str(L): {**scores[m.name][L].summary(), "per_window_kl": scores[m.name][L].per_window_kl}
