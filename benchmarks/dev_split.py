@@ -2,7 +2,7 @@
 (the model loaded and BF16's hidden states computed once per window), fake-quantized decode-as-deployed exactly as
 ``oscar-export eval --split dev`` scores them (``text.final_hidden``, ``text.score_methods``):
 
-    python benchmarks/dev_split.py ART[@BUDGET[h]][:keys|:values] ... --lengths 2048,4096 --windows 4 --json out.json
+    python benchmarks/dev_split.py ART[@BUDGET[h]] ... --lengths 2048,4096 --windows 4 --json out.json
 
 Each argument is one cache built from a calibrated artifact folder ``ART``:
 
@@ -11,9 +11,7 @@ Each argument is one cache built from a calibrated artifact folder ``ART``:
   recorded (``key_bits.allocate_key_bits``, ``set_key_clips``: what ``calibrate --key-bits-budget 2.75`` gives
   from the same fit);
 * ``ART@2.75h``: 4-bit keys per KV head instead of per layer, the heads whose recorded key attention error 4 bits
-  remove most, within the same budget (needs an artifact whose stats hold per-head errors);
-* ``...:keys`` / ``...:values``: only the keys' / only the values' pages quantized (the other side's pages read
-  back at full precision): where the error comes from.
+  remove most, within the same budget (needs an artifact whose stats hold per-head errors).
 
 Prints one table (KL, ΔPPL, top-1 at each length; page bits; bits per element at 8K and 32K) and the KL of each
 window.
@@ -36,16 +34,6 @@ from oscar_export.eval.quantizers import page_roundtrip
 from oscar_export.eval.recipes import ours_method
 from oscar_export.eval.text import TextScore, final_hidden, max_positions, score_methods, text_windows
 from oscar_export.models import load_model
-
-
-@dataclass(frozen=True, eq=False)
-class SidePages(PagedInt2):
-    """Ours with only one side's pages quantized (``side`` "k" or "v"); the other side reads its rows back."""
-
-    side: str = "k"
-
-    def page_rows(self, layer: int, x: torch.Tensor, side: str) -> torch.Tensor:
-        return super().page_rows(layer, x, side) if side == self.side else x.float()
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,8 +88,7 @@ def per_head_choice(errors: list, layout, budget: float) -> list[list[int]]:
 
 
 def build(spec: str, config) -> PagedInt2:
-    path, _, side = spec.partition(":")
-    path, _, budget = path.partition("@")
+    path, _, budget = spec.partition("@")
     art = load_artifact(path, config)
     method = ours_method(art, spec)
     if budget:
@@ -120,11 +107,6 @@ def build(spec: str, config) -> PagedInt2:
             key_bits = tuple(WIDE_BITS if i in chosen else 2 for i in range(len(errors)))
             method = replace(method, transforms=tuple(set_key_clips(art.transforms, key_bits, stats)),
                              key_bits=key_bits)
-    if side:
-        if side not in ("keys", "values"):
-            raise SystemExit(f"{spec}: expected :keys or :values, got :{side}")
-        f = {k: getattr(method, k) for k in ("name", "description", "layout", "transforms", "key_bits")}
-        method = SidePages(**f, side=side[0])
     return method
 
 
