@@ -2,7 +2,7 @@
 (the model loaded and BF16's hidden states computed once per window), fake-quantized decode-as-deployed exactly as
 ``oscar-export eval --split dev`` scores them (``text.final_hidden``, ``text.score_methods``):
 
-    python benchmarks/dev_split.py ART[@BUDGET[h]][:keys|:values] ... --lengths 2048,4096 --windows 4 --json out.json
+    python benchmarks/dev_split.py ART[@BUDGET[h]] ... --lengths 2048,4096 --windows 4 --json out.json
 
 Each argument is one cache built from a calibrated artifact folder ``ART``:
 
@@ -11,9 +11,7 @@ Each argument is one cache built from a calibrated artifact folder ``ART``:
   recorded (``key_bits.allocate_key_bits``, ``set_key_clips``: what ``calibrate --key-bits-budget 2.75`` gives
   from the same fit);
 * ``ART@2.75h``: 4-bit keys per KV head instead of per layer, the heads whose recorded key attention error 4 bits
-  remove most, within the same budget (needs an artifact whose stats hold per-head errors);
-* ``...:keys`` / ``...:values``: only the keys' / only the values' pages quantized (the other side's pages read
-  back at full precision): where the error comes from.
+  remove most, within the same budget (needs an artifact whose stats hold per-head errors).
 
 Prints one table (KL, ΔPPL, top-1 at each length; page bits; bits per element at 8K and 32K) and the KL of each
 window.
@@ -36,16 +34,6 @@ from oscar_export.eval.quantizers import page_roundtrip
 from oscar_export.eval.recipes import ours_method
 from oscar_export.eval.text import TextScore, final_hidden, max_positions, score_methods, text_windows
 from oscar_export.models import load_model
-
-
-@dataclass(frozen=True, eq=False)
-class SidePages(PagedInt2):
-    """Ours with only one side's pages quantized (``side`` "k" or "v"); the other side reads its rows back."""
-
-    side: str = "k"
-
-    def page_rows(self, layer: int, x: torch.Tensor, side: str) -> torch.Tensor:
-        return super().page_rows(layer, x, side) if side == self.side else x.float()
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,8 +88,7 @@ def per_head_choice(errors: list, layout, budget: float) -> list[list[int]]:
 
 
 def build(spec: str, config) -> PagedInt2:
-    path, _, side = spec.partition(":")
-    path, _, budget = path.partition("@")
+    path, _, budget = spec.partition("@")
     art = load_artifact(path, config)
     method = ours_method(art, spec)
     if budget:
@@ -120,12 +107,25 @@ def build(spec: str, config) -> PagedInt2:
             key_bits = tuple(WIDE_BITS if i in chosen else 2 for i in range(len(errors)))
             method = replace(method, transforms=tuple(set_key_clips(art.transforms, key_bits, stats)),
                              key_bits=key_bits)
-    if side:
-        if side not in ("keys", "values"):
-            raise SystemExit(f"{spec}: expected :keys or :values, got :{side}")
-        f = {k: getattr(method, k) for k in ("name", "description", "layout", "transforms", "key_bits")}
-        method = SidePages(**f, side=side[0])
     return method
+
+
+def bf16_hidden(model, ids: torch.Tensor, bf16: BF16Cache, folder: str | None) -> torch.Tensor:
+    """BF16's final hidden states of the window ``ids``, kept in ``folder`` (keyed by the window's tokens) so that
+    the runs of several processes compute them once."""
+    import hashlib
+    from pathlib import Path
+
+    if folder is None:
+        return final_hidden(model, ids, bf16)
+    path = Path(folder) / f"bf16-{hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]}.pt"
+    if path.is_file():
+        return torch.load(path)
+    out = final_hidden(model, ids, bf16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").rename(path)
+    return out
 
 
 def main(argv=None) -> int:
@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ref-cache", default=None, help="folder keeping BF16's hidden states of each window")
     args = ap.parse_args(argv)
     lengths = sorted(int(x) for x in args.lengths.split(","))
     t0 = time.perf_counter()
@@ -143,8 +144,8 @@ def main(argv=None) -> int:
     windows = text_windows(tok, lengths[-1], args.windows, max_positions=max_positions(model), split="dev")
     head, pos = model.get_output_embeddings(), torch.arange(windows.shape[1] - 1)
     scores = {m.name: {L: TextScore() for L in lengths} for m in methods[1:]}
-    for w in windows:
-        ref = final_hidden(model, w, methods[0])
+    for i, w in enumerate(windows):
+        ref = bf16_hidden(model, w, methods[0], args.ref_cache)
         hidden = {m.name: final_hidden(model, w, m) for m in methods[1:]}
         part = score_methods(lambda c0, c1: head(ref[c0:c1]),
                              {m.name: (lambda c0, c1, g=hidden[m.name]: head(g[c0:c1]), m.reads_quantized(pos))
@@ -152,7 +153,9 @@ def main(argv=None) -> int:
         for name, by_len in part.items():
             for L in lengths:
                 scores[name][L].add(by_len[L])
-        print(f"[{time.perf_counter() - t0:6.0f} s] window done", flush=True)
+            print(f"[{time.perf_counter() - t0:6.0f} s] window {i + 1}: {name} " + " ".join(
+                f"@{L} KL {by_len[L].kl / by_len[L].n:.5f} NLL {by_len[L].nll / by_len[L].n:.5f} ref NLL "
+                f"{by_len[L].nll_ref / by_len[L].n:.5f}" for L in lengths), flush=True)
     rows = {m.name: {"page_bits": page_bits(m), "bits_8k": m.bits_per_element(8192),
                      "bits_32k": m.bits_per_element(32768),
                      **{str(L): {**scores[m.name][L].summary(), "per_window_kl": scores[m.name][L].per_window_kl}
