@@ -31,7 +31,11 @@ def test_written_section_is_read_back(tmp_path):
     assert section["format_version"] == OSCAR_SECTION_VERSION and section["artifact"] == ARTIFACT_DIR
     assert section["layout"] == art.layout.to_dict() and section["key_bits"] == list(art.key_bits)
     assert section["source_model"] == "tiny" and section["values_prerotated"] is True
-    loaded = load_exported_artifact(tmp_path, section, model.config)
+    from transformers import AutoConfig
+
+    # read against the checkpoint's own config, which says its values are pre-rotated (the original model's is
+    # refused: its v_proj / o_proj are not folded)
+    loaded = load_exported_artifact(tmp_path, section, AutoConfig.from_pretrained(tmp_path))
     assert all(t.values_prerotated for t in loaded.transforms)
 
 
