@@ -339,3 +339,29 @@ def test_admission_writes_land_before_a_forward_on_the_execution_stream(cuda, tm
         lengths = mgr.book.seq_len[0].clone()
     torch.cuda.synchronize()
     assert int(lengths) == 0 and int(seen) == 0, (int(lengths), int(seen))
+
+
+def test_adapter_prefill_batch_aot_equals_reference(ops, cuda, monkeypatch):
+    """Four prompts in one forward (one a padding request), through the adapter's layer: the batched context path
+    (plugins/trtllm/prefill.py, one planned write per layer with the bundle's quantize kernels) leaves the cache
+    bytes and committed lengths of the PyTorch reference ops on the same GPU, and the same output."""
+    from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
+
+    lay, t = _layout(), _transform(cuda)
+    dep = SimpleNamespace(sm_scale=SCALE, layout=lay, layer_layouts=(lay,), num_layers=1,
+                          transform=lambda i, dev: t, check_limits=lambda *a: None)
+    layer = _attention_layer(monkeypatch, dep)
+    aot, ref = (_manager(o, dep, [0, 0, 0, 0], cuda) for o in (ops, TorchCacheOps(lay, HEADS, SCALE)))
+    lens = [70, 5, 100, 9]  # requests 10, 11, 12 (slots 3, 0, 1) and the padding request 99
+    md = lambda m: SimpleNamespace(  # noqa: E731
+        kv_cache_manager=m, num_contexts=4, num_seqs=4, num_tokens=sum(lens), request_ids=[10, 11, 12, 99],
+        seq_lens=torch.tensor(lens, dtype=torch.int32), kv_cache_params=SimpleNamespace(
+            num_cached_tokens_per_seq=[0, 0, 0, 0]))
+    torch.manual_seed(1)
+    qkv = torch.randn(sum(lens), (HEADS + 2 * 2) * 64, device=cuda).bfloat16()
+    pos = torch.cat([torch.arange(n) for n in lens])[None].to(cuda)
+    want, got = layer(pos, qkv, md(ref)), layer(pos, qkv, md(aot))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want), "prefill output, AOT ops vs reference"
+    _assert_same(aot.layers[0], ref.layers[0], "prefill cache, AOT ops vs reference")
+    assert aot.book.seq_len.tolist() == ref.book.seq_len.tolist() == [5, 100, 0, 70, 0]

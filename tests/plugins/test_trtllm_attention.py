@@ -9,6 +9,7 @@ import torch
 import trtllm_standins
 from helpers import (
     TRTLLM_HEADS,
+    TRTLLM_LAYERS,
     executor_driver,
     pretrained_config,
     standins_only,
@@ -79,3 +80,35 @@ def test_the_decode_step_serves_only_the_scheduled_slots(deploy, monkeypatch):
     d.run_plain(reqs)
     assert reqs[0].done and d.checked_outputs > 40
     assert seen and {rows for _, rows, _ in seen} == {1} and {state_rows for *_, state_rows in seen} == {1}, seen[:4]
+
+
+def test_a_batch_of_prompts_is_attended_and_written_in_few_calls(deploy, monkeypatch):
+    """Four prompts in one forward (lengths 100, 60, 12, 10): each layer attends them in two calls (the two length
+    groups of plugins/trtllm/prefill.py) and quantizes their pages in one (before: one attention call per prompt and
+    one page write per prompt with pages, per layer); outputs and cache equal the reference's."""
+    import oscar_export.kernels.reference.writers as writers
+
+    calls = {"attention": 0, "pages": 0}
+    sdpa, write_pages = torch.nn.functional.scaled_dot_product_attention, writers.write_pages
+
+    def counting_sdpa(*args, **kwargs):
+        calls["attention"] += 1
+        return sdpa(*args, **kwargs)
+
+    def counting_pages(state, *args, **kwargs):
+        calls["pages"] += any(state.k_codes is st.k_codes for st in d.mgr.layers)  # not the driver's reference
+        return write_pages(state, *args, **kwargs)
+
+    d = executor_driver(deploy, max_batch=4)
+    reqs = [Req(1, 100, 10), Req(2, 10, 20), Req(3, 12, 20), Req(4, 60, 30)]
+    ctx, gen = d.schedule(reqs)
+    assert [r.rid for r in ctx] == [1, 2, 3, 4] and not gen
+    d.prepare(d.batch(ctx, gen), ctx, gen)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(writers, "write_pages", counting_pages)
+    d.forward(ctx, gen, check=False)  # the driver's own check calls attention too
+    assert calls == {"attention": 2 * TRTLLM_LAYERS, "pages": TRTLLM_LAYERS}, calls
+    monkeypatch.undo()
+    d.check_cache(reqs)
+    d.run_plain(reqs)  # the rest of the requests, every output checked
+    assert all(r.done for r in reqs) and d.checked_outputs > 150

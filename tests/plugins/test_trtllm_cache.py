@@ -210,11 +210,26 @@ def test_nonfinite_decode_token_fails_its_request_and_keeps_the_cache(deploy, lo
     reqs = [Req(1, 20, 40), Req(2, 40, 30, nan_at=45)]
     d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
     assert reqs[1].poisoned and reqs[1].written == 45
-    assert reqs[1].failed == ("request 2: a NaN/Inf key or value reached the OSCAR cache in a decode step (its cache "
-                              "holds the tokens up to the last finite one)")
+    assert reqs[1].failed == ("request 2: a NaN/Inf key or value reached the OSCAR cache (its cache holds the tokens "
+                              "of the steps before)")
     nan_step = 45 - 40 + 1  # step 0 the prefill, then one token per step: position 45 is fed in step 6
     assert nan_step < reqs[1].failed_step <= nan_step + 2, reqs[1].failed_step  # the next step, or one later
     assert all(r.done for r in reqs) and not reqs[0].failed and reqs[0].written >= 20 + 40 and d.checked_outputs > 80
+    assert not d.mgr.slots and not d.mgr.failed
+
+
+@pytest.mark.parametrize("loop", ["plain", "overlap"])
+def test_nonfinite_prompt_token_fails_its_request_alone(deploy, loop):
+    """A NaN key in one request's prompt, batched with another prompt: that request's prompt is not committed and it
+    fails alone within two steps; the other runs to its end exactly as the reference (before: the NaN prompt was
+    committed into the cache, so the request decoded on; a page of NaN quantizes to garbage, never noticed)."""
+    d = executor_driver(deploy)
+    reqs = [Req(1, 30, 20), Req(2, 40, 30, nan_at=10)]
+    d.run_plain(reqs) if loop == "plain" else d.run_overlap(reqs)
+    assert reqs[1].poisoned and reqs[1].written == 0
+    assert reqs[1].failed.startswith("request 2: a NaN/Inf key or value reached the OSCAR cache"), reqs[1].failed
+    assert 0 < reqs[1].failed_step <= 2, reqs[1].failed_step  # the next step, or one later
+    assert all(r.done for r in reqs) and not reqs[0].failed and reqs[0].generated >= 20 and d.checked_outputs > 40
     assert not d.mgr.slots and not d.mgr.failed
 
 

@@ -67,6 +67,11 @@ class Req:
     failed: str = ""  # why the cache failed the request alone (it then ends; nothing of it is checked)
     failed_step: int = -1
 
+    @property
+    def fed(self) -> int:
+        """Tokens the executor has fed (its position): the cache's plus the ones it must not hold."""
+        return self.written + self.skipped
+
 
 def rows_for(rid: int, pos: int, n: int, layer: int, heads: int, kv: int, d: int):
     """Deterministic q ``[n, H*D]``, k, v ``[n, H_kv*D]`` (before RoPE) for tokens ``pos .. pos+n-1``."""
@@ -147,9 +152,9 @@ class Driver:
     # ---- one forward over a batch ------------------------------------------------------------------------
     def metadata(self, ctx: list[Req], gen: list, padded: int = 0):
         lens = [r.chunk or r.prompt for r in ctx]
-        lens = [min(n, r.prompt - r.written) for n, r in zip(lens, ctx)] + [1] * (len(gen) + padded)
+        lens = [min(n, r.prompt - r.fed) for n, r in zip(lens, ctx)] + [1] * (len(gen) + padded)
         ids = [r.rid for r in ctx] + [r.rid if isinstance(r, Req) else r.py_request_id for r in gen]
-        cached = [r.written for r in ctx] + [r.written + r.skipped if isinstance(r, Req) else 0 for r in gen]
+        cached = [r.fed for r in ctx] + [r.fed if isinstance(r, Req) else 0 for r in gen]
         # the engine's metadata class is the configured backend's (TRTLLM: TrtllmAttentionMetadata), prepared
         # every step against the manager before the forward
         metadata_cls = self.ns.utils.get_attention_backend(self.model_config.attn_backend).Metadata
@@ -178,7 +183,7 @@ class Driver:
             for i, r in enumerate(list(ctx) + list(gen)):
                 n = lens[i] if i < len(lens) else 1
                 if isinstance(r, Req):
-                    pos = r.written + r.skipped  # the executor's position
+                    pos = r.fed  # the executor's position
                     q, k, v = rows_for(r.rid, pos, n, layer, self.heads, self.kv, self.d)
                     if pos <= r.nan_at < pos + n and layer == 0:
                         k[r.nan_at - pos, self.d + 3] = float("nan")
@@ -220,7 +225,17 @@ class Driver:
         for i, r in enumerate(list(ctx) + list(gen)):
             n = lens[i] if i < len(lens) else 1
             poisoned = isinstance(r, Req) and (r.poisoned or r.failed or r.written <= r.nan_at < r.written + n)
-            if isinstance(r, Req) and (i >= len(ctx) or r.written > 0) and not poisoned:  # gen rows, later chunks
+            if isinstance(r, Req) and i < len(ctx) and r.written == 0 and not poisoned:  # a first chunk
+                # causal attention over the prompt's own tokens, at full precision
+                qi, ki, vi = (x[off : off + n].view(n, -1, self.d).transpose(0, 1)[None] for x in (q, k, v))
+                want = torch.nn.functional.scaled_dot_product_attention(
+                    qi, ki, vi, is_causal=True, scale=self.dep.sm_scale, enable_gqa=True)[0].transpose(0, 1)
+                where = f"step {self.steps} request {r.rid} layer {layer}"
+                # a padded group's attention blocks its sums differently: one bf16 rounding step at most
+                err = (out[off : off + n].float() - want.reshape(n, -1).float()).abs().max().item()
+                assert err <= 2**-7 * want.abs().max().item(), f"{where}: prompt output off by {err}"
+                self.checked_outputs += 1
+            elif isinstance(r, Req) and (i >= len(ctx) or r.written > 0) and not poisoned:  # gen rows, later chunks
                 t, ks, vs = self._stored(layer, k[off : off + n], v[off : off + n])
                 st = self._ref_state(r, layer)
                 qi = q[off : off + n].float().view(n, self.heads, self.d).transpose(0, 1)[None]  # [1, H, n, D]
@@ -293,13 +308,13 @@ class Driver:
             r.req = self.ns.llm_request.LlmRequest(request_id=r.rid, max_new_tokens=r.new, input_tokens=[1] * r.prompt)
             if r.chunk:
                 r.req.context_chunk_size = r.chunk
-        r.req.context_current_position = min(r.written, r.prompt)
+        r.req.context_current_position = min(r.fed, r.prompt)
         return r.req
 
     def schedule(self, reqs: list[Req]) -> tuple[list[Req], list[Req]]:
         live = [r for r in reqs if not r.done and not r.failed][: self.max_batch]
-        ctx = [r for r in live if r.written < r.prompt]
-        gen = [r for r in live if r.written >= r.prompt]
+        ctx = [r for r in live if r.fed < r.prompt]
+        gen = [r for r in live if r.fed >= r.prompt]
         return ctx, gen
 
     def batch(self, ctx, gen) -> ScheduledRequests:

@@ -3,8 +3,9 @@
 This is the test oracle for the Triton kernels and the ``torch.compile`` path of the Hugging Face
 integration. The pure functions (pack, quantize, dequantize, attention) are static-shape and free of
 ``.item()`` and value-dependent branching, so they compile with ``torch.compile(fullgraph=True)``. The
-decode step's writer (``decode_append``) is device-only too; ``write_tokens`` (prompts, chunks) reads
-host ints. Callers write ``from oscar_export.kernels import reference`` and ``reference.<op>``.
+decode step's writer (``decode_append``) is device-only too; prompts and chunks are planned on the host
+(``plan_writes``) and written without host reads. Callers write
+``from oscar_export.kernels import reference`` and ``reference.<op>``.
 
 Where each op lives (each module imports only those above it):
 
@@ -17,8 +18,9 @@ Where each op lives (each module imports only those above it):
 ``context``        the cache read back dense: ``gather_context`` (+ its eager memo form ``gather_context_memo``),
                    ``context_mask``, ``recent_valid``; one sequence in token order: ``read_sequence``
 ``attention``      ``masked_attention``, ``decode_attention``, ``chunk_attention``
-``writers``        prompts and chunks into the cache: ``write_tokens``, ``write_pages``, ``append_tokens``,
-                   ``check_finite``
+``writers``        prompts and chunks into the cache: a packed batch as its ``WritePlan`` says (``plan_writes``,
+                   ``write_planned``, ``nonfinite_rows``), one sequence (``write_tokens``), ``write_pages``,
+                   ``append_tokens``, ``check_finite``
 ``decode_step``    the decode step's one-token write: ``decode_append`` (device-only) and
                    ``decode_append_host`` (eager host code, the same bytes)
 =================  ================================================================================================
@@ -38,9 +40,19 @@ from .packing import (
     unpack_page_codes,
 )
 from .page_quant import dequantize_pages, format_levels, quantize_pages
-from .writers import append_tokens, check_finite, write_pages, write_tokens
+from .writers import (
+    WritePlan,
+    append_tokens,
+    check_finite,
+    nonfinite_rows,
+    plan_writes,
+    write_pages,
+    write_planned,
+    write_tokens,
+)
 
 __all__ = [
+    "WritePlan",
     "append_tokens",
     "check_finite",
     "chunk_attention",
@@ -56,9 +68,11 @@ __all__ = [
     "gather_context_memo",
     "masked_attention",
     "mma16_group",
+    "nonfinite_rows",
     "pack_codes",
     "pack_mma16",
     "pack_page_codes",
+    "plan_writes",
     "quantize_groups",
     "quantize_pages",
     "read_sequence",
@@ -68,5 +82,6 @@ __all__ = [
     "unpack_mma16",
     "unpack_page_codes",
     "write_pages",
+    "write_planned",
     "write_tokens",
 ]

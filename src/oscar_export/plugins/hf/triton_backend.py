@@ -27,12 +27,12 @@ from oscar_export.kernels.layout import KVCacheLayout, PagedKV
 from oscar_export.kernels.transform import LayerTransform
 
 
-def _write(state: PagedKV, page_ids: list[int], k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout,
+def _write(state: PagedKV, page_ids, k: torch.Tensor, v: torch.Tensor, layout: KVCacheLayout,
            transform: LayerTransform) -> None:
     """Quantize ``k, v [N, H_kv, P, D]`` (stored basis, last dim contiguous) into pool pages ``page_ids``."""
     from oscar_export.kernels.quant_pack import write_pages
 
-    ids = torch.tensor(page_ids, dtype=torch.int32, device=state.k_codes.device)
+    ids = torch.as_tensor(page_ids, device=state.k_codes.device).int()
     write_pages(k, ids, state.k_codes, state.k_params, layout, layout.key, transform.k_clip, transform.k_levels)
     write_pages(v, ids, state.v_codes, state.v_params, layout, layout.value, transform.v_clip, transform.v_levels,
                 operand="value")

@@ -8,15 +8,19 @@ forward_args=None, **kwargs)``, which ``Attention._attn_impl`` calls with ``forw
 classmethods: the model's attention module, constructed for an unfused backend (``model.py``), hands it
 post-RoPE ``q [tokens, H*D]``, ``k, v [tokens, H_kv*D]``; packed QKV (``k = v = None``) is refused.
 
-Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests (never "no cached tokens"):
+Per forward (one layer), rows ``i < metadata.num_contexts`` are context requests (never "no cached tokens"),
+handled together (``_context``; ``prefill.py``):
 
-* a first chunk (``num_cached_tokens_per_seq[i] == 0``) attends at full precision (causal SDPA, TensorRT-LLM's
-  scale ``1 / (q_scaling * sqrt(D))``);
+* the first chunks (``num_cached_tokens_per_seq[i] == 0``) attend at full precision (causal SDPA, TensorRT-LLM's
+  scale ``1 / (q_scaling * sqrt(D))``), padded into one call per group of similar lengths
+  (:func:`.prefill.packed_causal_attention`);
 * a later chunk / prefix-reused context attends to the slot's committed cache through ``ops.chunk_attention``
   (the reference path has it; the AOT bundle has no chunk kernel yet, so on the GPU it raises and the
   deployment turns chunked prefill off);
-* either is then written at its cached length (``ops.write``: ``reference.write_tokens``, sink, INT2 pages,
-  recent ring; the quantize kernels on the GPU);
+* every stored row is then written at its cached length by one ``ops.write_planned`` (sink, INT2 pages through
+  one quantize launch per pool, recent ring) as the forward's write plan says (``reference.plan_writes``, built
+  once in ``begin_step`` for every layer); a row whose keys or values hold a NaN/Inf is flagged, so the step does
+  not commit it and its request fails alone at the next ``prepare_resources`` (``cache.py``);
 
 the generation rows take one device-only decode step over their own slots only (``ops.decode_step``: the
 decode-step writer, ``decode_append``, which also rotates the step's queries into the stored key basis, once a
@@ -38,7 +42,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from oscar_export.kernels import reference
+
 from .cache import STATUS_IDLE
+from .prefill import packed_causal_attention
 from .reference_ops import one_slot
 
 #: INT2 pages per split program of the decode kernel (a deployment choice; any value > 0 is correct).
@@ -110,7 +117,7 @@ def make_attention_class(up, deployment):
                     "enable_chunked_prefill: the OSCAR cache ops of this deployment have no kernel for a prompt chunk "
                     "after cached tokens; set it to false (deploy/extra_llm_api_options.yaml)")
             out = forward_args.output if forward_args is not None else kwargs.get("output")
-            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            h, d = self.num_heads, self.head_dim
             if out is None:
                 out = torch.empty(q.shape[0], h * d, dtype=q.dtype, device=q.device)
             i = self.layer_idx
@@ -124,31 +131,12 @@ def make_attention_class(up, deployment):
             if not capturing:
                 self._check_step_slots(mgr, list(metadata.request_ids)[:ns])
             if self.layer_idx == 0:
-                mgr.begin_step([(mgr.step_slots_host[i], seq_lens[i]) for i in range(nc)],
-                               mgr.step_slots[nc:ns].long())
-            offset = 0
-            if nc:
                 cached = metadata.kv_cache_params.num_cached_tokens_per_seq
-                for i in range(nc):
-                    n = seq_lens[i]
-                    slot = mgr.step_slots_host[i]
-                    sl = slice(offset, offset + n)
-                    qi = q[sl].view(n, h, d).transpose(0, 1)  # [H, n, D]
-                    ki = k[sl].view(n, hkv, d).transpose(0, 1)  # [H_kv, n, D]
-                    vi = v[sl].view(n, hkv, d).transpose(0, 1)
-                    k_s = t.transform_keys(ki[None])[0].to(torch.bfloat16)  # stored basis
-                    v_s = t.transform_values(vi[None])[0].to(torch.bfloat16)
-                    start = int(cached[i])
-                    if start == 0 or slot == mgr.scratch:  # a dummy request: computed, not stored
-                        o = torch.nn.functional.scaled_dot_product_attention(
-                            qi[None], ki[None], vi[None], is_causal=True, scale=self.scale, enable_gqa=True)[0]
-                    else:
-                        o = ops.chunk_attention(one_slot(state, slot), qi, k_s, v_s, t)
-                        o = t.restore_output(o[None])[0]
-                    out[sl] = o.transpose(0, 1).reshape(n, h * d).to(out.dtype)
-                    if slot != mgr.scratch:
-                        ops.write(state, slot, start, k_s, v_s, t)
-                    offset += n
+                mgr.begin_step([(mgr.step_slots_host[i], int(cached[i]), seq_lens[i]) for i in range(nc)],
+                               mgr.step_slots[nc:ns].long())
+            offset = sum(seq_lens[:nc])
+            if nc:
+                self._context(mgr, state, ops, t, q[:offset], k[:offset], v[:offset], out[:offset])
             if ns > nc:
                 g = ns - nc
                 out[offset : offset + g] = self._decode(mgr, state, step_state, ops, t, q, k, v, offset, g, nc,
@@ -158,6 +146,30 @@ def make_attention_class(up, deployment):
                 if not capturing:
                     mgr.forward_done = mgr.streams.record()  # the next admission's writes wait for this forward
             return out
+
+        def _context(self, mgr, state, ops, t, q, k, v, out) -> None:
+            """The forward's context rows (packed, ``mgr.context_rows`` ``(slot, start, n)``): the first chunks
+            attend at full precision in as few calls as their lengths allow (``prefill.py``), a later chunk to its
+            slot's cache (``ops.chunk_attention``, one at a time: the reference path only); every stored row is then
+            written with one planned write (``mgr.context_plan``, shared by the layers), and a row holding a NaN/Inf
+            key or value is flagged so the step does not commit it (its request then fails alone, as in decode)."""
+            h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+            n = q.shape[0]
+            qh, kh, vh, oh = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d), out.view(n, h, d)
+            k_s = t.transform_keys(kh.transpose(0, 1)[None])[0].to(torch.bfloat16)  # [H_kv, n, D] stored basis
+            v_s = t.transform_values(vh.transpose(0, 1)[None])[0].to(torch.bfloat16)
+            first, offset = [], 0
+            for slot, start, m in mgr.context_rows:
+                if start == 0 or slot == mgr.scratch:  # a dummy request: computed, not stored
+                    first.append((offset, m))
+                else:
+                    sl = slice(offset, offset + m)
+                    o = ops.chunk_attention(one_slot(state, slot), qh[sl].transpose(0, 1), k_s[:, sl], v_s[:, sl], t)
+                    oh[sl] = t.restore_output(o[None])[0].transpose(0, 1).to(out.dtype)
+                offset += m
+            packed_causal_attention(qh, kh, vh, first, self.scale, oh)
+            ops.write_planned(state, mgr.context_plan, k_s, v_s, t)
+            mgr.flag_context_rows(reference.nonfinite_rows(mgr.context_plan, k_s, v_s))
 
         def _decode(self, mgr, state, step_state, ops, t, q, k, v, offset, g, nc, ns):
             """One device-only decode step for the ``g`` generation rows (CUDA-graph capturable): the kernels run

@@ -41,8 +41,8 @@ book owns no free list here. The subclass
   ``max_seq_len`` is refused with one line (:func:`check_budget`: ``max_gpu_total_bytes``, or ``max_tokens``
   where upstream passes ``is_estimating_kv_cache=False``);
 * ``add_dummy_requests`` passes on upstream's ``None`` (no free block: no padding request);
-* a NaN/Inf key or value in a decode step: the step does not commit that slot, the slot stays flagged in every
-  later step (its cache holds the tokens up to the last finite one), and the next ``prepare_resources`` whose
+* a NaN/Inf key or value in a decode step or a prompt: the step does not commit that slot, the slot stays flagged
+  in every later step (its cache holds the tokens of the steps before), and the next ``prepare_resources`` whose
   pinned copy of the flags has landed (the next step in the plain loop, a step later under overlap) fails that
   request alone, as it fails one longer than ``max_seq_len`` or one that finds no free slot: an exception in
   ``prepare_resources`` would reach the executor's error path, which fails every active request
@@ -126,6 +126,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
     of one layer layout."""
     import torch
 
+    from oscar_export.kernels import reference
     from oscar_export.kernels.layout import PagedKV
     from oscar_export.kernels.pages import STATUS_NONFINITE, PageBook
 
@@ -180,6 +181,9 @@ def make_cache_manager_class(up, deployment, ops_factory):
             self.step_slots_host: list[int] = []
             #: tokens each state row takes in the forward in flight (device; begin_step)
             self.step_tokens = torch.zeros(slots + 1, dtype=torch.int32, device=dev)
+            #: the forward's context rows ``(slot, start, n)`` and their write plan (begin_step; every layer's)
+            self.context_rows: list[tuple[int, int, int]] = []
+            self.context_plan = None
             self.slots: dict[int, int] = {}  # request id -> slot
             self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
             self.dummy_ids: set[int] = set()
@@ -215,7 +219,7 @@ def make_cache_manager_class(up, deployment, ops_factory):
         def shutdown(self):
             """Release the OSCAR pools, then upstream's (teardown after the KV-cache estimation, and at exit)."""
             self.layers, self.step_layers, self.ops = [], [], []
-            self.book = self.step_slots = self.step_tokens = None
+            self.book = self.step_slots = self.step_tokens = self.context_plan = None
             self.slot_rid = self.bad_rid = self.bad_rid_host = None
             self.slots, self.rows, self.dummy_ids, self.failed = {}, {}, set(), {}
             return super().shutdown()
@@ -301,8 +305,8 @@ def make_cache_manager_class(up, deployment, ops_factory):
             last finished step left, never waits for the device); ``_admit`` fails it when it is next scheduled."""
             bad = self.bad_rid_host.tolist()
             for rid in sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid):
-                self.failed[rid] = (f"request {rid}: a NaN/Inf key or value reached the OSCAR cache in a decode step "
-                                    "(its cache holds the tokens up to the last finite one)")
+                self.failed[rid] = (f"request {rid}: a NaN/Inf key or value reached the OSCAR cache (its cache holds "
+                                    "the tokens of the steps before)")
 
         @contextlib.contextmanager
         def device_writes(self):
@@ -346,20 +350,39 @@ def make_cache_manager_class(up, deployment, ops_factory):
             return super().free_resources(request, *args, **kwargs)
 
         # ---- one forward: the page book's step -------------------------------------------------------------------
-        def begin_step(self, context_tokens: list[tuple[int, int]], gen_rows) -> None:
-            """Before the first layer: ``context_tokens`` ``(slot, n)`` of the context rows (host, eager steps only),
-            ``gen_rows`` the device slots of the generation rows (one token each). Device ops only for the
-            generation rows, so a captured decode step replays with the current batch's slots."""
+        def begin_step(self, context_rows: list[tuple[int, int, int]], gen_rows) -> None:
+            """Before the first layer: ``context_rows`` ``(slot, start, n)`` of the context rows (host, eager steps
+            only; planned once for every layer: :attr:`context_plan`), ``gen_rows`` the device slots of the
+            generation rows (one token each). Device ops only for the generation rows, so a captured decode step
+            replays with the current batch's slots."""
             tok = self.step_tokens
             tok.zero_()
             tok.index_fill_(0, gen_rows, 1)
-            for slot, n in context_tokens:
-                tok[slot] = n
+            self.context_rows = list(context_rows)
+            self.context_plan = None
+            if context_rows:
+                self.context_plan = reference.plan_writes(
+                    lay, [(None if slot == self.scratch else slot, start, n) for slot, start, n in context_rows],
+                    self.book.max_pages, self.book.device)
+                tok.index_put_((self._plan_slots(),), self.context_plan.row_t.to(tok.dtype), accumulate=True)
             tok.narrow(0, self.scratch, 1).zero_()  # padding rows: computed, never stored (no H2D copy: capturable)
             self.book.begin(tok)
             self.book.flag((tok == 0).to(torch.int32) * STATUS_IDLE)
             poisoned = (self.bad_rid >= 0) & (self.bad_rid == self.slot_rid)
             self.book.flag(poisoned.to(torch.int32) * STATUS_NONFINITE)
+
+        def _plan_slots(self):
+            """The state row of each row of :attr:`context_plan` (a row that is not stored: the scratch slot)."""
+            row_b = self.context_plan.row_b
+            return torch.where(row_b >= 0, row_b, self.scratch)
+
+        def flag_context_rows(self, nonfinite) -> None:
+            """Flag the context rows whose ``nonfinite [rows]`` (bool, device) is set: the step does not commit them
+            and :meth:`commit_step` records their requests as failed (no host read)."""
+            bits = torch.zeros_like(self.book.status)
+            bits.index_put_((self._plan_slots(),), nonfinite.to(bits.dtype) * STATUS_NONFINITE, accumulate=True)
+            bits.narrow(0, self.scratch, 1).zero_()
+            self.book.flag(bits)
 
         def commit_step(self) -> None:
             """After the last layer: every slot whose status is 0 now holds its ``step_tokens`` more."""

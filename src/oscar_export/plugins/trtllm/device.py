@@ -73,7 +73,7 @@ class AotCacheOps:
         """``reference.write_pages`` with the quantize kernels: ``k, v [N, H_kv, P, D]`` bf16 stored basis."""
         import torch
 
-        ids = torch.tensor(list(page_ids), dtype=torch.int32, device=state.k_codes.device)
+        ids = torch.as_tensor(page_ids, device=state.k_codes.device).int()  # a list or a device tensor
         for kernel, fmt, rows, clip, levels, codes, params in (
             (self.quant_k, layout.key, k, transform.k_clip, transform.k_levels, state.k_codes, state.k_params),
             (self.quant_v, layout.value, v, transform.v_clip, transform.v_levels, state.v_codes, state.v_params),
@@ -86,6 +86,11 @@ class AotCacheOps:
         ``slot``: ``reference.write_tokens`` (sink, recent ring: tensor copies) with its pages quantized by the
         bundle's kernels (same bytes). Lengths are the page book's to commit."""
         reference.write_tokens(state, slot, start, k, v, self.layout, transform, write=self.write_pages)
+
+    def write_planned(self, state, plan, k, v, transform) -> None:
+        """``reference.write_planned`` with the pages quantized by the bundle's kernels (one launch per pool for the
+        whole batch): ``k, v [H_kv, sum T, D]`` bf16 stored basis, as ``plan`` (``reference.plan_writes``) says."""
+        reference.write_planned(state, plan, k, v, self.layout, transform, write=self.write_pages)
 
     #: a context chunk after cached tokens (chunked prefill) has a kernel here (``attention.py`` refuses it at the
     #: first forward where upstream's ``runtime_features.chunked_prefill`` is on and this is False)

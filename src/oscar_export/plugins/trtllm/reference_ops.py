@@ -28,6 +28,11 @@ class TorchCacheOps:
         chunk; the pages are the ones its block-table row names). Lengths are the page book's to commit."""
         reference.write_tokens(state, slot, start, k, v, self.layout, transform)
 
+    def write_planned(self, state, plan, k, v, transform) -> None:
+        """Write the packed ``k, v [H_kv, sum T, D]`` (stored basis) of a batch of sequences as ``plan``
+        (``reference.plan_writes``) says."""
+        reference.write_planned(state, plan, k, v, self.layout, transform)
+
     def chunk_attention(self, state, q, k, v, transform):
         """A later prompt chunk of a batch-of-one ``state`` (committed lengths): ``q [H, n, D]`` (model basis),
         ``k, v [H_kv, n, D]`` stored basis. Returns ``[H, n, D]`` in the stored value basis."""
