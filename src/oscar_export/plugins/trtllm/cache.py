@@ -60,6 +60,14 @@ import dataclasses
 import logging
 import math
 
+import torch
+
+from oscar_export.kernels import reference
+from oscar_export.kernels.layout import PagedKV
+from oscar_export.kernels.pages import STATUS_NONFINITE, PageBook
+
+from .streams import DeviceStreams
+
 logger = logging.getLogger(__name__)
 
 #: step status bit (beside ``pages.STATUS_*``) of a state row that takes no token in the forward in flight.
@@ -121,278 +129,292 @@ def _with_max_tokens(kv_cache_config, max_tokens: int):
     return kv_cache_config
 
 
+class OscarCacheMixin:
+    """The OSCAR cache's half of ``OscarKVCacheManager`` (see the module doc); :func:`make_cache_manager_class` puts
+    it before upstream's ``KVCacheManager`` (``super()`` is upstream's) and binds the deployment."""
+
+    is_oscar_cache = True
+    deployment = None  #: the ``OscarDeployment`` (class attribute, bound by make_cache_manager_class)
+    request_states = None  #: upstream's ``LlmRequestState``
+
+    @staticmethod
+    def ops_factory(layout):  # bound by make_cache_manager_class
+        raise NotImplementedError
+
+    def __init__(self, kv_cache_config, kv_cache_type, *, num_layers, num_kv_heads, head_dim, tokens_per_block,
+                 max_seq_len, max_batch_size, mapping, **kwargs):
+        lay = self.deployment.layout
+        self._check_model(num_layers, num_kv_heads, head_dim, tokens_per_block)
+        refuse_unsupported(kv_cache_config, mapping, kwargs.get("spec_config"), kwargs.get("layer_mask"))
+        kwargs.pop("layer_mask", None)  # every layer (refused otherwise); the stock pool has one
+        pages_per_seq = math.ceil(max_seq_len / lay.page_size)
+        slots = max_batch_size
+        need = slots * pages_per_seq * lay.page_size
+        check_budget(kv_cache_config, need, self.get_cache_size_per_token(), f"max_batch_size {slots} x "
+                     f"max_seq_len {max_seq_len}", kwargs.get("is_estimating_kv_cache"))
+        kv_cache_config = _with_max_tokens(kv_cache_config, need)
+        super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
+                         head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
+                         max_batch_size=max_batch_size, mapping=mapping, **kwargs)
+        #: where the device writes of admission go (streams.py): upstream's execution stream, when it passes one
+        self.write_stream = kwargs.get("execution_stream")
+        self.streams = DeviceStreams()
+        self.admitted = self.forward_done = None  # events: after admission's writes / after the last forward
+        pool_pages = int(self.get_max_resource_count())
+        self.deployment.check_limits(slots, max_seq_len, int(self.max_blocks_per_seq), pool_pages)
+        self._allocate(slots, max_seq_len, pool_pages)
+
+    def _check_model(self, num_layers, num_kv_heads, head_dim, tokens_per_block) -> None:
+        """Raise ``ValueError`` (one line) unless the model's attention shape and the block size are the artifact's."""
+        deployment, lay = self.deployment, self.deployment.layout
+        heads = set(num_kv_heads) if isinstance(num_kv_heads, (list, tuple)) else {num_kv_heads}
+        if tokens_per_block != lay.page_size:
+            raise ValueError(f"tokens_per_block {tokens_per_block}: the OSCAR cache needs tokens_per_block = the "
+                             f"page size {lay.page_size} (kv_cache_config.tokens_per_block)")
+        if num_layers != deployment.num_layers or heads != {lay.num_kv_heads} or head_dim != lay.head_dim:
+            raise ValueError(f"model: {num_layers} layers x {sorted(heads)} KV heads x head_dim {head_dim}; the "
+                             f"OSCAR artifact: {deployment.num_layers} x {lay.num_kv_heads} x {lay.head_dim}")
+
+    def _allocate(self, slots: int, max_seq_len: int, pool_pages: int) -> None:
+        """The page book, the OSCAR pools of every layer, the step's device buffers and the host maps."""
+        layouts = self.deployment.layer_layouts
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        #: the request slots and the scratch slot (the last)
+        self.book = PageBook(self.deployment.layout, slots + 1, max_seq_len, dev)
+        self.book.block_table.zero_()  # a host-managed pool: rows are C++ block ids (PageBook.assign)
+        self.scratch = slots
+        bufs = [PagedKV.allocate(layer_lay, slots + 1, pool_pages, self.book.max_pages, dev, torch.bfloat16)
+                for layer_lay in layouts]
+        self.layers = [self.book.state_view(s, self.book.committed) for s in bufs]
+        self.step_layers = [self.book.state_view(s, self.book.in_step) for s in bufs]
+        held = [getattr(st, f.name) for st in self.layers + self.step_layers for f in dataclasses.fields(st)]
+        #: device bytes of the OSCAR pools, windows and page book (get_kv_cache_stats counts them)
+        self.pool_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                               for t in held + self.book.tensors()}.values())
+        # batch row -> state row, on the device (rows past the batch: the scratch slot)
+        self.step_slots = torch.full((slots + 1,), self.scratch, dtype=torch.int32, device=dev)
+        self.step_slots_host: list[int] = []
+        #: tokens each state row takes in the forward in flight (device; begin_step)
+        self.step_tokens = torch.zeros(slots + 1, dtype=torch.int32, device=dev)
+        #: the forward's context rows ``(slot, start, n)`` and their write plan (begin_step; every layer's)
+        self.context_rows: list[tuple[int, int, int]] = []
+        self.context_plan = None
+        self.slots: dict[int, int] = {}  # request id -> slot
+        self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
+        self.dummy_ids: set[int] = set()
+        #: request id -> why the cache failed it (until free_resources)
+        self.failed: dict[int, str] = {}
+        # non-finite tokens: the request id owning each state row (-1: none) and, per row, the id of the last
+        # request a NaN/Inf token reached (device, set at commit; sticky, so the row takes nothing more) with
+        # its pinned host copy, read by prepare_resources (a step or two late under the overlap loop)
+        self.slot_rid = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
+        self.bad_rid = torch.full_like(self.slot_rid, -1)
+        self.bad_rid_host = torch.full((slots + 1,), -1, dtype=torch.int64,
+                                       pin_memory=dev.type == "cuda")
+        by_layout = {layer_lay: self.ops_factory(layer_lay) for layer_lay in dict.fromkeys(layouts)}
+        #: the cache ops of each layer (one object per distinct layout)
+        self.ops = [by_layout[layer_lay] for layer_lay in layouts]
+
+    @classmethod
+    def get_cache_size_per_token(cls, model_config=None, mapping=None, **kwargs) -> int:
+        """Bytes per cached token: the INT2 pages (codes and params) of every layer plus the one-layer BF16
+        stock pool (the BF16 sink and recent ring are a fixed cost per sequence slot, not per token)."""
+        pages, lay = 0, cls.deployment.layout
+        for layer_lay in cls.deployment.layer_layouts:
+            pages += math.prod(layer_lay.key_codes_shape(1)) + 2 * math.prod(layer_lay.key_params_shape(1))
+            pages += math.prod(layer_lay.value_codes_shape(1)) + 2 * math.prod(layer_lay.value_params_shape(1))
+        return math.ceil(pages / lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
+
+    def get_kv_cache_stats(self):
+        """Upstream's, with :attr:`pool_bytes` added to ``allocated_bytes``: the KV-cache estimation
+        (``configure_kv_cache_capacity``) adds the manager's ``allocated_bytes`` back to the peak memory it
+        measured, so pools left out would count as activations and shrink the cache by their size."""
+        return KvCacheStatsWithPools(super().get_kv_cache_stats(), self.pool_bytes)
+
+    def shutdown(self):
+        """Release the OSCAR pools, then upstream's (teardown after the KV-cache estimation, and at exit)."""
+        self.layers, self.step_layers, self.ops = [], [], []
+        self.book = self.step_slots = self.step_tokens = self.context_plan = None
+        self.slot_rid = self.bad_rid = self.bad_rid_host = None
+        self.slots, self.rows, self.dummy_ids, self.failed = {}, {}, set(), {}
+        return super().shutdown()
+
+    # ---- slots -------------------------------------------------------------------------------------------
+    def slot_of(self, request_id: int) -> int:
+        if request_id not in self.slots:
+            raise KeyError(f"request {request_id} has no OSCAR cache slot (was it admitted by prepare_resources?)")
+        return self.slots[request_id]
+
+    def _admit(self, req, context: bool) -> int:
+        rid = req.py_request_id
+        if rid in self.failed:
+            self._fail(req, self.failed[rid])
+        if rid in self.dummy_ids or rid in self.failed:
+            return self.scratch
+        if rid not in self.slots:
+            if not context:  # a generation request must already own a slot (KeyError names it)
+                self.slot_of(rid)
+            free = [s for s in range(self.scratch) if s not in self.slots.values()]
+            need = req.prompt_len + req.max_new_tokens
+            if need > self.book.max_length:
+                self._fail(req, f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
+                                f"reserved {self.book.max_length} per sequence (max_seq_len)")
+            elif not free:
+                self._fail(req, f"request {rid}: all {self.scratch} OSCAR cache slots hold live sequences")
+            if rid in self.failed:
+                return self.scratch
+            self.slots[rid] = free[0]
+            self.rows.pop(free[0], None)
+            self.book.reset(free[0])
+            self.slot_rid.narrow(0, free[0], 1).fill_(rid)
+        slot = self.slots[rid]
+        self._set_row(slot, list(self.get_cache_indices(req))[: self.book.max_pages])
+        return slot
+
+    def _to_device(self, values: list[int]):
+        """``values`` as an int32 device tensor, copied from pinned memory without a host synchronisation (a
+        pageable copy would synchronise the current stream every step); the copy is stream-ordered like the
+        rest of :meth:`device_writes`."""
+        host = torch.tensor(values, dtype=torch.int32)
+        if self.book.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.book.device, non_blocking=True)
+
+    def _set_row(self, slot: int, ids: list[int]) -> None:
+        """Copy the C++ block ids of ``slot`` into the book's row when they changed (a stream-ordered copy)."""
+        old = self.rows.get(slot, [])
+        if old == ids:
+            return
+        if old != ids[: len(old)]:
+            raise RuntimeError(f"slot {slot}: the C++ block ids changed under live pages ({old} -> {ids})")
+        self.book.assign(slot, self._to_device(ids))
+        self.rows[slot] = ids
+
+    def _write_step_slots(self, slots: list[int]) -> None:
+        """Batch row ``i`` -> ``slots[i]``; every later row -> the scratch slot (a stream-ordered H2D copy)."""
+        full = list(slots) + [self.scratch] * (self.step_slots.shape[0] - len(slots))
+        self.step_slots.copy_(self._to_device(full))
+        self.step_slots_host = list(slots)
+
+    def slots_for(self, request_ids) -> list[int]:
+        """State rows of a batch: the request's slot, the scratch slot for a dummy or failed request."""
+        return [self.scratch if r in self.dummy_ids or r in self.failed else self.slot_of(r) for r in request_ids]
+
+    def _fail(self, req, reason: str) -> None:
+        """Fail ``req`` alone: its rows go to the scratch slot (computed, never stored), its slot is released,
+        and it ends as upstream's executor ends a request it fails (``state = GENERATION_COMPLETE``), with
+        ``reason`` logged once and kept in :attr:`failed` until ``free_resources``."""
+        rid = req.py_request_id
+        if rid not in self.failed:
+            logger.error("OSCAR cache: %s; this request fails, the others go on", reason)
+        self.failed[rid] = reason
+        req.state = self.request_states.GENERATION_COMPLETE
+        slot = self.slots.pop(rid, None)
+        if slot is not None:
+            self.rows.pop(slot, None)
+            self.slot_rid.narrow(0, slot, 1).fill_(-1)
+
+    # ---- the executor's calls ------------------------------------------------------------------------------
+    def find_nonfinite(self) -> None:
+        """Mark every live request a NaN/Inf decode token reached as failed (host; reads the pinned copy the
+        last finished step left, never waits for the device); ``_admit`` fails it when it is next scheduled."""
+        bad = self.bad_rid_host.tolist()
+        for rid in sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid):
+            self.failed[rid] = (f"request {rid}: a NaN/Inf key or value reached the OSCAR cache (its cache holds "
+                                "the tokens of the steps before)")
+
+    @contextlib.contextmanager
+    def device_writes(self):
+        """The block's device writes go on :attr:`write_stream`, after the last forward, before
+        :attr:`admitted` (``streams.py``)."""
+        with self.streams.using(self.write_stream):
+            self.streams.wait(self.forward_done)
+            yield
+            self.admitted = self.streams.record()
+
+    def prepare_resources(self, scheduled_batch):
+        """Upstream's, then each request's slot and block-table row and the batch's slot list (device writes:
+        :meth:`device_writes`). A request the cache cannot serve -- longer than ``max_seq_len``, no free slot, a
+        NaN/Inf token in its cache -- fails alone (:meth:`_fail`); nothing here raises for one request."""
+        self.find_nonfinite()
+        super().prepare_resources(scheduled_batch)
+        with self.device_writes():
+            slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
+            slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
+            self._write_step_slots(slots)
+
+    def add_dummy_requests(self, request_ids, *args, **kwargs):
+        """Upstream's (``None`` when no block is free), remembering the ids: their rows go to the scratch
+        slot. ``step_slots`` is left alone: TensorRT-LLM makes its padding request inside the forward, after
+        ``prepare_resources`` wrote the batch (rows past it already point at the scratch slot); an eager warmup
+        batch is mapped by the attention's check."""
+        reqs = super().add_dummy_requests(request_ids, *args, **kwargs)
+        if reqs is not None:  # None: no free block (upstream then pads nothing)
+            self.dummy_ids.update(r.py_request_id for r in reqs)
+        return reqs
+
+    def free_resources(self, request, *args, **kwargs):
+        rid = request.py_request_id
+        self.dummy_ids.discard(rid)
+        self.failed.pop(rid, None)
+        slot = self.slots.pop(rid, None)
+        if slot is not None:
+            self.rows.pop(slot, None)
+            with self.device_writes():
+                self.slot_rid.narrow(0, slot, 1).fill_(-1)
+        return super().free_resources(request, *args, **kwargs)
+
+    # ---- one forward: the page book's step -------------------------------------------------------------------
+    def begin_step(self, context_rows: list[tuple[int, int, int]], gen_rows) -> None:
+        """Before the first layer: ``context_rows`` ``(slot, start, n)`` of the context rows (host, eager steps
+        only; planned once for every layer: :attr:`context_plan`), ``gen_rows`` the device slots of the
+        generation rows (one token each). Device ops only for the generation rows, so a captured decode step
+        replays with the current batch's slots."""
+        tok = self.step_tokens
+        tok.zero_()
+        tok.index_fill_(0, gen_rows, 1)
+        self.context_rows = list(context_rows)
+        self.context_plan = None
+        if context_rows:
+            rows = [(None if slot == self.scratch else slot, start, n) for slot, start, n in context_rows]
+            self.context_plan = reference.plan_writes(self.deployment.layout, rows, self.book.max_pages,
+                                                      self.book.device)
+            tok.index_put_((self._plan_slots(),), self.context_plan.row_t.to(tok.dtype), accumulate=True)
+        tok.narrow(0, self.scratch, 1).zero_()  # padding rows: computed, never stored (no H2D copy: capturable)
+        self.book.begin(tok)
+        self.book.flag((tok == 0).to(torch.int32) * STATUS_IDLE)
+        poisoned = (self.bad_rid >= 0) & (self.bad_rid == self.slot_rid)
+        self.book.flag(poisoned.to(torch.int32) * STATUS_NONFINITE)
+
+    def _plan_slots(self):
+        """The state row of each row of :attr:`context_plan` (a row that is not stored: the scratch slot)."""
+        row_b = self.context_plan.row_b
+        return torch.where(row_b >= 0, row_b, self.scratch)
+
+    def flag_context_rows(self, nonfinite) -> None:
+        """Flag the context rows whose ``nonfinite [rows]`` (bool, device) is set: the step does not commit them
+        and :meth:`commit_step` records their requests as failed (no host read)."""
+        bits = torch.zeros_like(self.book.status)
+        bits.index_put_((self._plan_slots(),), nonfinite.to(bits.dtype) * STATUS_NONFINITE, accumulate=True)
+        bits.narrow(0, self.scratch, 1).zero_()
+        self.book.flag(bits)
+
+    def commit_step(self) -> None:
+        """After the last layer: every slot whose status is 0 now holds its ``step_tokens`` more."""
+        self.book.commit(self.step_tokens)
+        nonfinite = (self.book.status & STATUS_NONFINITE) != 0
+        self.bad_rid.copy_(torch.where(nonfinite, self.slot_rid, self.bad_rid))
+        self.bad_rid_host.copy_(self.bad_rid, non_blocking=True)
+
+
 def make_cache_manager_class(up, deployment, ops_factory):
     """``OscarKVCacheManager(up.KVCacheManager)`` for one deployment; ``ops_factory(layout)`` gives the cache ops
     of one layer layout."""
-    import torch
+    return type("OscarKVCacheManager", (OscarCacheMixin, up.KVCacheManager), {
+        "deployment": deployment, "ops_factory": staticmethod(ops_factory),
+        "request_states": getattr(up, "LlmRequestState", None), "__module__": __name__})
 
-    from oscar_export.kernels import reference
-    from oscar_export.kernels.layout import PagedKV
-    from oscar_export.kernels.pages import STATUS_NONFINITE, PageBook
-
-    from .streams import DeviceStreams
-
-    lay = deployment.layout
-
-    class OscarKVCacheManager(up.KVCacheManager):
-        is_oscar_cache = True
-
-        def __init__(self, kv_cache_config, kv_cache_type, *, num_layers, num_kv_heads, head_dim, tokens_per_block,
-                     max_seq_len, max_batch_size, mapping, **kwargs):
-            heads = set(num_kv_heads) if isinstance(num_kv_heads, (list, tuple)) else {num_kv_heads}
-            if tokens_per_block != lay.page_size:
-                raise ValueError(f"tokens_per_block {tokens_per_block}: the OSCAR cache needs tokens_per_block = the "
-                                 f"page size {lay.page_size} (kv_cache_config.tokens_per_block)")
-            if num_layers != deployment.num_layers or heads != {lay.num_kv_heads} or head_dim != lay.head_dim:
-                raise ValueError(f"model: {num_layers} layers x {sorted(heads)} KV heads x head_dim {head_dim}; the "
-                                 f"OSCAR artifact: {deployment.num_layers} x {lay.num_kv_heads} x {lay.head_dim}")
-            refuse_unsupported(kv_cache_config, mapping, kwargs.get("spec_config"), kwargs.get("layer_mask"))
-            kwargs.pop("layer_mask", None)  # every layer (refused otherwise); the stock pool has one
-            pages_per_seq = math.ceil(max_seq_len / lay.page_size)
-            slots = max_batch_size
-            need = slots * pages_per_seq * lay.page_size
-            check_budget(kv_cache_config, need, self.get_cache_size_per_token(), f"max_batch_size {slots} x "
-                         f"max_seq_len {max_seq_len}", kwargs.get("is_estimating_kv_cache"))
-            kv_cache_config = _with_max_tokens(kv_cache_config, need)
-            super().__init__(kv_cache_config, kv_cache_type, num_layers=1, num_kv_heads=lay.num_kv_heads,
-                             head_dim=head_dim, tokens_per_block=tokens_per_block, max_seq_len=max_seq_len,
-                             max_batch_size=max_batch_size, mapping=mapping, **kwargs)
-            #: where the device writes of admission go (streams.py): upstream's execution stream, when it passes one
-            self.write_stream = kwargs.get("execution_stream")
-            self.streams = DeviceStreams()
-            self.admitted = self.forward_done = None  # events: after admission's writes / after the last forward
-            pool_pages = int(self.get_max_resource_count())
-            deployment.check_limits(slots, max_seq_len, int(self.max_blocks_per_seq), pool_pages)
-            dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-            #: the request slots and the scratch slot (the last)
-            self.book = PageBook(lay, slots + 1, max_seq_len, dev)
-            self.book.block_table.zero_()  # a host-managed pool: rows are C++ block ids (PageBook.assign)
-            self.scratch = slots
-            bufs = [PagedKV.allocate(layer_lay, slots + 1, pool_pages, self.book.max_pages, dev, torch.bfloat16)
-                    for layer_lay in deployment.layer_layouts]
-            self.layers = [self.book.state_view(s, self.book.committed) for s in bufs]
-            self.step_layers = [self.book.state_view(s, self.book.in_step) for s in bufs]
-            held = [getattr(st, f.name) for st in self.layers + self.step_layers for f in dataclasses.fields(st)]
-            #: device bytes of the OSCAR pools, windows and page book (get_kv_cache_stats counts them)
-            self.pool_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                                   for t in held + self.book.tensors()}.values())
-            # batch row -> state row, on the device (rows past the batch: the scratch slot)
-            self.step_slots = torch.full((slots + 1,), self.scratch, dtype=torch.int32, device=dev)
-            self.step_slots_host: list[int] = []
-            #: tokens each state row takes in the forward in flight (device; begin_step)
-            self.step_tokens = torch.zeros(slots + 1, dtype=torch.int32, device=dev)
-            #: the forward's context rows ``(slot, start, n)`` and their write plan (begin_step; every layer's)
-            self.context_rows: list[tuple[int, int, int]] = []
-            self.context_plan = None
-            self.slots: dict[int, int] = {}  # request id -> slot
-            self.rows: dict[int, list[int]] = {}  # slot -> C++ block ids as copied to the book
-            self.dummy_ids: set[int] = set()
-            #: request id -> why the cache failed it (until free_resources)
-            self.failed: dict[int, str] = {}
-            # non-finite tokens: the request id owning each state row (-1: none) and, per row, the id of the last
-            # request a NaN/Inf token reached (device, set at commit; sticky, so the row takes nothing more) with
-            # its pinned host copy, read by prepare_resources (a step or two late under the overlap loop)
-            self.slot_rid = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
-            self.bad_rid = torch.full_like(self.slot_rid, -1)
-            self.bad_rid_host = torch.full((slots + 1,), -1, dtype=torch.int64,
-                                           pin_memory=dev.type == "cuda")
-            by_layout = {layer_lay: ops_factory(layer_lay) for layer_lay in dict.fromkeys(deployment.layer_layouts)}
-            #: the cache ops of each layer (one object per distinct layout)
-            self.ops = [by_layout[layer_lay] for layer_lay in deployment.layer_layouts]
-
-        @staticmethod
-        def get_cache_size_per_token(model_config=None, mapping=None, **kwargs) -> int:
-            """Bytes per cached token: the INT2 pages (codes and params) of every layer plus the one-layer BF16
-            stock pool (the BF16 sink and recent ring are a fixed cost per sequence slot, not per token)."""
-            pages = 0
-            for layer_lay in deployment.layer_layouts:
-                pages += math.prod(layer_lay.key_codes_shape(1)) + 2 * math.prod(layer_lay.key_params_shape(1))
-                pages += math.prod(layer_lay.value_codes_shape(1)) + 2 * math.prod(layer_lay.value_params_shape(1))
-            return math.ceil(pages / lay.page_size) + 2 * 2 * lay.num_kv_heads * lay.head_dim
-
-        def get_kv_cache_stats(self):
-            """Upstream's, with :attr:`pool_bytes` added to ``allocated_bytes``: the KV-cache estimation
-            (``configure_kv_cache_capacity``) adds the manager's ``allocated_bytes`` back to the peak memory it
-            measured, so pools left out would count as activations and shrink the cache by their size."""
-            return KvCacheStatsWithPools(super().get_kv_cache_stats(), self.pool_bytes)
-
-        def shutdown(self):
-            """Release the OSCAR pools, then upstream's (teardown after the KV-cache estimation, and at exit)."""
-            self.layers, self.step_layers, self.ops = [], [], []
-            self.book = self.step_slots = self.step_tokens = self.context_plan = None
-            self.slot_rid = self.bad_rid = self.bad_rid_host = None
-            self.slots, self.rows, self.dummy_ids, self.failed = {}, {}, set(), {}
-            return super().shutdown()
-
-        # ---- slots -------------------------------------------------------------------------------------------
-        def slot_of(self, request_id: int) -> int:
-            if request_id not in self.slots:
-                raise KeyError(f"request {request_id} has no OSCAR cache slot (was it admitted by prepare_resources?)")
-            return self.slots[request_id]
-
-        def _admit(self, req, context: bool) -> int:
-            rid = req.py_request_id
-            if rid in self.failed:
-                self._fail(req, self.failed[rid])
-            if rid in self.dummy_ids or rid in self.failed:
-                return self.scratch
-            if rid not in self.slots:
-                if not context:  # a generation request must already own a slot (KeyError names it)
-                    self.slot_of(rid)
-                free = [s for s in range(self.scratch) if s not in self.slots.values()]
-                need = req.prompt_len + req.max_new_tokens
-                if need > self.book.max_length:
-                    self._fail(req, f"request {rid}: prompt + max_new_tokens = {need} tokens; the OSCAR cache "
-                                    f"reserved {self.book.max_length} per sequence (max_seq_len)")
-                elif not free:
-                    self._fail(req, f"request {rid}: all {self.scratch} OSCAR cache slots hold live sequences")
-                if rid in self.failed:
-                    return self.scratch
-                self.slots[rid] = free[0]
-                self.rows.pop(free[0], None)
-                self.book.reset(free[0])
-                self.slot_rid.narrow(0, free[0], 1).fill_(rid)
-            slot = self.slots[rid]
-            self._set_row(slot, list(self.get_cache_indices(req))[: self.book.max_pages])
-            return slot
-
-        def _to_device(self, values: list[int]):
-            """``values`` as an int32 device tensor, copied from pinned memory without a host synchronisation (a
-            pageable copy would synchronise the current stream every step); the copy is stream-ordered like the
-            rest of :meth:`device_writes`."""
-            host = torch.tensor(values, dtype=torch.int32)
-            if self.book.device.type != "cuda":
-                return host
-            return host.pin_memory().to(self.book.device, non_blocking=True)
-
-        def _set_row(self, slot: int, ids: list[int]) -> None:
-            """Copy the C++ block ids of ``slot`` into the book's row when they changed (a stream-ordered copy)."""
-            old = self.rows.get(slot, [])
-            if old == ids:
-                return
-            if old != ids[: len(old)]:
-                raise RuntimeError(f"slot {slot}: the C++ block ids changed under live pages ({old} -> {ids})")
-            self.book.assign(slot, self._to_device(ids))
-            self.rows[slot] = ids
-
-        def _write_step_slots(self, slots: list[int]) -> None:
-            """Batch row ``i`` -> ``slots[i]``; every later row -> the scratch slot (a stream-ordered H2D copy)."""
-            full = list(slots) + [self.scratch] * (self.step_slots.shape[0] - len(slots))
-            self.step_slots.copy_(self._to_device(full))
-            self.step_slots_host = list(slots)
-
-        def slots_for(self, request_ids) -> list[int]:
-            """State rows of a batch: the request's slot, the scratch slot for a dummy or failed request."""
-            return [self.scratch if r in self.dummy_ids or r in self.failed else self.slot_of(r) for r in request_ids]
-
-        def _fail(self, req, reason: str) -> None:
-            """Fail ``req`` alone: its rows go to the scratch slot (computed, never stored), its slot is released,
-            and it ends as upstream's executor ends a request it fails (``state = GENERATION_COMPLETE``), with
-            ``reason`` logged once and kept in :attr:`failed` until ``free_resources``."""
-            rid = req.py_request_id
-            if rid not in self.failed:
-                logger.error("OSCAR cache: %s; this request fails, the others go on", reason)
-            self.failed[rid] = reason
-            req.state = up.LlmRequestState.GENERATION_COMPLETE
-            slot = self.slots.pop(rid, None)
-            if slot is not None:
-                self.rows.pop(slot, None)
-                self.slot_rid.narrow(0, slot, 1).fill_(-1)
-
-        # ---- the executor's calls ------------------------------------------------------------------------------
-        def find_nonfinite(self) -> None:
-            """Mark every live request a NaN/Inf decode token reached as failed (host; reads the pinned copy the
-            last finished step left, never waits for the device); ``_admit`` fails it when it is next scheduled."""
-            bad = self.bad_rid_host.tolist()
-            for rid in sorted(rid for rid, slot in self.slots.items() if bad[slot] == rid):
-                self.failed[rid] = (f"request {rid}: a NaN/Inf key or value reached the OSCAR cache (its cache holds "
-                                    "the tokens of the steps before)")
-
-        @contextlib.contextmanager
-        def device_writes(self):
-            """The block's device writes go on :attr:`write_stream`, after the last forward, before
-            :attr:`admitted` (``streams.py``)."""
-            with self.streams.using(self.write_stream):
-                self.streams.wait(self.forward_done)
-                yield
-                self.admitted = self.streams.record()
-
-        def prepare_resources(self, scheduled_batch):
-            """Upstream's, then each request's slot and block-table row and the batch's slot list (device writes:
-            :meth:`device_writes`). A request the cache cannot serve -- longer than ``max_seq_len``, no free slot, a
-            NaN/Inf token in its cache -- fails alone (:meth:`_fail`); nothing here raises for one request."""
-            self.find_nonfinite()
-            super().prepare_resources(scheduled_batch)
-            with self.device_writes():
-                slots = [self._admit(r, True) for r in scheduled_batch.context_requests]
-                slots += [self._admit(r, False) for r in scheduled_batch.generation_requests]
-                self._write_step_slots(slots)
-
-        def add_dummy_requests(self, request_ids, *args, **kwargs):
-            """Upstream's (``None`` when no block is free), remembering the ids: their rows go to the scratch
-            slot. ``step_slots`` is left alone: TensorRT-LLM makes its padding request inside the forward, after
-            ``prepare_resources`` wrote the batch (rows past it already point at the scratch slot); an eager warmup
-            batch is mapped by the attention's check."""
-            reqs = super().add_dummy_requests(request_ids, *args, **kwargs)
-            if reqs is not None:  # None: no free block (upstream then pads nothing)
-                self.dummy_ids.update(r.py_request_id for r in reqs)
-            return reqs
-
-        def free_resources(self, request, *args, **kwargs):
-            rid = request.py_request_id
-            self.dummy_ids.discard(rid)
-            self.failed.pop(rid, None)
-            slot = self.slots.pop(rid, None)
-            if slot is not None:
-                self.rows.pop(slot, None)
-                with self.device_writes():
-                    self.slot_rid.narrow(0, slot, 1).fill_(-1)
-            return super().free_resources(request, *args, **kwargs)
-
-        # ---- one forward: the page book's step -------------------------------------------------------------------
-        def begin_step(self, context_rows: list[tuple[int, int, int]], gen_rows) -> None:
-            """Before the first layer: ``context_rows`` ``(slot, start, n)`` of the context rows (host, eager steps
-            only; planned once for every layer: :attr:`context_plan`), ``gen_rows`` the device slots of the
-            generation rows (one token each). Device ops only for the generation rows, so a captured decode step
-            replays with the current batch's slots."""
-            tok = self.step_tokens
-            tok.zero_()
-            tok.index_fill_(0, gen_rows, 1)
-            self.context_rows = list(context_rows)
-            self.context_plan = None
-            if context_rows:
-                self.context_plan = reference.plan_writes(
-                    lay, [(None if slot == self.scratch else slot, start, n) for slot, start, n in context_rows],
-                    self.book.max_pages, self.book.device)
-                tok.index_put_((self._plan_slots(),), self.context_plan.row_t.to(tok.dtype), accumulate=True)
-            tok.narrow(0, self.scratch, 1).zero_()  # padding rows: computed, never stored (no H2D copy: capturable)
-            self.book.begin(tok)
-            self.book.flag((tok == 0).to(torch.int32) * STATUS_IDLE)
-            poisoned = (self.bad_rid >= 0) & (self.bad_rid == self.slot_rid)
-            self.book.flag(poisoned.to(torch.int32) * STATUS_NONFINITE)
-
-        def _plan_slots(self):
-            """The state row of each row of :attr:`context_plan` (a row that is not stored: the scratch slot)."""
-            row_b = self.context_plan.row_b
-            return torch.where(row_b >= 0, row_b, self.scratch)
-
-        def flag_context_rows(self, nonfinite) -> None:
-            """Flag the context rows whose ``nonfinite [rows]`` (bool, device) is set: the step does not commit them
-            and :meth:`commit_step` records their requests as failed (no host read)."""
-            bits = torch.zeros_like(self.book.status)
-            bits.index_put_((self._plan_slots(),), nonfinite.to(bits.dtype) * STATUS_NONFINITE, accumulate=True)
-            bits.narrow(0, self.scratch, 1).zero_()
-            self.book.flag(bits)
-
-        def commit_step(self) -> None:
-            """After the last layer: every slot whose status is 0 now holds its ``step_tokens`` more."""
-            self.book.commit(self.step_tokens)
-            nonfinite = (self.book.status & STATUS_NONFINITE) != 0
-            self.bad_rid.copy_(torch.where(nonfinite, self.slot_rid, self.bad_rid))
-            self.bad_rid_host.copy_(self.bad_rid, non_blocking=True)
-
-    OscarKVCacheManager.__qualname__ = OscarKVCacheManager.__name__
-    return OscarKVCacheManager
-
-
-__all__ = ["STATUS_IDLE", "KvCacheStatsWithPools", "check_budget", "make_cache_manager_class", "refuse_unsupported"]
+__all__ = [
+    "STATUS_IDLE", "KvCacheStatsWithPools", "OscarCacheMixin", "check_budget", "make_cache_manager_class",
+    "refuse_unsupported",
+]
