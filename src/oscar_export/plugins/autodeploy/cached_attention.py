@@ -16,6 +16,9 @@ with ``num_prefill`` context rows first (``batch_info_host``):
 * a NaN/Inf key or value is not written: the slot's ``nonfinite`` flag is set, and every later row of that
   sequence writes nothing and returns NaN (AutoDeploy advances ``input_pos`` regardless, so the cache would
   otherwise be read with a hole). The flag is cleared when a row starts its sequence (``input_pos == 0``);
+* a row that starts its sequence (``input_pos == 0``) starts from zeroed windows: AutoDeploy allocates state
+  resources with ``torch.empty`` and hands a finished sequence's slot to the next one, and the attention reads
+  every window slot under a mask (a masked NaN left in memory would still give NaN: 0 x NaN);
 * rows past ``num_prefill + num_decode`` (padding) return zeros.
 
 The kernels index rows by batch position, so each forward gathers the batch's slot windows into batch rows
@@ -71,6 +74,8 @@ def cached_attention(
     bt = block_table(cache_loc, cu_num_pages, ns, int(max_seq_info_host.tolist()[1]))
     pools = (k_codes, k_params, v_codes, v_params)
     rows = _batch_rows((sink_k, sink_v, recent_k, recent_v), pools, slots, bt, (sink_len, num_pages, recent_len), ns)
+    for name in WINDOW_NAMES:  # a sequence starts from zeroed windows (see the module doc)
+        getattr(rows, name).masked_fill_((input_pos[:ns] == 0).view(-1, 1, 1, 1), 0)
     qt, kt, vt = q.reshape(-1, h, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
     if n_pre:
         _context_rows(rows, ops, t, qt, kt, vt, out, seq_len, input_pos, cu_seqlen, nonfinite, slots, n_pre, scale)

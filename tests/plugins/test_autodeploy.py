@@ -1,0 +1,233 @@
+"""The OSCAR AutoDeploy backend (plugins/autodeploy/) on stand-ins of TensorRT-LLM's AutoDeploy interface
+(tests/plugins/autodeploy_standins.py, from upstream @086f0cea): registration, the declared cache resources, and
+steps through the transformed graph compared with the reference cache ops driven directly
+(tests/plugins/autodeploy_driver.py). Nothing here ran in TensorRT-LLM."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import replace
+
+import autodeploy_standins as ads
+import pytest
+import torch
+from autodeploy_driver import Reference, Runner, Seq, TinyModel
+
+from oscar_export.kernels.layout import PagedKV
+from oscar_export.plugins.autodeploy import register
+from oscar_export.plugins.autodeploy.resources import CACHE_NAMES
+from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
+
+from helpers import MIXED_KEY_BITS, TRTLLM_HEADS, TRTLLM_LAYOUT, trtllm_bundle, trtllm_checkpoint
+from helpers_models import rotated_transform
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+P, MAX_SEQ, MAX_BATCH, BLOCKS = TRTLLM_LAYOUT.page_size, 128, 3, 40
+
+
+def make_deployment(root, key_bits=()):
+    """An ``OscarDeployment`` whose artifact has random rotations, scales, means and clipping in every layer."""
+    from oscar_export.calibration.artifact import load_artifact
+    from oscar_export.plugins.trtllm.deployment import OscarDeployment
+
+    ckpt = trtllm_checkpoint(root / "ckpt", key_bits=key_bits)
+    art = load_artifact(ckpt / "oscar")
+    ts = [rotated_transform(2, 64, seed=10 + i, prerotated=True) for i in range(art.num_layers)]
+    shutil.rmtree(ckpt / "oscar")
+    replace(art, transforms=tuple(ts)).save(ckpt / "oscar")
+    return OscarDeployment(ckpt, trtllm_bundle(root / "kernels", key_bits=key_bits or None), arch="sm_90")
+
+
+def reference_ops(lay):
+    return TorchCacheOps(lay, TRTLLM_HEADS, 64 ** -0.5)
+
+
+@pytest.fixture(params=["2-bit", "4-bit keys in layer 0"])
+def backend(request, tmp_path):
+    """``(interface stand-in, deployment, model, ops)`` with the ``"oscar"`` backend registered."""
+    dep = make_deployment(tmp_path, () if request.param == "2-bit" else MIXED_KEY_BITS)
+    up = ads.attention_interface()
+    register(dep, up, reference_ops)
+    model = TinyModel(dep.num_layers, dep.num_heads, 2, 64, dep.sm_scale)
+    return up, dep, model, [reference_ops(lay) for lay in dep.layer_layouts]
+
+
+def runner(backend, **kw):
+    up, dep, model, _ = backend
+    return Runner(model, up, MAX_BATCH, MAX_SEQ, P, BLOCKS, **kw)
+
+
+def check(got, want, what):
+    assert got.shape == want.shape, what
+    bad = (got != want) & ~(got.isnan() & want.isnan())
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} differ, worst {(got - want).abs().max()}"
+
+
+# ---- registration and resources ------------------------------------------------------------------------------
+
+
+def test_registered_under_one_name(tmp_path):
+    dep = make_deployment(tmp_path)
+    up = ads.attention_interface()
+    cls = register(dep, up, reference_ops)
+    assert list(up.AttentionRegistry._attention_registry) == ["oscar"] and up.AttentionRegistry.get("oscar") is cls
+    assert issubclass(cls, up.AttentionDescriptor) and cls.get_attention_layout() == "bsnd"
+    with pytest.raises(ValueError, match="backend 'oscar' is already registered"):
+        register(dep, up, reference_ops)
+
+
+def test_cache_resources_are_the_oscar_pools(backend):
+    """Per layer: the BF16 windows per sequence slot, the pools per AutoDeploy block in that layer's layout (4-bit
+    key codes where key_bits say so), the non-finite flag; the pools count in the cache resize per token."""
+    up, dep, *_ = backend
+    r = runner(backend)
+    assert r.replaced == dep.num_layers
+    slots = r.cm.info.max_num_state_slots
+    for layer, lay in enumerate(dep.layer_layouts):
+        want = PagedKV.allocate(lay, slots, BLOCKS, 1)
+        handlers = {n.rsplit("_", 1)[0]: h for n, h in r.cm._resource_lookup.items() if n.endswith(f"_{layer}")}
+        assert tuple(handlers) == CACHE_NAMES
+        for name in CACHE_NAMES[:-1]:
+            got = r.cache(name, layer)
+            assert (got.shape, got.dtype) == (getattr(want, name).shape, getattr(want, name).dtype), (layer, name)
+        assert r.cache("nonfinite", layer).shape == (slots, 1)
+        paged = [h for h in handlers.values() if h.is_paged]
+        assert len(paged) == 4 and sum(h.bytes_per_token for h in paged) * P == lay.page_bytes()
+    assert dep.layer_layouts[0].key.bits == r.cache("k_codes", 0).shape[-1] * 8 // 64
+
+
+def test_tokens_per_block_must_be_the_page_size(backend):
+    up, dep, model, _ = backend
+    with pytest.raises(ValueError, match="tokens_per_block 32: the OSCAR cache needs tokens_per_block = its page size"):
+        Runner(model, up, MAX_BATCH, MAX_SEQ, 2 * P, BLOCKS)
+
+
+# ---- steps against the reference ------------------------------------------------------------------------------
+
+
+def test_prompt_then_decode_steps_equal_the_reference(backend):
+    """One sequence: a prompt past the sink, then decode steps through several demotions; bit-exact."""
+    _, dep, model, ops = backend
+    r, ref, seq = runner(backend), Reference(model, dep, ops, MAX_SEQ), Seq(slot=1)
+    prompt = [(7 * i) % 50 for i in range(21)]
+    check(r.step([(seq, prompt)])[0], ref.step(prompt), "prompt")
+    for i in range(40):  # 21 + 40 tokens: recent window full at 48, pages demoted at 49, 65, ...
+        tok = [(3 * i + 1) % 50]
+        check(r.step([(seq, tok)])[0], ref.step(tok), f"decode step {i}")
+
+
+def test_two_sequences_of_different_lengths_in_one_batch(backend):
+    """A prompt batch of two, decode steps of both, then a new prompt in the same forward as their decode rows."""
+    _, dep, model, ops = backend
+    r = runner(backend, seed=3)
+    a, b, c = Seq(0), Seq(2), Seq(1)
+    ra, rb, rc = (Reference(model, dep, ops, MAX_SEQ) for _ in range(3))
+    pa, pb, pc = [i % 50 for i in range(37)], [5, 9, 11, 2, 8], [(5 * i) % 50 for i in range(18)]
+    got = r.step([(a, pa), (b, pb)])
+    check(got[0], ra.step(pa), "prompt a")
+    check(got[1], rb.step(pb), "prompt b")
+    for i in range(20):
+        ta, tb = [(i + 3) % 50], [(2 * i) % 50]
+        rows = [(a, ta), (b, tb)]
+        if i == 6:
+            rows.insert(0, (c, pc))
+        elif i > 6:
+            rows.append((c, [(i * 7) % 50]))
+        got = r.step(rows)
+        refs = {id(a): ra, id(b): rb, id(c): rc}
+        for (seq, toks), g in zip(rows, got):
+            check(g, refs[id(seq)].step(toks), f"step {i}, slot {seq.slot}")
+
+
+def test_a_slot_reused_after_a_finished_sequence(backend):
+    """Sequence a fills slot 0 past several pages and finishes; b starts in slot 0 (AutoDeploy's input_pos 0) and
+    equals a fresh reference, though the slot's windows and its old pages hold a's tokens. The allocation's garbage
+    (``torch.empty``: here NaN windows and a set non-finite flag) is never read either."""
+    _, dep, model, ops = backend
+    r = runner(backend)
+    for layer in range(dep.num_layers):
+        for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
+            r.cache(name, layer).fill_(float("nan"))
+        r.cache("nonfinite", layer).fill_(1)
+    a, ra = Seq(0), Reference(model, dep, ops, MAX_SEQ)
+    pa = [i % 50 for i in range(40)]
+    check(r.step([(a, pa)])[0], ra.step(pa), "prompt a")
+    for i in range(25):
+        check(r.step([(a, [i % 50])])[0], ra.step([i % 50]), f"a step {i}")
+    r.finish(a)
+    b, rb = Seq(0), Reference(model, dep, ops, MAX_SEQ)
+    pb = [(11 * i) % 50 for i in range(9)]
+    check(r.step([(b, pb)])[0], rb.step(pb), "prompt b")
+    for i in range(45):
+        check(r.step([(b, [(i + 5) % 50])])[0], rb.step([(i + 5) % 50]), f"b step {i}")
+
+
+def test_a_nonfinite_token_is_not_committed(backend):
+    """A NaN key in one sequence's decode step: that sequence returns NaN from then on and its cache is not written;
+    the other sequence of the batch goes on equal to the reference; a new sequence in the slot starts clean."""
+    _, dep, model, ops = backend
+    r = runner(backend)
+    a, b = Seq(0), Seq(1)
+    ra, rb = Reference(model, dep, ops, MAX_SEQ), Reference(model, dep, ops, MAX_SEQ)
+    pa, pb = [i % 50 for i in range(20)], [(3 * i) % 50 for i in range(30)]
+    got = r.step([(a, pa), (b, pb)])
+    check(got[0], ra.step(pa), "prompt a")
+    check(got[1], rb.step(pb), "prompt b")
+    with torch.no_grad():
+        r.gm.emb[49] = float("nan")  # token 49: NaN hidden states, keys and values in every layer
+    before = r.cache("recent_k", 0)[0].clone()
+    got = r.step([(a, [49]), (b, [4])])
+    assert got[0].isnan().all() and torch.equal(r.cache("recent_k", 0)[0], before)
+    check(got[1], rb.step([4]), "b beside the NaN step")
+    for i in range(3):
+        got = r.step([(a, [i]), (b, [i])])
+        assert got[0].isnan().all(), "a sequence with a hole in its cache must not produce numbers"
+        check(got[1], rb.step([i]), f"b step {i}")
+    r.finish(a)
+    c, rc = Seq(0), Reference(model, dep, ops, MAX_SEQ)
+    check(r.step([(c, pa)])[0], rc.step(pa), "prompt c in a's slot")
+    check(r.step([(c, [1])])[0], rc.step([1]), "c decode")
+
+
+def test_the_graph_traces_with_fake_tensors(backend):
+    """The transformed graph runs under fake tensors (the cached op's and prepare_metadata's fake implementations),
+    as AutoDeploy's shape propagation and export-time passes run it."""
+    r = runner(backend)
+    r.cm.info.nest_sequences([[1, 2, 3]], [0], [0], [1], [0])
+    ads.fake_propagate(r.gm, *r.cm.named_args.values())
+    outs = [n for n in r.gm.graph.nodes if n.op == "output"]
+    assert tuple(outs[0].args[0].meta["val"].shape) == (1, 3, 32)
+
+
+# ---- bad input: one line each --------------------------------------------------------------------------------
+
+
+def test_a_model_with_another_softmax_scale_is_refused(backend):
+    up, dep, _, _ = backend
+    model = TinyModel(dep.num_layers, dep.num_heads, 2, 64, scale=0.2)
+    with pytest.raises(ValueError, match="attention node 0: softmax scale 0.2; the OSCAR deployment's is 0.125"):
+        Runner(model, up, MAX_BATCH, MAX_SEQ, P, BLOCKS)
+
+
+def test_a_model_with_more_attention_layers_is_refused(backend):
+    up, dep, _, _ = backend
+    model = TinyModel(dep.num_layers + 1, dep.num_heads, 2, 64, dep.sm_scale)
+    with pytest.raises(ValueError, match=f"attention node {dep.num_layers}: the OSCAR artifact has {dep.num_layers}"):
+        Runner(model, up, MAX_BATCH, MAX_SEQ, P, BLOCKS)
+
+
+def test_a_model_with_other_heads_is_refused(backend):
+    up, dep, _, _ = backend
+    model = TinyModel(dep.num_layers, dep.num_heads, 1, 64, dep.sm_scale)
+    with pytest.raises(ValueError, match="attention node 0: q .*; the OSCAR deployment has 4 heads, 2 KV heads x 64"):
+        Runner(model, up, MAX_BATCH, MAX_SEQ, P, BLOCKS)
+
+
+def test_an_unbound_deployment_is_named(backend):
+    from oscar_export.plugins.autodeploy.binding import bound
+
+    with pytest.raises(KeyError, match="binding 'nowhere' is not registered in this process"):
+        bound("nowhere")
+    assert math.isclose(bound("oscar").deployment.sm_scale, 0.125)
