@@ -119,16 +119,18 @@ def test_prompt_then_decode_steps_equal_the_reference(backend):
 
 
 def test_two_sequences_of_different_lengths_in_one_batch(backend):
-    """A prompt batch of two, decode steps of both, then a new prompt in the same forward as their decode rows."""
+    """A prompt batch of two (37 and 53 tokens), decode steps of both, then a new prompt in the same forward as their
+    decode rows; pages handed out in shuffled order."""
     _, dep, model, ops = backend
     r = runner(backend, seed=3)
     a, b, c = Seq(0), Seq(2), Seq(1)
     ra, rb, rc = (Reference(model, dep, ops, MAX_SEQ) for _ in range(3))
-    pa, pb, pc = [i % 50 for i in range(37)], [5, 9, 11, 2, 8], [(5 * i) % 50 for i in range(18)]
+    # every sequence reaches INT2 pages (S0 16 + W+P 32: the first page at 49 tokens), each in pages of its own
+    pa, pb, pc = [i % 50 for i in range(37)], [(3 * i + 2) % 50 for i in range(53)], [(5 * i) % 50 for i in range(40)]
     got = r.step([(a, pa), (b, pb)])
     check(got[0], ra.step(pa), "prompt a")
     check(got[1], rb.step(pb), "prompt b")
-    for i in range(20):
+    for i in range(30):
         ta, tb = [(i + 3) % 50], [(2 * i) % 50]
         rows = [(a, ta), (b, tb)]
         if i == 6:
