@@ -9,7 +9,8 @@ as a block manager hands them out), then the graph (``prepare_metadata`` once, t
 
 :class:`Reference` is the same model on each sequence alone, its attention the adapter's reference cache ops
 driven directly (``plugins/trtllm/reference_ops.py`` ``TorchCacheOps`` over a ``PagedKV`` and ``PageBook`` of its
-own): the prompt attends at full precision and is written, each decode step is ``decode_step`` + ``decode``.
+own): the prompt attends at full precision and is written, a later prompt chunk attends through
+``chunk_attention`` and is written, each decode step is ``decode_step`` + ``decode``.
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ class Reference(TinyModel):
                                                                  scale=self.scale, enable_gqa=True)[0]
             ops.write(state, 0, 0, k_s, v_s, t)
             return o.transpose(0, 1)[None]
-        assert q.shape[1] == 1, "the reference serves prompts and single-token steps"
+        if q.shape[1] > 1:  # a later prompt chunk: over the cache as stored, then written
+            o = t.restore_output(ops.chunk_attention(state, qi, k_s, v_s, t)[None])[0]
+            ops.write(state, 0, self.length, k_s, v_s, t)
+            return o.transpose(0, 1)[None].to(q.dtype)
         status = torch.zeros(1, dtype=torch.int32)
         q_s = ops.decode_step(state, k_s.transpose(0, 1), v_s.transpose(0, 1), status, t, qi.transpose(0, 1))
         step_state = self.book.state_view(self.states[layer], self.book.in_step)

@@ -193,6 +193,40 @@ def test_a_nonfinite_token_is_not_committed(backend):
     check(r.step([(c, [1])])[0], rc.step([1]), "c decode")
 
 
+def test_a_prompt_in_chunks(backend):
+    """A prompt in three chunks (input_pos 0, 20, 40: the later ones attend to the cache as stored, INT2 pages
+    included), then decode steps; beside another sequence's decode rows."""
+    _, dep, model, ops = backend
+    r = runner(backend)
+    a, b = Seq(1), Seq(0)
+    ra, rb = Reference(model, dep, ops, MAX_SEQ), Reference(model, dep, ops, MAX_SEQ)
+    pb = [(i * 13) % 50 for i in range(30)]
+    check(r.step([(b, pb)])[0], rb.step(pb), "prompt b")
+    prompt = [(7 * i + 3) % 50 for i in range(57)]
+    for lo, hi in ((0, 20), (20, 40), (40, 57)):
+        got = r.step([(a, prompt[lo:hi]), (b, [lo % 50])])
+        check(got[0], ra.step(prompt[lo:hi]), f"chunk {lo}..{hi}")
+        check(got[1], rb.step([lo % 50]), f"b beside chunk {lo}")
+    for i in range(5):
+        check(r.step([(a, [i])])[0], ra.step([i]), f"a step {i}")
+
+
+def test_a_chunk_without_a_chunk_kernel_is_refused(tmp_path):
+    """The AOT bundle has no kernel for a chunk after cached tokens: one line, not a wrong answer."""
+
+    class NoChunks(TorchCacheOps):
+        chunked_prefill = False
+
+    dep = make_deployment(tmp_path)
+    up = ads.attention_interface()
+    register(dep, up, lambda lay: NoChunks(lay, TRTLLM_HEADS, 64 ** -0.5))
+    r = Runner(TinyModel(dep.num_layers, dep.num_heads, 2, 64, dep.sm_scale), up, MAX_BATCH, MAX_SEQ, P, BLOCKS)
+    a = Seq(0)
+    r.step([(a, list(range(20)))])
+    with pytest.raises(NotImplementedError, match="a prompt chunk after cached tokens: .* turn chunked prefill off"):
+        r.step([(a, list(range(5)))])
+
+
 def test_the_graph_traces_with_fake_tensors(backend):
     """The transformed graph runs under fake tensors (the cached op's and prepare_metadata's fake implementations),
     as AutoDeploy's shape propagation and export-time passes run it."""
