@@ -261,6 +261,17 @@ def test_a_model_with_other_heads_is_refused(backend):
         Runner(model, up, MAX_BATCH, MAX_SEQ, P, BLOCKS)
 
 
+def test_batch_info_of_both_interface_copies():
+    """@086f0cea's three counts, and the later copy's twelve-slot BatchInfo (extend rows are context rows)."""
+    from oscar_export.plugins.autodeploy.metadata import batch_counts
+
+    assert batch_counts(torch.tensor([2, 40, 3], dtype=torch.int32)) == (2, 40, 3)
+    later = torch.tensor([1, 20, 2, 7, 3, 3, 128, 8, 0, 4, 6, 1], dtype=torch.int32)
+    assert batch_counts(later) == (3, 27, 3)
+    with pytest.raises(ValueError, match="batch_info_host: expected 3 or 12 entries, got 4"):
+        batch_counts(torch.zeros(4, dtype=torch.int32))
+
+
 def test_an_unbound_deployment_is_named(backend):
     from oscar_export.plugins.autodeploy.binding import bound
 

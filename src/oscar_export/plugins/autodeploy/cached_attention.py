@@ -4,7 +4,7 @@ Its signature follows the order ``transform/library/kvcache.py`` (``_insert_cach
 arguments -- ``(*qkv, *standard metadata, *extra metadata, *caches, *constants)`` -- with the standard metadata the
 descriptor asks for by name, the extra metadata :func:`.metadata.prepare_metadata`'s six lengths, the caches
 ``resources.CACHE_NAMES`` and the constants ``(binding, layer, scale)`` (``binding.py``). Per layer and forward,
-with ``num_prefill`` context rows first (``batch_info_host``):
+with the context rows first (``metadata.batch_counts``: prefill, and extend rows where the interface has them):
 
 * a context row at ``input_pos == 0`` attends at full precision (causal SDPA on the model-basis ``q, k, v``); one
   at ``input_pos > 0`` (a later chunk) attends to the slot's cache through ``ops.chunk_attention`` (the reference
@@ -41,7 +41,7 @@ from oscar_export.plugins.trtllm.attention import PAGES_PER_SPLIT
 from oscar_export.plugins.trtllm.reference_ops import one_slot
 
 from .binding import bound
-from .metadata import block_table
+from .metadata import batch_counts, block_table
 from .resources import WINDOW_NAMES
 
 
@@ -64,7 +64,7 @@ def cached_attention(
     ops = bd.ops[layer]
     lay = bd.deployment.layer_layouts[layer]
     h, hkv, d = bd.deployment.num_heads, lay.num_kv_heads, lay.head_dim
-    n_pre, n_pre_tok, n_dec = (int(x) for x in batch_info_host.tolist()[:3])
+    n_pre, n_pre_tok, n_dec = batch_counts(batch_info_host)
     ns = n_pre + n_dec
     out = torch.zeros(q.numel() // (h * d), h, d, dtype=q.dtype, device=q.device)
     if ns == 0:

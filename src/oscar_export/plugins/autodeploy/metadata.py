@@ -2,8 +2,8 @@
 
 AutoDeploy's ``SequenceInfo`` (``custom_ops/attention_interface.py`` @086f0cea) gives, per batch row ``i``,
 ``input_pos[i]`` (tokens already cached), ``seq_len[i]`` (tokens of this forward), ``slot_idx[i]`` and the row's
-pages ``cache_loc[cu_num_pages[i] : cu_num_pages[i + 1]]``; ``batch_info_host = [num_prefill,
-num_prefill_tokens, num_decode]`` (prefill rows first); ``max_seq_info_host[1]`` is ``max_blocks_per_seq``,
+pages ``cache_loc[cu_num_pages[i] : cu_num_pages[i + 1]]``; ``batch_info_host`` the rows of each kind, prefill
+rows first (:func:`batch_counts`); ``max_seq_info_host[1]`` is ``max_blocks_per_seq``,
 constant once the cache exists (``update_cache_information``). So:
 
 * committed lengths = ``layout.split(input_pos)`` (what the writes start from), the step's =
@@ -43,6 +43,20 @@ def _prepare_metadata_fake(input_pos, seq_len, sink, recent_capacity, page_size)
 NUM_METADATA = 6
 
 
+def batch_counts(batch_info_host: torch.Tensor) -> tuple[int, int, int]:
+    """``(context rows, their tokens, decode rows)`` of ``batch_info_host`` (host): @086f0cea's three slots
+    ``[num_prefill, num_prefill_tokens, num_decode]``, or the twelve of the ``BatchInfo`` of a later copy of the same
+    file (the index names no commit for it): ``[num_prefill, num_prefill_tokens, num_extend, num_extend_tokens,
+    num_decode, ...]``, extend rows (after prefill, before decode) counted as context rows, as its
+    ``get_absorbed_info`` does."""
+    info = [int(x) for x in batch_info_host.tolist()]
+    if len(info) == 3:
+        return info[0], info[1], info[2]
+    if len(info) == 12:
+        return info[0] + info[2], info[1] + info[3], info[4]
+    raise ValueError(f"batch_info_host: expected 3 or 12 entries, got {len(info)}")
+
+
 def block_table(cache_loc: torch.Tensor, cu_num_pages: torch.Tensor, rows: int, width: int) -> torch.Tensor:
     """``[rows, width]`` int32: row ``i`` holds ``cache_loc[cu_num_pages[i] : cu_num_pages[i + 1]]``, zeros after
     (device ops only; entries past a row's pages are never read: ``PagedKV.block_table``)."""
@@ -53,4 +67,4 @@ def block_table(cache_loc: torch.Tensor, cu_num_pages: torch.Tensor, rows: int, 
     return torch.where(col[None] < count[:, None], cache_loc[idx], 0).to(torch.int32)
 
 
-__all__ = ["NUM_METADATA", "block_table", "prepare_metadata"]
+__all__ = ["NUM_METADATA", "batch_counts", "block_table", "prepare_metadata"]
