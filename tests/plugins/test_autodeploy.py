@@ -167,8 +167,9 @@ def test_a_slot_reused_after_a_finished_sequence(backend):
 
 
 def test_a_nonfinite_token_is_not_committed(backend):
-    """A NaN key in one sequence's decode step: that sequence returns NaN from then on and its cache is not written;
-    the other sequence of the batch goes on equal to the reference; a new sequence in the slot starts clean."""
+    """A NaN key in one sequence's decode step, then in another's prompt: those sequences return NaN from then on
+    and their caches are not written; the other sequence of the batch goes on equal to the reference; a new
+    sequence in the slot starts clean."""
     _, dep, model, ops = backend
     r = runner(backend)
     a, b = Seq(0), Seq(1)
@@ -183,10 +184,18 @@ def test_a_nonfinite_token_is_not_committed(backend):
     got = r.step([(a, [49]), (b, [4])])
     assert got[0].isnan().all() and torch.equal(r.cache("recent_k", 0)[0], before)
     check(got[1], rb.step([4]), "b beside the NaN step")
-    for i in range(3):
-        got = r.step([(a, [i]), (b, [i])])
-        assert got[0].isnan().all(), "a sequence with a hole in its cache must not produce numbers"
+    d = Seq(2)  # a prompt with the NaN token: nothing of it is written, its slot is flagged
+    got = r.step([(d, [1, 2, 49, 3, 4]), (a, [0]), (b, [0])])
+    check(got[2], rb.step([0]), "b beside a NaN prompt")
+    assert got[0][2:].isnan().all() and got[1].isnan().all()
+    assert not r.cache("sink_k", 0)[2].isnan().any() and int(r.cache("nonfinite", 0)[2]) == 1
+    for i in range(1, 3):
+        got = r.step([(a, [i]), (b, [i]), (d, [i])])
+        assert got[0].isnan().all() and got[2].isnan().all(), "a sequence with a hole in its cache gave numbers"
         check(got[1], rb.step([i]), f"b step {i}")
+    got = r.step([(a, [5, 6, 7]), (b, [3])])  # a later chunk of a flagged sequence: NaN, nothing written
+    assert got[0].isnan().all()
+    check(got[1], rb.step([3]), "b beside a flagged chunk")
     r.finish(a)
     c, rc = Seq(0), Reference(model, dep, ops, MAX_SEQ)
     check(r.step([(c, pa)])[0], rc.step(pa), "prompt c in a's slot")
