@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 import random
 
-import autodeploy_standins as ads
 import torch
 
 from oscar_export.kernels.layout import PagedKV
 from oscar_export.kernels.pages import PageBook
 from oscar_export.plugins.trtllm.attention import PAGES_PER_SPLIT
+
+import autodeploy_standins as ads
 
 HIDDEN, VOCAB = 32, 50
 
@@ -70,22 +71,23 @@ class Reference(TinyModel):
 
     def __init__(self, model: TinyModel, deployment, ops, max_len: int):
         super().__init__(len(model.w), model.h, model.hkv, model.d, model.scale)
-        self.load_state_dict(model.state_dict())
+        self.device = model.emb.device
+        self.to(self.device).load_state_dict(model.state_dict())
         self.dep, self.ops = deployment, ops
-        self.book = PageBook(deployment.layout, 1, max_len, "cpu")
-        self.states = [PagedKV.allocate(lay, 1, self.book.num_pool_pages, self.book.max_pages)
+        self.book = PageBook(deployment.layout, 1, max_len, self.device)
+        self.states = [PagedKV.allocate(lay, 1, self.book.num_pool_pages, self.book.max_pages, self.device)
                        for lay in deployment.layer_layouts]
         self.length = 0
 
     def step(self, tokens: list[int]) -> torch.Tensor:
         self.book.begin(len(tokens))
-        out = self(torch.tensor([tokens]))[0]
+        out = self(torch.tensor([tokens], device=self.device))[0]
         self.book.commit(len(tokens))
         self.length += len(tokens)
         return out
 
     def attend(self, q, k, v, layer: int):
-        t, ops = self.dep.transform(layer, "cpu"), self.ops[layer]
+        t, ops = self.dep.transform(layer, self.device), self.ops[layer]
         state = self.book.state_view(self.states[layer], self.book.committed)
         qi, ki, vi = (x[0].transpose(0, 1) for x in (q, k, v))  # [H, n, D], [H_kv, n, D]
         k_s = t.transform_keys(ki[None])[0].to(torch.bfloat16)
@@ -99,7 +101,7 @@ class Reference(TinyModel):
             o = t.restore_output(ops.chunk_attention(state, qi, k_s, v_s, t)[None])[0]
             ops.write(state, 0, self.length, k_s, v_s, t)
             return o.transpose(0, 1)[None].to(q.dtype)
-        status = torch.zeros(1, dtype=torch.int32)
+        status = torch.zeros(1, dtype=torch.int32, device=self.device)
         q_s = ops.decode_step(state, k_s.transpose(0, 1), v_s.transpose(0, 1), status, t, qi.transpose(0, 1))
         step_state = self.book.state_view(self.states[layer], self.book.in_step)
         ob = ops.decode(q_s, step_state, t, PAGES_PER_SPLIT)
@@ -117,9 +119,10 @@ class Runner:
     """The transformed graph and its cache interface; :meth:`step` runs one forward."""
 
     def __init__(self, model, up, max_batch: int, max_seq_len: int, page_size: int, num_blocks: int, seed=0):
-        self.cm = ads.CachedSequenceInterface(ads.SequenceInfo(max_seq_len, max_batch, page_size))
+        device = model.emb.device
+        self.cm = ads.CachedSequenceInterface(ads.SequenceInfo(max_seq_len, max_batch, page_size, device=device))
         self.gm = torch.fx.symbolic_trace(model)
-        ads.fake_propagate(self.gm, torch.zeros(2, 4, dtype=torch.int))
+        ads.fake_propagate(self.gm, torch.zeros(2, 4, dtype=torch.int, device=device))
         self.replaced = ads.insert_cached_attention(self.gm, self.cm, up.AttentionRegistry.get("oscar"))
         self.cm.initialize_resources(num_blocks)
         self.page_size = page_size

@@ -9,16 +9,16 @@ import math
 import shutil
 from dataclasses import replace
 
-import autodeploy_standins as ads
 import pytest
 import torch
-from autodeploy_driver import Reference, Runner, Seq, TinyModel
 
 from oscar_export.kernels.layout import PagedKV
 from oscar_export.plugins.autodeploy import register
 from oscar_export.plugins.autodeploy.resources import CACHE_NAMES
 from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
 
+import autodeploy_standins as ads
+from autodeploy_driver import Reference, Runner, Seq, TinyModel
 from helpers import MIXED_KEY_BITS, TRTLLM_HEADS, TRTLLM_LAYOUT, trtllm_bundle, trtllm_checkpoint
 from helpers_models import rotated_transform
 
@@ -27,17 +27,24 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 P, MAX_SEQ, MAX_BATCH, BLOCKS = TRTLLM_LAYOUT.page_size, 128, 3, 40
 
 
-def make_deployment(root, key_bits=()):
-    """An ``OscarDeployment`` whose artifact has random rotations, scales, means and clipping in every layer."""
+def make_checkpoint(root, key_bits=()):
+    """A checkpoint whose artifact has random rotations, scales, means and clipping in every layer."""
     from oscar_export.calibration.artifact import load_artifact
-    from oscar_export.plugins.trtllm.deployment import OscarDeployment
 
     ckpt = trtllm_checkpoint(root / "ckpt", key_bits=key_bits)
     art = load_artifact(ckpt / "oscar")
     ts = [rotated_transform(2, 64, seed=10 + i, prerotated=True) for i in range(art.num_layers)]
     shutil.rmtree(ckpt / "oscar")
     replace(art, transforms=tuple(ts)).save(ckpt / "oscar")
-    return OscarDeployment(ckpt, trtllm_bundle(root / "kernels", key_bits=key_bits or None), arch="sm_90")
+    return ckpt
+
+
+def make_deployment(root, key_bits=()):
+    """An ``OscarDeployment`` of :func:`make_checkpoint` with a fake bundle (the ops are the reference's)."""
+    from oscar_export.plugins.trtllm.deployment import OscarDeployment
+
+    bundle = trtllm_bundle(root / "kernels", key_bits=key_bits or None)
+    return OscarDeployment(make_checkpoint(root, key_bits), bundle, arch="sm_90")
 
 
 def reference_ops(lay):
@@ -287,3 +294,40 @@ def test_an_unbound_deployment_is_named(backend):
     with pytest.raises(KeyError, match="binding 'nowhere' is not registered in this process"):
         bound("nowhere")
     assert math.isclose(bound("oscar").deployment.sm_scale, 0.125)
+
+
+# ---- on a GPU, through the deployment's AOT bundle (NOT RUN on the machine this was written on) -----------------
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_through_the_aot_bundle_as_the_reference_does(tmp_path):
+    """The backend with its default ops (``deployment.ops``: ``AotCacheOps`` over a bundle compiled here for this GPU)
+    against the reference cache ops on the same GPU: two sequences, prompts and 40 decode steps (demotions). The AOT
+    decode returns BF16 attention (the reference float32) and the prompt is quantized by the bundle's kernels, so
+    the hidden states (magnitude ~1) agree to a BF16 rounding carried through two layers, not bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("cuda.bindings")
+    from oscar_export.kernels.aot.bundle import serving_specs
+    from oscar_export.kernels.aot.compile import build_bundle
+    from oscar_export.plugins.trtllm.deployment import OscarDeployment
+
+    cuda = torch.device("cuda")
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{10 * major + minor}"
+    specs = serving_specs(TRTLLM_LAYOUT, TRTLLM_HEADS, 64 ** -0.5, probes=False, trt=False)
+    bundle = build_bundle(specs, tmp_path / "kernels", archs=[arch], ptx_version=None)
+    dep = OscarDeployment(make_checkpoint(tmp_path), bundle, arch=arch)
+    up = ads.attention_interface()
+    register(dep, up)
+    model = TinyModel(dep.num_layers, dep.num_heads, 2, 64, dep.sm_scale).to(cuda)
+    r = Runner(model, up, MAX_BATCH, MAX_SEQ, P, BLOCKS)
+    ops = [TorchCacheOps(lay, TRTLLM_HEADS, dep.sm_scale) for lay in dep.layer_layouts]
+    a, b = Seq(0), Seq(2)
+    ra, rb = Reference(model, dep, ops, MAX_SEQ), Reference(model, dep, ops, MAX_SEQ)
+    pa, pb = [i % 50 for i in range(37)], [(3 * i + 2) % 50 for i in range(21)]
+    steps = [[(a, pa), (b, pb)]] + [[(a, [i % 50]), (b, [(2 * i) % 50])] for i in range(40)]
+    for n, rows in enumerate(steps):
+        got = r.step(rows)
+        for (seq, toks), g, ref in zip(rows, got, (ra, rb)):
+            torch.testing.assert_close(g, ref.step(toks), atol=2e-2, rtol=2e-2, msg=lambda m: f"step {n}: {m}")
