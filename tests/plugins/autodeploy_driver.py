@@ -108,6 +108,20 @@ class Reference(TinyModel):
         return t.restore_output(ob[:, :, None].float()).squeeze(2)[None].to(q.dtype)  # [1, 1, H, D]
 
 
+class Capture(torch.fx.Interpreter):
+    """Runs the graph, keeping ``(layer, q, k, v, output)`` of each cached-attention call."""
+
+    def __init__(self, gm, seen: list) -> None:
+        super().__init__(gm)
+        self.seen = seen
+
+    def call_function(self, target, args, kwargs):
+        out = super().call_function(target, args, kwargs)
+        if target is torch.ops.oscar_ad.cached_attention.default:
+            self.seen.append((args[-2], *(a.clone() for a in args[:3]), out.clone()))
+        return out
+
+
 class Seq:
     """A request: its slot, cached length and AutoDeploy pages."""
 
@@ -132,15 +146,21 @@ class Runner:
     def cache(self, name: str, layer: int) -> torch.Tensor:
         return self.cm.caches[f"{name}_{layer}"]
 
-    def step(self, rows: list[tuple[Seq, list[int]]], batch_info=None) -> list[torch.Tensor]:
-        """``rows``: ``(seq, tokens)``, context rows first. Returns each row's hidden states ``[n, HIDDEN]``."""
+    def step(self, rows: list[tuple[Seq, list[int]]], batch_info=None, seen=None) -> list[torch.Tensor]:
+        """``rows``: ``(seq, tokens)``, context rows first. Returns each row's hidden states ``[n, HIDDEN]``.
+        ``seen``: a list that gets ``(layer, q, k, v, output)`` of every cached-attention call."""
         for seq, toks in rows:
             while len(seq.pages) < math.ceil((seq.pos + len(toks)) / self.page_size):
                 seq.pages.append(self.free.pop())
         self.cm.info.nest_sequences([toks for _, toks in rows], [s.pos for s, _ in rows],
                                     [p for s, _ in rows for p in s.pages], [len(s.pages) for s, _ in rows],
                                     [s.slot for s, _ in rows], batch_info)
-        out = self.gm(**self.cm.named_args)
+        named = self.cm.named_args
+        if seen is None:
+            out = self.gm(**named)
+        else:
+            args = [named[n.target] for n in self.gm.graph.nodes if n.op == "placeholder"]
+            out = Capture(self.gm, seen).run(*args)
         out = out.reshape(-1, out.shape[-1])
         res, off = [], 0
         for seq, toks in rows:

@@ -19,7 +19,15 @@ from oscar_export.plugins.trtllm.reference_ops import TorchCacheOps
 
 import autodeploy_standins as ads
 from autodeploy_driver import Reference, Runner, Seq, TinyModel
-from helpers import MIXED_KEY_BITS, TRTLLM_HEADS, TRTLLM_LAYOUT, trtllm_bundle, trtllm_checkpoint
+from helpers import (
+    MIXED_KEY_BITS,
+    TRTLLM_HEADS,
+    TRTLLM_LAYOUT,
+    attention_oracle,
+    expected_contents,
+    trtllm_bundle,
+    trtllm_checkpoint,
+)
 from helpers_models import rotated_transform
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,6 +131,28 @@ def test_prompt_then_decode_steps_equal_the_reference(backend):
     for i in range(40):  # 21 + 40 tokens: recent window full at 48, pages demoted at 49, 65, ...
         tok = [(3 * i + 1) % 50]
         check(r.step([(seq, tok)])[0], ref.step(tok), f"decode step {i}")
+
+
+def test_decode_attention_matches_an_fp64_oracle(backend):
+    """Independent of the cache ops: each layer's decode output, at lengths around the windows and pages, equals
+    fp64 attention over the sequence as the layout stores it (sink and recent rows as written, history pages
+    quantized and dequantized: ``expected_contents``), to the BF16 rounding of the op's output."""
+    _, dep, model, _ = backend
+    r, seq = runner(backend), Seq(1)
+    seen = []
+    r.step([(seq, [(7 * i) % 50 for i in range(30)])], seen=seen)
+    for i in range(40):
+        r.step([(seq, [(3 * i + 1) % 50])], seen=seen)
+        for layer, q, k, v, got in seen[-dep.num_layers :]:
+            t, lay = dep.transform(layer, "cpu"), dep.layer_layouts[layer]
+            ks = torch.cat([c[2].reshape(-1, 2, 64) for c in seen if c[0] == layer]).transpose(0, 1)  # [H_kv, T, D]
+            vs = torch.cat([c[3].reshape(-1, 2, 64) for c in seen if c[0] == layer]).transpose(0, 1)
+            k_s = t.transform_keys(ks[None])[0].to(torch.bfloat16).float()  # stored as the cache stores it
+            v_s = t.transform_values(vs[None])[0].to(torch.bfloat16).float()
+            kk, vv = expected_contents(lay, t, k_s, v_s)
+            want = attention_oracle(q.reshape(-1, 64)[:, None], kk, vv, t, dep.sm_scale)  # [H, 1, D]
+            torch.testing.assert_close(got.reshape(-1, 64).float(), want[:, 0], atol=1e-2, rtol=1e-2,
+                                       msg=lambda m: f"length {31 + i}, layer {layer}: {m}")
 
 
 def test_two_sequences_of_different_lengths_in_one_batch(backend):
