@@ -6,16 +6,19 @@ descriptor asks for by name, the extra metadata :func:`.metadata.prepare_metadat
 ``resources.CACHE_NAMES`` and the constants ``(binding, layer, scale)`` (``binding.py``). Per layer and forward,
 with the context rows first (``metadata.batch_counts``: prefill, and extend rows where the interface has them):
 
-* a context row at ``input_pos == 0`` attends at full precision (causal SDPA on the model-basis ``q, k, v``); one
-  at ``input_pos > 0`` (a later chunk) attends to the slot's cache through ``ops.chunk_attention`` (the reference
-  has it; on the GPU the bundle has none and it raises, as the PyTorch-backend adapter does); either is then
-  written at ``input_pos`` (``ops.write``: sink, INT2 pages, recent ring);
+* the context rows are served as the PyTorch-backend adapter serves them: those at ``input_pos == 0`` attend at
+  full precision (causal SDPA on the model-basis ``q, k, v``, one padded call per group of similar lengths:
+  ``plugins/trtllm/prefill.py``); one at ``input_pos > 0`` (a later chunk) attends to the slot's cache through
+  ``ops.chunk_attention`` (the reference has it; on the GPU the bundle has none and it raises, as the
+  PyTorch-backend adapter does); all are then written at ``input_pos`` by one ``ops.write_planned`` (sink, INT2
+  pages, recent ring: ``reference.plan_writes``);
 * the decode rows take one step: ``ops.decode_step`` (the append, which also rotates the queries into the stored
   key basis) over the committed lengths, then ``ops.decode`` (split-K attention + merge) over the step's lengths;
   the output is ``restore_output`` of it (the exported ``o_proj`` undoes the value rotation);
-* a NaN/Inf key or value is not written: the slot's ``nonfinite`` flag is set, and every later row of that
-  sequence writes nothing and returns NaN (AutoDeploy advances ``input_pos`` regardless, so the cache would
-  otherwise be read with a hole). The flag is cleared when a row starts its sequence (``input_pos == 0``);
+* a NaN/Inf key or value sets the slot's ``nonfinite`` flag and is not written (a prompt's rows are checked with one
+  host read for the batch), and every later row of that sequence writes nothing and returns NaN (AutoDeploy advances
+  ``input_pos`` regardless, so the cache would otherwise be read with a hole). The flag is cleared when a row starts
+  its sequence (``input_pos == 0``);
 * a row that starts its sequence (``input_pos == 0``) starts from zeroed windows: AutoDeploy allocates state
   resources with ``torch.empty`` and hands a finished sequence's slot to the next one, and the attention reads
   every window slot under a mask (a masked NaN left in memory would still give NaN: 0 x NaN);
@@ -35,9 +38,11 @@ from dataclasses import replace
 
 import torch
 
+from oscar_export.kernels import reference
 from oscar_export.kernels.layout import PagedKV
 from oscar_export.kernels.pages import STATUS_NONFINITE
 from oscar_export.plugins.trtllm.attention import PAGES_PER_SPLIT
+from oscar_export.plugins.trtllm.prefill import packed_causal_attention
 from oscar_export.plugins.trtllm.reference_ops import one_slot
 
 from .binding import bound
@@ -100,30 +105,37 @@ def _batch_rows(windows, pools, slots, bt, lengths, ns) -> PagedKV:
 
 
 def _context_rows(rows, ops, t, q, k, v, out, seq_len, input_pos, cu_seqlen, nonfinite, slots, n_pre, scale) -> None:
-    """Each context row: attention (full precision, or over the cache for a later chunk), then its write."""
-    h, d = q.shape[1], q.shape[2]
+    """The context rows together, as the PyTorch-backend adapter serves them (``plugins/trtllm/prefill.py``): the
+    first chunks in one padded attention call per group of similar lengths, a later chunk over its cache (one at a
+    time), then every row written by one planned write; a row holding a NaN/Inf is flagged."""
     lens, starts, offs = (x[:n_pre].tolist() for x in (seq_len, input_pos, cu_seqlen))
     bad_before = nonfinite[slots[:n_pre], 0].tolist()
-    for i, (n, start, off) in enumerate(zip(lens, starts, offs)):
-        qi, ki, vi = (x[off : off + n].transpose(0, 1) for x in (q, k, v))  # [H, n, D], [H_kv, n, D]
-        k_s = t.transform_keys(ki[None])[0].to(torch.bfloat16)
-        v_s = t.transform_values(vi[None])[0].to(torch.bfloat16)
-        finite = bool(torch.isfinite(ki).all() and torch.isfinite(vi).all())
+    n = offs[-1] + lens[-1]
+    k_s = t.transform_keys(k[:n].transpose(0, 1)[None])[0].to(torch.bfloat16)  # [H_kv, n, D] stored basis
+    v_s = t.transform_values(v[:n].transpose(0, 1)[None])[0].to(torch.bfloat16)
+    first = [(off, m) for m, start, off in zip(lens, starts, offs) if start == 0]
+    packed_causal_attention(q[:n], k[:n], v[:n], first, scale, out)
+    for i, (m, start, off) in enumerate(zip(lens, starts, offs)):
         if start == 0:
-            o = torch.nn.functional.scaled_dot_product_attention(qi[None], ki[None], vi[None], is_causal=True,
-                                                                 scale=scale, enable_gqa=True)[0]
-        elif bad_before[i]:
-            o = torch.full_like(qi, float("nan"))
-        else:
-            if not getattr(ops, "chunked_prefill", False):
-                raise NotImplementedError("a prompt chunk after cached tokens: the OSCAR cache ops of this deployment "
-                                          "have no kernel for it; turn chunked prefill off")
-            o = t.restore_output(ops.chunk_attention(one_slot(rows, i), qi, k_s, v_s, t)[None])[0]
-        out[off : off + n] = o.transpose(0, 1).reshape(n, h, d).to(out.dtype)
-        if not finite:
-            nonfinite[slots[i]] = 1
-        elif not (start and bad_before[i]):
-            ops.write(rows, i, start, k_s, v_s, t)
+            continue
+        if bad_before[i]:  # the sequence lost a token: nothing of it is read or written
+            out[off : off + m] = float("nan")
+            continue
+        if not getattr(ops, "chunked_prefill", False):
+            raise NotImplementedError("a prompt chunk after cached tokens: the OSCAR cache ops of this deployment "
+                                      "have no kernel for it; turn chunked prefill off")
+        sl = slice(off, off + m)
+        o = ops.chunk_attention(one_slot(rows, i), q[sl].transpose(0, 1), k_s[:, sl], v_s[:, sl], t)
+        out[sl] = t.restore_output(o[None])[0].transpose(0, 1).to(out.dtype)
+    every = reference.plan_writes(ops.layout, [(i, start, m) for i, (m, start) in enumerate(zip(lens, starts))],
+                                  rows.block_table.shape[1], q.device)
+    bad = reference.nonfinite_rows(every, k_s, v_s)  # [n_pre] rows holding a NaN/Inf: flagged, not written
+    nonfinite[slots[:n_pre], 0] = torch.maximum(nonfinite[slots[:n_pre], 0], bad.to(nonfinite.dtype))
+    skip = [bool(x) or bool(start and before) for x, start, before in zip(bad.tolist(), starts, bad_before)]
+    plan = reference.plan_writes(ops.layout, [(None if skip[i] else i, start, m)
+                                              for i, (m, start) in enumerate(zip(lens, starts))],
+                                 rows.block_table.shape[1], q.device)
+    ops.write_planned(rows, plan, k_s, v_s, t)  # one host read for the batch (bad), one write
 
 
 def _decode_rows(rows, ops, t, q, k, v, nonfinite, slots, n_pre, ns, off, step) -> torch.Tensor:
