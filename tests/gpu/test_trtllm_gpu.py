@@ -9,7 +9,7 @@ cache bytes and step status as the JIT ``decode_step.decode_append``, on rows th
 and flagged rows, and returns the same stored-basis queries (the rotation once a step); ``AotCacheOps.decode``
 equals the JIT ``decode_attention`` bit for bit (same Triton, same
 launch plan); and the adapter's whole decode forward as TensorRT-LLM calls it -- an attention layer
-(``Attention.forward`` of tests/plugins/trtllm_standins.py, upstream's path: the packed ``q|k|v`` rows of the
+(``Attention.forward`` of tests/plugins/trtllm_standins/models.py, upstream's path: the packed ``q|k|v`` rows of the
 fused-QKV projection, RoPE applied by the layer, the split, then ``OscarAttention.forward``: the page book's step
 begun, the decode step with the rows outside the batch flagged, decode attention, the commit) -- equals the same
 layer over the JIT kernels bit for bit, and, captured once in a CUDA graph, replays over 40 steps with new tokens

@@ -3,7 +3,7 @@ test_trtllm_deployment.py, test_trtllm_upstream.py): the stand-ins installed und
 a registered deployment (fake bundle, reference cache ops). Their shared setup is in tests/helpers.py.
 
 The OSCAR TensorRT-LLM adapter is tested against stand-ins of TensorRT-LLM under its real module names.
-Stand-ins (``trtllm_standins.py``, whose docstring tables each upstream fact with its file and commit) for the
+Stand-ins (``trtllm_standins/``, whose docstring tables each upstream fact with its file and commit) for the
 1.2 and main layouts, with the signatures recorded in ``trtllm_signatures.json``. The model is built by
 ``AutoModelForCausalLM.from_config`` on a frozen ``ModelConfig``, each layer's ``Attention.forward`` gets the
 packed ``q|k|v`` rows before RoPE, ``KvCacheCreator`` runs the estimation / teardown / rebuild, a spawned

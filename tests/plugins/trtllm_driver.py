@@ -1,7 +1,7 @@
 """Replays of TensorRT-LLM's startup and executor loops over the OSCAR adapter, checked against the reference.
 
 :class:`Driver` starts the served model the way ``create_py_executor`` does, on the stand-ins of
-``trtllm_standins.py``: the model from ``AutoModelForCausalLM.from_config`` (a frozen ``ModelConfig`` with the
+``trtllm_standins/``: the model from ``AutoModelForCausalLM.from_config`` (a frozen ``ModelConfig`` with the
 stock ``TRTLLM`` backend configured), the KV cache manager class from ``get_kv_cache_manager_cls`` inside
 ``KvCacheCreator``, and with ``estimate=True`` the KV-cache estimation: a manager built for the estimation, its
 dummy context requests (``max_num_tokens`` tokens, one generated token each) run through the plain loop, the
