@@ -1,7 +1,6 @@
 # Sourced by the benchmarks/gpu_*.sh scripts (run from the repository root on the GPU machine): checks $OUT, installs
 # the working tree editable, writes $OUT/env.txt (GPU, versions, commit, date, install time) and sets $start, the
 # script's clock, for the stage lines the scripts append to env.txt.
-# (This shared preamble replaced four copies after the scripts last ran on a GPU: not yet run on one itself.)
 set -u
 OUT=${OUT:?set OUT to the output folder}
 mkdir -p "$OUT"

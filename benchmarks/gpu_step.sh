@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/s bash benchmarks/gpu_step.sh kernels   # ~330 s
 #   OUT=/tmp/s bash benchmarks/gpu_step.sh loop      # ~540 s
-#   OUT=/tmp/s bash benchmarks/gpu_step.sh tests     # ~300 s (BOUND=<s>: another bound for the stage)
+#   OUT=/tmp/s bash benchmarks/gpu_step.sh tests     # ~420 s (BOUND=<s>: another bound for the tests stage)
 #
 # kernels:  decode.{json,txt}  bench_decode.py --kernel hopper: the default format (channel keys, mma16 pages, fp32
 #                              queries in the stored basis), 1x8K, 1x32K, 1x128K, 8x32K, 2- and 4-bit keys, SDPA BF16
@@ -16,7 +16,10 @@
 # loop:     e2e.json           bench_e2e.py: the README loop at 1x32K, 1x128K, 8x32K beside BF16 StaticCache, the
 #                              BF16 roofline of each row, and the equal-KV rows (64 GiB of KV on an H200; 48 on a card
 #                              under 100 GiB, where 64 GiB and the weights do not fit)
-# tests:    tests.txt          the GPU suite's decode-step and AOT tests (tests/gpu), the bundle built first
+# tests:    tests.txt          the GPU suite's decode-step and AOT tests (tests/gpu) and the AutoDeploy backend's GPU test,
+#                              the bundle built first
+#           trtllm_step.json   bench_trtllm_step.py: the TensorRT-LLM adapter's layer, prefill batched vs one per forward,
+#                              decode over the scheduled slots
 # env.txt (every mode): GPU, versions, commit, date, each stage's return code and time.
 set -u
 MODE=${1:?usage: gpu_step.sh kernels|loop|tests}
@@ -56,10 +59,13 @@ build('$BUNDLE', archs=('sm_90',), ptx_version=None)  # the PTX ISA this Triton'
   stage bundle $?
   # -v: a run cut by its bound still names every test it finished
   OSCAR_AOT_BUNDLE=$BUNDLE timeout $((${BOUND:-290} - (SECONDS - start))) python3 -m pytest -v -m gpu -p no:cacheprovider \
-    tests/gpu/test_aot_gpu.py tests/gpu/test_trtllm_gpu.py tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_aot_gpu.py tests/gpu/test_trtllm_gpu.py tests/gpu/test_kernels_gpu.py tests/plugins/test_autodeploy.py \
     -k "${TESTS:-not slow}" > "$OUT/tests.txt" 2>&1
   stage tests $?
+  timeout 110 python3 benchmarks/bench_trtllm_step.py --json "$OUT/trtllm_step.json" > "$OUT/trtllm_step.txt" 2>&1
+  stage trtllm_step $?
   grep -cE " PASSED" "$OUT/tests.txt"; grep -E "FAILED|ERROR" "$OUT/tests.txt" | head -20; tail -n 3 "$OUT/tests.txt"
+  tail -n 6 "$OUT/trtllm_step.txt"
   rm -f "$OUT/install.txt"
 fi
 cat "$OUT/env.txt"

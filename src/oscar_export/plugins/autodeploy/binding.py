@@ -22,7 +22,7 @@ class Binding:
     Args:
         deployment: an ``OscarDeployment`` (``plugins/trtllm/deployment.py``): ``layer_layouts``, ``num_heads``,
             ``sm_scale``, ``transform(layer, device)``.
-        ops: the cache ops of each layer (``write``, ``chunk_attention``, ``decode_step``, ``decode``).
+        ops: the cache ops of each layer (``write_planned``, ``chunk_attention``, ``decode_step``, ``decode``).
     """
 
     deployment: Any
