@@ -288,7 +288,7 @@ def test_hf_triton_backend_matches_reference_ops():
     for b, t in enumerate([3000, 700]):
         k, v = torch.randn(8, t, 128, device=DEV), torch.randn(8, t, 128, device=DEV)
         ref.write_tokens(a, b, 0, k, v, lay, tr)
-        ops.write_tokens(layer, g, b, 0, k, v)
+        ops.write_planned(layer, g, ref.plan_writes(lay, [(b, 0, t)], g.block_table.shape[1], DEV), k, v)
         for st in (a, g):
             st.sink_len[b], st.num_pages[b], st.recent_len[b] = lay.split(t)
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):

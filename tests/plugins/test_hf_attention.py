@@ -89,6 +89,31 @@ def test_padded_chunk_strips_pads_per_sequence():
             torch.testing.assert_close(x, y, atol=0, rtol=0)
 
 
+def test_a_batch_of_prompts_is_written_once_a_layer(monkeypatch):
+    """Three prompts in one forward (two long enough for pages, one left-padded): the layer quantizes their pages
+    in one call (before: one call per prompt with pages) and each sequence reads back what it gets alone."""
+    import oscar_export.kernels.reference.writers as writers
+
+    lay = small_layout(2, 32)
+    tr = rotated_transform(2, 32, 7)
+    n, lens = 90, [90, 70, 20]
+    q, k, v = torch.randn(3, 4, n, 32), torch.randn(3, 2, n, 32), torch.randn(3, 2, n, 32)
+    pad = torch.zeros(3, n, dtype=torch.bool)
+    for b, m in enumerate(lens):
+        pad[b, n - m :] = True
+    calls, write_pages = [], writers.write_pages
+    monkeypatch.setattr(writers, "write_pages", lambda *a, **kw: calls.append(len(a[1])) or write_pages(*a, **kw))
+    batch, bl = one_layer(lay, tr, 3, 128)
+    attend(bl, q, k, v, pad, 32**-0.5)
+    assert len(calls) == 1 and batch.sequence_lengths() == lens, calls
+    monkeypatch.undo()
+    for b, m in enumerate(lens):
+        alone, al = one_layer(lay, tr, 1, 128)
+        attend(al, q[b : b + 1, :, n - m :], k[b : b + 1, :, n - m :], v[b : b + 1, :, n - m :], None, 32**-0.5)
+        for x, y in zip(bl.read_sequence(b), al.read_sequence(0)):
+            assert torch.equal(x, y), b
+
+
 def test_attention_rejects_bad_queries_masks_and_indices():
     from oscar_export.plugins.hf.attention import oscar_attention
 

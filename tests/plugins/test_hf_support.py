@@ -571,10 +571,9 @@ def noise_ops() -> CacheOps:
         for codes in (state.k_codes, state.v_codes):
             codes[idx] = torch.randint(0, 256, codes[idx].shape, generator=gen).to(torch.uint8)
 
-    def write_tokens(layer, state, b, start, k_s, v_s):
-        base.write_tokens(layer, state, b, start, k_s, v_s)
-        lay = layer.layout
-        scramble(state, state.block_table[b, lay.pages_for(start) : lay.pages_for(start + k_s.shape[1])].tolist())
+    def write_planned(layer, state, plan, k_s, v_s):
+        base.write_planned(layer, state, plan, k_s, v_s)
+        scramble(state, state.block_table[plan.page_b, plan.page_n].tolist())
 
     def decode_append(layer, state, k, v, q, status):
         lay = layer.layout
@@ -585,7 +584,7 @@ def noise_ops() -> CacheOps:
         scramble(state, [p for b, p in zip(due, pages) if int(status[b]) == 0])
         return q_s
 
-    return CacheOps("noise", write_tokens, decode_append, base.decode_attention, base.chunk_attention)
+    return CacheOps("noise", write_planned, decode_append, base.decode_attention, base.chunk_attention)
 
 
 @pytest.mark.model

@@ -33,7 +33,8 @@ def test_hf_triton_backend_writes_equal_reference(qp, device):
         for n in [t] + [1] * 5 + [7, 9]:  # a prompt, then chunks of 1, 7 and 9 tokens (demotions on the way)
             k, v = torch.randn(2, n, 64), torch.randn(2, n, 64)
             ref.write_tokens(a, b, pos, k, v, lay, tr)
-            ops.write_tokens(layer, g, b, pos, k.to(device), v.to(device))
+            plan = ref.plan_writes(lay, [(b, pos, n)], g.block_table.shape[1], device)
+            ops.write_planned(layer, g, plan, k.to(device), v.to(device))
             pos += n
         assert lay.pages_for(pos) >= 1
     for f in ("sink_k", "sink_v", "recent_k", "recent_v", "k_codes", "k_params", "v_codes", "v_params"):

@@ -11,8 +11,8 @@ forward:
   model step is capturable in one CUDA graph.
 * **prompt** (``T > 1``, or the slots of ``cache.select``; a slot with nothing stored): the real tokens attend
   causally at full precision through ``scaled_dot_product_attention`` in the model dtype (flash /
-  memory-efficient: O(T) memory, no ``[T, T]`` mask), then are written (``ops.write_tokens``: sink, INT2 pages,
-  recent ring).
+  memory-efficient: O(T) memory, no ``[T, T]`` mask), then are written, every row of the forward in one
+  ``ops.write_planned`` (sink, INT2 pages, recent ring; the cache's plan, made once a forward).
 * **chunk** (``T > 1``, a slot that holds tokens): the chunk reads the history as stored and itself causally
   (``ops.chunk_attention``, stored basis, in query blocks), then is written.
 
@@ -159,8 +159,6 @@ def _prompt(layer: OscarLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     for row, (slot, idx, start) in enumerate(zip(plan.slots, plan.real, plan.starts)):
         qr, kr, vr = (x[row : row + 1] if idx is None else x[row : row + 1, :, idx] for x in (q, k, v))
         k_s, v_s = tr.transform_keys(kr)[0], tr.transform_values(vr)[0]  # [H_kv, n, D] fp32 stored basis
-        reference.check_finite(k_s, f"keys of sequence slot {slot} (layer {layer.index})")
-        reference.check_finite(v_s, f"values of sequence slot {slot} (layer {layer.index})")
         if not batched:
             if start == 0:
                 o = causal_sdpa(qr, kr, vr, scale)
@@ -172,9 +170,13 @@ def _prompt(layer: OscarLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 out[row] = o[0].to(out.dtype)
             else:
                 out[row][:, idx] = o[0].to(out.dtype)
-        writes.append((slot, start, k_s, v_s))
-    for slot, start, k_s, v_s in writes:  # every row checked before the first write of this layer
-        ops.write_tokens(layer, layer.state, slot, start, k_s, v_s)
+        writes.append((k_s, v_s))
+    k_all, v_all = (torch.cat([w[i] for w in writes], dim=1) for i in (0, 1))  # packed in row order
+    if not bool(torch.isfinite(k_all).all() & torch.isfinite(v_all).all()):  # before any write; the row named
+        for slot, (k_s, v_s) in zip(plan.slots, writes):
+            reference.check_finite(k_s, f"keys of sequence slot {slot} (layer {layer.index})")
+            reference.check_finite(v_s, f"values of sequence slot {slot} (layer {layer.index})")
+    ops.write_planned(layer, layer.state, plan.writes, k_all, v_all)  # one write for the batch
     if layer.index == cache.num_layers - 1:
         cache.commit_prompt(t)
     return out

@@ -47,9 +47,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache
 
+from oscar_export.kernels import reference
 from oscar_export.kernels.decode import DecodeBackend
 from oscar_export.kernels.layout import KVCacheLayout
 from oscar_export.kernels.pages import PageBook
+from oscar_export.kernels.reference import WritePlan
 
 from .cache_size import check_cache_size
 from .ops import CacheOps, get_ops
@@ -60,12 +62,14 @@ from .sliding import SlidingLayer
 @dataclass
 class PromptPlan:
     """What a ``T > 1`` forward writes, decided on the host by the first layer: for each input row, its slot,
-    the indices of its real (non-pad) tokens among the ``T`` columns (None: all) and its committed length."""
+    the indices of its real (non-pad) tokens among the ``T`` columns (None: all) and its committed length; and where
+    every row's real tokens go, packed in row order (``reference.plan_writes``: every layer's write)."""
 
     slots: list[int]
     real: list[torch.Tensor | None]
     starts: list[int]
     counts: list[int]
+    writes: WritePlan
 
 
 class OscarCache(Cache):
@@ -232,7 +236,9 @@ class OscarCache(Cache):
                     f"sequence slot {s}: {start} + {n} tokens exceed the cache's max_length={self.max_length}"
                 )
         self.book.status.zero_()
-        self.plan = PromptPlan(list(self.active_slots), real, starts, counts)
+        writes = reference.plan_writes(self.layout, zip(self.active_slots, starts, counts), self.book.max_pages,
+                                       self.book.device)
+        self.plan = PromptPlan(list(self.active_slots), real, starts, counts, writes)
         return self.plan
 
     def commit_prompt(self, t: int) -> None:

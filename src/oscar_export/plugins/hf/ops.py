@@ -5,7 +5,8 @@ where ``layer`` (an ``OscarLayer``) carries the layout, the transform on the dev
 precomputed kernel arguments:
 
 =====================  ==========================================================================================
-``write_tokens``       ``(layer, state, b, start, k_s [H_kv, T, D], v_s)``: a prompt / chunk, stored basis (host)
+``write_planned``      ``(layer, state, plan, k_s [H_kv, sum T, D], v_s)``: a forward's prompts / chunks, packed,
+                       stored basis, as ``plan`` (``reference.plan_writes``, the cache's, made once a forward) says
 ``decode_append``      ``(layer, state, k [B, H_kv, D], v, q [B, H, D], status) -> q_s [B, H, D]``: the decode
                        step's write; keys and queries post-RoPE in the model basis, values rotated
                        (``attention.rotate_values``), device only. Returns the step's queries in the stored key
@@ -39,7 +40,7 @@ class CacheOps:
     """One backend's implementation of the four cache ops (signatures in the module doc)."""
 
     name: str
-    write_tokens: Callable
+    write_planned: Callable
     decode_append: Callable
     decode_attention: Callable
     chunk_attention: Callable
@@ -47,8 +48,8 @@ class CacheOps:
     prepare: Callable | None = None
 
 
-def ref_write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch.Tensor) -> None:
-    reference.write_tokens(state, b, start, k_s, v_s, layer.layout, layer.transform)
+def ref_write_planned(layer, state, plan, k_s: torch.Tensor, v_s: torch.Tensor) -> None:
+    reference.write_planned(state, plan, k_s, v_s, layer.layout, layer.transform)
 
 
 def ref_decode_append(layer, state, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
@@ -76,18 +77,18 @@ def ref_chunk_attention(layer, q_s, k_s, v_s, state, scale: float) -> torch.Tens
 
 
 def _torch_ops() -> CacheOps:
-    return CacheOps("torch", ref_write_tokens, ref_decode_append, ref_decode_attention, ref_chunk_attention)
+    return CacheOps("torch", ref_write_planned, ref_decode_append, ref_decode_attention, ref_chunk_attention)
 
 
 def _compiled_ops() -> CacheOps:
-    return CacheOps("torch.compile", ref_write_tokens, torch.compile(ref_decode_append),
+    return CacheOps("torch.compile", ref_write_planned, torch.compile(ref_decode_append),
                     torch.compile(ref_decode_attention), ref_chunk_attention)
 
 
 def _triton_ops() -> CacheOps:
     """The Triton kernels (BF16 windows); ``ImportError`` without Triton. Chunks attend with the reference."""
     triton_backend.require_triton()
-    return CacheOps("triton", triton_backend.write_tokens, triton_backend.decode_append,
+    return CacheOps("triton", triton_backend.write_planned, triton_backend.decode_append,
                     triton_backend.decode_attention, ref_chunk_attention, triton_backend.prepare)
 
 
@@ -109,4 +110,4 @@ def get_ops(backend: str | CacheOps = "torch") -> CacheOps:
 
 
 __all__ = ["BACKENDS", "CacheOps", "get_ops", "ref_chunk_attention", "ref_decode_append", "ref_decode_attention",
-           "ref_write_tokens"]
+           "ref_write_planned"]

@@ -2,7 +2,7 @@
 them into the backend's ``CacheOps``).
 
 =====================  ====================================================================================
-``write_tokens``       ``reference.write_tokens``' bookkeeping with whole pages quantized by
+``write_planned``      ``reference.write_planned``' bookkeeping with whole pages quantized by
                        ``kernels.quant_pack.write_pages`` (bit-exact with the reference quantizer)
 ``decode_append``      ``oscar::decode_append``: one launch (key transform fused unless it is the identity,
                        NaN/Inf check, demotion when due, the token) that also returns the step's queries in the
@@ -38,8 +38,8 @@ def _write(state: PagedKV, page_ids, k: torch.Tensor, v: torch.Tensor, layout: K
                 operand="value")
 
 
-def write_tokens(layer, state, b: int, start: int, k_s: torch.Tensor, v_s: torch.Tensor) -> None:
-    reference.write_tokens(state, b, start, k_s, v_s, layer.layout, layer.transform, write=_write)
+def write_planned(layer, state, plan, k_s: torch.Tensor, v_s: torch.Tensor) -> None:
+    reference.write_planned(state, plan, k_s, v_s, layer.layout, layer.transform, write=_write)
 
 
 def prepare(layer) -> None:
@@ -104,4 +104,4 @@ def require_triton() -> None:
         raise ImportError("backend 'triton' needs Triton: pip install 'oscar-export[triton]'") from e
 
 
-__all__ = ["decode_append", "decode_attention", "prepare", "require_triton", "write_tokens"]
+__all__ = ["decode_append", "decode_attention", "prepare", "require_triton", "write_planned"]
