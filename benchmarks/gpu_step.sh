@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/s bash benchmarks/gpu_step.sh kernels   # ~330 s
 #   OUT=/tmp/s bash benchmarks/gpu_step.sh loop      # ~540 s
-#   OUT=/tmp/s bash benchmarks/gpu_step.sh tests     # ~420 s (BOUND=<s>: another bound for the tests stage)
+#   OUT=/tmp/s bash benchmarks/gpu_step.sh tests     # ~420 s, estimated: never run whole (BOUND=<s>: the tests stage)
 #
 # kernels:  decode.{json,txt}  bench_decode.py --kernel hopper: the default format (channel keys, mma16 pages, fp32
 #                              queries in the stored basis), 1x8K, 1x32K, 1x128K, 8x32K, 2- and 4-bit keys, SDPA BF16

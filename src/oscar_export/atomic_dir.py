@@ -140,25 +140,6 @@ def fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath), directory=True)
 
 
-def write_file_atomic(path: str | Path, data: bytes) -> Path:
-    """Write one file of an output written in place (``eval --out``) whole or not at all: a temporary sibling,
-    fsync, then a rename over ``path``; on any error (a full disk) the temporary is removed and ``path`` is left
-    as it was."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.oscar-partial-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    return path
-
-
 _RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
 _libc = ctypes.CDLL(None, use_errno=True)
 _renameat2 = getattr(_libc, "renameat2", None)
@@ -339,4 +320,4 @@ def atomic_dir(
 
 
 __all__ = ["Interrupted", "OutputChanged", "atomic_dir", "fsync_tree", "is_temporary", "keep_users_entries",
-           "remove_stale", "users_entries", "write_file_atomic"]
+           "remove_stale", "users_entries"]

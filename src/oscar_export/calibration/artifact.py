@@ -20,9 +20,11 @@ re-exported below from their homes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -189,23 +191,27 @@ def values_folded(config: Any) -> bool:
     return False
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` as a whole or not at all: a temporary sibling, fsync, rename over ``path``.
+def write_file_atomic(path: str | Path, data: bytes) -> Path:
+    """Write one file whole or not at all: a temporary sibling (a name no other writer takes), fsync, then a rename
+    over ``path``; on any error (a full disk) the temporary is removed and ``path`` is left as it was.
 
     One file, not ``oscar_export.atomic_dir``'s whole-directory transaction: :meth:`OscarArtifact.save` writes into
     any directory (a test's, a checkpoint's ``oscar/``), where ``atomic_dir`` replaces only an empty directory or
-    its own earlier output; and ``calibration/`` sits below ``oscar_export/`` (docs/design.md §2). The CLI's
+    its own earlier output; the evaluation writes its report files in place (``eval --out``) with it too. The CLI's
     outputs wrap ``save`` in ``atomic_dir``."""
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.oscar-partial-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise
+    return path
 
 
 def write_files(directory: str | Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
@@ -220,9 +226,9 @@ def write_files(directory: str | Path, meta: dict[str, Any], tensors: dict[str, 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     blob = save(tensors, metadata={"format": FORMAT_NAME})
-    _write_atomic(d / TENSOR_FILE, blob)
+    write_file_atomic(d / TENSOR_FILE, blob)
     meta = dict(meta, tensor_sha256=hashlib.sha256(blob).hexdigest())
-    _write_atomic(d / META_FILE, (json.dumps(meta, indent=1, allow_nan=False) + "\n").encode())
+    write_file_atomic(d / META_FILE, (json.dumps(meta, indent=1, allow_nan=False) + "\n").encode())
     try:  # the directory entry itself (both renames) reaches the disk
         fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:
@@ -302,4 +308,5 @@ __all__ = [
     "validate",
     "values_folded",
     "write_files",
+    "write_file_atomic",
 ]

@@ -345,10 +345,11 @@ def merge(old: dict, new: dict) -> dict:
 
 
 def save_figure(fig, path: Path, plt) -> Path:
-    """``fig`` as a PNG at ``path``, written whole or not at all (``atomic_dir.write_file_atomic``), then closed."""
+    """``fig`` as a PNG at ``path``, written whole or not at all (``calibration.artifact.write_file_atomic``), then
+    closed."""
     import io
 
-    from oscar_export.atomic_dir import write_file_atomic
+    from oscar_export.calibration.artifact import write_file_atomic
 
     buf = io.BytesIO()
     try:
@@ -360,7 +361,7 @@ def save_figure(fig, path: Path, plt) -> Path:
 
 def write_all(result: dict, out_dir: str | Path) -> dict[str, Path]:
     """``results.json``, ``results.md`` and the plots in ``out_dir``, each file written whole or not at all."""
-    from oscar_export.atomic_dir import write_file_atomic
+    from oscar_export.calibration.artifact import write_file_atomic
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

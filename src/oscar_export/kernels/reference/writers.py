@@ -89,20 +89,25 @@ def plan_writes(layout: KVCacheLayout, rows, max_pages: int, device) -> WritePla
     if len(set(kept)) != len(kept):
         raise ValueError(f"plan_writes: a sequence is listed twice in {rows}")
     p, s0 = layout.page_size, layout.sink
-    idx: dict[str, list[int]] = {name: [] for name in _PLAN_FIELDS}
+    idx: dict[str, list[torch.Tensor]] = {name: [] for name in _PLAN_FIELDS}
+
+    def put(name: str, start: int, stop: int | None = None, value: int | None = None) -> None:
+        """Append ``start .. stop - 1`` to field ``name`` (or ``start`` copies of ``value``)."""
+        idx[name].append(torch.full((start,), value) if value is not None else torch.arange(start, stop))
+
     total = sum(t for _, _, t in rows)  # page sources: packed token j is j, held token h is total + h
     offset = n_held = 0
     for r, (b, start, t) in enumerate(rows):
-        idx["token_row"] += [r] * t
-        idx["row_b"].append(-1 if b is None else b)
-        idx["row_t"].append(t)
+        put("token_row", t, value=r)
+        put("row_b", 1, value=-1 if b is None else b)
+        put("row_t", 1, value=t)
         if b is None:
             offset += t
             continue
         n_sink = max(0, min(s0 - start, t))
-        idx["sink_b"] += [b] * n_sink
-        idx["sink_pos"] += range(start, start + n_sink)
-        idx["sink_tok"] += range(offset, offset + n_sink)
+        put("sink_b", n_sink, value=b)
+        put("sink_pos", start, start + n_sink)
+        put("sink_tok", offset, offset + n_sink)
         new0 = offset + n_sink  # packed index of the first new token past the sink
         _, pages0, recent0 = layout.split(start)
         _, pages1, _ = layout.split(start + t)
@@ -113,24 +118,24 @@ def plan_writes(layout: KVCacheLayout, rows, max_pages: int, device) -> WritePla
                 raise ValueError(f"write_tokens: sequence {b} needs {pages1} pages, its block table has {max_pages}")
             held = min(recent0, (pages1 - pages0) * p)  # the oldest recent tokens fill the new pages first
             n_new = (pages1 - pages0) * p - held
-            idx["held_b"] += [b] * held
-            idx["held_slot"] += (layout.recent_slot(i) for i in range(first, first + held))
-            idx["page_src"] += range(total + n_held, total + n_held + held)
-            idx["page_src"] += range(new0, new0 + n_new)
-            idx["page_b"] += [b] * (pages1 - pages0)
-            idx["page_n"] += range(pages0, pages1)
+            put("held_b", held, value=b)
+            idx["held_slot"].append(layout.recent_slot(torch.arange(first, first + held)))
+            put("page_src", total + n_held, total + n_held + held)
+            put("page_src", new0, new0 + n_new)
+            put("page_b", pages1 - pages0, value=b)
+            put("page_n", pages0, pages1)
             n_held += held
         stay = t - n_sink - n_new  # new token j has recent index first + recent0 + j
         ring0 = first + recent0 + n_new
-        idx["ring_b"] += [b] * stay
-        idx["ring_slot"] += (layout.recent_slot(i) for i in range(ring0, ring0 + stay))
-        idx["ring_tok"] += range(new0 + n_new, new0 + n_new + stay)
+        put("ring_b", stay, value=b)
+        idx["ring_slot"].append(layout.recent_slot(torch.arange(ring0, ring0 + stay)))
+        put("ring_tok", new0 + n_new, new0 + n_new + stay)
         offset += t
-    sizes = [len(idx[name]) for name in _PLAN_FIELDS]
-    flat = torch.tensor([i for name in _PLAN_FIELDS for i in idx[name]], dtype=torch.long)
+    fields = [torch.cat(idx[name]) if idx[name] else torch.zeros(0, dtype=torch.long) for name in _PLAN_FIELDS]
+    flat = torch.cat(fields).long()
     if torch.device(device).type == "cuda":
         flat = flat.pin_memory()
-    parts = flat.to(device, non_blocking=True).split(sizes)
+    parts = flat.to(device, non_blocking=True).split([f.numel() for f in fields])
     return WritePlan(rows, _geometry(layout), **dict(zip(_PLAN_FIELDS, parts)))
 
 

@@ -127,14 +127,15 @@ def _context_rows(rows, ops, t, q, k, v, out, seq_len, input_pos, cu_seqlen, non
         sl = slice(off, off + m)
         o = ops.chunk_attention(one_slot(rows, i), q[sl].transpose(0, 1), k_s[:, sl], v_s[:, sl], t)
         out[sl] = t.restore_output(o[None])[0].transpose(0, 1).to(out.dtype)
-    every = reference.plan_writes(ops.layout, [(i, start, m) for i, (m, start) in enumerate(zip(lens, starts))],
-                                  rows.block_table.shape[1], q.device)
-    bad = reference.nonfinite_rows(every, k_s, v_s)  # [n_pre] rows holding a NaN/Inf: flagged, not written
+    width = rows.block_table.shape[1]
+    plan = reference.plan_writes(ops.layout, [(i, start, m) for i, (m, start) in enumerate(zip(lens, starts))], width,
+                                 q.device)
+    bad = reference.nonfinite_rows(plan, k_s, v_s)  # [n_pre] rows holding a NaN/Inf: flagged, not written
     nonfinite[slots[:n_pre], 0] = torch.maximum(nonfinite[slots[:n_pre], 0], bad.to(nonfinite.dtype))
     skip = [bool(x) or bool(start and before) for x, start, before in zip(bad.tolist(), starts, bad_before)]
-    plan = reference.plan_writes(ops.layout, [(None if skip[i] else i, start, m)
-                                              for i, (m, start) in enumerate(zip(lens, starts))],
-                                 rows.block_table.shape[1], q.device)
+    if any(skip):  # rare: a row with a NaN/Inf, or a chunk of a flagged sequence
+        plan = reference.plan_writes(ops.layout, [(None if skip[i] else i, start, m)
+                                                  for i, (m, start) in enumerate(zip(lens, starts))], width, q.device)
     ops.write_planned(rows, plan, k_s, v_s, t)  # one host read for the batch (bad), one write
 
 
